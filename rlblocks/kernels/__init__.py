@@ -1,0 +1,1 @@
+"""rlblocks.kernels (being written)."""

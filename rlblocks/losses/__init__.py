@@ -1,0 +1,1 @@
+"""rlblocks.losses (being written)."""

@@ -1,0 +1,149 @@
+"""Types shared by every rollout engine: sampling parameters, requests, generations, and the engine protocol.
+
+Conventions
+-----------
+- ``output_logprobs[i]`` is ``log p(output_ids[i] | prefix)`` under the **sampling distribution actually used**:
+  logits divided by ``temperature``, then restricted by top-k and top-p and renormalised ("processed" logprobs,
+  vLLM's ``logprobs_mode="processed_logprobs"``). With temperature 1 and no top-k/top-p this is the model's
+  log-softmax. The values are fp32 numbers (stored as Python floats that are exactly representable in fp32).
+- ``output_versions[i]`` is the policy (weight) version that produced token ``i``. A generation interrupted by a
+  weight update carries several versions; :meth:`Generation.version_spans` lists them.
+- ``finish_reason``: ``"stop"`` (a stop token was sampled; it is included in ``output_ids``), ``"length"``
+  (``max_new_tokens`` reached) or ``"abort"`` (interrupted; the partial output is kept, never dropped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+FinishReason = Literal["stop", "length", "abort"]
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings.
+
+    ``top_k <= 0`` and ``top_p == 1.0`` disable those filters. ``temperature == 0`` means greedy decoding; its
+    logprobs are then those of the untempered distribution (temperature 1), as in vLLM.
+    ``seed`` makes sampling reproducible per request where the engine supports it.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature: expected >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p: expected a value in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int):
+            raise ValueError(f"top_k: expected an int (<= 0 disables it), got {self.top_k!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens: expected an int >= 0, got {self.max_new_tokens!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt to complete. ``session_id`` groups requests that should land on the same engine (prefix cache)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    session_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request_id: expected a non-empty str, got {self.request_id!r}")
+        self.prompt_ids = [int(t) for t in self.prompt_ids]
+        if len(self.prompt_ids) == 0:
+            raise ValueError("prompt_ids: expected at least one token, got an empty list")
+
+
+@dataclass
+class Generation:
+    """The result of one request. Invariant: ``len(output_ids) == len(output_logprobs) == len(output_versions)``."""
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[int] = field(default_factory=list)
+    finish_reason: FinishReason = "length"
+
+    def __post_init__(self) -> None:
+        n = len(self.output_ids)
+        if len(self.output_logprobs) != n or len(self.output_versions) != n:
+            raise ValueError(
+                "Generation: output_ids, output_logprobs and output_versions must have one entry per token, got "
+                f"{n}, {len(self.output_logprobs)} and {len(self.output_versions)}"
+            )
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason: expected one of {FINISH_REASONS}, got {self.finish_reason!r}")
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    def logprobs_tensor(self) -> Tensor:
+        """``output_logprobs`` as a float32 tensor ``[num_output_tokens]``."""
+        return torch.tensor(self.output_logprobs, dtype=torch.float32)
+
+    def versions_tensor(self) -> Tensor:
+        """``output_versions`` as an int64 tensor ``[num_output_tokens]``."""
+        return torch.tensor(self.output_versions, dtype=torch.int64)
+
+    def version_spans(self) -> list[tuple[int, int, int]]:
+        """Runs of equal version as ``(version, start, end)`` over output positions, ``end`` exclusive."""
+        spans: list[tuple[int, int, int]] = []
+        for i, v in enumerate(self.output_versions):
+            if spans and spans[-1][0] == v:
+                spans[-1] = (v, spans[-1][1], i + 1)
+            else:
+                spans.append((v, i, i + 1))
+        return spans
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What every engine implements (TorchEngine, VLLMEngine, SGLangEngine, Router).
+
+    Weight updates follow *quiesce, swap, commit, resume*: ``update_weights`` runs only while the engine is paused
+    (it pauses itself otherwise, and resumes afterwards if it did), loads every tensor, invalidates prefix/KV caches
+    computed under the old weights, and only then makes ``version`` visible.
+    """
+
+    @property
+    def version(self) -> int: ...
+
+    async def generate(self, request: GenerationRequest) -> Generation:
+        """Complete one request. An aborted request returns its partial output with ``finish_reason="abort"``."""
+        ...
+
+    async def abort(self, request_ids: Iterable[str] | None = None) -> list[str]:
+        """Abort the named in-flight requests (``None``: all). Returns the ids actually aborted. Never raises for
+        an id that is not in flight: such an id is simply absent from the returned list (documented no-op)."""
+        ...
+
+    async def pause(self, mode: Literal["abort", "keep"] = "abort") -> None:
+        """Stop generating. ``abort``: in-flight requests return their partial output (``finish_reason="abort"``).
+        ``keep``: in-flight requests are frozen and continue after :meth:`resume`. New requests wait for resume."""
+        ...
+
+    async def resume(self) -> None: ...
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, version: int) -> None: ...
+
+    async def sleep(self) -> None: ...
+
+    async def wake(self) -> None: ...

@@ -1,0 +1,1 @@
+"""rlblocks.sched (being written)."""
