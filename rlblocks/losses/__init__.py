@@ -1,1 +1,65 @@
-"""rlblocks.losses (being written)."""
+"""rlblocks.losses: advantages, policy losses, KL, aggregation, mismatch correction and masks.
+
+Pure, typed functions on ``[B, T]`` tensors with a mask (conventions in each module's docstring): per-token losses
+plus 0-dim metrics, aggregation with explicit global normalisers, fp32 accumulation, NaN-safe padding, no host
+syncs (every function compiles with ``torch.compile(fullgraph=True)``).
+"""
+
+from rlblocks.losses.advantages import (
+    discounted_returns,
+    gae,
+    gdpo_advantages,
+    grpo_advantages,
+    opo_advantages,
+    passk_advantages,
+    reinforce_pp_baseline_advantages,
+    remax_advantages,
+    rloo_advantages,
+    whiten,
+)
+from rlblocks.losses.aggregation import AGG_MODES, aggregate
+from rlblocks.losses.correction import mismatch_metrics, rollout_correction
+from rlblocks.losses.kl import AdaptiveKLController, FixedKLController, kl_estimate
+from rlblocks.losses.masks import off_policy_sequence_mask, overlong_penalty, top_entropy_mask, zero_variance_groups
+from rlblocks.losses.policy import (
+    cispo_loss,
+    decoupled_ppo_loss,
+    gmpo_loss,
+    gspo_loss,
+    pg_loss,
+    ppo_clip_loss,
+    sapo_loss,
+    value_loss,
+)
+
+__all__ = [
+    "AGG_MODES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "aggregate",
+    "cispo_loss",
+    "decoupled_ppo_loss",
+    "discounted_returns",
+    "gae",
+    "gdpo_advantages",
+    "gmpo_loss",
+    "grpo_advantages",
+    "gspo_loss",
+    "kl_estimate",
+    "mismatch_metrics",
+    "off_policy_sequence_mask",
+    "opo_advantages",
+    "overlong_penalty",
+    "passk_advantages",
+    "pg_loss",
+    "ppo_clip_loss",
+    "reinforce_pp_baseline_advantages",
+    "remax_advantages",
+    "rloo_advantages",
+    "rollout_correction",
+    "sapo_loss",
+    "top_entropy_mask",
+    "value_loss",
+    "whiten",
+    "zero_variance_groups",
+]

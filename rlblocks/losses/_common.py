@@ -1,0 +1,131 @@
+"""Helpers shared by the loss modules: input checks, dtype promotion, sanitising of padded positions.
+
+Nothing here reads tensor values on the host, so every helper is safe under ``torch.compile(fullgraph=True)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from rlblocks._validate import as_bool_mask, check_floating, check_ndim, check_same_shape, shape_str
+
+LOG_RATIO_CLAMP = 20.0
+"""Log-ratios are clamped to ``[-20, 20]`` before ``exp`` (e^20 ≈ 4.9e8 stays finite in fp32 and bf16)."""
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """fp32 for half/bf16/fp32 inputs, fp64 for fp64 inputs (so that ``gradcheck`` in float64 stays exact)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(repr(c) for c in choices)}, got {value!r}")
+
+
+def check_number(
+    name: str,
+    value: object,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+) -> float:
+    """Validate a Python scalar hyper-parameter and return it as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: expected a Python number, got {type(value).__name__}")
+    v = float(value)
+    if v != v:
+        raise ValueError(f"{name}: expected a number, got nan")
+    if ge is not None and not v >= ge:
+        raise ValueError(f"{name}: expected a value >= {ge}, got {v}")
+    if gt is not None and not v > gt:
+        raise ValueError(f"{name}: expected a value > {gt}, got {v}")
+    if le is not None and not v <= le:
+        raise ValueError(f"{name}: expected a value <= {le}, got {v}")
+    if lt is not None and not v < lt:
+        raise ValueError(f"{name}: expected a value < {lt}, got {v}")
+    return v
+
+
+def check_token_pair(
+    name_a: str, a: Tensor, name_b: str, b: Tensor, mask: Tensor, *, mask_name: str = "mask"
+) -> Bool[Tensor, "B T"]:
+    """Check two floating ``[B, T]`` tensors of equal shape and a matching mask; return the mask as bool."""
+    check_floating(name_a, a)
+    check_ndim(name_a, a, 2, "[B, T]")
+    check_floating(name_b, b)
+    check_same_shape(name_a, a, name_b, b)
+    return as_bool_mask(mask, a, name=mask_name, like_name=name_a)
+
+
+def broadcast_advantages(
+    advantages: Tensor, like: Tensor, mask: Bool[Tensor, "B T"], *, name: str = "advantages", like_name: str = "logp"
+) -> Float[Tensor, "B T"]:
+    """Accept ``[B, T]`` or ``[B]`` advantages; return ``[B, T]`` in the compute dtype, zero at masked positions."""
+    check_floating(name, advantages)
+    if advantages.dim() == 1:
+        if advantages.shape[0] != like.shape[0]:
+            raise ValueError(
+                f"{name}: expected shape [B] = [{like.shape[0]}] or [B, T] = {shape_str(like)} "
+                f"(from {like_name} {shape_str(like)}), got {shape_str(advantages)}"
+            )
+        advantages = advantages[:, None].expand(like.shape)
+    elif advantages.shape != like.shape:
+        raise ValueError(
+            f"{name}: expected shape [B] = [{like.shape[0]}] or [B, T] = {shape_str(like)} "
+            f"(from {like_name} {shape_str(like)}), got {shape_str(advantages)}"
+        )
+    return safe(advantages, mask, compute_dtype(like))
+
+
+def safe(x: Tensor, mask: Bool[Tensor, "..."], dtype: torch.dtype) -> Tensor:
+    """``x`` cast to ``dtype`` with masked positions replaced by 0.
+
+    ``torch.where`` (never ``x * mask``) keeps NaN/inf in padding out of the value, and its backward routes an exact
+    zero to the masked positions, so those never reach the gradient either.
+    """
+    return torch.where(mask, x.to(dtype), torch.zeros((), dtype=dtype, device=x.device))
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    if dim is None:
+        return torch.where(mask, x, zero).sum()
+    return torch.where(mask, x, zero).sum(dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Masked mean; 0 (never NaN) where there is no valid element."""
+    n = mask.sum() if dim is None else mask.sum(dim)
+    return masked_sum(x, mask, dim) / n.clamp(min=1).to(x.dtype)
+
+
+def seq_lengths(mask: Bool[Tensor, "B T"]) -> Int[Tensor, " B"]:
+    return mask.sum(-1)
+
+
+def check_group_inputs(
+    rewards: Tensor, group_ids: Tensor, *, rewards_name: str = "rewards", ndim: int = 1
+) -> tuple[Tensor, Tensor]:
+    """Check ``rewards [n]`` (or ``[n, F]`` when ``ndim == 2``) and integer ``group_ids [n]``."""
+    layout = "[n]" if ndim == 1 else "[n, F]"
+    if not isinstance(rewards, Tensor):
+        raise ValueError(f"{rewards_name}: expected a torch.Tensor, got {type(rewards).__name__}")
+    if rewards.dtype.is_complex:
+        raise ValueError(f"{rewards_name}: expected a real tensor, got dtype {rewards.dtype}")
+    check_ndim(rewards_name, rewards, ndim, layout)
+    if not isinstance(group_ids, Tensor):
+        raise ValueError(f"group_ids: expected a torch.Tensor, got {type(group_ids).__name__}")
+    if group_ids.is_floating_point() or group_ids.dtype.is_complex or group_ids.dtype == torch.bool:
+        raise ValueError(f"group_ids: expected an integer tensor, got dtype {group_ids.dtype}")
+    check_ndim("group_ids", group_ids, 1, "[n]")
+    if group_ids.shape[0] != rewards.shape[0]:
+        raise ValueError(
+            f"group_ids: expected length n = {rewards.shape[0]} (from {rewards_name} {shape_str(rewards)}), "
+            f"got {shape_str(group_ids)}"
+        )
+    return rewards, group_ids

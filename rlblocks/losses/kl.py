@@ -1,0 +1,92 @@
+"""KL estimators of KL(π ‖ π_ref) from samples of π, and KL-coefficient controllers.
+
+``l = logp − ref_logp`` per token (Schulman's estimators, with ``ratio = π_ref/π = e^{−l}``):
+
+- ``k1 = l`` (unbiased, high variance, can be negative);
+- ``k2 = l²/2`` (biased, low variance; its gradient ``l·∇logp`` is the gradient of the true reverse KL in expectation);
+- ``k3 = e^{−l} − 1 + l`` (unbiased, non-negative); known values l=+1 → 0.3679, l=−1 → 0.7183;
+- ``abs = |l|``;
+- ``low_var_kl`` = k3 with l clamped to ±20 and the result clamped to [−10, 10] (verl).
+"""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from rlblocks._validate import check_floating, check_same_shape
+from rlblocks.losses._common import LOG_RATIO_CLAMP, check_choice, check_number, compute_dtype
+
+__all__ = ["AdaptiveKLController", "FixedKLController", "kl_estimate"]
+
+KL_KINDS = ("k1", "k2", "k3", "abs", "low_var_kl")
+
+
+def kl_estimate(
+    logp: Float[Tensor, "*shape"],
+    ref_logp: Float[Tensor, "*shape"],
+    *,
+    kind: str = "k3",
+    straight_through: bool = False,
+) -> Float[Tensor, "*shape"]:
+    """Per-token estimate of KL(π‖π_ref) with ``l = logp − ref_logp``; any matching shapes (usually ``[B, T]``).
+
+    ``kind`` is one of ``"k1" | "k2" | "k3" | "abs" | "low_var_kl"`` (formulas in the module docstring). In k3 the
+    exponent is clamped (``e^{−clamp(l, −20, 20)}``) so the value stays finite. ``straight_through=True`` returns
+    the value of ``kind`` with the gradient of k2 (verl's ``k3+``): ``sg(k) + k2 − sg(k2)``.
+    No mask argument: the result has the input's shape; reduce it with ``aggregate`` (which ignores padding, even
+    NaN). Computed in float32 (float64 for float64 inputs).
+    """
+    check_floating("logp", logp)
+    check_floating("ref_logp", ref_logp)
+    check_same_shape("logp", logp, "ref_logp", ref_logp)
+    check_choice("kind", kind, KL_KINDS)
+    dt = compute_dtype(logp)
+    lr = logp.to(dt) - ref_logp.to(dt).detach()
+    if kind == "k1":
+        k = lr
+    elif kind == "k2":
+        k = 0.5 * lr * lr
+    elif kind == "abs":
+        k = lr.abs()
+    else:
+        lc = lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        k = torch.expm1(-lc) + lr if kind == "k3" else (torch.expm1(-lc) + lc).clamp(-10.0, 10.0)
+    if straight_through:
+        k2 = 0.5 * lr * lr
+        k = k.detach() + (k2 - k2.detach())
+    return k
+
+
+class FixedKLController:
+    """Constant KL coefficient. ``update`` accepts the same arguments as the adaptive one and does nothing."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = check_number("kl_coef", kl_coef, ge=0.0)
+
+    def update(self, current_kl: float | Tensor, n_steps: int) -> float:
+        return self.value
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient (Ziegler et al. 2019, the PPO-for-LMs target/horizon rule).
+
+    ``error = clip(current_kl / target − 1, −0.2, 0.2)``; ``value *= 1 + error·n_steps / horizon``.
+    Holds Python state: ``update`` converts a tensor ``current_kl`` to a float (one host sync, once per step,
+    outside the loss).
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float) -> None:
+        self.value = check_number("init_kl_coef", init_kl_coef, ge=0.0)
+        self.target = check_number("target", target, gt=0.0)
+        self.horizon = check_number("horizon", horizon, gt=0.0)
+
+    def update(self, current_kl: float | Tensor, n_steps: int) -> float:
+        kl = float(current_kl.detach().float().item()) if isinstance(current_kl, Tensor) else float(current_kl)
+        check_number("current_kl", kl)
+        if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 0:
+            raise ValueError(f"n_steps: expected a non-negative int, got {n_steps!r}")
+        error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+        return self.value
