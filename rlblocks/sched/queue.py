@@ -1,0 +1,449 @@
+"""A staleness-bounded queue between rollout producers and the trainer: oldest first, never drops silently.
+
+Every item carries the policy ``version`` that produced it (for a generation spanning several versions, pass the
+OLDEST one, ``min(output_versions)``). A consumer training policy version ``current_version`` takes items with
+``age = current_version - version <= max_staleness`` only; the check is done when the batch is taken (admission
+control alone does not bound age at consumption). Items found too old are *stale*: handed to ``on_stale(item,
+version)`` or kept for :meth:`StalenessQueue.drain_stale`, and always counted. A full queue makes :meth:`put` block
+or raise; it never evicts.
+
+Accounting invariant (checked by the tests): ``put == returned + stale + len(queue)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import queue as _stdlib_queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+
+class QueueFull(_stdlib_queue.Full):
+    """``put`` could not insert because the queue is at capacity (non-blocking put, or the timeout expired)."""
+
+
+class QueueClosed(RuntimeError):
+    """``put`` on a closed queue."""
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def _check_timeout(timeout: float | None) -> float | None:
+    if timeout is not None and not (timeout >= 0):
+        raise ValueError(f"timeout: expected None or a number >= 0, got {timeout!r}")
+    return timeout
+
+
+class StalenessQueue:
+    """Thread-safe priority queue ordered by ``(version, arrival)`` that returns only fresh items.
+
+    Args:
+        max_staleness: ``eta >= 0``; an item is fresh for ``current_version`` iff ``current_version - version <= eta``.
+        capacity: maximum number of queued items (``None``: unbounded). Stale items held for :meth:`drain_stale`
+            do not count against it.
+        on_stale: ``on_stale(item, version)`` is called (outside the lock, in the consuming thread) for each item
+            found stale. Without it stale items are kept for :meth:`drain_stale`.
+
+    Blocking methods (:meth:`put`, :meth:`get_batch`) use a ``threading.Condition``; the coroutine versions
+    (:meth:`aput`, :meth:`aget_batch`) never block the event loop: they check under the lock and otherwise await a
+    future that producers/consumers in any thread resolve. Taking items is atomic with respect to cancellation, so
+    a cancelled ``aget_batch`` loses nothing.
+
+    After :meth:`close`, ``put`` raises :class:`QueueClosed` and ``get_batch`` returns at once with whatever fresh
+    items remain (``[]`` once empty); all waiters are woken.
+
+    Checkpointing: :meth:`state_dict` holds the queued and stale-pending items themselves (by reference, not
+    copied), so they must be picklable for ``torch.save`` / ``pickle``. Item ages in seconds are saved relative to
+    the save time, so wait-time statistics survive a restart.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_staleness: int,
+        capacity: int | None = None,
+        on_stale: Callable[[Any, int], None] | None = None,
+    ) -> None:
+        self.max_staleness = _check_int("max_staleness", max_staleness, minimum=0)
+        self.capacity = None if capacity is None else _check_int("capacity", capacity, minimum=1)
+        if on_stale is not None and not callable(on_stale):
+            raise ValueError(f"on_stale: expected a callable(item, version) or None, got {on_stale!r}")
+        self.on_stale = on_stale
+        self._lock = threading.Lock()
+        self._not_empty = threading.Condition(self._lock)
+        self._not_full = threading.Condition(self._lock)
+        self._heap: list[tuple[int, int, float, Any]] = []  # (version, seq, t_put, item)
+        self._seq = itertools.count()
+        self._stale_pending: list[tuple[Any, int]] = []
+        self._async_waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = set()
+        self._getters = 0
+        self._putters = 0
+        self._closed = False
+        self._reset_counters()
+
+    def _reset_counters(self) -> None:
+        self._n_put = 0
+        self._n_returned = 0
+        self._n_stale = 0
+        self._n_drained = 0
+        self._age_hist: Counter[int] = Counter()
+        self._stale_age_hist: Counter[int] = Counter()
+        self._wait_total = 0.0
+        self._get_block_total = 0.0
+        self._put_block_total = 0.0
+
+    # ------------------------------------------------------------------ helpers (lock held)
+    def _wake_async_locked(self) -> None:
+        if not self._async_waiters:
+            return
+        waiters, self._async_waiters = self._async_waiters, set()
+        for loop, fut in waiters:
+            try:
+                loop.call_soon_threadsafe(_resolve, fut)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                pass
+
+    def _notify_put_locked(self) -> None:
+        if self._getters:
+            self._not_empty.notify_all()
+        self._wake_async_locked()
+
+    def _notify_taken_locked(self) -> None:
+        if self._putters:
+            self._not_full.notify_all()
+        self._wake_async_locked()
+
+    def _full_locked(self) -> bool:
+        return self.capacity is not None and len(self._heap) >= self.capacity
+
+    def _push_locked(self, item: Any, version: int) -> None:
+        heapq.heappush(self._heap, (version, next(self._seq), time.monotonic(), item))
+        self._n_put += 1
+        self._notify_put_locked()
+
+    def _purge_locked(self, current_version: int) -> list[tuple[Any, int]]:
+        """Pop every stale item (they sit at the top: the heap is ordered by version). Returns them."""
+        heap, limit = self._heap, current_version - self.max_staleness
+        stale: list[tuple[Any, int]] = []
+        while heap and heap[0][0] < limit:
+            version, _, _, item = heapq.heappop(heap)
+            stale.append((item, version))
+            self._stale_age_hist[current_version - version] += 1
+        if stale:
+            self._n_stale += len(stale)
+            if self.on_stale is None:
+                self._stale_pending.extend(stale)
+            self._notify_taken_locked()
+        return stale
+
+    def _take_locked(self, n: int) -> list[tuple[int, int, float, Any]]:
+        heap = self._heap
+        taken = [heapq.heappop(heap) for _ in range(min(n, len(heap)))]
+        if taken:
+            self._notify_taken_locked()
+        return taken
+
+    def _account_locked(self, taken: list[tuple[int, int, float, Any]], current_version: int) -> list[Any]:
+        now = time.monotonic()
+        self._n_returned += len(taken)
+        hist = self._age_hist
+        wait = 0.0
+        for version, _, t_put, _ in taken:
+            hist[current_version - version] += 1
+            wait += now - t_put
+        self._wait_total += wait
+        return [entry[3] for entry in taken]
+
+    def _deliver_stale(self, stale: list[tuple[Any, int]], taken: list[tuple[int, int, float, Any]]) -> None:
+        """Call ``on_stale`` outside the lock. If it raises, the undelivered stale items go to the drain list and
+        the batch taken in the same call is put back (same order), so nothing is lost; then the error propagates."""
+        if not stale or self.on_stale is None:
+            return
+        for i, (item, version) in enumerate(stale):
+            try:
+                self.on_stale(item, version)
+            except BaseException:
+                with self._lock:
+                    self._stale_pending.extend(stale[i:])
+                    for entry in taken:
+                        heapq.heappush(self._heap, entry)
+                    if taken:
+                        self._notify_put_locked()
+                raise
+
+    # ------------------------------------------------------------------ producer side
+    def put(self, item: Any, version: int, *, block: bool = True, timeout: float | None = None) -> None:
+        """Insert ``item`` produced by policy ``version``.
+
+        When the queue is full: ``block=False`` raises :class:`QueueFull` at once; otherwise wait up to ``timeout``
+        seconds (``None``: forever) for room, then raise :class:`QueueFull`. Raises :class:`QueueClosed` after
+        :meth:`close`. The item is never dropped: on any exception it was not inserted.
+        """
+        version = _check_int("version", version, minimum=0)
+        timeout = _check_timeout(timeout)
+        with self._lock:
+            if self._closed:
+                raise QueueClosed("put: the queue is closed")
+            if self._full_locked():
+                if not block:
+                    raise QueueFull(f"put: the queue is full (capacity={self.capacity})")
+                t0 = time.monotonic()
+                deadline = None if timeout is None else t0 + timeout
+                self._putters += 1
+                try:
+                    while self._full_locked() and not self._closed:
+                        remaining = None if deadline is None else deadline - time.monotonic()
+                        if remaining is not None and remaining <= 0:
+                            break
+                        self._not_full.wait(remaining)
+                finally:
+                    self._putters -= 1
+                    self._put_block_total += time.monotonic() - t0
+                if self._closed:
+                    raise QueueClosed("put: the queue was closed while waiting for room")
+                if self._full_locked():
+                    raise QueueFull(f"put: still full after {timeout} s (capacity={self.capacity})")
+            self._push_locked(item, version)
+
+    async def aput(self, item: Any, version: int, *, timeout: float | None = None) -> None:
+        """Coroutine :meth:`put` that waits for room without blocking the event loop."""
+        version = _check_int("version", version, minimum=0)
+        timeout = _check_timeout(timeout)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise QueueClosed("aput: the queue is closed")
+                if not self._full_locked():
+                    self._push_locked(item, version)
+                    return
+                fut = loop.create_future()
+                waiter = (loop, fut)
+                self._async_waiters.add(waiter)
+            if not await self._await_waiter(waiter, deadline, loop):
+                with self._lock:
+                    if not self._full_locked() and not self._closed:
+                        self._push_locked(item, version)
+                        return
+                raise QueueFull(f"aput: still full after {timeout} s (capacity={self.capacity})")
+
+    # ------------------------------------------------------------------ consumer side
+    def get_batch(self, n: int, *, current_version: int, timeout: float | None = None) -> list[Any]:
+        """Up to ``n`` fresh items, oldest first (by version, then arrival).
+
+        Stale items at the head are moved out first (``on_stale`` or the drain list). Waits until ``n`` fresh items
+        are queued, the queue is closed, or ``timeout`` seconds pass (``None``: no limit; ``0``: do not wait), then
+        returns what there is — possibly fewer than ``n``, possibly ``[]``.
+        """
+        n = _check_int("n", n, minimum=1)
+        current_version = _check_int("current_version", current_version, minimum=0)
+        timeout = _check_timeout(timeout)
+        with self._lock:
+            stale = self._purge_locked(current_version)
+            if len(self._heap) < n and not self._closed and timeout != 0:
+                t0 = time.monotonic()
+                deadline = None if timeout is None else t0 + timeout
+                self._getters += 1
+                try:
+                    while True:
+                        stale += self._purge_locked(current_version)
+                        if len(self._heap) >= n or self._closed:
+                            break
+                        remaining = None if deadline is None else deadline - time.monotonic()
+                        if remaining is not None and remaining <= 0:
+                            break
+                        self._not_empty.wait(remaining)
+                finally:
+                    self._getters -= 1
+                    self._get_block_total += time.monotonic() - t0
+            taken = self._take_locked(n)
+            items = self._account_locked(taken, current_version)
+        self._deliver_stale(stale, taken)
+        return items
+
+    async def aget_batch(self, n: int, *, current_version: int, timeout: float | None = None) -> list[Any]:
+        """Coroutine :meth:`get_batch`; waits on the event loop, never in a thread. Cancellation loses nothing."""
+        n = _check_int("n", n, minimum=1)
+        current_version = _check_int("current_version", current_version, minimum=0)
+        timeout = _check_timeout(timeout)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        deadline = None if timeout is None else t0 + timeout
+        stale: list[tuple[Any, int]] = []
+        taken: list[tuple[int, int, float, Any]] | None = None
+        try:
+            while True:
+                with self._lock:
+                    stale += self._purge_locked(current_version)
+                    expired = deadline is not None and loop.time() >= deadline
+                    if len(self._heap) >= n or self._closed or expired:
+                        taken = self._take_locked(n)
+                        items = self._account_locked(taken, current_version)
+                        self._get_block_total += loop.time() - t0
+                        break
+                    fut = loop.create_future()
+                    waiter = (loop, fut)
+                    self._async_waiters.add(waiter)
+                await self._await_waiter(waiter, deadline, loop)
+        finally:
+            if taken is None:
+                # Cancelled or failed while waiting: nothing was taken; stale items popped so far still reach
+                # on_stale (without a callback they are already in the drain list).
+                self._deliver_stale(stale, [])
+        self._deliver_stale(stale, taken)
+        return items
+
+    async def _await_waiter(self, waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future], deadline, loop) -> bool:
+        """Wait for ``waiter`` to be resolved; False on timeout. Always deregisters it."""
+        fut = waiter[1]
+        try:
+            if deadline is None:
+                await fut
+                return True
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            done, _ = await asyncio.wait({fut}, timeout=remaining)
+            return bool(done)
+        finally:
+            with self._lock:
+                self._async_waiters.discard(waiter)
+            if not fut.done():
+                fut.cancel()
+
+    def purge_stale(self, current_version: int) -> int:
+        """Move every item stale at ``current_version`` out of the queue now (frees room). Returns how many."""
+        current_version = _check_int("current_version", current_version, minimum=0)
+        with self._lock:
+            stale = self._purge_locked(current_version)
+        self._deliver_stale(stale, [])
+        return len(stale)
+
+    def drain_stale(self) -> list[tuple[Any, int]]:
+        """Stale ``(item, version)`` pairs kept because no ``on_stale`` callback was given, oldest first."""
+        with self._lock:
+            out, self._stale_pending = self._stale_pending, []
+            self._n_drained += len(out)
+            return out
+
+    # ------------------------------------------------------------------ lifecycle and introspection
+    def close(self) -> None:
+        """Refuse further puts and wake every waiter (threads and coroutines)."""
+        with self._lock:
+            self._closed = True
+            self._not_empty.notify_all()
+            self._not_full.notify_all()
+            self._wake_async_locked()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._heap)
+
+    def stats(self) -> dict[str, Any]:
+        """Counts and timings.
+
+        ``put``, ``returned``, ``stale`` (ever found stale), ``stale_pending`` (awaiting :meth:`drain_stale`),
+        ``drained``, ``queued``; ``age_histogram`` ``{age: count}`` of returned items at consumption,
+        ``stale_age_histogram`` likewise for stale ones; ``wait_time_total_s`` / ``wait_time_mean_s``: time returned
+        items spent queued (put to get); ``get_blocked_s`` / ``put_blocked_s``: time consumers / producers waited.
+        Invariant: ``put == returned + stale + queued``.
+        """
+        with self._lock:
+            return {
+                "put": self._n_put,
+                "returned": self._n_returned,
+                "stale": self._n_stale,
+                "stale_pending": len(self._stale_pending),
+                "drained": self._n_drained,
+                "queued": len(self._heap),
+                "oldest_queued_version": self._heap[0][0] if self._heap else None,
+                "age_histogram": dict(sorted(self._age_hist.items())),
+                "stale_age_histogram": dict(sorted(self._stale_age_hist.items())),
+                "wait_time_total_s": self._wait_total,
+                "wait_time_mean_s": self._wait_total / self._n_returned if self._n_returned else 0.0,
+                "get_blocked_s": self._get_block_total,
+                "put_blocked_s": self._put_block_total,
+                "closed": self._closed,
+            }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Queued items (oldest first) with their versions and queued seconds, stale-pending items, counters."""
+        with self._lock:
+            now = time.monotonic()
+            return {
+                "max_staleness": self.max_staleness,
+                "items": [(item, version, now - t_put) for version, _, t_put, item in sorted(self._heap)],
+                "stale_pending": list(self._stale_pending),
+                "counters": {
+                    "put": self._n_put,
+                    "returned": self._n_returned,
+                    "stale": self._n_stale,
+                    "drained": self._n_drained,
+                    "age_histogram": dict(self._age_hist),
+                    "stale_age_histogram": dict(self._stale_age_hist),
+                    "wait_time_total_s": self._wait_total,
+                    "get_blocked_s": self._get_block_total,
+                    "put_blocked_s": self._put_block_total,
+                },
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore items and counters into this EMPTY queue (raises ``ValueError`` if it holds anything).
+
+        The configuration (``max_staleness``, ``capacity``, ``on_stale``) is this queue's own; restored items may
+        exceed ``capacity`` (later puts then wait until consumers make room). ``closed`` is not restored.
+        """
+        for key in ("items", "stale_pending", "counters"):
+            if key not in state:
+                raise ValueError(f"state: missing key {key!r}")
+        items = [(item, _check_int("state['items'] version", v, minimum=0), float(age)) for item, v, age in
+                 state["items"]]
+        stale_pending = [(item, _check_int("state['stale_pending'] version", v, minimum=0)) for item, v in
+                         state["stale_pending"]]
+        c = state["counters"]
+        n_put, n_returned, n_stale = int(c["put"]), int(c["returned"]), int(c["stale"])
+        if n_put != n_returned + n_stale + len(items):
+            raise ValueError(
+                f"state['counters']: expected put == returned + stale + queued, got {n_put} != "
+                f"{n_returned} + {n_stale} + {len(items)}"
+            )
+        with self._lock:
+            if self._heap or self._stale_pending:
+                raise ValueError(
+                    f"load_state_dict: expected an empty queue, this one holds {len(self._heap)} queued and "
+                    f"{len(self._stale_pending)} stale-pending items (loading would lose them)"
+                )
+            now = time.monotonic()
+            for item, version, age in items:
+                heapq.heappush(self._heap, (version, next(self._seq), now - age, item))
+            self._stale_pending = stale_pending
+            self._reset_counters()
+            self._n_put, self._n_returned, self._n_stale = n_put, n_returned, n_stale
+            self._n_drained = int(c["drained"])
+            self._age_hist = Counter({int(k): int(v) for k, v in c["age_histogram"].items()})
+            self._stale_age_hist = Counter({int(k): int(v) for k, v in c["stale_age_histogram"].items()})
+            self._wait_total = float(c["wait_time_total_s"])
+            self._get_block_total = float(c["get_blocked_s"])
+            self._put_block_total = float(c["put_blocked_s"])
+            self._notify_put_locked()
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
