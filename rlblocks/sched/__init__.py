@@ -39,7 +39,7 @@ __all__ = [
     "inverse_permutation",
     "nonzero_reward_variance",
     "pack_sequences",
-    "pad_to_packed",
     "packed_to_pad",
+    "pad_to_packed",
     "token_budget_microbatches",
 ]
