@@ -1,1 +1,31 @@
-"""rlblocks.kernels (being written)."""
+"""Fused log-prob / entropy / full-vocabulary KL ops with forward and backward (Triton on CUDA, chunked torch on CPU).
+
+Ops are imported lazily, so ``import rlblocks.kernels`` imports neither triton nor any kernel module:
+
+- ``token_logprobs(logits, labels, ...)``: label log-prob (+ entropy) from logits.
+- ``linear_token_logprobs(hidden, weight, labels, ..., process_group=None)``: the same from hidden states and the LM
+  head without materialising ``[N, V]``; vocab-parallel aware.
+- ``vocab_kl(student_logits, teacher_logits, kind=...)``: per-token forward / reverse KL or JSD over the vocabulary.
+- ``linear_vocab_kl(student_hidden, student_weight, teacher_hidden, teacher_weight, ...)``: the same from hidden
+  states without materialising either logits tensor.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "token_logprobs": ".token_logprobs",
+    "linear_token_logprobs": ".linear_token_logprobs",
+    "vocab_kl": ".vocab_kl",
+    "linear_vocab_kl": ".linear_vocab_kl",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
