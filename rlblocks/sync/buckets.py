@@ -1,0 +1,243 @@
+"""Buckets: many named tensors packed into one flat ``uint8`` buffer plus metadata.
+
+Wire format
+-----------
+A bucket is ``buffer`` (a 1-D ``torch.uint8`` tensor) and ``metas``, one :class:`TensorMeta`
+``{name, shape, dtype, offset}`` per tensor, in buffer order. Tensor ``i`` occupies the bytes
+``buffer[offset_i : offset_i + numel_i * itemsize_i]`` in its native (little-endian) bit pattern, so a
+round trip is bit-exact for every dtype (NaN payloads and -0.0 included).
+
+* Offsets are multiples of :data:`ALIGN` (64 bytes), so every tensor can be returned as a *view* of the
+  buffer (``view(dtype)`` needs the byte offset to be a multiple of the element size) and starts on a cache line.
+* The buffer ends exactly at the end of its last tensor (no trailing padding).
+* Layout is greedy and deterministic: a tensor goes into the current bucket if its aligned end fits in
+  ``bucket_bytes``; otherwise the bucket is closed and a new one started. A tensor larger than ``bucket_bytes``
+  travels alone in a bucket of its own. No tensor is ever dropped or split.
+* Because the layout is a pure function of ``[(name, shape, dtype)]`` and ``bucket_bytes``
+  (:func:`plan_buckets`), a receiver that knows the manifest can rebuild every bucket's metadata itself;
+  :meth:`Bucket.metadata_bytes` serialises it anyway (JSON, dtype names spelled out, e.g. ``"bfloat16"``) so
+  that it can travel ahead of the buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from jaxtyping import UInt8
+from torch import Tensor
+
+ALIGN = 64
+"""Byte alignment of every tensor inside a bucket buffer."""
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+    "complex64": torch.complex64,
+    "complex128": torch.complex128,
+}
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "uint16", "uint32", "uint64"):
+    if hasattr(torch, _name):
+        _DTYPES[_name] = getattr(torch, _name)
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Explicit, stable name of ``dtype`` used on the wire (``torch.bfloat16 -> "bfloat16"``)."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype}") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name`."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {name!r}") from None
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Where one tensor lives in a bucket: ``name``, ``shape``, ``dtype`` and byte ``offset`` in the buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int = 0
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": dtype_name(self.dtype), "offset": self.offset}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TensorMeta:
+        try:
+            return cls(str(d["name"]), tuple(int(s) for s in d["shape"]), dtype_from_name(d["dtype"]), int(d["offset"]))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"metadata: expected keys name, shape, dtype, offset, got {d!r}") from e
+
+
+def tensor_spec(name: str, t: Tensor) -> TensorMeta:
+    """``TensorMeta`` of ``t`` with offset 0 (the manifest entry used before layout)."""
+    if not isinstance(t, Tensor):
+        raise ValueError(f"named_tensors[{name!r}]: expected a torch.Tensor, got {type(t).__name__}")
+    return TensorMeta(name, tuple(int(s) for s in t.shape), t.dtype, 0)
+
+
+def plan_buckets(specs: Iterable[TensorMeta], *, bucket_bytes: int) -> list[list[TensorMeta]]:
+    """Deterministic bucket layout of ``specs`` (their offsets are ignored): one list of placed metas per bucket.
+
+    Greedy in order; offsets aligned to :data:`ALIGN`; a tensor with ``nbytes > bucket_bytes`` gets its own bucket.
+    """
+    if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes: expected a positive int, got {bucket_bytes!r}")
+    out: list[list[TensorMeta]] = []
+    cur: list[TensorMeta] = []
+    end = 0
+    for s in specs:
+        start = _align(end)
+        if cur and start + s.nbytes > bucket_bytes:
+            out.append(cur)
+            cur, start = [], 0
+        cur.append(TensorMeta(s.name, s.shape, s.dtype, start))
+        end = start + s.nbytes
+    if cur:
+        out.append(cur)
+    return out
+
+
+def bucket_nbytes(metas: Sequence[TensorMeta]) -> int:
+    """Buffer size of a bucket: end of its last tensor."""
+    return max((m.offset + m.nbytes for m in metas), default=0)
+
+
+@dataclass
+class Bucket:
+    """A flat ``uint8`` buffer holding several tensors, and where each one lives (see the module docstring)."""
+
+    buffer: UInt8[Tensor, "N"]
+    metas: list[TensorMeta]
+
+    def metadata_bytes(self) -> bytes:
+        """JSON ``{"nbytes": N, "tensors": [{name, shape, dtype, offset}, ...]}`` encoded as UTF-8."""
+        return metadata_to_bytes(self.metas, nbytes=int(self.buffer.numel()))
+
+    @classmethod
+    def from_metadata(cls, meta: bytes, buffer: UInt8[Tensor, "N"]) -> Bucket:
+        """Rebuild a bucket from :meth:`metadata_bytes` and its received buffer (checked against each other)."""
+        nbytes, metas = metadata_from_bytes(meta)
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != nbytes:
+            raise ValueError(
+                f"buffer: expected a 1-D uint8 tensor of {nbytes} bytes, got {buffer.dtype} shape {list(buffer.shape)}"
+            )
+        return cls(buffer, metas)
+
+
+def metadata_to_bytes(metas: Sequence[TensorMeta], *, nbytes: int | None = None) -> bytes:
+    """Serialise bucket metadata (JSON, explicit dtype names). ``nbytes`` defaults to :func:`bucket_nbytes`."""
+    n = bucket_nbytes(metas) if nbytes is None else nbytes
+    return json.dumps({"nbytes": n, "tensors": [m.to_dict() for m in metas]}, separators=(",", ":")).encode()
+
+
+def metadata_from_bytes(data: bytes) -> tuple[int, list[TensorMeta]]:
+    """Inverse of :func:`metadata_to_bytes`: ``(nbytes, metas)``; every tensor is checked to lie inside nbytes."""
+    try:
+        d = json.loads(bytes(data).decode())
+        nbytes, items = int(d["nbytes"]), d["tensors"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"metadata: not valid bucket metadata ({e})") from e
+    metas = [TensorMeta.from_dict(x) for x in items]
+    for m in metas:
+        if m.offset < 0 or m.offset % m.dtype.itemsize or m.offset + m.nbytes > nbytes:
+            raise ValueError(f"metadata: tensor {m.name!r} at offset {m.offset} does not fit a {nbytes}-byte buffer")
+    return nbytes, metas
+
+
+def pack_into(buffer: UInt8[Tensor, "N"], metas: Sequence[TensorMeta], tensors: Sequence[Tensor]) -> None:
+    """Copy ``tensors`` into ``buffer`` at the places given by ``metas`` (any device, any strides)."""
+    for m, t in zip(metas, tensors, strict=True):
+        if m.nbytes:
+            buffer[m.offset : m.offset + m.nbytes].view(m.dtype).view(m.shape).copy_(t)
+
+
+def pack_buckets(
+    named_tensors: Iterable[tuple[str, Tensor]],
+    *,
+    bucket_bytes: int,
+    device: torch.device | str | None = None,
+) -> Iterator[Bucket]:
+    """Pack ``(name, tensor)`` pairs into buckets of at most ``bucket_bytes`` (except an oversize tensor, alone).
+
+    Streams: at most one bucket's tensors are referenced at a time, so a generator such as ``full_tensors(model)``
+    is consumed lazily. Each bucket gets a fresh buffer on ``device`` (default: the device of its first tensor).
+    Names must be unique; every tensor appears exactly once, bit for bit.
+    """
+    if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes: expected a positive int, got {bucket_bytes!r}")
+    seen: set[str] = set()
+    cur_meta: list[TensorMeta] = []
+    cur_t: list[Tensor] = []
+    end = 0
+
+    def flush() -> Bucket:
+        dev = torch.device(device) if device is not None else cur_t[0].device
+        buf = torch.empty(bucket_nbytes(cur_meta), dtype=torch.uint8, device=dev)
+        pack_into(buf, cur_meta, cur_t)
+        return Bucket(buf, list(cur_meta))
+
+    for name, t in named_tensors:
+        if not isinstance(name, str):
+            raise ValueError(f"named_tensors: expected (str, Tensor) pairs, got a name of type {type(name).__name__}")
+        if name in seen:
+            raise ValueError(f"named_tensors: duplicate name {name!r}")
+        seen.add(name)
+        spec = tensor_spec(name, t)
+        dtype_name(spec.dtype)  # refuse dtypes without a wire name early
+        start = _align(end)
+        if cur_meta and start + spec.nbytes > bucket_bytes:
+            yield flush()
+            cur_meta, cur_t, start = [], [], 0
+        cur_meta.append(TensorMeta(name, spec.shape, spec.dtype, start))
+        cur_t.append(t)
+        end = start + spec.nbytes
+    if cur_meta:
+        yield flush()
+
+
+def unpack_bucket(bucket: Bucket) -> Iterator[tuple[str, Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of ``bucket`` as views of its buffer (no copy).
+
+    The views share memory with ``bucket.buffer``: copy them (``load_state_dict`` does) before reusing the buffer.
+    """
+    buf = bucket.buffer
+    if buf.dtype != torch.uint8 or buf.dim() != 1:
+        raise ValueError(f"bucket.buffer: expected a 1-D uint8 tensor, got {buf.dtype} shape {list(buf.shape)}")
+    n = buf.numel()
+    for m in bucket.metas:
+        if m.offset < 0 or m.offset + m.nbytes > n or m.offset % m.dtype.itemsize:
+            raise ValueError(f"bucket.metas: tensor {m.name!r} at offset {m.offset} does not fit a {n}-byte buffer")
+        yield m.name, buf[m.offset : m.offset + m.nbytes].view(m.dtype).view(m.shape)
