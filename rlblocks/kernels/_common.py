@@ -58,7 +58,7 @@ def resolve_backend(backend: str | None, *tensors: Tensor) -> str:
         return "torch"
     if backend == "triton":
         if not triton_available():
-            raise ValueError("backend: 'triton' was requested but triton is not installed (pip install rlblocks[kernels])")
+            raise ValueError("backend: 'triton' was requested but triton is not installed (rlblocks[kernels] extra)")
         if not all(t.is_cuda for t in tensors) and not interpret_mode():
             raise ValueError("backend: 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before importing triton")
         return "triton"

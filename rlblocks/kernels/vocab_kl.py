@@ -1,0 +1,324 @@
+"""Per-token full-vocabulary divergence between a student and a teacher distribution (on-policy distillation).
+
+With ``z_s = student_logits / T``, ``z_t = teacher_logits / T`` (fp32), ``q = softmax(z_s)`` (student) and
+``p = softmax(z_t)`` (teacher):
+
+- ``kind="forward"``: ``KL(p ‖ q) = Σ_j p_j (log p_j − log q_j)`` (mode covering; classic distillation).
+- ``kind="reverse"``: ``KL(q ‖ p) = Σ_j q_j (log q_j − log p_j)`` (mode seeking; on-policy distillation).
+- ``kind="jsd"``: ``β·KL(p ‖ m) + (1−β)·KL(q ‖ m)`` with ``m = β·p + (1−β)·q`` (β-weighted Jensen–Shannon; β = 0.5
+  is the symmetric JSD, bounded by log 2). ``0 < β < 1``.
+
+Gradient w.r.t. ``z_s`` (the teacher is a constant): forward ``q − p``; reverse ``q·(log q − log p − KL)``;
+jsd ``(1−β)·q·(log(q/m) − KL(q ‖ m))``; then ``∂/∂student_logits = (∂/∂z_s) / T``.
+The backward keeps only the two logits tensors (inputs) and three fp32 numbers per row; it recomputes the softmaxes
+blockwise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from rlblocks._validate import as_bool_mask, shape_str
+from rlblocks.kernels._common import (
+    check_float_input,
+    check_labels,
+    check_temperature,
+    interpret_mode,
+    resolve_backend,
+    rows_per_chunk,
+    triton_available,
+)
+
+KINDS = {"forward": 0, "reverse": 1, "jsd": 2}
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    def _configs():
+        if interpret_mode():
+            return [triton.Config({"BLOCK_V": 128}, num_warps=4)]
+        return [triton.Config({"BLOCK_V": bv}, num_warps=w) for bv, w in ((2048, 8), (4096, 8), (8192, 16))]
+
+    @triton.jit
+    def _log_mix(lp, lq, log_beta, log_1mb):
+        # log(β·p + (1−β)·q) from log p and log q, stable.
+        x = lp + log_beta
+        y = lq + log_1mb
+        mx = tl.maximum(x, y)
+        return mx + tl.log(tl.exp(x - mx) + tl.exp(y - mx))
+
+    @triton.autotune(configs=_configs(), key=["V", "KIND"])
+    @triton.jit
+    def _vocab_kl_fwd_kernel(
+        s_ptr, t_ptr, valid_ptr, kl_ptr, lse_s_ptr, lse_t_ptr, aux_ptr,
+        V, stride_s, stride_t, inv_temp, beta, log_beta, log_1mb,
+        KIND: tl.constexpr, BLOCK_V: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        valid = tl.load(valid_ptr + row) != 0
+        v_read = tl.where(valid, V, 0)
+        ms = -float("inf")
+        mt = -float("inf")
+        ss = 0.0
+        st = 0.0
+        a = 0.0
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)
+            in_v = cols < V
+            zs0 = tl.load(s_ptr + row * stride_s + cols, mask=cols < v_read, other=0.0).to(tl.float32) * inv_temp
+            zt0 = tl.load(t_ptr + row * stride_t + cols, mask=cols < v_read, other=0.0).to(tl.float32) * inv_temp
+            zs = tl.where(in_v, zs0, -float("inf"))
+            zt = tl.where(in_v, zt0, -float("inf"))
+            ms_new = tl.maximum(ms, tl.max(zs, axis=0))
+            mt_new = tl.maximum(mt, tl.max(zt, axis=0))
+            al_s = tl.exp(ms - ms_new)
+            al_t = tl.exp(mt - mt_new)
+            es = tl.exp(zs - ms_new)
+            et = tl.exp(zt - mt_new)
+            if KIND == 0:
+                a = al_t * a + tl.sum(et * (zt0 - zs0), axis=0)
+            if KIND == 1:
+                a = al_s * a + tl.sum(es * (zs0 - zt0), axis=0)
+            ss = al_s * ss + tl.sum(es, axis=0)
+            st = al_t * st + tl.sum(et, axis=0)
+            ms = ms_new
+            mt = mt_new
+        lse_s = ms + tl.log(ss)
+        lse_t = mt + tl.log(st)
+        aux = 0.0
+        if KIND == 0:
+            kl = a / st + lse_s - lse_t
+        elif KIND == 1:
+            kl = a / ss + lse_t - lse_s
+            aux = kl
+        else:
+            kqm = 0.0
+            kpm = 0.0
+            for v0 in range(0, V, BLOCK_V):
+                cols = v0 + tl.arange(0, BLOCK_V)
+                in_v = cols < V
+                zs0 = tl.load(s_ptr + row * stride_s + cols, mask=cols < v_read, other=0.0).to(tl.float32)
+                zt0 = tl.load(t_ptr + row * stride_t + cols, mask=cols < v_read, other=0.0).to(tl.float32)
+                lq = zs0 * inv_temp - lse_s
+                lp = zt0 * inv_temp - lse_t
+                lm = _log_mix(lp, lq, log_beta, log_1mb)
+                kqm += tl.sum(tl.where(in_v, tl.exp(lq) * (lq - lm), 0.0), axis=0)
+                kpm += tl.sum(tl.where(in_v, tl.exp(lp) * (lp - lm), 0.0), axis=0)
+            kl = beta * kpm + (1.0 - beta) * kqm
+            aux = kqm
+        tl.store(kl_ptr + row, tl.where(valid, kl, 0.0))
+        tl.store(lse_s_ptr + row, lse_s)
+        tl.store(lse_t_ptr + row, lse_t)
+        tl.store(aux_ptr + row, aux)
+
+    @triton.autotune(configs=_configs(), key=["V", "KIND"])
+    @triton.jit
+    def _vocab_kl_bwd_kernel(
+        s_ptr, t_ptr, valid_ptr, lse_s_ptr, lse_t_ptr, aux_ptr, g_ptr, gs_ptr,
+        V, stride_s, stride_t, stride_gs, inv_temp, beta, log_beta, log_1mb,
+        KIND: tl.constexpr, BLOCK_V: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        valid = tl.load(valid_ptr + row) != 0
+        v_read = tl.where(valid, V, 0)
+        g = tl.where(valid, tl.load(g_ptr + row), 0.0) * inv_temp
+        lse_s = tl.load(lse_s_ptr + row)
+        lse_t = tl.load(lse_t_ptr + row)
+        aux = tl.load(aux_ptr + row)
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)
+            in_v = cols < V
+            zs0 = tl.load(s_ptr + row * stride_s + cols, mask=cols < v_read, other=0.0).to(tl.float32)
+            zt0 = tl.load(t_ptr + row * stride_t + cols, mask=cols < v_read, other=0.0).to(tl.float32)
+            lq = zs0 * inv_temp - lse_s
+            lp = zt0 * inv_temp - lse_t
+            q = tl.exp(lq)
+            if KIND == 0:
+                gz = q - tl.exp(lp)
+            elif KIND == 1:
+                gz = q * (lq - lp - aux)
+            else:
+                gz = (1.0 - beta) * q * (lq - _log_mix(lp, lq, log_beta, log_1mb) - aux)
+            gz = tl.where(valid, gz * g, 0.0)
+            tl.store(gs_ptr + row * stride_gs + cols, gz.to(gs_ptr.dtype.element_ty), mask=in_v)
+
+
+def _chunk_terms(zs, zt, kind, beta):
+    """fp32 log q, log p (and log m for jsd) of a row chunk; logits already divided by T."""
+    lq = torch.log_softmax(zs, dim=1)
+    lp = torch.log_softmax(zt, dim=1)
+    lm = None
+    if kind == 2:
+        lm = torch.logaddexp(lp + math.log(beta), lq + math.log1p(-beta))
+    return lq, lp, lm
+
+
+def _fwd_torch(s, t, valid, inv_temp, kind, beta):
+    n, v = s.shape
+    kl, lse_s, lse_t, aux = (torch.zeros(n, dtype=torch.float32, device=s.device) for _ in range(4))
+    step = rows_per_chunk(v, multiple=8) // 2
+    step = max(step, 8)
+    for r0 in range(0, n, step):
+        sl = slice(r0, r0 + step)
+        vc = valid[sl].unsqueeze(1)
+        zs = torch.where(vc, s[sl].float(), 0.0).mul_(inv_temp)
+        zt = torch.where(vc, t[sl].float(), 0.0).mul_(inv_temp)
+        lse_s[sl] = torch.logsumexp(zs, dim=1)
+        lse_t[sl] = torch.logsumexp(zt, dim=1)
+        lq, lp, lm = _chunk_terms(zs, zt, kind, beta)
+        if kind == 0:
+            val = torch.linalg.vecdot(lp.exp(), lp - lq)
+        elif kind == 1:
+            val = torch.linalg.vecdot(lq.exp(), lq - lp)
+            aux[sl] = val
+        else:
+            kqm = torch.linalg.vecdot(lq.exp(), lq - lm)
+            kpm = torch.linalg.vecdot(lp.exp(), lp - lm)
+            val = beta * kpm + (1.0 - beta) * kqm
+            aux[sl] = kqm
+        kl[sl] = torch.where(valid[sl], val, 0.0)
+    return kl, lse_s, lse_t, aux
+
+
+def _bwd_torch(s, t, valid, lse_s, lse_t, aux, g, inv_temp, kind, beta):
+    n, v = s.shape
+    gs = torch.empty_like(s)
+    step = max(rows_per_chunk(v, multiple=8) // 2, 8)
+    for r0 in range(0, n, step):
+        sl = slice(r0, r0 + step)
+        vc = valid[sl].unsqueeze(1)
+        lq = torch.where(vc, s[sl].float(), 0.0).mul_(inv_temp).sub_(lse_s[sl].unsqueeze(1))
+        lp = torch.where(vc, t[sl].float(), 0.0).mul_(inv_temp).sub_(lse_t[sl].unsqueeze(1))
+        q = torch.exp(lq)
+        if kind == 0:
+            gz = q.sub_(lp.exp_())
+        elif kind == 1:
+            gz = lq.sub_(lp).sub_(aux[sl].unsqueeze(1)).mul_(q)
+        else:
+            lm = torch.logaddexp(lp + math.log(beta), lq + math.log1p(-beta))
+            gz = lq.sub_(lm).sub_(aux[sl].unsqueeze(1)).mul_(q).mul_(1.0 - beta)
+        gc = torch.where(valid[sl], g[sl].float(), 0.0) * inv_temp
+        gs[sl] = torch.where(vc, gz.mul_(gc.unsqueeze(1)), 0.0)
+    return gs
+
+
+class VocabKLFunction(torch.autograd.Function):
+    """autograd.Function over 2-D student/teacher logits ``[N, V]`` and a flat bool ``valid [N]``."""
+
+    @staticmethod
+    def forward(ctx, student, teacher, valid, kind, beta, temperature, backend):
+        inv_temp = 1.0 / temperature
+        n, v = student.shape
+        if backend == "triton" and n > 0:
+            kl, lse_s, lse_t, aux = (torch.empty(n, dtype=torch.float32, device=student.device) for _ in range(4))
+            lb = math.log(beta) if kind == 2 else 0.0
+            l1b = math.log1p(-beta) if kind == 2 else 0.0
+            _vocab_kl_fwd_kernel[(n,)](
+                student, teacher, valid.to(torch.int8), kl, lse_s, lse_t, aux,
+                v, student.stride(0), teacher.stride(0), inv_temp, beta, lb, l1b, KIND=kind,
+            )  # fmt: skip
+        else:
+            kl, lse_s, lse_t, aux = _fwd_torch(student, teacher, valid, inv_temp, kind, beta)
+        ctx.save_for_backward(student, teacher, valid, lse_s, lse_t, aux)
+        ctx.cfg = (inv_temp, kind, beta, backend)
+        return kl
+
+    @staticmethod
+    def backward(ctx, g):
+        student, teacher, valid, lse_s, lse_t, aux = ctx.saved_tensors
+        inv_temp, kind, beta, backend = ctx.cfg
+        if not ctx.needs_input_grad[0]:
+            return (None,) * 7
+        n, v = student.shape
+        if backend == "triton" and n > 0:
+            gs = torch.empty_like(student)
+            lb = math.log(beta) if kind == 2 else 0.0
+            l1b = math.log1p(-beta) if kind == 2 else 0.0
+            _vocab_kl_bwd_kernel[(n,)](
+                student, teacher, valid.to(torch.int8), lse_s, lse_t, aux, g.float().contiguous(), gs,
+                v, student.stride(0), teacher.stride(0), gs.stride(0), inv_temp, beta, lb, l1b, KIND=kind,
+            )  # fmt: skip
+        else:
+            gs = _bwd_torch(student, teacher, valid, lse_s, lse_t, aux, g, inv_temp, kind, beta)
+        return gs, None, None, None, None, None, None
+
+
+def check_kind_beta(kind: str, beta: float) -> int:
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {sorted(KINDS)}, got {kind!r}")
+    if kind == "jsd" and not (isinstance(beta, (int, float)) and 0.0 < float(beta) < 1.0):
+        raise ValueError(f"beta: expected a float in (0, 1) for kind='jsd', got {beta!r}")
+    return KINDS[kind]
+
+
+def valid_rows(
+    lead_shape: torch.Size,
+    num_classes: int,
+    labels: Tensor | None,
+    ignore_index: int,
+    mask: Tensor | None,
+    like: str,
+    device: torch.device,
+) -> Bool[Tensor, " N"]:
+    """Flat bool ``[N]``: ``labels != ignore_index`` (when labels are given) AND ``mask`` (when given)."""
+    valid = torch.ones(lead_shape, dtype=torch.bool, device=device).reshape(-1)
+    if labels is not None:
+        y = check_labels(labels, lead_shape, num_classes, ignore_index, like=like)
+        valid = valid & (y != ignore_index)
+    if mask is not None:
+        ref = torch.empty(lead_shape, device="meta")
+        valid = valid & as_bool_mask(mask, ref, name="mask", like_name=like + "[..., 0]").reshape(-1)
+    return valid
+
+
+def vocab_kl(
+    student_logits: Float[Tensor, "*batch V"],
+    teacher_logits: Float[Tensor, "*batch V"],
+    *,
+    kind: str = "forward",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    labels: Int[Tensor, "*batch"] | None = None,
+    ignore_index: int = -100,
+    mask: Bool[Tensor, "*batch"] | None = None,
+    backend: str | None = None,
+) -> Float[Tensor, "*batch"]:
+    """Per-token divergence over the full vocabulary between student and teacher softmaxes, in fp32.
+
+    See the module docstring for the three ``kind`` formulas (``forward`` = KL(teacher ‖ student),
+    ``reverse`` = KL(student ‖ teacher), ``jsd`` = β-weighted JSD). Both logits are divided by ``temperature``.
+    Positions where ``labels == ignore_index`` (if ``labels`` is given) or ``mask`` is false (if given) give 0 and
+    no gradient; their logits are never read into a sum. Differentiable w.r.t. ``student_logits`` only; the teacher
+    is a constant (a ``teacher_logits`` that requires grad is rejected rather than silently detached).
+    Inputs fp32/bf16/fp16, math in fp32.
+
+    Raises ``ValueError`` naming the argument for non-floating inputs, shape mismatches, an unknown ``kind``,
+    ``beta`` outside (0, 1) for jsd, or labels out of range.
+    """
+    check_float_input("student_logits", student_logits)
+    check_float_input("teacher_logits", teacher_logits)
+    if student_logits.dim() < 1 or student_logits.shape[-1] == 0:
+        raise ValueError(f"student_logits: expected shape [..., V] with V > 0, got {shape_str(student_logits)}")
+    if teacher_logits.shape != student_logits.shape:
+        raise ValueError(f"teacher_logits: expected the shape of student_logits {shape_str(student_logits)}, "
+                         f"got {shape_str(teacher_logits)}")
+    if teacher_logits.requires_grad:
+        raise ValueError("teacher_logits: requires grad, but vocab_kl is differentiable only w.r.t. the student; "
+                         "pass teacher_logits.detach()")
+    k = check_kind_beta(kind, beta)
+    temperature = check_temperature(temperature)
+    v = student_logits.shape[-1]
+    lead = student_logits.shape[:-1]
+    valid = valid_rows(lead, v, labels, ignore_index, mask, "student_logits", student_logits.device)
+    backend = resolve_backend(backend, student_logits, teacher_logits)
+    s = student_logits.reshape(-1, v)
+    t = teacher_logits.reshape(-1, v)
+    s = s if s.stride(-1) == 1 else s.contiguous()
+    t = t if t.stride(-1) == 1 else t.contiguous()
+    kl = VocabKLFunction.apply(s, t, valid, k, float(beta), temperature, backend)
+    return kl.reshape(lead)
