@@ -105,9 +105,11 @@ def check_labels(
     return flat
 
 
-def rows_per_chunk(n_cols: int, budget_bytes: int = TORCH_CHUNK_BYTES, multiple: int = 8) -> int:
-    """Rows of an fp32 ``[rows, n_cols]`` block that fit ``budget_bytes`` (at least ``multiple``)."""
-    rows = budget_bytes // (4 * max(n_cols, 1))
+def rows_per_chunk(n_cols: int, budget_bytes: int | None = None, multiple: int = 8) -> int:
+    """Rows of an fp32 ``[rows, n_cols]`` block that fit ``budget_bytes`` (default ``TORCH_CHUNK_BYTES``, read at
+    call time) — at least ``multiple``."""
+    budget = TORCH_CHUNK_BYTES if budget_bytes is None else budget_bytes
+    rows = budget // (4 * max(n_cols, 1))
     return max(multiple, (rows // multiple) * multiple)
 
 

@@ -52,6 +52,8 @@ if triton_available():
     import triton
     import triton.language as tl
 
+    from rlblocks.kernels._tiles import dot_tile
+
     def _fwd_configs():
         if interpret_mode():
             return [triton.Config({"BLOCK_N": 16, "BLOCK_V": 64, "BLOCK_K": 32}, num_warps=4)]
@@ -89,22 +91,12 @@ if triton_available():
         s = tl.zeros([BLOCK_N], tl.float32)
         a = tl.zeros([BLOCK_N], tl.float32)
         zy = tl.zeros([BLOCK_N], tl.float32)
-        ks = tl.arange(0, BLOCK_K)
         for t in range(t_lo, t_hi):
             cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
             col_ok = cols < V
             cols64 = cols.to(tl.int64)
-            acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-            for k0 in range(0, H, BLOCK_K):
-                k_ok = (k0 + ks) < H
-                hb = tl.load(h_ptr + rows64[:, None] * stride_hn + (k0 + ks)[None, :],
-                             mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                wb = tl.load(w_ptr + cols64[:, None] * stride_wv + (k0 + ks)[None, :],
-                             mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                if UPCAST:
-                    hb = hb.to(tl.float32)
-                    wb = wb.to(tl.float32)
-                acc = tl.dot(hb, tl.trans(wb), acc, input_precision=PREC)
+            acc = dot_tile(h_ptr, w_ptr, rows64, row_ok, cols64, col_ok, H, stride_hn, stride_wv,
+                           UPCAST, PREC, BLOCK_N, BLOCK_V, BLOCK_K)
             z = tl.where(col_ok[None, :], acc * inv_temp, -float("inf"))
             m_new = tl.maximum(m, tl.max(z, axis=1))
             alpha = tl.exp(m - m_new)
@@ -149,18 +141,8 @@ if triton_available():
         lc = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # column inside the chunk
         col_ok = lc < VC
         cols64 = (v_start + lc).to(tl.int64)  # row of the local weight shard
-        ks = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            k_ok = (k0 + ks) < H
-            hb = tl.load(h_ptr + rows64[:, None] * stride_hn + (k0 + ks)[None, :],
-                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            wb = tl.load(w_ptr + cols64[:, None] * stride_wv + (k0 + ks)[None, :],
-                         mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            if UPCAST:
-                hb = hb.to(tl.float32)
-                wb = wb.to(tl.float32)
-            acc = tl.dot(hb, tl.trans(wb), acc, input_precision=PREC)
+        acc = dot_tile(h_ptr, w_ptr, rows64, row_ok, cols64, col_ok, H, stride_hn, stride_wv,
+                       UPCAST, PREC, BLOCK_N, BLOCK_V, BLOCK_K)
         yl = tl.load(yl_ptr + rows64, mask=row_ok, other=-1)
         lse = tl.load(lse_ptr + rows64, mask=row_ok, other=0.0)
         g = tl.load(g_ptr + rows64, mask=row_ok, other=0.0)

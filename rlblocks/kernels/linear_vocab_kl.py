@@ -1,0 +1,369 @@
+"""Fused LM heads + full-vocabulary student/teacher divergence, never materialising either logits tensor.
+
+``linear_vocab_kl(student_hidden, student_weight, teacher_hidden, teacher_weight, ...)`` equals
+``vocab_kl(student_hidden @ student_weight.T, teacher_hidden @ teacher_weight.T, ...)`` (formulas and gradients in
+``vocab_kl.py``): per-token ``forward`` = KL(p_teacher ‖ q_student), ``reverse`` = KL(q ‖ p), or the β-weighted
+``jsd``, with both logits divided by the temperature, in fp32.
+
+Forward: tiles of both logits are reduced on the fly into per-row (max, Σexp) of each side plus the cross term
+``Σ exp(z_t − m_t)(z_t − z_s)`` (forward) or ``Σ exp(z_s − m_s)(z_s − z_t)`` (reverse); jsd needs both
+log-normalisers first, so it takes a second blockwise pass. Backward: both tiles are recomputed and
+``∂/∂z_s`` is contracted into ``grad_student_hidden`` and ``grad_student_weight`` (teacher: constant).
+The two hidden sizes may differ; the vocabularies must match.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from rlblocks._validate import shape_str
+from rlblocks.kernels import _common
+from rlblocks.kernels._common import (
+    check_float_input,
+    check_temperature,
+    interpret_mode,
+    resolve_backend,
+    rows_per_chunk,
+    triton_available,
+    triton_dot_precision,
+    zero_ignored_rows,
+)
+from rlblocks.kernels.vocab_kl import _bwd_torch as _kl_bwd_rows
+from rlblocks.kernels.vocab_kl import _fwd_torch as _kl_fwd_rows
+from rlblocks.kernels.vocab_kl import check_kind_beta, valid_rows
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    from rlblocks.kernels._tiles import dot_tile
+
+    def _configs():
+        if interpret_mode():
+            return [triton.Config({"BLOCK_N": 16, "BLOCK_V": 64, "BLOCK_K": 32}, num_warps=4)]
+        return [
+            triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+            for bn, bv, bk, w, st in ((128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 3))
+        ]
+
+    @triton.jit
+    def _log_mix(lp, lq, log_beta, log_1mb):
+        x = lp + log_beta
+        y = lq + log_1mb
+        mx = tl.maximum(x, y)
+        return mx + tl.log(tl.exp(x - mx) + tl.exp(y - mx))
+
+    @triton.autotune(configs=_configs(), key=["N", "V", "HS", "HT", "KIND", "PASS"])
+    @triton.jit
+    def _linear_kl_fwd_kernel(
+        hs_ptr, ws_ptr, ht_ptr, wt_ptr, ms_ptr, ss_ptr, mt_ptr, st_ptr, a_ptr, lse_s_ptr, lse_t_ptr,
+        N, V, HS, HT, stride_hs, stride_ws, stride_ht, stride_wt, inv_temp, NUM_SPLITS, log_beta, log_1mb,
+        KIND: tl.constexpr, PASS: tl.constexpr, UPCAST: tl.constexpr, PREC_S: tl.constexpr, PREC_T: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # PASS 1: per (row block, vocab split) partial max / Σexp of both sides and the forward/reverse cross term.
+        # PASS 2 (jsd): partial Σ q·(log q − log m) into ss_ptr and Σ p·(log p − log m) into st_ptr.
+        pid_n = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        rows64 = rows.to(tl.int64)
+        n_tiles = tl.cdiv(V, BLOCK_V)
+        per = tl.cdiv(n_tiles, NUM_SPLITS)
+        t_lo = pid_s * per
+        t_hi = tl.minimum(t_lo + per, n_tiles)
+        ms = tl.full([BLOCK_N], -float("inf"), tl.float32)
+        mt = tl.full([BLOCK_N], -float("inf"), tl.float32)
+        ss = tl.zeros([BLOCK_N], tl.float32)
+        st = tl.zeros([BLOCK_N], tl.float32)
+        a = tl.zeros([BLOCK_N], tl.float32)
+        if PASS == 2:
+            lse_s = tl.load(lse_s_ptr + rows64, mask=row_ok, other=0.0)
+            lse_t = tl.load(lse_t_ptr + rows64, mask=row_ok, other=0.0)
+        for t in range(t_lo, t_hi):
+            cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
+            col_ok = cols < V
+            cols64 = cols.to(tl.int64)
+            zs0 = dot_tile(hs_ptr, ws_ptr, rows64, row_ok, cols64, col_ok, HS, stride_hs, stride_ws,
+                           UPCAST, PREC_S, BLOCK_N, BLOCK_V, BLOCK_K) * inv_temp
+            zt0 = dot_tile(ht_ptr, wt_ptr, rows64, row_ok, cols64, col_ok, HT, stride_ht, stride_wt,
+                           UPCAST, PREC_T, BLOCK_N, BLOCK_V, BLOCK_K) * inv_temp
+            if PASS == 1:
+                zs = tl.where(col_ok[None, :], zs0, -float("inf"))
+                zt = tl.where(col_ok[None, :], zt0, -float("inf"))
+                ms_new = tl.maximum(ms, tl.max(zs, axis=1))
+                mt_new = tl.maximum(mt, tl.max(zt, axis=1))
+                al_s = tl.exp(ms - ms_new)
+                al_t = tl.exp(mt - mt_new)
+                es = tl.exp(zs - ms_new[:, None])
+                et = tl.exp(zt - mt_new[:, None])
+                if KIND == 0:
+                    a = al_t * a + tl.sum(et * (zt0 - zs0), axis=1)
+                if KIND == 1:
+                    a = al_s * a + tl.sum(es * (zs0 - zt0), axis=1)
+                ss = al_s * ss + tl.sum(es, axis=1)
+                st = al_t * st + tl.sum(et, axis=1)
+                ms = ms_new
+                mt = mt_new
+            else:
+                lq = zs0 - lse_s[:, None]
+                lp = zt0 - lse_t[:, None]
+                lm = _log_mix(lp, lq, log_beta, log_1mb)
+                ss += tl.sum(tl.where(col_ok[None, :], tl.exp(lq) * (lq - lm), 0.0), axis=1)
+                st += tl.sum(tl.where(col_ok[None, :], tl.exp(lp) * (lp - lm), 0.0), axis=1)
+        out = pid_s * N + rows64
+        tl.store(ss_ptr + out, ss, mask=row_ok)
+        tl.store(st_ptr + out, st, mask=row_ok)
+        if PASS == 1:
+            tl.store(ms_ptr + out, ms, mask=row_ok)
+            tl.store(mt_ptr + out, mt, mask=row_ok)
+            tl.store(a_ptr + out, a, mask=row_ok)
+
+    @triton.autotune(configs=_configs(), key=["N", "VC", "HS", "HT", "KIND"])
+    @triton.jit
+    def _linear_kl_bwd_kernel(
+        hs_ptr, ws_ptr, ht_ptr, wt_ptr, lse_s_ptr, lse_t_ptr, aux_ptr, g_ptr, gz_ptr,
+        N, VC, HS, HT, v_start, stride_hs, stride_ws, stride_ht, stride_wt, stride_gz,
+        inv_temp, beta, log_beta, log_1mb,
+        KIND: tl.constexpr, UPCAST: tl.constexpr, PREC_S: tl.constexpr, PREC_T: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        pid_n = tl.program_id(0)
+        pid_v = tl.program_id(1)
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        rows64 = rows.to(tl.int64)
+        lc = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        col_ok = lc < VC
+        cols64 = (v_start + lc).to(tl.int64)
+        zs = dot_tile(hs_ptr, ws_ptr, rows64, row_ok, cols64, col_ok, HS, stride_hs, stride_ws,
+                      UPCAST, PREC_S, BLOCK_N, BLOCK_V, BLOCK_K) * inv_temp
+        zt = dot_tile(ht_ptr, wt_ptr, rows64, row_ok, cols64, col_ok, HT, stride_ht, stride_wt,
+                      UPCAST, PREC_T, BLOCK_N, BLOCK_V, BLOCK_K) * inv_temp
+        lse_s = tl.load(lse_s_ptr + rows64, mask=row_ok, other=0.0)
+        lse_t = tl.load(lse_t_ptr + rows64, mask=row_ok, other=0.0)
+        aux = tl.load(aux_ptr + rows64, mask=row_ok, other=0.0)
+        g = tl.load(g_ptr + rows64, mask=row_ok, other=0.0) * inv_temp
+        lq = zs - lse_s[:, None]
+        lp = zt - lse_t[:, None]
+        q = tl.exp(lq)
+        if KIND == 0:
+            gz = q - tl.exp(lp)
+        elif KIND == 1:
+            gz = q * (lq - lp - aux[:, None])
+        else:
+            gz = (1.0 - beta) * q * (lq - _log_mix(lp, lq, log_beta, log_1mb) - aux[:, None])
+        gz = gz * g[:, None]
+        tl.store(gz_ptr + rows64[:, None] * stride_gz + lc[None, :], gz.to(gz_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _num_splits(n: int, v: int, device: torch.device) -> int:
+    if interpret_mode() or device.type != "cuda":
+        return min(2, max(1, -(-v // 64)))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(-(-2 * sms // max(1, -(-n // 128))), -(-v // 256)))
+
+
+def _fwd_triton(hs, ws, ht, wt, kind, beta, inv_temp):
+    n, v = hs.shape[0], ws.shape[0]
+    splits = _num_splits(n, v, hs.device)
+    ms, ss, mt, st, a = (torch.empty(splits, n, dtype=torch.float32, device=hs.device) for _ in range(5))
+    lb, l1b = (math.log(beta), math.log1p(-beta)) if kind == 2 else (0.0, 0.0)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)
+    common = dict(UPCAST=interpret_mode(), PREC_S=triton_dot_precision(hs.dtype), PREC_T=triton_dot_precision(ht.dtype))
+    dummy = torch.empty(0, dtype=torch.float32, device=hs.device)
+    _linear_kl_fwd_kernel[grid](
+        hs, ws, ht, wt, ms, ss, mt, st, a, dummy, dummy, n, v, hs.shape[1], ht.shape[1],
+        hs.stride(0), ws.stride(0), ht.stride(0), wt.stride(0), inv_temp, splits, lb, l1b,
+        KIND=kind, PASS=1, **common,
+    )  # fmt: skip
+    m_s = ms.amax(0)
+    m_t = mt.amax(0)
+    w_s = torch.exp(ms - m_s)
+    w_t = torch.exp(mt - m_t)
+    lse_s = m_s + torch.log((w_s * ss).sum(0))
+    lse_t = m_t + torch.log((w_t * st).sum(0))
+    aux = torch.zeros(n, dtype=torch.float32, device=hs.device)
+    if kind == 0:
+        kl = (w_t * a).sum(0) / (w_t * st).sum(0) + lse_s - lse_t
+    elif kind == 1:
+        kl = (w_s * a).sum(0) / (w_s * ss).sum(0) + lse_t - lse_s
+        aux = kl
+    else:
+        _linear_kl_fwd_kernel[grid](
+            hs, ws, ht, wt, ms, ss, mt, st, a, lse_s, lse_t, n, v, hs.shape[1], ht.shape[1],
+            hs.stride(0), ws.stride(0), ht.stride(0), wt.stride(0), inv_temp, splits, lb, l1b,
+            KIND=kind, PASS=2, **common,
+        )  # fmt: skip
+        kqm, kpm = ss.sum(0), st.sum(0)
+        kl = beta * kpm + (1.0 - beta) * kqm
+        aux = kqm
+    return kl, lse_s, lse_t, aux
+
+
+def _bwd_triton(hs, ws, ht, wt, lse_s, lse_t, aux, g, kind, beta, inv_temp, need_h, need_w):
+    n, v = hs.shape[0], ws.shape[0]
+    elt = hs.element_size()
+    vc = _common.TRITON_GRAD_CHUNK_BYTES // max(1, n * elt)
+    vc = min(v, max(128, (vc // 128) * 128))
+    gbuf = torch.empty(n, vc, dtype=hs.dtype, device=hs.device)
+    gh = torch.zeros(n, hs.shape[1], dtype=torch.float32, device=hs.device) if need_h else None
+    gw = torch.empty_like(ws) if need_w else None
+    lb, l1b = (math.log(beta), math.log1p(-beta)) if kind == 2 else (0.0, 0.0)
+    for c0 in range(0, v, vc):
+        c = min(vc, v - c0)
+        gz = gbuf[:, :c]
+        grid = lambda meta, c=c: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(c, meta["BLOCK_V"]))
+        _linear_kl_bwd_kernel[grid](
+            hs, ws, ht, wt, lse_s, lse_t, aux, g, gz, n, c, hs.shape[1], ht.shape[1], c0,
+            hs.stride(0), ws.stride(0), ht.stride(0), wt.stride(0), gz.stride(0), inv_temp, beta, lb, l1b,
+            KIND=kind, UPCAST=interpret_mode(), PREC_S=triton_dot_precision(hs.dtype),
+            PREC_T=triton_dot_precision(ht.dtype),
+        )  # fmt: skip
+        if need_w:
+            torch.mm(gz.t(), hs, out=gw[c0 : c0 + c])
+        if need_h:
+            if gh.dtype == gz.dtype:
+                gh.addmm_(gz, ws[c0 : c0 + c])
+            else:
+                gh += torch.mm(gz, ws[c0 : c0 + c]).float()
+    return gh, gw
+
+
+def _logits_chunk(h, w32, sl, inv_temp):
+    return torch.mm(h[sl].float() * inv_temp, w32.t())
+
+
+def _fwd_torch(hs, ws, ht, wt, valid, kind, beta, inv_temp):
+    n, v = hs.shape[0], ws.shape[0]
+    ws32, wt32 = ws.float(), wt.float()
+    kl, lse_s, lse_t, aux = (torch.zeros(n, dtype=torch.float32, device=hs.device) for _ in range(4))
+    step = max(8, rows_per_chunk(v) // 2)
+    for r0 in range(0, n, step):
+        sl = slice(r0, min(n, r0 + step))
+        zs = _logits_chunk(hs, ws32, sl, inv_temp)
+        zt = _logits_chunk(ht, wt32, sl, inv_temp)
+        kl[sl], lse_s[sl], lse_t[sl], aux[sl] = _kl_fwd_rows(zs, zt, valid[sl], 1.0, kind, beta)
+    return kl, lse_s, lse_t, aux
+
+
+def _bwd_torch(hs, ws, ht, wt, valid, lse_s, lse_t, aux, g, kind, beta, inv_temp, need_h, need_w):
+    n, v = hs.shape[0], ws.shape[0]
+    ws32, wt32 = ws.float(), wt.float()
+    gh = torch.empty(n, hs.shape[1], dtype=torch.float32, device=hs.device) if need_h else None
+    gw = torch.zeros(v, hs.shape[1], dtype=torch.float32, device=hs.device) if need_w else None
+    step = max(8, rows_per_chunk(v) // 2)
+    for r0 in range(0, n, step):
+        sl = slice(r0, min(n, r0 + step))
+        hc = hs[sl].float() * inv_temp
+        zs = torch.mm(hc, ws32.t())
+        zt = _logits_chunk(ht, wt32, sl, inv_temp)
+        gz = _kl_bwd_rows(zs, zt, valid[sl], lse_s[sl], lse_t[sl], aux[sl], g[sl], 1.0, kind, beta)
+        if need_h:
+            torch.mm(gz, ws32, out=gh[sl]).mul_(inv_temp)
+        if need_w:
+            gw.addmm_(gz.t(), hc)
+    return gh, gw
+
+
+class LinearVocabKLFunction(torch.autograd.Function):
+    """autograd.Function over 2-D student/teacher hidden states, both LM heads and a flat bool ``valid [N]``."""
+
+    @staticmethod
+    def forward(ctx, hs, ws, ht, wt, valid, kind, beta, temperature, backend):
+        inv_temp = 1.0 / temperature
+        hs0 = zero_ignored_rows(hs, valid)
+        ht0 = zero_ignored_rows(ht, valid)
+        if backend == "triton" and hs.shape[0] > 0:
+            kl, lse_s, lse_t, aux = _fwd_triton(hs0, ws, ht0, wt, kind, beta, inv_temp)
+        else:
+            kl, lse_s, lse_t, aux = _fwd_torch(hs0, ws, ht0, wt, valid, kind, beta, inv_temp)
+        kl = torch.where(valid, kl, 0.0)
+        ctx.save_for_backward(hs0, ws, ht0, wt, valid, lse_s, lse_t, aux)
+        ctx.cfg = (inv_temp, kind, beta, backend)
+        return kl
+
+    @staticmethod
+    def backward(ctx, g):
+        hs0, ws, ht0, wt, valid, lse_s, lse_t, aux = ctx.saved_tensors
+        inv_temp, kind, beta, backend = ctx.cfg
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (need_h or need_w):
+            return (None,) * 9
+        g = torch.where(valid, g.float(), 0.0)
+        if backend == "triton" and hs0.shape[0] > 0:
+            gh, gw = _bwd_triton(hs0, ws, ht0, wt, lse_s, lse_t, aux, g, kind, beta, inv_temp, need_h, need_w)
+        else:
+            gh, gw = _bwd_torch(hs0, ws, ht0, wt, valid, lse_s, lse_t, aux, g, kind, beta, inv_temp, need_h, need_w)
+        gh = gh.to(hs0.dtype) if need_h else None
+        gw = gw.to(ws.dtype) if need_w else None
+        return gh, gw, None, None, None, None, None, None, None
+
+
+def linear_vocab_kl(
+    student_hidden: Float[Tensor, "*batch Hs"],
+    student_weight: Float[Tensor, "V Hs"],
+    teacher_hidden: Float[Tensor, "*batch Ht"],
+    teacher_weight: Float[Tensor, "V Ht"],
+    *,
+    kind: str = "forward",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    labels: Int[Tensor, "*batch"] | None = None,
+    ignore_index: int = -100,
+    mask: Bool[Tensor, "*batch"] | None = None,
+    backend: str | None = None,
+) -> Float[Tensor, "*batch"]:
+    """Per-token student/teacher divergence from hidden states and LM heads, never materialising ``[N, V]``.
+
+    Same result as ``vocab_kl(student_hidden @ student_weight.T, teacher_hidden @ teacher_weight.T, ...)``: see
+    ``vocab_kl`` for ``kind`` (``forward`` = KL(teacher ‖ student), ``reverse`` = KL(student ‖ teacher), ``jsd``),
+    ``beta``, ``temperature``, masking (``labels == ignore_index`` / ``mask`` false → 0, no gradient; hidden rows
+    there are zeroed before any product). fp32 accumulation for every input dtype.
+
+    Differentiable w.r.t. ``student_hidden`` and ``student_weight``; the teacher is a constant (teacher tensors
+    that require grad are rejected). Extra memory: one chunk of both logits (torch path, plus fp32 copies of bf16
+    weights) or a ``[N, vocab-chunk]`` gradient block (Triton), never ``[N, V]``.
+    """
+    for name, x in (("student_hidden", student_hidden), ("student_weight", student_weight),
+                    ("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):  # fmt: skip
+        check_float_input(name, x)
+    if student_hidden.dim() < 1:
+        raise ValueError(f"student_hidden: expected shape [..., H], got {shape_str(student_hidden)}")
+    hs_dim = student_hidden.shape[-1]
+    if student_weight.dim() != 2 or student_weight.shape[1] != hs_dim or student_weight.shape[0] == 0:
+        raise ValueError(f"student_weight: expected shape [V, {hs_dim}] (H = student_hidden.shape[-1]), "
+                         f"got {shape_str(student_weight)}")
+    lead = student_hidden.shape[:-1]
+    if teacher_hidden.dim() < 1 or teacher_hidden.shape[:-1] != lead:
+        raise ValueError(f"teacher_hidden: expected shape [{', '.join(map(str, lead))}, Ht] (the leading shape of "
+                         f"student_hidden), got {shape_str(teacher_hidden)}")
+    v = student_weight.shape[0]
+    ht_dim = teacher_hidden.shape[-1]
+    if teacher_weight.dim() != 2 or teacher_weight.shape != (v, ht_dim):
+        raise ValueError(f"teacher_weight: expected shape [{v}, {ht_dim}] (V of student_weight, "
+                         f"H = teacher_hidden.shape[-1]), got {shape_str(teacher_weight)}")
+    if student_weight.dtype != student_hidden.dtype:
+        raise ValueError(f"student_weight: expected the dtype of student_hidden ({student_hidden.dtype}), "
+                         f"got {student_weight.dtype}")
+    if teacher_weight.dtype != teacher_hidden.dtype:
+        raise ValueError(f"teacher_weight: expected the dtype of teacher_hidden ({teacher_hidden.dtype}), "
+                         f"got {teacher_weight.dtype}")
+    for name, x in (("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):
+        if x.requires_grad:
+            raise ValueError(f"{name}: requires grad, but linear_vocab_kl is differentiable only w.r.t. the "
+                             f"student; pass {name}.detach()")
+    k = check_kind_beta(kind, beta)
+    temperature = check_temperature(temperature)
+    valid = valid_rows(lead, v, labels, ignore_index, mask, "student_hidden", student_hidden.device)
+    backend = resolve_backend(backend, student_hidden, student_weight, teacher_hidden, teacher_weight)
+    hs = student_hidden.reshape(-1, hs_dim)
+    ht = teacher_hidden.reshape(-1, ht_dim)
+    hs, ht, ws, wt = (x if x.stride(-1) == 1 else x.contiguous() for x in (hs, ht, student_weight, teacher_weight))
+    kl = LinearVocabKLFunction.apply(hs, ws, ht, wt, valid, k, float(beta), temperature, backend)
+    return kl.reshape(lead)
