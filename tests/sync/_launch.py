@@ -1,0 +1,31 @@
+"""Helpers to launch sync worker processes (separate jobs, no shared torchrun world) on a free port."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+WORKER = Path(__file__).with_name("_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(role: str, *, rank: int, world_size: int, port: int, out: Path, timeout: float, **extra) -> subprocess.Popen:
+    cfg = {"role": role, "rank": rank, "world_size": world_size, "port": port, "out": str(out), "timeout": timeout}
+    cfg.update(extra)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", HF_HUB_OFFLINE="1")
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
+    )
+
+
+def result(out: Path) -> dict:
+    return json.loads(Path(out).read_text())
