@@ -1,6 +1,8 @@
 """Fused log-prob / entropy / full-vocabulary KL ops with forward and backward (Triton on CUDA, chunked torch on CPU).
 
-Ops are imported lazily, so ``import rlblocks.kernels`` imports neither triton nor any kernel module:
+Ops are imported lazily, so ``import rlblocks.kernels`` imports neither triton nor any kernel module (one op per
+file: ``logprobs.py``, ``linear_logprobs.py``, ``kl.py``, ``linear_kl.py``, each holding its Triton kernels, its
+autograd.Function, its chunked torch path and the public wrapper):
 
 - ``token_logprobs(logits, labels, ...)``: label log-prob (+ entropy) from logits.
 - ``linear_token_logprobs(hidden, weight, labels, ..., process_group=None)``: the same from hidden states and the LM
@@ -16,10 +18,10 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "token_logprobs": ".token_logprobs",
-    "linear_token_logprobs": ".linear_token_logprobs",
-    "vocab_kl": ".vocab_kl",
-    "linear_vocab_kl": ".linear_vocab_kl",
+    "token_logprobs": ".logprobs",
+    "linear_token_logprobs": ".linear_logprobs",
+    "vocab_kl": ".kl",
+    "linear_vocab_kl": ".linear_kl",
 }
 
 __all__ = list(_LAZY)

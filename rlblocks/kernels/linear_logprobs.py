@@ -1,7 +1,7 @@
 """Fused LM head + per-token log-prob (+ entropy), forward and backward, never materialising ``[N, V]``.
 
 ``linear_token_logprobs(hidden[..., H], weight[V, H], labels[...])`` equals
-``token_logprobs(hidden @ weight.T, labels)`` (see ``token_logprobs.py`` for the formulas) but the logits exist only
+``token_logprobs(hidden @ weight.T, labels)`` (see ``logprobs.py`` for the formulas) but the logits exist only
 one block at a time:
 
 - forward: tiles of ``z = (hidden @ weightᵀ) / T`` are reduced on the fly into the per-row stats ``m`` (max),

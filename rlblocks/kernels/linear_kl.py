@@ -2,7 +2,7 @@
 
 ``linear_vocab_kl(student_hidden, student_weight, teacher_hidden, teacher_weight, ...)`` equals
 ``vocab_kl(student_hidden @ student_weight.T, teacher_hidden @ teacher_weight.T, ...)`` (formulas and gradients in
-``vocab_kl.py``): per-token ``forward`` = KL(p_teacher ‖ q_student), ``reverse`` = KL(q ‖ p), or the β-weighted
+``kl.py``): per-token ``forward`` = KL(p_teacher ‖ q_student), ``reverse`` = KL(q ‖ p), or the β-weighted
 ``jsd``, with both logits divided by the temperature, in fp32.
 
 Forward: tiles of both logits are reduced on the fly into per-row (max, Σexp) of each side plus the cross term
@@ -32,9 +32,9 @@ from rlblocks.kernels._common import (
     triton_dot_precision,
     zero_ignored_rows,
 )
-from rlblocks.kernels.vocab_kl import _bwd_torch as _kl_bwd_rows
-from rlblocks.kernels.vocab_kl import _fwd_torch as _kl_fwd_rows
-from rlblocks.kernels.vocab_kl import check_kind_beta, valid_rows
+from rlblocks.kernels.kl import _bwd_torch as _kl_bwd_rows
+from rlblocks.kernels.kl import _fwd_torch as _kl_fwd_rows
+from rlblocks.kernels.kl import check_kind_beta, valid_rows
 
 if triton_available():
     import triton
