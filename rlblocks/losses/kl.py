@@ -12,11 +12,11 @@
 from __future__ import annotations
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Float, Shaped
 from torch import Tensor
 
-from rlblocks._validate import check_floating, check_same_shape
-from rlblocks.losses._common import LOG_RATIO_CLAMP, check_choice, check_number, compute_dtype
+from rlblocks._validate import as_bool_mask, check_floating, check_same_shape
+from rlblocks.losses._common import LOG_RATIO_CLAMP, check_choice, check_number, compute_dtype, safe
 
 __all__ = ["AdaptiveKLController", "FixedKLController", "kl_estimate"]
 
@@ -29,21 +29,29 @@ def kl_estimate(
     *,
     kind: str = "k3",
     straight_through: bool = False,
+    mask: Shaped[Tensor, "*shape"] | None = None,
 ) -> Float[Tensor, "*shape"]:
     """Per-token estimate of KL(π‖π_ref) with ``l = logp − ref_logp``; any matching shapes (usually ``[B, T]``).
 
     ``kind`` is one of ``"k1" | "k2" | "k3" | "abs" | "low_var_kl"`` (formulas in the module docstring). In k3 the
     exponent is clamped (``e^{−clamp(l, −20, 20)}``) so the value stays finite. ``straight_through=True`` returns
     the value of ``kind`` with the gradient of k2 (verl's ``k3+``): ``sg(k) + k2 − sg(k2)``.
-    No mask argument: the result has the input's shape; reduce it with ``aggregate`` (which ignores padding, even
-    NaN). Computed in float32 (float64 for float64 inputs).
+    The result has the input's shape; reduce it with ``aggregate``. Pass ``mask`` (an addition to the issue's
+    signature) when padding may hold NaN/inf: the inputs are then sanitised first and the output is 0 at masked
+    positions, so nothing non-finite reaches the value *or the gradient* (``aggregate`` alone keeps the value
+    finite, but the gradient of a NaN k is NaN·0 = NaN). Computed in float32 (float64 for float64 inputs).
     """
     check_floating("logp", logp)
     check_floating("ref_logp", ref_logp)
     check_same_shape("logp", logp, "ref_logp", ref_logp)
     check_choice("kind", kind, KL_KINDS)
     dt = compute_dtype(logp)
-    lr = logp.to(dt) - ref_logp.to(dt).detach()
+    if mask is not None:
+        m = as_bool_mask(mask, logp)
+        lr = safe(logp, m, dt) - safe(ref_logp, m, dt).detach()
+    else:
+        m = None
+        lr = logp.to(dt) - ref_logp.to(dt).detach()
     if kind == "k1":
         k = lr
     elif kind == "k2":
@@ -56,7 +64,7 @@ def kl_estimate(
     if straight_through:
         k2 = 0.5 * lr * lr
         k = k.detach() + (k2 - k2.detach())
-    return k
+    return k if m is None else safe(k, m, dt)
 
 
 class FixedKLController:
