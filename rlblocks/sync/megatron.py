@@ -182,7 +182,7 @@ def _hf_layer_shapes(dims: GPTDims) -> dict[str, tuple[int, ...]]:
 
 def _check_tp(dims: GPTDims, tp_size: int) -> None:
     for what, n in (("num_key_value_heads", dims.num_kv_heads), ("num_attention_heads", dims.num_heads),
-                    ("intermediate_size", dims.ffn_hidden_size), ("hidden_size", dims.hidden_size)):
+                    ("intermediate_size", dims.ffn_hidden_size)):
         if n % tp_size:
             raise ValueError(f"tp_size: {what} ({n}) must be divisible by tp_size ({tp_size})")
 
@@ -541,10 +541,11 @@ def megatron_to_hf_streaming(
     Every rank of ``tp_group`` (a ``torch.distributed`` group; ``None`` = the default group) iterates its own local
     tensors (e.g. ``model.state_dict().items()``; ``._extra_state`` entries skipped) in the same order and gets the
     same full HF tensors as :func:`megatron_to_hf` over all ranks' state dicts. Per tensor, a small int64
-    header (crc32 of the name, shard shape) is all-gathered first, so ranks that disagree on names or shapes get a
-    ``ValueError`` instead of a hang or garbage; then the shard is all-gathered (replicated tensors need no gather
-    and are taken from the local rank). Extra memory: one full parameter. Tensors must be on the device the
-    group's backend uses (CPU for gloo, CUDA for NCCL).
+    header (crc32 of the name, shard shape) is all-gathered first, and one more marks the end of the stream, so
+    ranks that disagree on names, shapes or the number of tensors all get a ``ValueError`` instead of a hang or
+    garbage; then the shard is all-gathered (replicated tensors need no gather and are taken from the local rank).
+    Extra memory: one full parameter. Tensors must be on the device the group's backend uses
+    (CPU for gloo, CUDA for NCCL).
     """
     import torch.distributed as dist
 
@@ -553,24 +554,37 @@ def megatron_to_hf_streaming(
     _check_tp(dims, tp)
     offset, count, first, last = _stage(dims, pp_size, pp_rank, pp_layers)
     consumed = _Consumed(dims, count, first, last)
-    for name, t in named_local_tensors:
-        if name.endswith(_EXTRA):
-            continue
-        info = _mg_info(name, dims, tp, offset, count, first, last)
-        consumed.add(name)
-        t = _check_shape_any(f"named_local_tensors[{name!r}]", t)
-        header = torch.tensor([zlib.crc32(name.encode()), t.dim(), *t.shape, *([0] * (4 - t.dim()))][:6],
-                              dtype=torch.int64, device=t.device)
+    device = torch.device("cpu") if dist.get_backend(tp_group) == "gloo" else None
+
+    def agree(header: Tensor, what: str) -> None:
         headers = [torch.empty_like(header) for _ in range(tp)]
         dist.all_gather(headers, header, group=tp_group)
         for r, hr in enumerate(headers):
             if not torch.equal(hr, header):
-                raise ValueError(f"named_local_tensors: TP rank {r} sent a different name or shape than {name!r} "
-                                 f"{list(t.shape)} (header {hr.tolist()} vs {header.tolist()})")
+                other = "reached the end of its tensors" if hr[0] == 0 else "sent a different name or shape"
+                raise ValueError(f"named_local_tensors: TP rank {r} {other} than this rank's {what} "
+                                 f"(header {hr.tolist()} vs {header.tolist()})")
+
+    for name, t in named_local_tensors:
+        if name.endswith(_EXTRA):
+            continue
+        t = _check_shape_any(f"named_local_tensors[{name!r}]", t)
+        if t.dim() > 4:
+            raise ValueError(f"named_local_tensors[{name!r}]: expected at most 4 dims, got shape {list(t.shape)}")
+        device = t.device
+        # Agree on (name, shape) before validating, so that every rank raises the same error instead of one rank
+        # raising while the others wait in a collective. Field 0 is 1 for a tensor, 0 for the end of the stream.
+        agree(torch.tensor([1, zlib.crc32(name.encode()), t.dim(), *t.shape, *([0] * (4 - t.dim()))],
+                           dtype=torch.int64, device=device), f"{name!r} {list(t.shape)}")
+        info = _mg_info(name, dims, tp, offset, count, first, last)
+        consumed.add(name)
         if info.kind == "rep":
             shards = [t] * tp
         else:
             shards = [torch.empty_like(t) for _ in range(tp)]
             dist.all_gather(shards, t.contiguous(), group=tp_group)
         yield from _merge(name, info, shards, dims)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    agree(torch.zeros(7, dtype=torch.int64, device=device), "end of stream")
     consumed.finish("named_local_tensors")

@@ -161,6 +161,13 @@ def task_megatron(rank: int, world: int) -> None:
                 assert "different name or shape" in str(e), e
             else:
                 raise AssertionError("mismatched streaming names were not refused")
+            short = [] if rank == 0 else [("decoder.final_layernorm.weight", torch.ones(64))]
+            try:
+                list(megatron_to_hf_streaming(short, cfg, tp_group=tp_group))
+            except ValueError as e:
+                assert "end of" in str(e), e
+            else:
+                raise AssertionError("streams of different lengths were not refused")
         ps.destroy_model_parallel()
 
 
