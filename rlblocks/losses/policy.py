@@ -148,7 +148,10 @@ def gspo_loss(
     clamped to ±20). Token form ``s_{i,t} = sg(s_i)·exp(logp_t − sg(logp_t))``: its value equals ``s_i`` and its
     gradient is ``s_i·∇logp_t``, so aggregating with ``seq-mean-token-mean`` reproduces the sequence-level
     GSPO gradient ``s_i/|y_i|·Σ_t ∇logp_t``. Loss ``max(−s·A, −clip(s, 1 − eps_low, 1 + eps_high)·A)``
-    (paper defaults 3e-4 / 4e-4). ``[B, T]`` advantages are used per token (GSPO-token).
+    (paper defaults 3e-4 / 4e-4). ``[B, T]`` advantages are used per token (GSPO-token): the gradient is then
+    ``−A_t·s_i·∇logp_t`` by definition, which is not the derivative of the per-token value when A varies within a
+    sequence (the paper's GSPO-token objective). All of this holds for any ``aggregate`` mode, since each weights
+    the tokens of one sequence equally.
 
     Metrics: ``clipfrac_low``, ``clipfrac_high`` (fraction of valid tokens whose sequence ratio is clipped in the
     active direction), ``seq_ratio_mean`` (mean of ``s_i`` over non-empty sequences), ``approx_kl``.
