@@ -1,0 +1,72 @@
+"""Run by test_vocab_parallel.py: 2 gloo processes, vocab-sharded linear_token_logprobs vs the unsharded result.
+
+Usage: python vocab_parallel_worker.py <init_file>. Exits non-zero (with the failing check printed) on mismatch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+
+
+def _check(name, got, want, atol):
+    err = (got.double() - want.double()).abs().max().item()
+    scale = max(1.0, want.double().abs().max().item())
+    if err > atol * scale:
+        raise AssertionError(f"{name}: max abs error {err:.3g} > {atol:.3g} x {scale:.3g}")
+
+
+def _case(backend, rank, n, hdim, vocab, entropy):
+    from rlblocks.kernels import linear_token_logprobs
+
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(n, hdim, generator=g)
+    weight = torch.randn(vocab, hdim, generator=g) / hdim**0.5 * 2
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[torch.rand(n, generator=g) < 0.2] = -100
+    c1, c2 = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    shard = vocab // WORLD
+
+    def run(w_full_or_shard, group):
+        h = hidden.clone().requires_grad_()
+        w = w_full_or_shard.clone().requires_grad_()
+        out = linear_token_logprobs(h, w, labels, temperature=0.8, return_entropy=entropy,
+                                    process_group=group, backend=backend)
+        lp, ent = out if entropy else (out, None)
+        loss = (lp * c1).sum() + ((ent * c2).sum() if entropy else 0)
+        loss.backward()
+        return lp.detach(), ent, h.grad, w.grad
+
+    lp, ent, gh, gw = run(weight[rank * shard : (rank + 1) * shard], dist.group.WORLD)
+    lp_ref, ent_ref, gh_ref, gw_ref = run(weight, None)
+    tag = f"[{backend} rank{rank} entropy={entropy}]"
+    _check(f"{tag} logp", lp, lp_ref, 1e-5)
+    if entropy:
+        _check(f"{tag} entropy", ent.detach(), ent_ref.detach(), 1e-5)
+    _check(f"{tag} grad hidden", gh, gh_ref, 1e-5)
+    _check(f"{tag} grad weight shard", gw, gw_ref[rank * shard : (rank + 1) * shard], 1e-5)
+
+
+def _worker(rank, init_file, backends):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        for backend in backends:
+            n, hdim, vocab = (150, 32, 1000) if backend == "torch" else (21, 32, 256)
+            for entropy in (False, True):
+                _case(backend, rank, n, hdim, vocab, entropy)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    backends = sys.argv[2].split(",")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    mp.spawn(_worker, args=(sys.argv[1], backends), nprocs=WORLD, join=True)
+    print("vocab-parallel OK", backends)
