@@ -3,8 +3,6 @@ through init_sync_group; the separate-process case is in test_broadcast_multipro
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -12,28 +10,7 @@ from rlblocks.sync import WeightReceiver, WeightSender, init_sync_group
 from rlblocks.sync.broadcast import SyncError, SyncMismatchError
 from rlblocks.sync.buckets import tensor_spec
 
-from ._launch import free_port
-
-
-def run_ranks(fns, *, timeout=20.0):
-    """Run fns[r](group) for every rank r in its own thread; returns per-rank results or exceptions."""
-    port = free_port()
-    out: list = [None] * len(fns)
-
-    def body(r):
-        try:
-            g = init_sync_group(master_addr="127.0.0.1", master_port=port, world_size=len(fns), rank=r, timeout=timeout)
-            out[r] = fns[r](g)
-        except Exception as e:
-            out[r] = e
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout * 4)
-        assert not t.is_alive(), "a rank hung"
-    return out
+from ._launch import run_ranks
 
 
 def test_streamed_send_into_load_state_dict(tiny_hf_dir):
