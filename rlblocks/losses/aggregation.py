@@ -27,7 +27,8 @@ def _count(name: str, value: Count | None, default: Tensor, dt: torch.dtype) -> 
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name}: expected a number or a 1-element tensor, got shape {list(value.shape)}")
-        return value.reshape(()).to(device=default.device, dtype=dt)
+        v = value.reshape(()).to(device=default.device, dtype=dt)
+        return torch.where(v > 0, v, torch.ones_like(v))  # a global count of 0 (nothing valid anywhere) gives 0
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name}: expected a positive number, got {value!r}")
     return torch.tensor(float(value), dtype=dt, device=default.device)
@@ -54,8 +55,9 @@ def aggregate(
     - ``token-sum``: ``Σ mℓ``
 
     Golden: ℓ=[[1,1,1,1],[2,2,0,0]], m=[[1,1,1,1],[1,1,0,0]] → 1.3333, 1.5, 4.0, 1.0.
-    Counts may be Python numbers or 0-dim tensors (e.g. all-reduced). A local count of 0 is clamped to 1 so an
-    all-false mask gives 0, never NaN. Accumulates in float32 (float64 for float64 input).
+    Counts may be positive Python numbers or 1-element tensors (e.g. all-reduced; a tensor count of 0 is read as
+    1). A local count of 0 is clamped to 1 too, so an all-false mask gives 0, never NaN.
+    Accumulates in float32 (float64 for float64 input).
     """
     check_floating("per_token", per_token)
     check_ndim("per_token", per_token, 2, "[B, T]")

@@ -60,6 +60,9 @@ def test_all_false_mask_is_zero_and_grad_is_finite(mode):
     x = torch.full((2, 3), float("nan"), dtype=torch.float64, requires_grad=True)
     out = aggregate(x, torch.zeros(2, 3, dtype=torch.bool), mode=mode)
     assert out.item() == 0.0
+    zero = torch.tensor(0)
+    kw = {"num_tokens": zero, "num_seqs": zero, "max_len": zero}
+    assert aggregate(x, torch.zeros(2, 3, dtype=torch.bool), mode=mode, **kw).item() == 0.0
     (g,) = torch.autograd.grad(out, x)
     assert (g == 0).all()
 
