@@ -166,6 +166,7 @@ class VLLMEngine:
         self._loras: dict[int, Any] = {}  # version -> LoRARequest
         self._lora_users: dict[int, int] = {}  # version -> number of in-flight requests using it
         self._lora_version: int | None = None  # adapter that new requests get (None: base model)
+        self._gc_tasks: set[asyncio.Task] = set()
         self._own_lora_dir = lora_dir is None
         self._lora_dir = Path(lora_dir) if lora_dir is not None else None
         self._closed = False
@@ -632,29 +633,33 @@ class VLLMEngine:
     async def update_lora(self, lora: Any, *, version: int) -> None:
         """Register the adapter of ``version`` and make new requests use it; no pause is needed.
 
-        ``lora`` is a PEFT adapter directory, a ``PeftModel``, or ``{"config": LoraConfig | dict, "tensors":
-        {peft name: Tensor}}``. The adapter is registered as ``LoRARequest(lora_name(version), version + 1, path,
-        load_inplace=True)``: re-sending a version replaces it in place. Requests already running keep the adapter
-        they started with (their tokens carry its version). Adapters older than ``version - max_staleness`` are
-        removed once no in-flight request uses them (TRL #7017). Needs an engine started with ``enable_lora=True``."""
+        ``lora`` is a PEFT adapter directory, a ``PeftModel``, ``{"config": LoraConfig | dict, "tensors": {peft
+        name: Tensor}}`` (what ``rlblocks.sync.lora_state`` returns), or ``None`` to serve the base model again.
+        The adapter is registered as ``LoRARequest(lora_name(version), version + 1, path, load_inplace=True)``:
+        re-sending a version replaces it in place. Requests already running keep the adapter they started with
+        (their tokens carry its version). Adapters older than ``version - max_staleness`` are removed once no
+        in-flight request uses them, so at least ``max_staleness + 1`` versions stay registered (TRL #7017).
+        ``version`` is committed as the engine version too. Needs an engine started with ``enable_lora=True``."""
         from vllm.lora.request import LoRARequest
 
         if not self._lora_enabled:
             raise ValueError("lora: this engine was started without enable_lora=True")
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"version: expected an int >= 0, got {version!r}")
-        if self._lora_version is not None and version < self._lora_version:
-            raise ValueError(f"version: expected >= the current adapter version {self._lora_version}, got {version}")
-        path = self._write_adapter(lora, version)
-        req = LoRARequest(self.lora_name(version), version + 1, path, load_inplace=True)
-        ok = await self._llm.add_lora(req)
-        if ok is False:
-            raise RuntimeError(f"vLLM refused the adapter of version {version} at {path}")
-        self._loras[version] = req
-        self._lora_version = version
-        self._version = version
-        self._label_versions[str(version)] = version
-        await self._gc_loras()
+        if version < self._version:
+            raise ValueError(f"version: expected >= the current version {self._version}, got {version}")
+        async with self._control:
+            if lora is None:
+                self._lora_version = None
+            else:
+                path = self._write_adapter(lora, version)
+                req = LoRARequest(self.lora_name(version), version + 1, path, load_inplace=True)
+                if await self._llm.add_lora(req) is False:
+                    raise RuntimeError(f"vLLM refused the adapter of version {version} at {path}")
+                self._loras[version] = req
+                self._lora_version = version
+            await self._commit_version(version)
+            await self._gc_loras()
 
     def registered_lora_versions(self) -> list[int]:
         """Adapter versions this engine keeps registered in vLLM."""
@@ -667,16 +672,20 @@ class VLLMEngine:
         else:
             self._lora_users[version] = n
         if version < self._version - self._max_staleness and n <= 0 and not self._closed:
-            # Removal is async; run it without blocking the request's return.
+            # Removal is async; run it without blocking the request's return (keep a reference to the task).
             with contextlib.suppress(RuntimeError):
-                asyncio.get_running_loop().create_task(self._gc_loras())
+                task = asyncio.get_running_loop().create_task(self._gc_loras())
+                self._gc_tasks.add(task)
+                task.add_done_callback(self._gc_tasks.discard)
 
     async def _gc_loras(self) -> None:
-        keep_from = (self._lora_version or 0) - self._max_staleness
+        keep_from = self._version - self._max_staleness
         for v in sorted(self._loras):
             if v >= keep_from or self._lora_users.get(v, 0) > 0:
                 continue
-            req = self._loras.pop(v)
+            req = self._loras.pop(v, None)
+            if req is None:  # removed meanwhile by a concurrent collection
+                continue
             await self._llm.remove_lora(req.lora_int_id)
             if self._own_lora_dir and self._lora_dir is not None and Path(req.lora_path).parent == self._lora_dir:
                 shutil.rmtree(req.lora_path, ignore_errors=True)
