@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -226,7 +227,11 @@ class VLLMEngine:
         if self._closed:
             return
         self._closed = True
-        self._llm.shutdown()
+        # Drop our reference so that AsyncLLM.__del__ runs now, while modules are alive (not at interpreter exit).
+        llm, self._llm = self._llm, None
+        llm.shutdown()
+        del llm
+        gc.collect()  # the AsyncLLM may sit in a reference cycle
         if self._own_lora_dir and self._lora_dir is not None:
             shutil.rmtree(self._lora_dir, ignore_errors=True)
 
@@ -241,6 +246,11 @@ class VLLMEngine:
     def version(self) -> int:
         """The committed policy version: new tokens are produced under it (after :meth:`resume`)."""
         return self._version
+
+    @property
+    def is_paused(self) -> bool:
+        """True between :meth:`pause` (or :meth:`sleep`) and :meth:`resume` (or :meth:`wake`)."""
+        return self._paused
 
     @property
     def llm(self) -> Any:
@@ -284,6 +294,8 @@ class VLLMEngine:
         its partial output with ``finish_reason="abort"``. ``request_id`` must not be in flight already."""
         if not isinstance(request, GenerationRequest):
             raise ValueError(f"request: expected a GenerationRequest, got {type(request).__name__}")
+        if self._closed:
+            raise RuntimeError("VLLMEngine: the engine is closed")
         rid = request.request_id
         if rid in self._inflight:
             raise ValueError(f"request.request_id: {rid!r} is already in flight on this engine; ids must be unique")
