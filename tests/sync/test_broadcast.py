@@ -96,3 +96,28 @@ def test_init_validation():
         init_sync_group(master_addr="127.0.0.1", master_port=1234, world_size=2, rank=2)
     with pytest.raises(ValueError, match="backend"):
         init_sync_group(master_addr="127.0.0.1", master_port=1234, world_size=2, rank=0, backend="mpi")
+
+
+def test_reused_receive_buffers_streaming_consumer():
+    """reuse_buffers=True: a consumer that copies each tensor as it goes gets exact weights, over two versions."""
+    g0 = torch.Generator().manual_seed(1)
+    states = [{f"t{i}": torch.randn(50 + 37 * i, generator=g0) for i in range(12)} for _ in range(2)]
+
+    def sender(g):
+        s = WeightSender(g, bucket_bytes=512)
+        for v, st in enumerate(states):
+            s.send(st, v)
+
+    def receiver(g):
+        r = WeightReceiver(g, reuse_buffers=True)
+        out = []
+        for _ in states:
+            v, it = r.receive()
+            out.append((v, {n: t.clone() for n, t in it}))
+        return out
+
+    res = run_ranks([sender, receiver])
+    assert res[0] is None
+    for (v, got), st in zip(res[1], states):
+        assert v == states.index(st) and got.keys() == st.keys()
+        assert all(torch.equal(got[n], st[n]) for n in st)
