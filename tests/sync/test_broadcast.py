@@ -118,6 +118,6 @@ def test_reused_receive_buffers_streaming_consumer():
 
     res = run_ranks([sender, receiver])
     assert res[0] is None
-    for (v, got), st in zip(res[1], states):
-        assert v == states.index(st) and got.keys() == st.keys()
+    for i, ((v, got), st) in enumerate(zip(res[1], states)):
+        assert v == i and got.keys() == st.keys()
         assert all(torch.equal(got[n], st[n]) for n in st)
