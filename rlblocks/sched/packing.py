@@ -143,29 +143,44 @@ def balance_partitions(lengths: Sequence[int] | Tensor, k: int, *, equal_size: b
     n = len(lens)
     if equal_size and n % k != 0:
         raise ValueError(f"lengths: equal_size=True needs a multiple of k={k} sequences, got {n}")
-    # A partial solution: subsets sorted by sum descending, as (sum, indices); heap key = -(spread), tiebreak id.
-    seeds: list[list[tuple[int, list[int]]]] = []
+    # A partial solution: k subsets sorted by sum descending, each (sum, members) where members is a cheap tree
+    # (None, an index, or a pair of trees) so a merge costs O(k), not O(subset size); heap key = -(spread), id.
+    seeds: list[list[tuple[int, object]]] = []
     if equal_size:
         order = sorted(range(n), key=lambda j: (lens[j], j))
         for c in range(0, n, k):
-            chunk = order[c : c + k]
-            seeds.append(sorted(((lens[j], [j]) for j in chunk), key=lambda s: -s[0]))
+            seeds.append(sorted(((lens[j], j) for j in order[c : c + k]), key=lambda s: -s[0]))
     else:
         for j in range(n):
-            seeds.append([(lens[j], [j])] + [(0, []) for _ in range(k - 1)])
+            seeds.append([(lens[j], j)] + [(0, None)] * (k - 1))
     heap = [(-(s[0][0] - s[-1][0]), i, s) for i, s in enumerate(seeds)]
     heapq.heapify(heap)
     next_id = len(seeds)
     while len(heap) > 1:
         _, _, a = heapq.heappop(heap)
         _, _, b = heapq.heappop(heap)
-        merged = [(a[i][0] + b[k - 1 - i][0], a[i][1] + b[k - 1 - i][1]) for i in range(k)]
+        merged = [(a[i][0] + b[k - 1 - i][0], (a[i][1], b[k - 1 - i][1])) for i in range(k)]
         merged.sort(key=lambda s: -s[0])
         heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), next_id, merged))
         next_id += 1
     if not heap:
         return [[] for _ in range(k)]
-    return [sorted(idx) for _, idx in heap[0][2]]
+    return [_flatten(members) for _, members in heap[0][2]]
+
+
+def _flatten(tree: object) -> list[int]:
+    out: list[int] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if node is None:
+            continue
+        if isinstance(node, tuple):
+            stack.extend(node)
+        else:
+            out.append(node)
+    out.sort()
+    return out
 
 
 def inverse_permutation(groups: Sequence[Sequence[int]]) -> list[int]:
