@@ -13,10 +13,11 @@ It implements the whole :class:`~rlblocks.rollout.types.RolloutEngine` protocol 
   mass reaches top-p (the most probable token is always kept); everything else is ``-inf``. Computed in fp32 from
   fp32 logits. Greedy (``temperature == 0``) takes the argmax of the raw logits and reports the untempered,
   unfiltered log-softmax.
-- **Seeds.** A request with ``seed`` draws the uniform number for the token at absolute position ``p`` (index in
-  prompt + output) from a ``torch.Generator`` seeded with ``mix(seed, p)``, and samples by inverse CDF (float64).
-  The draw therefore depends only on (seed, position), so a seeded request interrupted and resumed with the same seed
-  draws the same numbers. Requests without a seed get a random one.
+- **Seeds.** Sampling is by inverse CDF (float64) with a *counter-based* uniform number: the token at absolute
+  position ``p`` (index in prompt + output) uses ``u = splitmix64(seed, p) / 2**63`` — a stateless generator (as
+  Philox is), rather than a stateful per-request ``torch.Generator``. The draw therefore depends only on
+  (seed, position), not on how many tokens this call produced, so a seeded request interrupted and re-submitted
+  with the same seed draws the same numbers. Requests without a seed get a random one.
 - **Versions.** Each token is tagged with the weight version of the step that produced it.
 
 Exactness of interrupt + resume (why a greedy resumed generation is bit-identical)
@@ -83,6 +84,11 @@ def _mix_seed(seed: int, position: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return (z ^ (z >> 31)) & _MASK64
+
+
+def _uniform(seed: int, position: int) -> float:
+    """A uniform number in [0, 1) that depends only on (seed, position): counter-based, like Philox."""
+    return (_mix_seed(seed, position) >> 10) * 2.0**-53
 
 
 def processed_logprobs(
@@ -247,6 +253,7 @@ class TorchEngine:
         self._prefix: OrderedDict[tuple[int, ...], tuple[KV, int]] = OrderedDict()
         self._paused = False
         self._sleeping = False
+        self._sleep_paused = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._lock: asyncio.Lock | None = None
@@ -388,8 +395,11 @@ class TorchEngine:
                 self._wake.set()
 
     async def sleep(self) -> None:
-        """Pause (keep) and, on CUDA, move the weights to CPU and drop every KV cache. On CPU: pause only."""
+        """Pause (keep) and, on CUDA, move the weights to CPU and drop every KV cache (frozen requests are
+        re-prefilled after :meth:`wake`). On CPU there is no device memory to release: it only pauses."""
         self._bind_loop()
+        if not self._sleeping:
+            self._sleep_paused = not self._paused
         self._paused = True
         async with self._lock:
             if self._device.type != "cpu" and not self._sleeping:
@@ -399,13 +409,14 @@ class TorchEngine:
             self._sleeping = True
 
     async def wake(self) -> None:
-        """Undo :meth:`sleep`: weights back on their device, then resume."""
+        """Undo :meth:`sleep`: weights back on their device; resume if :meth:`sleep` was what paused."""
         self._bind_loop()
         async with self._lock:
             if self._sleeping and self._device.type != "cpu":
                 self.model.to(self._device)
-            self._sleeping = False
-        await self.resume()
+            was_sleeping, self._sleeping = self._sleeping, False
+        if was_sleeping and self._sleep_paused:
+            await self.resume()
 
     # ------------------------------------------------------------------ loop
     def _bind_loop(self) -> None:
@@ -436,13 +447,13 @@ class TorchEngine:
                     plan = self._plan()
                     result = await asyncio.to_thread(self._compute, plan)
                     self._apply(result)
-                except Exception as exc:  # fail every waiting caller rather than hang
+                except Exception as exc:  # fail every waiting caller rather than hang; the loop lives on
                     for seq in list(self._seqs.values()):
+                        seq.done = True
                         if not seq.future.done():
                             seq.future.set_exception(exc)
                     self._seqs.clear()
                     self._batch = None
-                    raise
             await asyncio.sleep(0)  # let pause/abort/update take the lock between steps
 
     # ------------------------------------------------------------------ scheduling (event loop, under lock)
@@ -477,7 +488,7 @@ class TorchEngine:
         if self.prefix_cache_size == 0 or kv is None or n_cached == 0:
             return
         key = tuple(seq.tokens[:n_cached])
-        self._prefix[key] = (kv, self._version)
+        self._prefix[key] = ([(k.clone(), v.clone()) for k, v in kv], self._version)  # own memory, not a batch view
         self._prefix.move_to_end(key)
         while len(self._prefix) > self.prefix_cache_size:
             self._prefix.popitem(last=False)
@@ -659,11 +670,7 @@ class TorchEngine:
         logp = processed_logprobs(logits, temp, top_k, top_p)
         tokens = logits.argmax(dim=-1)
         if not bool(greedy.all()):
-            u = torch.empty(len(seqs), dtype=torch.float64)
-            gen = torch.Generator(device="cpu")
-            for b, s in enumerate(seqs):
-                gen.manual_seed(_mix_seed(s.seed, len(s.tokens)))
-                u[b] = torch.rand((), generator=gen, dtype=torch.float64)
+            u = torch.tensor([_uniform(s.seed, len(s.tokens)) for s in seqs], dtype=torch.float64)
             cdf = torch.cumsum(logp.double().exp(), dim=-1)
             target = (u.to(dev) * cdf[:, -1]).unsqueeze(-1)
             drawn = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_max(logits.shape[-1] - 1)

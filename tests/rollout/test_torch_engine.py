@@ -483,3 +483,44 @@ def test_sleep_wake_and_reuse_across_event_loops(tiny_model):
     g1 = run(main())
     g2 = run(engine.generate(GenerationRequest("s", PROMPTS[0], greedy(6))))  # a second asyncio.run
     assert g1.output_ids == g2.output_ids and g1.num_output_tokens == 6
+
+
+def test_sampled_token_frequencies_follow_processed_distribution(tiny_model):
+    """2000 one-token draws (distinct seeds) vs the float64 processed distribution (T=0.8, top-k 6, top-p 0.9)."""
+    engine = TorchEngine(tiny_model)
+    sp = [SamplingParams(temperature=0.8, top_k=6, top_p=0.9, max_new_tokens=1, seed=s) for s in range(2000)]
+    prompt = PROMPTS[2]
+
+    async def main():
+        return await asyncio.gather(*[engine.generate(GenerationRequest(f"s{i}", prompt, p)) for i, p in enumerate(sp)])
+
+    gens = run(main())
+    with torch.no_grad():
+        logits = tiny_model(input_ids=torch.tensor([prompt])).logits[0, -1]
+    probs = ref_processed_logprobs(logits, 0.8, 6, 0.9).exp()
+    counts = torch.bincount(torch.tensor([g.output_ids[0] for g in gens]), minlength=probs.numel()).double()
+    freq = counts / counts.sum()
+    assert (freq[probs == 0] == 0).all()  # nothing outside the support
+    sigma = (probs * (1 - probs) / 2000).sqrt()
+    assert ((freq - probs).abs() <= 5 * sigma + 1e-3).all(), (freq[probs > 0], probs[probs > 0])
+
+
+def test_forward_error_fails_callers_and_engine_recovers(tiny_model):
+    engine = TorchEngine(tiny_model)
+    real = engine._forward
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    async def main():
+        engine._forward = broken
+        results = await asyncio.gather(
+            *[engine.generate(GenerationRequest(f"e{i}", PROMPTS[i], greedy(4))) for i in range(3)],
+            return_exceptions=True,
+        )
+        engine._forward = real
+        return results, await engine.generate(GenerationRequest("ok", PROMPTS[0], greedy(4)))
+
+    results, ok = run(main())
+    assert all(isinstance(r, RuntimeError) and "device lost" in str(r) for r in results)
+    assert ok.num_output_tokens == 4 and engine.num_in_flight() == 0
