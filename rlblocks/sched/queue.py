@@ -165,9 +165,9 @@ class StalenessQueue:
         self._wait_total += wait
         return [entry[3] for entry in taken]
 
-    def _deliver_stale(self, stale: list[tuple[Any, int]], taken: list[tuple[int, int, float, Any]]) -> None:
-        """Call ``on_stale`` outside the lock. If it raises, the undelivered stale items go to the drain list and
-        the batch taken in the same call is put back (same order), so nothing is lost; then the error propagates."""
+    def _deliver_stale(self, stale: list[tuple[Any, int]]) -> None:
+        """Call ``on_stale`` outside the lock, before any batch is taken. If it raises, the undelivered stale items
+        go to the drain list (nothing is lost, nothing was taken) and the error propagates."""
         if not stale or self.on_stale is None:
             return
         for i, (item, version) in enumerate(stale):
@@ -176,10 +176,6 @@ class StalenessQueue:
             except BaseException:
                 with self._lock:
                     self._stale_pending.extend(stale[i:])
-                    for entry in taken:
-                        heapq.heappush(self._heap, entry)
-                    if taken:
-                        self._notify_put_locked()
                 raise
 
     # ------------------------------------------------------------------ producer side
@@ -250,60 +246,53 @@ class StalenessQueue:
         n = _check_int("n", n, minimum=1)
         current_version = _check_int("current_version", current_version, minimum=0)
         timeout = _check_timeout(timeout)
-        with self._lock:
-            stale = self._purge_locked(current_version)
-            if len(self._heap) < n and not self._closed and timeout != 0:
-                t0 = time.monotonic()
-                deadline = None if timeout is None else t0 + timeout
-                self._getters += 1
-                try:
-                    while True:
-                        stale += self._purge_locked(current_version)
-                        if len(self._heap) >= n or self._closed:
-                            break
-                        remaining = None if deadline is None else deadline - time.monotonic()
-                        if remaining is not None and remaining <= 0:
-                            break
-                        self._not_empty.wait(remaining)
-                finally:
-                    self._getters -= 1
-                    self._get_block_total += time.monotonic() - t0
-            taken = self._take_locked(n)
-            items = self._account_locked(taken, current_version)
-        self._deliver_stale(stale, taken)
-        return items
+        deliver = self.on_stale is not None
+        t0 = deadline = None
+        while True:
+            with self._lock:
+                stale = self._purge_locked(current_version)
+                if not (stale and deliver):
+                    if len(self._heap) >= n or self._closed or timeout == 0:
+                        return self._account_locked(self._take_locked(n), current_version)
+                    now = time.monotonic()
+                    if t0 is None:
+                        t0 = now
+                        deadline = None if timeout is None else now + timeout
+                    if deadline is not None and now >= deadline:
+                        return self._account_locked(self._take_locked(n), current_version)
+                    self._getters += 1
+                    try:
+                        self._not_empty.wait(None if deadline is None else deadline - now)
+                    finally:
+                        self._getters -= 1
+                        self._get_block_total += time.monotonic() - now
+                    continue
+            self._deliver_stale(stale)  # outside the lock; then look again
 
     async def aget_batch(self, n: int, *, current_version: int, timeout: float | None = None) -> list[Any]:
-        """Coroutine :meth:`get_batch`; waits on the event loop, never in a thread. Cancellation loses nothing."""
+        """Coroutine :meth:`get_batch`; waits on the event loop, never in a thread. Cancellation loses nothing:
+        items are taken only in the step that returns them."""
         n = _check_int("n", n, minimum=1)
         current_version = _check_int("current_version", current_version, minimum=0)
         timeout = _check_timeout(timeout)
         loop = asyncio.get_running_loop()
+        deliver = self.on_stale is not None
         t0 = loop.time()
         deadline = None if timeout is None else t0 + timeout
-        stale: list[tuple[Any, int]] = []
-        taken: list[tuple[int, int, float, Any]] | None = None
-        try:
-            while True:
-                with self._lock:
-                    stale += self._purge_locked(current_version)
+        while True:
+            with self._lock:
+                stale = self._purge_locked(current_version)
+                if not (stale and deliver):
                     expired = deadline is not None and loop.time() >= deadline
                     if len(self._heap) >= n or self._closed or expired:
-                        taken = self._take_locked(n)
-                        items = self._account_locked(taken, current_version)
                         self._get_block_total += loop.time() - t0
-                        break
-                    fut = loop.create_future()
-                    waiter = (loop, fut)
+                        return self._account_locked(self._take_locked(n), current_version)
+                    waiter = (loop, loop.create_future())
                     self._async_waiters.add(waiter)
-                await self._await_waiter(waiter, deadline, loop)
-        finally:
-            if taken is None:
-                # Cancelled or failed while waiting: nothing was taken; stale items popped so far still reach
-                # on_stale (without a callback they are already in the drain list).
-                self._deliver_stale(stale, [])
-        self._deliver_stale(stale, taken)
-        return items
+            if stale and deliver:
+                self._deliver_stale(stale)
+                continue
+            await self._await_waiter(waiter, deadline, loop)
 
     async def _await_waiter(self, waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future], deadline, loop) -> bool:
         """Wait for ``waiter`` to be resolved; False on timeout. Always deregisters it."""
@@ -328,7 +317,7 @@ class StalenessQueue:
         current_version = _check_int("current_version", current_version, minimum=0)
         with self._lock:
             stale = self._purge_locked(current_version)
-        self._deliver_stale(stale, [])
+        self._deliver_stale(stale)
         return len(stale)
 
     def drain_stale(self) -> list[tuple[Any, int]]:

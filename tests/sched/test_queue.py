@@ -48,7 +48,9 @@ def test_on_stale_callback_and_failure_loses_nothing():
         q.get_batch(1, current_version=2, timeout=0)
     assert seen == [("x", 0)]
     assert q.drain_stale() == [("boom", 0), ("y", 0)]  # undelivered stale items are kept ...
-    assert q.get_batch(1, current_version=2, timeout=0) == ["fresh"]  # ... and the taken batch was put back
+    s = q.stats()
+    assert (s["put"], s["returned"], s["stale"], s["queued"]) == (4, 0, 3, 1)  # ... and nothing was taken
+    assert q.get_batch(1, current_version=2, timeout=0) == ["fresh"]
 
 
 def test_get_batch_waits_for_n_or_timeout():
@@ -249,5 +251,20 @@ def test_async_get_put_and_cancellation_loses_nothing():
             await q.aput("y", 1)
         s = q.stats()
         assert s["put"] == 7 and s["returned"] == 7
+
+    asyncio.run(main())
+
+
+def test_async_with_on_stale_callback():
+    async def main():
+        seen = []
+        q = StalenessQueue(max_staleness=0, on_stale=lambda item, v: seen.append((item, v)))
+        await q.aput("old", 0)
+        waiter = asyncio.create_task(q.aget_batch(1, current_version=1, timeout=5))
+        await asyncio.sleep(0.01)
+        assert seen == [("old", 0)] and not waiter.done()
+        await q.aput("new", 1)
+        assert await waiter == ["new"]
+        assert q.stats()["stale"] == 1 and q.drain_stale() == []
 
     asyncio.run(main())
