@@ -524,3 +524,25 @@ def test_forward_error_fails_callers_and_engine_recovers(tiny_model):
     results, ok = run(main())
     assert all(isinstance(r, RuntimeError) and "device lost" in str(r) for r in results)
     assert ok.num_output_tokens == 4 and engine.num_in_flight() == 0
+
+
+@pytest.mark.gpu
+def test_cuda_generation_logprobs_and_sleep_wake(tiny_model):
+    """On CUDA: processed logprobs match the CPU float64 reference; sleep() offloads the weights and wake() brings
+    them back with frozen requests re-prefilled."""
+    model = tiny_model.to("cuda")
+    engine = TorchEngine(model)
+    sp = SamplingParams(temperature=0.9, top_k=8, max_new_tokens=12, seed=3)
+
+    async def main():
+        t = asyncio.ensure_future(engine.generate(GenerationRequest("g", PROMPTS[0], sp)))
+        await _wait_tokens(engine, "g", 3)
+        await engine.sleep()
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        await engine.wake()
+        return on_cpu, await t
+
+    on_cpu, gen = run(main())
+    assert on_cpu and next(model.parameters()).device.type == "cuda" and gen.num_output_tokens == 12
+    ref = teacher_forced(model.float().cpu(), gen, sp)
+    assert (gen.logprobs_tensor().double() - ref).abs().max() < 1e-4
