@@ -169,6 +169,15 @@ class PartialRolloutBuffer:
             self._counts["groups_added"] += 1
             self._counts["samples_added"] += len(samples)
 
+    def put_generations(
+        self, generations: Sequence[GenerationLike], *, group_id: Hashable, max_new_tokens: int
+    ) -> None:
+        """:meth:`put_group` for :class:`rlblocks.rollout.Generation` objects of one prompt group (aborted ones and
+        ones that already finished), converted with :meth:`PartialRollout.from_generation`."""
+        self.put_group(
+            [PartialRollout.from_generation(g, group_id=group_id, max_new_tokens=max_new_tokens) for g in generations]
+        )
+
     def add(self, sample: PartialRollout) -> bool:
         """Add one sample (needs ``group_size``). Returns True when this sample completed its group."""
         sample = self._check_sample(sample, "sample")

@@ -32,6 +32,10 @@ def test_from_generation_and_resume_prompt():
         PartialRollout.from_generation(gen, group_id="g", max_new_tokens=2)
     with pytest.raises(ValueError, match="output_ids"):
         PartialRollout(group_id="g", prompt_ids=[1], output_ids=[1, 2], output_logprobs=[0.0], output_versions=[0])
+    buf = PartialRolloutBuffer(group_size=2)
+    buf.put_generations([gen, done], group_id="g", max_new_tokens=10)
+    (group,) = buf.pop_groups(1)
+    assert [(s.request_id, s.finished, s.remaining_tokens) for s in group] == [("r0", False, 7), ("r1", True, 0)]
 
 
 def test_groups_stay_whole_and_fifo():
