@@ -20,7 +20,7 @@ backward, each rank's ``grad_hidden`` contribution is all-reduced (SUM); ``grad_
 Backends: Triton on CUDA (GPU design: ``tl.dot`` tiles of hidden @ Wᵀ with fp32 accumulators, the vocabulary split
 across programs and merged exactly; the backward kernel recomputes a ``[N, vocab-chunk]`` block of ``∂/∂z`` that
 cuBLAS contracts into both gradients, so bf16 GEMMs run on tensor cores and ``grad_weight`` rows are written once),
-and a chunked torch path (rows in chunks of ~16 MiB of fp32 logits; fp32 matmuls).
+and a chunked torch path (rows in chunks of ~64 MiB of fp32 logits; fp32 matmuls).
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def _fwd_stats_torch(h, w, idx, owns, inv_temp, has_ent):
     a = torch.empty(n, dtype=torch.float32, device=h.device) if has_ent else None
     step = min(rows_per_chunk(v), max(n, 1))
     zbuf = torch.empty(step, v, dtype=torch.float32, device=h.device)
-    ebuf = torch.empty_like(zbuf)
+    ebuf = torch.empty_like(zbuf) if has_ent else None
     for r0 in range(0, n, step):
         sl = slice(r0, min(r0 + step, n))
         c = sl.stop - sl.start
@@ -199,11 +199,13 @@ def _fwd_stats_torch(h, w, idx, owns, inv_temp, has_ent):
         zy[sl] = torch.where(owns[sl], z.gather(1, idx[sl].unsqueeze(1)).squeeze(1), 0.0)
         mc = z.amax(dim=1)
         z.sub_(mc.unsqueeze(1))
-        e = torch.exp(z, out=ebuf[:c])
         m[sl] = mc
-        s[sl] = e.sum(dim=1)
         if has_ent:
+            e = torch.exp(z, out=ebuf[:c])
+            s[sl] = e.sum(dim=1)
             a[sl] = torch.linalg.vecdot(e, z)
+        else:
+            s[sl] = z.exp_().sum(dim=1)
     return m, s, a, zy
 
 
@@ -249,14 +251,23 @@ def _bwd_torch(h, w, idx, owns, lse, ent, g, k, inv_temp, need_h, need_w):
         sl = slice(r0, min(r0 + step, n))
         c = sl.stop - sl.start
         hc = h[sl].float() * inv_temp
+        g_own = torch.where(owns[sl], g[sl], 0.0).unsqueeze(1)  # label term: only the rank owning the label
         lp = torch.mm(hc, w32.t(), out=zbuf[:c]).sub_(lse[sl].unsqueeze(1))
-        gc = g[sl].unsqueeze(1)
-        if k is not None:
-            p = torch.exp(lp, out=pbuf[:c])
-            gz = lp.add_(ent[sl].unsqueeze(1)).mul_(-k[sl].unsqueeze(1)).sub_(gc).mul_(p)
-        else:
-            gz = lp.exp_().mul_(-gc)
-        gz.scatter_add_(1, idx[sl].unsqueeze(1), torch.where(owns[sl], g[sl], 0.0).unsqueeze(1))
+        if k is None:
+            # ∂/∂z = g·(onehot − p): keep p unscaled and move g onto the small [c, H] operands, so the
+            # [c, V] block is touched only by the GEMMs, the shift and one exp.
+            p = lp.exp_()
+            gc = g[sl].unsqueeze(1)
+            if need_h:
+                pw = torch.mm(p, w32)
+                gh[sl] = (g_own * w32[idx[sl]] - gc * pw) * inv_temp
+            if need_w:
+                gw.addmm_(p.t(), hc * -gc)
+                gw.index_add_(0, idx[sl], hc * g_own)
+            continue
+        p = torch.exp(lp, out=pbuf[:c])
+        gz = lp.add_(ent[sl].unsqueeze(1)).mul_(-k[sl].unsqueeze(1)).sub_(g[sl].unsqueeze(1)).mul_(p)
+        gz.scatter_add_(1, idx[sl].unsqueeze(1), g_own)
         if need_h:
             torch.mm(gz, w32, out=gh[sl]).mul_(inv_temp)
         if need_w:
@@ -344,7 +355,7 @@ def linear_token_logprobs(
     Ignored positions (``labels == ignore_index``) give 0 for both outputs and no gradient; their hidden rows are
     replaced by 0 before any product (NaN/inf there cannot leak). Differentiable w.r.t. ``hidden`` and ``weight``
     (also through the entropy); the backward recomputes the logits blockwise. Extra memory is one chunk of logits
-    (torch path: ~16 MiB of fp32 rows, plus an fp32 copy of ``weight`` when it is bf16/fp16; Triton: a
+    (torch path: ~64 MiB of fp32 rows, plus an fp32 copy of ``weight`` when it is bf16/fp16; Triton: a
     ``[N, vocab-chunk]`` gradient block of ≤ 256 MiB) and O(N) fp32 stats, never ``[N, V]``.
 
     Args:

@@ -208,7 +208,7 @@ def token_logprobs(
 
     Ignored positions (``labels == ignore_index``) give 0 for both outputs and no gradient; their logits are never
     read into a sum. Differentiable w.r.t. ``logits``, through both outputs. Memory: the backward keeps only the
-    logits and two fp32 numbers per row; the torch path works on row chunks of about 16 MiB of fp32.
+    logits and two fp32 numbers per row; the torch path works on row chunks of about 64 MiB of fp32.
 
     Args:
         logits: ``[..., V]`` floating logits.
