@@ -40,7 +40,9 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=256)
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: stable on a shared, loaded machine)")
     a = ap.parse_args()
+    torch.set_num_threads(a.threads)
     src = model(a.mb)
     dst = {k: torch.empty_like(v) for k, v in src.items()}
     nbytes = sum(t.numel() * t.element_size() for t in src.values())

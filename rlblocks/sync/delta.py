@@ -138,13 +138,13 @@ def _encode_bitmap(mask: Tensor) -> Tensor:
 
 
 def _decode_bitmap(pos: Tensor, n: int) -> Tensor:
+    """Boolean mask of the changed elements."""
     if pos.numel() != math.ceil(n / 8):
         raise DeltaError(f"bitmap positions: expected {math.ceil(n / 8)} bytes, got {pos.numel()}")
-    bits = (pos.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1
-    bits = bits.reshape(-1)
+    bits = ((pos.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1).bool().reshape(-1)
     if bool(bits[n:].any()):
         raise DeltaError("bitmap positions: padding bits are set")
-    return bits[:n].nonzero().squeeze(1)
+    return bits[:n]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -419,26 +419,29 @@ class DeltaEncoder:
         n, esize = new_i.numel(), new.element_size()
         base_crc = self._crc[name]
         mask = old_i != new_i
-        idx = mask.nonzero().squeeze(1)
-        k = idx.numel()
+        k = int(mask.sum())
         if k == 0:
             return DeltaTensor(name, snap.dtype, tuple(snap.shape), "none", 0, _empty(), _empty(), base_crc, base_crc)
-        wide = 0
-        gaps = None
-        if k * 2 < n * esize:
-            gaps = torch.diff(idx, prepend=idx.new_full((1,), -1))
-            wide = int((gaps >= _ESC).sum())
+        bitmap_cost = math.ceil(n / 8)
+        idx, wide = None, 0
+        if 2 * k < bitmap_cost:  # only then can an index encoding beat the bitmap: find the indices
+            idx = mask.nonzero().squeeze(1)
+            wide = int((torch.diff(idx, prepend=idx.new_full((1,), -1)) >= _ESC).sum())
         idx_enc = "idx32" if n <= 2**31 - 1 else "idx64"
         costs = {
-            "gap16": 2 * k + 8 * wide if gaps is not None else math.inf,
-            idx_enc: (4 if idx_enc == "idx32" else 8) * k,
-            "bitmap": math.ceil(n / 8),
+            "gap16": 2 * k + 8 * wide if idx is not None else math.inf,
+            idx_enc: (4 if idx_enc == "idx32" else 8) * k if idx is not None else math.inf,
+            "bitmap": bitmap_cost,
             "dense": (n - k) * esize,
         }
         enc = min(costs, key=costs.__getitem__)
         if enc == "dense":
             old_i.copy_(new_i)
             values, positions, k = _u8(snap).clone(), _empty(), n
+        elif enc == "bitmap":
+            values = new_i.masked_select(mask).view(torch.uint8)
+            old_i.copy_(new_i)  # cheaper than a masked write when many elements changed
+            positions = _encode_bitmap(mask)
         else:
             vals = new_i[idx]
             old_i[idx] = vals
@@ -447,10 +450,8 @@ class DeltaEncoder:
                 positions = _encode_gap16(idx)
             elif enc == "idx32":
                 positions = idx.to(torch.int32).view(torch.uint8)
-            elif enc == "idx64":
-                positions = idx.view(torch.uint8)
             else:
-                positions = _encode_bitmap(mask)
+                positions = idx.view(torch.uint8)
         self._crc[name] = crc32_tensor(snap)
         return DeltaTensor(name, snap.dtype, tuple(snap.shape), enc, k, positions, values, self._crc[name], base_crc,
                            wide if enc == "gap16" else 0)
@@ -511,9 +512,15 @@ class DeltaDecoder:
                     if not packet.is_full and verify:
                         undo.append((target, None, target.clone()))
                     target.copy_(vals)
+                elif rec.encoding == "bitmap":
+                    mask = idx.to(target.device)
+                    if verify:  # old values are kept only while a later CRC failure could need them
+                        undo.append((target, mask, target.masked_select(mask)))
+                    target.masked_scatter_(mask, vals)
                 elif rec.encoding != "none":
                     idx = idx.to(target.device)
-                    undo.append((target, idx, target[idx].clone()))
+                    if verify:
+                        undo.append((target, idx, target[idx].clone()))
                     target[idx] = vals
                 if verify and rec.encoding != "none" and not packet.is_full:
                     got = crc32_tensor(self.tensors[rec.name])
@@ -526,6 +533,8 @@ class DeltaDecoder:
             for target, idx, old in reversed(undo):
                 if idx is None:
                     target.copy_(old)
+                elif idx.dtype == torch.bool:
+                    target.masked_scatter_(idx, old)
                 else:
                     target[idx] = old
             raise
@@ -576,9 +585,11 @@ class DeltaDecoder:
                 raise DeltaError(f"{where}: expected {w * k} index bytes, got {pos.numel()}")
             idx = pos.clone().view(torch.int32 if w == 4 else torch.int64).to(torch.int64)
         else:
-            idx = _decode_bitmap(pos, n)
-            if idx.numel() != k:
-                raise DeltaError(f"{where}: bitmap marks {idx.numel()} elements, count says {k}")
+            mask = _decode_bitmap(pos, n)
+            marked = int(mask.sum())
+            if marked != k:
+                raise DeltaError(f"{where}: bitmap marks {marked} elements, count says {k}")
+            return rec, mask
         if idx.numel() != k or (k and (int(idx[0]) < 0 or int(idx[-1]) >= n)):
             raise DeltaError(f"{where}: positions out of range [0, {n})")
         if k > 1 and not bool((idx[1:] > idx[:-1]).all()):
