@@ -437,9 +437,14 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
     # --- rank 0: queue, inbox, weight channel
     q = sender = transport = encoder = inbox = None
     stale_refunds: Counter = Counter()
+    stale_uids: list[str] = list(ckpt["stale_uids"]) if ckpt is not None else []
+
+    def on_stale(item: dict, version: int) -> None:  # counted and refunded to its rollout rank, never silent
+        stale_refunds.update({str(item["rank"]): 1})
+        stale_uids.append(item["uid"])
+
     if is0:
-        q = StalenessQueue(max_staleness=cfg.max_staleness,
-                           on_stale=lambda item, v: stale_refunds.update({str(item["rank"]): 1}))
+        q = StalenessQueue(max_staleness=cfg.max_staleness, on_stale=on_stale)
         if ckpt is not None:
             q.load_state_dict(ckpt["queue"])
         sync_group = join_sync_group(cfg, rank, n_train)
@@ -544,6 +549,7 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
                 "step_seconds": step_s, "train_seconds": train_s, "sync_seconds": sync_s,
                 "queue_wait_seconds": wait_s, "queue_len": len(q), "samples_generated": inbox.generated,
                 "samples_trained": counters["samples_trained"], "wall_seconds": time.time() - t_start,
+                "trained_uids": [g["uid"] for g in batch],
                 **{k: v for k, v in m.items() if k.startswith("correction_")},
             }
             files.log(rec)
@@ -556,7 +562,7 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
                     counters["samples_generated"] = inbox.generated
                     counters["max_staleness_seen"] = max_age_seen
                     files.save({"model": dict(tensors), "optim": optim_state, "step": step, "queue": q.state_dict(),
-                                "counters": dict(counters), "accuracy_before": acc_before,
+                                "counters": dict(counters), "accuracy_before": acc_before, "stale_uids": stale_uids,
                                 "wall_seconds": time.time() - t_start})
         if done:
             break
@@ -574,6 +580,7 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
             "max_staleness_seen": max_age_seen, "samples_generated": inbox.generated,
             "samples_trained": counters["samples_trained"], "samples_dropped_stale": counters["samples_dropped_stale"],
             "samples_left_in_queue": len(q) * cfg.group_size, "rollout": dict(rollout_stats),
+            "stale_uids": stale_uids, "left_uids": [item["uid"] for item, _, _ in q.state_dict()["items"]],
             "config": dataclasses.asdict(cfg),
         }
         files.write_summary(summary)
