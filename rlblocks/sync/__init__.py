@@ -18,14 +18,18 @@ _LAZY = {
     "SyncGroup": ".broadcast",
     "WeightSender": ".broadcast",
     "WeightReceiver": ".broadcast",
+    "SyncError": ".broadcast",
+    "SyncMismatchError": ".broadcast",
     "DeltaEncoder": ".delta",
     "DeltaDecoder": ".delta",
     "DeltaPacket": ".delta",
+    "DeltaError": ".delta",
     "DirectoryTransport": ".delta_transport",
     "GroupDeltaTransport": ".delta_transport",
     "lora_state": ".lora",
     "merge_lora": ".lora",
     "LoraSyncer": ".lora",
+    "split_lora_message": ".lora",
     "full_tensors": ".fsdp",
 }
 
