@@ -23,9 +23,10 @@ Conventions
   under a running request).
 - **Weight updates** (*quiesce, swap, commit, resume*): pause (mode ``keep``, unless already paused) → validate every
   name and shape against the model's checkpoint layout (``ValueError`` naming the tensor; nothing is loaded) →
-  ``collective_rpc("reload_weights", weights_iterator=...)`` → ``reset_prefix_cache(reset_running_requests=True)``
-  (frozen requests are preempted and re-prefilled under the new weights: no KV computed under old weights survives)
-  → commit the version → resume (only if this call paused).
+  ``collective_rpc`` into the worker's ``reload_weights(weights_iterator=...)`` (via :class:`WorkerExtension`) →
+  ``reset_prefix_cache(reset_running_requests=True)`` (frozen requests are preempted and re-prefilled under the
+  new weights: no KV computed under old weights survives) → commit the version → resume (only if this call paused).
+  ``pause`` itself keeps the caches, so an abort-and-resubmit without an update re-uses the prefix cache.
 - **sleep / wake** call ``AsyncLLM.sleep`` / ``wake_up`` when the engine was started with ``enable_sleep_mode=True``
   (GPU). Otherwise, and always on CPU (vLLM's CPU worker ignores sleep), they only pause and resume: no memory is
   released.
@@ -436,12 +437,14 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ pause / resume
     async def pause(self, mode: Literal["abort", "keep"] = "abort") -> None:
-        """``abort``: in-flight requests return their partial output now. ``keep``: they freeze (their KV is
-        dropped and recomputed at resume). Either way new requests wait for :meth:`resume`."""
+        """``abort``: in-flight requests return their partial output now. ``keep``: they freeze and continue at
+        :meth:`resume`. Either way new requests wait for :meth:`resume`. Caches are kept (a re-submitted prefix is
+        served from vLLM's prefix cache); every weight update invalidates them, so no KV computed under old
+        weights is ever reused."""
         if mode not in ("abort", "keep"):
             raise ValueError(f"mode: expected 'abort' or 'keep', got {mode!r}")
         async with self._control:
-            await self._llm.pause_generation(mode=mode, clear_cache=True)
+            await self._llm.pause_generation(mode=mode, clear_cache=False)
             self._paused = True
 
     async def resume(self) -> None:
@@ -553,7 +556,7 @@ class VLLMEngine:
         async with self._control:
             paused_here = not self._paused
             if paused_here:
-                await self._llm.pause_generation(mode="keep", clear_cache=True)
+                await self._llm.pause_generation(mode="keep", clear_cache=False)
             try:
                 items = self.validate_weights(named_tensors)
                 encoded = [(n, *_encode_tensor(t)) for n, t in items]
@@ -606,7 +609,7 @@ class VLLMEngine:
         async with self._control:
             paused_here = not self._paused
             if paused_here:
-                await self._llm.pause_generation(mode="keep", clear_cache=True)
+                await self._llm.pause_generation(mode="keep", clear_cache=False)
             try:
                 self.validate_weights(metas)
                 info = {

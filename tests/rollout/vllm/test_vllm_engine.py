@@ -367,3 +367,21 @@ def test_many_seeded_long_prompts_at_once(vllm_engine, run):
     assert all(g.finish_reason == "length" and g.num_output_tokens == 4 for g in gens)
     again = run(vllm_engine.generate(GenerationRequest("long-again", reqs[3].prompt_ids, reqs[3].sampling)))
     assert again.output_ids == gens[3].output_ids  # seeded: the same request gives the same tokens
+
+
+def test_prefix_cache_reused_after_abort_and_invalidated_by_update(vllm_engine, hf_state, run):
+    """A re-submitted prefix hits vLLM's prefix cache while the weights are unchanged; after an update (even with
+    the same values) nothing computed under the old weights is reused."""
+    prompt = [1] + [4 + (5 * j) % 50 for j in range(179)]
+    stats = vllm_engine.stats
+
+    def cached_of(rid, ids):
+        before = stats.cached_prompt_tokens
+        run(vllm_engine.generate(GenerationRequest(rid, ids, SamplingParams(max_new_tokens=2, temperature=0.0))))
+        return stats.cached_prompt_tokens - before
+
+    first = run(vllm_engine.generate(GenerationRequest("pc-0", prompt, SamplingParams(max_new_tokens=20))))
+    resumed = prompt + first.output_ids
+    assert cached_of("pc-1", resumed) > 0
+    run(vllm_engine.update_weights(hf_state.items(), version=vllm_engine.version + 1))
+    assert cached_of("pc-2", resumed) == 0
