@@ -519,6 +519,10 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
         # ---- staleness of what was trained (token version gap against the version being trained)
         ages = (step - bt["versions"][bt["mask"]]).tolist()
         hist = Counter(ages)
+        if n_train > 1:  # the histogram of the whole batch, not just this rank's shard
+            parts = [None] * n_train
+            dist.all_gather_object(parts, dict(hist), group=groups["train"])
+            hist = sum((Counter(p) for p in parts), Counter())
         stats = torch.tensor([bt["rewards"].sum().item(), bt["rewards"].numel(), bt["mask"].sum().item(),
                               max(ages) if ages else 0], dtype=torch.float64)
         mx = stats[3:].clone()

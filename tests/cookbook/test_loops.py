@@ -28,6 +28,21 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _descendants(pid: int) -> list[int]:
+    """Process ids started (transitively) by ``pid``, read from /proc."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
 def _env() -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
@@ -111,7 +126,11 @@ def test_async_resume_after_kill(tiny_hf_dir, tmp_path):
     while not ckpt.exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
     time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole torchrun process group, started by this test
+    for pid in [*_descendants(proc.pid), proc.pid]:  # torchrun and the workers it started: a hard kill, no cleanup
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait(timeout=30)
     assert ckpt.exists(), proc.stderr.read()[-4000:]
     import torch
