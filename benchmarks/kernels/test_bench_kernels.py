@@ -1,0 +1,82 @@
+"""pytest-benchmark suite of the fused linear log-prob op (CPU-sized; on CUDA it uses the same shapes in bf16).
+
+Run: ``.venv/bin/pytest benchmarks/kernels -q --benchmark-group-by=param:case,param:mode,param:entropy``.
+Each benchmark is one (provider, mode, entropy) at a small shape; ``extra_info`` records the nominal FLOPs
+(2·T·H·V forward, 6·T·H·V backward) and the max |logp − fp64 reference|. The sweep with p20/p50/p80, TF/s,
+memory and CSV/JSON output is ``python -m rlblocks.kernels.bench``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlblocks.kernels.bench import FLOP_FACTOR, IGNORE, Skip, _loss, _naive, make_provider
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+CASES = {"small": (256, 128, 8192), "vocab32k": (512, 64, 32000)}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request):
+    t, h, v = CASES[request.param]
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(t, h, generator=g).to(DEVICE, DTYPE).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) / h**0.5 * 2).to(DEVICE, DTYPE).requires_grad_()
+    labels = torch.randint(0, v, (t,), generator=g)
+    labels[torch.rand(t, generator=g) < 0.2] = IGNORE
+    c = torch.randn(t, generator=g).to(DEVICE) / t
+    return request.param, hidden, weight, labels.to(DEVICE), c
+
+
+def _sync():
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+@pytest.mark.parametrize("mode", ["fwd", "full", "nograd", "bwd"])
+@pytest.mark.parametrize("provider", ["naive", "compiled_chunked", "liger", "rlblocks"])
+def test_linear_logprobs(benchmark, case, provider, mode, entropy):
+    name, h, w, y, c = case
+    t, hd, v = CASES[name]
+    try:
+        fn = make_provider(provider, 0.7, entropy, DEVICE, v)
+    except Skip as e:
+        pytest.skip(str(e))
+
+    def fwd():
+        return fn(h, w, y)
+
+    def full():
+        _loss(*fn(h, w, y), c, c).backward()
+        _sync()
+
+    def nograd():
+        with torch.no_grad():
+            fn(h, w, y)
+        _sync()
+
+    def bwd_setup():
+        h.grad = w.grad = None
+        return (_loss(*fn(h, w, y), c, c),), {}
+
+    def bwd(loss):
+        loss.backward()
+        _sync()
+
+    full()  # warm-up (compilation)
+    if mode == "bwd":
+        benchmark.pedantic(bwd, setup=bwd_setup, rounds=10, iterations=1)
+    else:
+        run = {"fwd": fwd, "full": full, "nograd": nograd}[mode]
+        benchmark.pedantic(run, rounds=10, iterations=1, warmup_rounds=1)
+    with torch.no_grad():
+        lp = fn(h, w, y)[0]
+        ref = _naive(h.double(), w.double(), y, 0.7, False)[0]
+    err = float((lp.double() - ref).abs().max())
+    benchmark.extra_info.update(
+        {"T": t, "H": hd, "V": v, "flops": FLOP_FACTOR[mode] * t * hd * v, "max_err_logp_vs_fp64": err}
+    )
+    assert err < (1e-4 if DTYPE == torch.float32 else 5e-2)
