@@ -299,11 +299,13 @@ def machine_info(device) -> dict[str, Any]:
             info["cpu_model"] = names[0]
     except OSError:
         pass
-    for mod in ("triton", "liger_kernel"):
+    from importlib import metadata
+
+    for dist_name in ("triton", "liger-kernel", "rlblocks"):
         try:
-            info[mod] = __import__(mod).__version__
-        except Exception:
-            info[mod] = None
+            info[dist_name] = metadata.version(dist_name)
+        except metadata.PackageNotFoundError:
+            info[dist_name] = None
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
         info["cuda"] = torch.version.cuda
