@@ -241,9 +241,12 @@ class VLLMEngine:
         env = {} if cuda else {"TORCHDYNAMO_DISABLE": "1"}
         env.update(engine_env or {})
         args = AsyncEngineArgs(model=str(path), logprobs_mode="processed_logprobs", **engine_args)
+        # No local may name the AsyncLLM here: vLLM keeps this frame alive after start-up, which would keep the
+        # engine alive past close() (its __del__ would then run at interpreter exit).
         with _temporary_env(env):
-            llm = AsyncLLM.from_engine_args(args)
-        return cls(llm, version=version, max_staleness=max_staleness, lora_dir=lora_dir)
+            return cls(
+                AsyncLLM.from_engine_args(args), version=version, max_staleness=max_staleness, lora_dir=lora_dir
+            )
 
     def close(self) -> None:
         """Shut the engine processes down and delete adapters this engine wrote. Idempotent."""
