@@ -176,9 +176,8 @@ def _fwd_triton(hs, ws, ht, wt, kind, beta, inv_temp):
     lb, l1b = (math.log(beta), math.log1p(-beta)) if kind == 2 else (0.0, 0.0)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)
     common = dict(UPCAST=interpret_mode(), PREC_S=triton_dot_precision(hs.dtype), PREC_T=triton_dot_precision(ht.dtype))
-    dummy = torch.empty(0, dtype=torch.float32, device=hs.device)
-    _linear_kl_fwd_kernel[grid](
-        hs, ws, ht, wt, ms, ss, mt, st, a, dummy, dummy, n, v, hs.shape[1], ht.shape[1],
+    _linear_kl_fwd_kernel[grid](  # pass 1 reads no lse: ms stands in (Triton is never handed an empty tensor)
+        hs, ws, ht, wt, ms, ss, mt, st, a, ms, ms, n, v, hs.shape[1], ht.shape[1],
         hs.stride(0), ws.stride(0), ht.stride(0), wt.stride(0), inv_temp, splits, lb, l1b,
         KIND=kind, PASS=1, **common,
     )  # fmt: skip

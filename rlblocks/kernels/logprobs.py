@@ -160,9 +160,10 @@ class TokenLogprobsFunction(torch.autograd.Function):
             lp = torch.empty(n, dtype=torch.float32, device=logits.device)
             ent = torch.empty(n if return_entropy else 0, dtype=torch.float32, device=logits.device)
             lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-            _token_logprobs_fwd_kernel[(n,)](
-                logits, labels, lp, ent, lse, v, logits.stride(0), inv_temp, ignore_index, HAS_ENT=return_entropy
-            )
+            _token_logprobs_fwd_kernel[(n,)](  # never hand Triton an empty tensor: lse stands in when unused
+                logits, labels, lp, ent if return_entropy else lse, lse, v, logits.stride(0), inv_temp, ignore_index,
+                HAS_ENT=return_entropy,
+            )  # fmt: skip
         else:
             lp, ent, lse = _fwd_torch(logits, labels, valid, inv_temp, return_entropy)
         ctx.save_for_backward(logits, labels, lse, ent)
@@ -184,7 +185,7 @@ class TokenLogprobsFunction(torch.autograd.Function):
             gx = torch.empty_like(logits)
             kk = k if k is not None else g
             _token_logprobs_bwd_kernel[(n,)](
-                logits, labels, lse, ent, g.contiguous(), kk.contiguous(), gx,
+                logits, labels, lse, ent if k is not None else lse, g.contiguous(), kk.contiguous(), gx,
                 v, logits.stride(0), gx.stride(0), inv_temp, ignore_index, HAS_ENT=k is not None,
             )  # fmt: skip
         else:
