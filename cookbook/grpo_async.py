@@ -65,11 +65,14 @@ from rlblocks.sync import (
     DeltaDecoder,
     DeltaEncoder,
     GroupDeltaTransport,
+    LoraSyncer,
     WeightReceiver,
     WeightSender,
     full_tensors,
     init_sync_group,
+    merge_lora,
 )
+from rlblocks.sync.lora import split_lora_message
 
 
 @dataclass
@@ -90,7 +93,9 @@ class Config:
     max_concurrent: int = opt(256, "groups in flight over all rollout ranks")
     partial_rollout: bool = opt(True, "resume interrupted generations under new weights (else restart them)")
     dynamic_sampling: bool = opt(False, "reject zero-variance groups (DAPO/SLIME) and generate more")
-    sync: str = opt("full", "weight sync: full buckets or delta packets", ("full", "delta"))
+    sync: str = opt("full", "weight sync: full buckets, delta packets, or LoRA adapters only (trains a LoRA)",
+                    ("full", "delta", "lora"))
+    lora_rank: int = opt(16, "--sync lora: adapter rank (alpha = 2·rank) on every linear layer of the decoder")
     correction: str = opt("none", "train/rollout mismatch correction", ("tis", "mis", "none"))
     correction_cap: float = opt(2.0, "tis/mis upper bound on π_prox/π_rollout (mis lower = 1/cap)")
     loss: str = opt("ppo", "policy loss", ("ppo", "gspo", "cispo", "decoupled"))
@@ -107,7 +112,7 @@ class Config:
     save_every: int = opt(20, "checkpoint every N steps (0: never)")
     resume: bool = opt(False, "continue from runs/<name>/ckpt.pt")
     seed: int = opt(0, "seed")
-    sync_port_offset: int = opt(7, "the weight-sync group listens on MASTER_PORT + this")
+    sync_port: int = opt(0, "port of the weight-sync group's store on rank 0 (0: a free one)")
     quiet: bool = opt(False, "no progress bar")
 
 
@@ -278,6 +283,7 @@ class Rollout:
         receiver = WeightReceiver(g, 0)
         transport = GroupDeltaTransport(g, 0)
         decoder: DeltaDecoder | None = None
+        lora_base: dict = {}
         while True:
             msg = json.loads(g.broadcast_bytes(None, 0))
             if msg["op"] == "stop":
@@ -289,7 +295,13 @@ class Rollout:
                     loop.call_soon_threadsafe(self._add_refund, n)
                 continue
             t0 = time.perf_counter()
-            if msg["kind"] == "full":
+            if msg["kind"] == "lora":  # base once, then adapters; merged here for engines without LoRA loading
+                version, it = receiver.receive()
+                base, adapters, _info = split_lora_message(it)
+                if base:
+                    lora_base = base
+                tensors = list(merge_lora(lora_base.items(), adapters))
+            elif msg["kind"] == "full":
                 version, it = receiver.receive()
                 tensors = [(n, t.clone()) for n, t in it]
                 if self.cfg.sync == "delta":  # the chain's base
@@ -328,9 +340,9 @@ def _until_eos(ids: list[int], eos: int) -> list[int]:
     return ids[: ids.index(eos) + 1] if eos in ids else ids
 
 
-def rollout_main(cfg: Config, rank: int, n_train: int, device, sample_group, path: str) -> None:
+def rollout_main(cfg: Config, rank: int, n_train: int, device, sample_group, path: str, port: int) -> None:
     tok = load_hf_tokenizer(path)
-    sync_group = join_sync_group(cfg, rank, n_train)
+    sync_group = join_sync_group(cfg, rank, n_train, port)
 
     async def main():
         engine = make_engine(cfg, path, device)
@@ -351,14 +363,27 @@ def load_hf_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def join_sync_group(cfg: Config, rank: int, n_train: int):
-    """Trainer rank 0 (sync rank 0) + every rollout rank (sync rank 1 + i), on its own TCPStore."""
+def join_sync_group(cfg: Config, rank: int, n_train: int, port: int):
+    """Trainer rank 0 (sync rank 0) + every rollout rank (sync rank 1 + i), on its own TCPStore at ``port``."""
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = int(os.environ.get("MASTER_PORT", "29500")) + cfg.sync_port_offset
     backend = "nccl" if torch.cuda.is_available() and cfg.engine == "torch" else "gloo"
     sync_rank = 0 if rank == 0 else rank - n_train + 1
     return init_sync_group(master_addr=addr, master_port=port, world_size=cfg.rollout_ranks + 1, rank=sync_rank,
                            backend=backend, timeout=600.0)
+
+
+def pick_sync_port(cfg: Config, rank: int) -> int:
+    """Rank 0 picks the weight-sync port (``--sync-port``, or a free one) and tells every rank."""
+    port = cfg.sync_port
+    if rank == 0 and port == 0:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+    box = [port]
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])
 
 
 # ================================================================================================ trainer side
@@ -391,11 +416,21 @@ class Inbox:
             t.join()
 
 
-def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, groups: dict, path: str) -> None:
+def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, groups: dict, path: str,
+                 port: int) -> None:
     files = RunFiles(cfg.runs_dir, cfg.name)
     is0 = rank == 0
     tok, lm = load_hf(path, device)
     lm.train()
+    peft_model = None
+    if cfg.sync == "lora":  # LoRA training: adapters on every decoder linear; the HF modules are wrapped in place
+        from peft import LoraConfig, get_peft_model
+
+        if n_train > 1:
+            raise ValueError("sync: 'lora' is supported with one trainer rank here (no FSDP2 of peft modules)")
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        peft_model = get_peft_model(lm, LoraConfig(r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank,
+                                                   target_modules=targets, lora_dropout=0.0))
     ckpt = None
     if cfg.resume and files.ckpt.exists():
         ckpt = torch.load(files.ckpt, weights_only=False)
@@ -421,7 +456,7 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
     ref = None
     if cfg.kl_coef > 0:
         ref = PolicyLogprobs(load_hf(path, device)[1].eval(), cfg.temperature).requires_grad_(False)
-    optim = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
+    optim = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
     step = 0
     counters = Counter()
     if ckpt is not None:
@@ -435,7 +470,7 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
             optim.load_state_dict(ckpt["optim"])
 
     # --- rank 0: queue, inbox, weight channel
-    q = sender = transport = encoder = inbox = None
+    q = sender = transport = encoder = inbox = syncer = None
     stale_refunds: Counter = Counter()
     stale_uids: list[str] = list(ckpt["stale_uids"]) if ckpt is not None else []
 
@@ -447,8 +482,9 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
         q = StalenessQueue(max_staleness=cfg.max_staleness, on_stale=on_stale)
         if ckpt is not None:
             q.load_state_dict(ckpt["queue"])
-        sync_group = join_sync_group(cfg, rank, n_train)
+        sync_group = join_sync_group(cfg, rank, n_train, port)
         sender, transport = WeightSender(sync_group, 0, bucket_bytes=64 << 20), GroupDeltaTransport(sync_group, 0)
+        syncer = LoraSyncer(sender.send, keep=cfg.max_staleness + 1)
         inbox = Inbox(cfg, n_train, world, groups["sample"], q)
         inbox.generated = counters["samples_generated"]
 
@@ -459,13 +495,16 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
         tensors = [(n.removeprefix("lm."), t) for n, t in full_tensors(policy)]
         if not is0:
             return tensors, 0.0
-        msg = {"op": "weights", "version": version, "kind": "full" if (first or cfg.sync == "full") else "delta"}
+        kind = "lora" if cfg.sync == "lora" else "full" if (first or cfg.sync == "full") else "delta"
+        msg = {"op": "weights", "version": version, "kind": kind}
         if first:
             msg["recovered"] = version
             queued = Counter(str(item["rank"]) for item, _, _ in q.state_dict()["items"])
             msg["queued"] = dict(queued)
         sync_group.broadcast_bytes(json.dumps(msg).encode(), 0)
-        if msg["kind"] == "full":
+        if kind == "lora":
+            syncer.sync(peft_model, version)
+        elif kind == "full":
             sender.send(tensors, version)
             if cfg.sync == "delta":
                 encoder = DeltaEncoder(tensors, version=version)
@@ -626,10 +665,11 @@ def main(argv: list[str] | None = None) -> None:
 
         groups["mesh"] = DeviceMesh(device.type, train_ranks)
     path = policy_path(cfg, rank)
+    port = pick_sync_port(cfg, rank)
     if rank < n_train:
-        trainer_main(cfg, rank, world, n_train, device, groups, path)
+        trainer_main(cfg, rank, world, n_train, device, groups, path, port)
     else:
-        rollout_main(cfg, rank, n_train, device, groups["sample"], path)
+        rollout_main(cfg, rank, n_train, device, groups["sample"], path, port)
     dist.barrier(groups["sample"])
     dist.destroy_process_group()
 

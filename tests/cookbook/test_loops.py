@@ -100,10 +100,15 @@ def test_sync_loop_short(tiny_hf_dir, tmp_path):
     assert (tmp_path / "s" / "curves.png").stat().st_size > 1000
 
 
-@pytest.mark.parametrize("eta", [0, 1])
-def test_async_loop_two_procs(tiny_hf_dir, tmp_path, eta):
-    _run(_async_cmd(2, tiny_hf_dir, tmp_path, "a", "--steps", "4", "--max-staleness", str(eta), "--sync", "delta",
-                    "--correction", "tis"))
+@pytest.mark.parametrize(
+    ("eta", "flags"),
+    [
+        (0, ["--sync", "delta", "--correction", "tis"]),
+        (1, ["--sync", "lora", "--correction", "mis", "--loss", "cispo", "--no-partial-rollout"]),
+    ],
+)
+def test_async_loop_two_procs(tiny_hf_dir, tmp_path, eta, flags):
+    _run(_async_cmd(2, tiny_hf_dir, tmp_path, "a", "--steps", "4", "--max-staleness", str(eta), *flags))
     rows, summary = _read(tmp_path, "a")
     _check_common(rows, summary, 4, eta)
     # nothing lost: every group received is trained, found stale, or still queued at the end
