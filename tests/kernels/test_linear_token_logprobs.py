@@ -118,7 +118,7 @@ def _saved_by_op(root):
 
 @pytest.mark.parametrize("entropy", [False, True])
 def test_torch_path_never_materialises_n_by_v(ref, small_chunks, entropy):
-    n, hdim, vocab = 256, 8, 2048
+    n, hdim, vocab = 128, 8, 2048
     hidden, weight, labels = _case(ref, (n,), hdim, vocab)
     h, w = hidden.requires_grad_(), weight.requires_grad_()
     mode = _LargestTensor()
