@@ -57,7 +57,7 @@ if triton_available():
         mx = tl.maximum(x, y)
         return mx + tl.log(tl.exp(x - mx) + tl.exp(y - mx))
 
-    @triton.autotune(configs=_configs(), key=["N", "V", "HS", "HT", "KIND", "PASS"])
+    @triton.autotune(configs=_configs(), key=["V", "HS", "HT", "KIND", "PASS"])  # not N (varies per step)
     @triton.jit
     def _linear_kl_fwd_kernel(
         hs_ptr, ws_ptr, ht_ptr, wt_ptr, ms_ptr, ss_ptr, mt_ptr, st_ptr, a_ptr, lse_s_ptr, lse_t_ptr,
@@ -123,7 +123,7 @@ if triton_available():
             tl.store(mt_ptr + out, mt, mask=row_ok)
             tl.store(a_ptr + out, a, mask=row_ok)
 
-    @triton.autotune(configs=_configs(), key=["N", "VC", "HS", "HT", "KIND"])
+    @triton.autotune(configs=_configs(), key=["HS", "HT", "KIND"])
     @triton.jit
     def _linear_kl_bwd_kernel(
         hs_ptr, ws_ptr, ht_ptr, wt_ptr, lse_s_ptr, lse_t_ptr, aux_ptr, g_ptr, gz_ptr,

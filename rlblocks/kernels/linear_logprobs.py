@@ -67,7 +67,7 @@ if triton_available():
             )
         ]
 
-    @triton.autotune(configs=_fwd_configs(), key=["N", "V", "H", "HAS_ENT"])
+    @triton.autotune(configs=_fwd_configs(), key=["V", "H", "HAS_ENT"])  # not N: it changes every RL step
     @triton.jit
     def _linear_logprobs_fwd_kernel(
         h_ptr, w_ptr, yl_ptr, m_ptr, s_ptr, a_ptr, zy_ptr,
@@ -123,7 +123,7 @@ if triton_available():
             for bn, bv, bk, w, st in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4))
         ]
 
-    @triton.autotune(configs=_bwd_configs(), key=["N", "VC", "H", "HAS_ENT"])
+    @triton.autotune(configs=_bwd_configs(), key=["H", "HAS_ENT"])
     @triton.jit
     def _linear_logprobs_bwd_kernel(
         h_ptr, w_ptr, yl_ptr, lse_ptr, ent_ptr, g_ptr, k_ptr, gz_ptr,
