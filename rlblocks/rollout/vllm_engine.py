@@ -255,17 +255,36 @@ class VLLMEngine:
             )
 
     def close(self) -> None:
-        """Shut the engine processes down and delete adapters this engine wrote. Idempotent."""
+        """Shut the engine processes down and delete adapters this engine wrote. Idempotent.
+
+        Called outside the event loop (e.g. after ``asyncio.run`` or between ``run_until_complete`` calls), it also
+        runs that loop until vLLM's output-handler task has processed its cancellation; otherwise the pending task
+        keeps a ZMQ socket open and the interpreter can hang at exit. Inside the loop, use :meth:`aclose`."""
         if self._closed:
             return
         self._closed = True
         # Drop our reference so that AsyncLLM.__del__ runs now, while modules are alive (not at interpreter exit).
         llm, self._llm = self._llm, None
+        handler = getattr(llm, "output_handler", None)
         llm.shutdown()
         del llm
         gc.collect()  # the AsyncLLM may sit in a reference cycle
+        if handler is not None and not handler.done():
+            loop = handler.get_loop()
+            if not loop.is_running() and not loop.is_closed():
+                with contextlib.suppress(BaseException):
+                    loop.run_until_complete(handler)
         if self._own_lora_dir and self._lora_dir is not None:
             shutil.rmtree(self._lora_dir, ignore_errors=True)
+
+    async def aclose(self) -> None:
+        """:meth:`close` from inside the engine's event loop: also waits for vLLM's output handler to stop."""
+        handler = getattr(self._llm, "output_handler", None) if self._llm is not None else None
+        self.close()
+        if handler is not None and not handler.done():
+            handler.cancel()
+            with contextlib.suppress(BaseException):
+                await handler
 
     def __enter__(self) -> VLLMEngine:
         return self

@@ -81,7 +81,7 @@ def vllm_engine(vllm_model_dir, vllm_loop):
     engine = vllm_loop.run_until_complete(start())
     print(f"\n[vllm] engine start-up took {time.perf_counter() - t0:.1f} s")
     yield engine
-    engine.close()
+    vllm_loop.run_until_complete(engine.aclose())
 
 
 @pytest.fixture(scope="session")
