@@ -24,7 +24,7 @@ from rlblocks._validate import check_floating, check_tensor, shape_str
 
 # Bytes of fp32 logits one chunk of rows may hold in the torch path (per temporary). 64 MiB (512 rows at V=32768)
 # keeps the chunk GEMMs efficient on CPU (at 16 MiB they ran ~1.7x slower here) while the extra memory stays a
-# small fraction of the naive [N, V] path (measured: 0.09x at T=4096, H=512, V=32768; see benchmarks/kernels).
+# small fraction of the naive [N, V] path (measured 0.097x at T=4096, H=512, V=32768; benchmarks/kernels/results).
 TORCH_CHUNK_BYTES = 64 << 20
 # Bytes of the [N, vocab-chunk] gradient buffer the Triton backward may allocate.
 TRITON_GRAD_CHUNK_BYTES = 256 << 20
