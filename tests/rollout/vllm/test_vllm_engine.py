@@ -385,3 +385,16 @@ def test_prefix_cache_reused_after_abort_and_invalidated_by_update(vllm_engine, 
     assert cached_of("pc-1", resumed) > 0
     run(vllm_engine.update_weights(hf_state.items(), version=vllm_engine.version + 1))
     assert cached_of("pc-2", resumed) == 0
+
+
+def test_nccl_path_checks_before_any_transfer(vllm_engine, hf_state, run):
+    """The NCCL path itself needs CUDA (not exercised here); its checks run before anything is sent."""
+    with pytest.raises(ValueError, match="weight_transfer_config"):
+        run(vllm_engine.init_weight_transfer(master_address="127.0.0.1", master_port=29555, world_size=2))
+    v = vllm_engine.version
+    name = "model.layers.0.mlp.down_proj.weight"
+    with pytest.raises(ValueError, match="down_proj"):
+        run(vllm_engine.update_weights_from_distributed([name], [torch.float32], [[3, 3]], version=v + 1))
+    with pytest.raises(ValueError, match="equal lengths"):
+        run(vllm_engine.update_weights_from_distributed([name], [], [[3, 3]], version=v + 1))
+    assert vllm_engine.version == v and not vllm_engine.is_paused
