@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import time
 
 import pytest
@@ -60,7 +61,15 @@ def vllm_model_dir(tiny_hf_dir, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def vllm_engine(vllm_model_dir, vllm_loop):
+def env_before_engine() -> dict:
+    """The calling process's dynamo settings before the engine starts (the engine must not change them)."""
+    import torch._dynamo
+
+    return {"env": os.environ.get("TORCHDYNAMO_DISABLE"), "disable": bool(torch._dynamo.config.disable)}
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(vllm_model_dir, vllm_loop, env_before_engine):
     from rlblocks.rollout.vllm_engine import VLLMEngine
 
     async def start():

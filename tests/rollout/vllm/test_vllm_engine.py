@@ -398,3 +398,34 @@ def test_nccl_path_checks_before_any_transfer(vllm_engine, hf_state, run):
     with pytest.raises(ValueError, match="equal lengths"):
         run(vllm_engine.update_weights_from_distributed([name], [], [[3, 3]], version=v + 1))
     assert vllm_engine.version == v and not vllm_engine.is_paused
+
+
+def test_engine_env_stays_in_the_engine_processes(vllm_engine, env_before_engine):
+    """TORCHDYNAMO_DISABLE=1 reaches vLLM's spawned EngineCore/worker only: this process keeps torch.compile."""
+    import os
+
+    import torch._dynamo
+
+    assert os.environ.get("TORCHDYNAMO_DISABLE") == env_before_engine["env"]
+    assert bool(torch._dynamo.config.disable) == env_before_engine["disable"]
+    if torch.cuda.is_available() or not os.path.isdir("/proc/self"):
+        return
+    # The engine's processes (children and grandchildren of this one) were started with it.
+    from pathlib import Path
+
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pid, rest = stat.read_text().split(" (", 1)
+            parents[int(pid)] = int(rest.rsplit(") ", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    me = os.getpid()
+    family = [p for p, pp in parents.items() if pp == me or parents.get(pp) == me]
+    envs = []
+    for pid in family:
+        try:
+            envs.append(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+    assert any(b"TORCHDYNAMO_DISABLE=1" in e for e in envs), "no engine process got TORCHDYNAMO_DISABLE=1"
