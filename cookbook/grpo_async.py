@@ -86,7 +86,7 @@ class Config:
     sglang_url: str = opt("http://127.0.0.1:30000", "SGLang server base URL (--engine sglang)")
     rollout_ranks: int = opt(1, "ranks that generate; the others train")
     steps: int = opt(1000, "optimizer steps (= policy versions)")
-    time_limit: float = opt(450.0, "stop training after this many seconds of RL (0: no limit)")
+    time_limit: float = opt(480.0, "stop training after this many seconds of RL (0: no limit)")
     prompts_per_step: int = opt(64, "B: prompt groups per optimizer step (global)")
     group_size: int = opt(8, "K: samples per prompt")
     max_staleness: int = opt(1, "η: largest version gap of a trained token (0 = synchronous)")
@@ -103,7 +103,8 @@ class Config:
     eps_low: float = opt(0.2, "clip offset below 1")
     eps_high: float = opt(0.2, "clip offset above 1")
     kl_coef: float = opt(0.0, "k3 KL penalty to the initial policy (0: no reference model)")
-    lr: float = opt(1e-4, "AdamW learning rate (3e-4 oscillates at η=1 on the demo task; 1e-4 climbs steadily)")
+    lr: float = opt(1.5e-4, "AdamW learning rate (3e-4 oscillates at η=1 on the demo task; 1e-4 climbs steadily)")
+    lr_decay: bool = opt(True, "decay lr linearly to 10% over the budget (steps or time limit, whichever is nearer)")
     grad_clip: float = opt(1.0, "max grad norm")
     temperature: float = opt(1.0, "sampling temperature (log-probs use the same)")
     max_new_tokens: int = opt(6, "response budget")
@@ -554,6 +555,11 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
         optim.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+        if cfg.lr_decay:  # progress is broadcast from rank 0 so every trainer rank uses the same lr
+            prog = torch.tensor([max(step / cfg.steps, (time.time() - t_rl) / cfg.time_limit if cfg.time_limit else 0)])
+            dist.broadcast(prog, src=0, group=groups["train"])
+            for pg in optim.param_groups:
+                pg["lr"] = cfg.lr * max(0.1, 1.0 - 0.9 * min(float(prog.item()), 1.0))
         optim.step()
         # ---- staleness of what was trained (token version gap against the version being trained)
         ages = (step - bt["versions"][bt["mask"]]).tolist()
@@ -592,7 +598,7 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
                 "step_seconds": step_s, "train_seconds": train_s, "sync_seconds": sync_s,
                 "queue_wait_seconds": wait_s, "queue_len": len(q), "samples_generated": inbox.generated,
                 "samples_trained": counters["samples_trained"], "wall_seconds": time.time() - t_start,
-                "trained_uids": [g["uid"] for g in batch],
+                "trained_uids": [g["uid"] for g in batch], "lr": optim.param_groups[0]["lr"],
                 **{k: v for k, v in m.items() if k.startswith("correction_")},
             }
             files.log(rec)
