@@ -1,20 +1,30 @@
 """Broadcast of a ~500 MB model over gloo between 2 local processes (separately started, own sync group).
 
-Run: .venv/bin/python benchmarks/sync/bench_broadcast.py [--mb 500]
-Compares, in one run:
-  raw single buffer  one broadcast of one pre-allocated uint8 buffer holding every byte (the ceiling)
-  per-tensor         one broadcast per tensor (what naive weight sync does)
-  bucketed N MB      WeightSender.send / WeightReceiver.receive: manifest handshake, packing, one broadcast per
-                     bucket (pipelined), receiver gets views of fresh buffers, final ack
-  ... reuse          the same with WeightReceiver(reuse_buffers=True) (recycled receive buffers)
+Run: .venv/bin/python benchmarks/sync/bench_broadcast.py [--mb 500] [--reps 5] [--threads 1]
+Compares, in one run (methods interleaved rep by rep, so that load changes on the shared box hit all alike):
+  raw single buffer          one broadcast of one pre-allocated uint8 buffer holding every byte, the same already
+                             faulted-in buffer every rep on both sides (the ceiling; a receiver that keeps the
+                             tensors cannot reuse it)
+  raw fresh torch.empty      the same, but the receiver allocates a fresh torch.empty buffer each time (what a
+                             receiver that keeps the tensors pays with 4 KiB page faults)
+  per-tensor                 one broadcast per tensor into the receiver's existing tensors (what naive weight sync does)
+  bucketed N MB              WeightSender.send / WeightReceiver.receive (safe default): manifest handshake, packing,
+                             one broadcast per bucket (pipelined), the receiver keeps every tensor (dict(it)) and
+                             drops them after the timed region; its buffer pool reuses them, faulted in, next time
+  ... no pool                the same with WeightReceiver(pool_buffers=False): new torch.empty memory per bucket
+                             (the safe default before the pool; pays first-touch page faults like raw fresh)
+  ... reuse                  the same with WeightReceiver(reuse_buffers=True) (recycled receive buffers; tensors only
+                             iterated, not kept: the consumer's own copy into its weights is not counted)
 Each is timed on the sender from a barrier to the end of the transfer (plus a closing barrier for the raw
-methods), best of --reps. Prints seconds, GB/s and the ratio to the raw single buffer.
+methods, so that the receiver's page faults count), best of --reps (median also shown). Prints seconds, GB/s and
+the ratio to the raw single buffer and to the raw fresh torch.empty broadcast.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -39,25 +49,17 @@ def layout(mb: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     return out
 
 
-def run(rank: int, port: int, mb: int, reps: int, buckets: list[int]) -> None:
+def run(rank: int, port: int, mb: int, reps: int, buckets: list[int], threads: int) -> None:
+    torch.set_num_threads(threads)
     g = init_sync_group(master_addr="127.0.0.1", master_port=port, world_size=2, rank=rank, timeout=600)
     gen = torch.Generator().manual_seed(0)
     state = {
         n: torch.randn(s, generator=gen).to(dt) if rank == 0 else torch.empty(s, dtype=dt) for n, s, dt in layout(mb)
     }
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    results = {}
-
-    def timed(name, fn):
-        best = float("inf")
-        for _ in range(reps):
-            g.barrier()
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
-        results[name] = best
 
     flat = torch.empty(nbytes, dtype=torch.uint8)
+    flat.fill_(0)  # fault it in once: this buffer is reused every rep
     if rank == 0:
         off = 0
         for t in state.values():
@@ -69,57 +71,87 @@ def run(rank: int, port: int, mb: int, reps: int, buckets: list[int]) -> None:
         g.broadcast(flat, 0)
         g.barrier()
 
+    def raw_fresh(alloc):
+        def fn():
+            buf = flat if rank == 0 else alloc()
+            g.broadcast(buf, 0)
+            g.barrier()
+            return buf  # kept (and freed) outside the timed region, like a receiver that keeps its weights
+
+        return fn
+
     def per_tensor():
         for t in state.values():
             g.broadcast(t, 0)
         g.barrier()
 
-    timed("raw single buffer", raw)
-    timed("per-tensor", per_tensor)
+    methods = {
+        "raw single buffer": raw,
+        "raw fresh torch.empty": raw_fresh(lambda: torch.empty(nbytes, dtype=torch.uint8)),
+        "per-tensor": per_tensor,
+    }
     for bmb in buckets:
-        for reuse in (False, True):
-            name = f"bucketed {bmb} MB{' reuse' if reuse else ''}"
-            if rank == 0:
-                sender = WeightSender(g, bucket_bytes=bmb << 20)
-                timed(name, lambda s=sender: s.send(state.items(), 1))
-                sender.release_buffers()
-            else:
-                recv = WeightReceiver(g, expected=state, reuse_buffers=reuse)
+        if rank == 0:
+            sender = WeightSender(g, bucket_bytes=bmb << 20)  # long-lived: its staging buffers persist across sends
+            for suffix in ("", " no pool", " reuse"):
+                methods[f"bucketed {bmb} MB{suffix}"] = lambda s=sender: s.send(state.items(), 1)
+        else:
+            safe, nopool = WeightReceiver(g, expected=state), WeightReceiver(g, expected=state, pool_buffers=False)
+            reuse = WeightReceiver(g, expected=state, reuse_buffers=True)
 
-                def consume(r=recv):
-                    _, it = r.receive()
-                    for _ in it:
-                        pass
+            def keep_all(r):
+                return lambda: dict(r.receive()[1])  # every tensor kept: load_state_dict(dict(it)) / update_weights
 
-                timed(name, consume)
-                del recv
+            def stream(r=reuse):
+                for _ in r.receive()[1]:
+                    pass
+
+            methods[f"bucketed {bmb} MB"] = keep_all(safe)
+            methods[f"bucketed {bmb} MB no pool"] = keep_all(nopool)
+            methods[f"bucketed {bmb} MB reuse"] = stream
+
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(reps):
+        for name, fn in methods.items():
+            g.barrier()
+            t0 = time.perf_counter()
+            kept = fn()
+            times[name].append(time.perf_counter() - t0)
+            del kept
     if rank == 0:
-        raw_t = results["raw single buffer"]
-        print(f"model {nbytes / 1e6:.0f} MB in {len(state)} tensors, gloo, 2 processes on one host")
-        print(f"{'method':<26}{'s':>8}{'GB/s':>8}{'vs raw':>8}")
-        for name, t in results.items():
-            print(f"{name:<26}{t:8.3f}{nbytes / t / 1e9:8.2f}{raw_t / t:8.2f}")
+        best = {name: min(ts) for name, ts in times.items()}
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        raw_t, fresh_t = best["raw single buffer"], best["raw fresh torch.empty"]
+        print(f"model {nbytes / 1e6:.0f} MB in {len(state)} tensors, gloo, 2 processes on one host", end="")
+        print(f", {threads} thread(s) each")
+        print(f"best of {reps} interleaved reps (median in brackets)")
+        print(f"{'method':<26}{'s':>8}{'(median)':>10}{'GB/s':>8}{'vs raw':>8}{'vs fresh':>10}")
+        for name, t in best.items():
+            row = f"{name:<26}{t:8.3f}{f'({med[name]:.3f})':>10}{nbytes / t / 1e9:8.2f}"
+            print(f"{row}{raw_t / t:8.2f}{fresh_t / t:10.2f}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=500)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads per process")
     ap.add_argument("--buckets", type=int, nargs="+", default=[64, 512])
     ap.add_argument("--rank", type=int, default=None)
     ap.add_argument("--port", type=int, default=None)
     a = ap.parse_args()
     if a.rank is not None:
-        run(a.rank, a.port, a.mb, a.reps, a.buckets)
+        run(a.rank, a.port, a.mb, a.reps, a.buckets, a.threads)
         return
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = [sys.executable, __file__, "--mb", str(a.mb), "--reps", str(a.reps), "--port", str(port), "--buckets"]
+    args = [sys.executable, __file__, "--mb", str(a.mb), "--reps", str(a.reps), "--port", str(port)]
+    args += ["--threads", str(a.threads), "--buckets"]
     args += [str(b) for b in a.buckets]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
     procs = [subprocess.Popen([*args, "--rank", str(r)], env=env) for r in (0, 1)]
     codes = [p.wait() for p in procs]
     if any(codes):

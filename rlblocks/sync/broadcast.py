@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import ctypes
 import json
+import mmap
+import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -401,23 +403,120 @@ class WeightSender:
             raise SyncError(f"ranks {[r for r, c in enumerate(codes) if c]} reported a failure after receiving")
 
 
+class _Block:
+    """One anonymous mapping of a :class:`ReceiveBufferPool` and its reference count when no tensor uses it."""
+
+    __slots__ = ("idle_refs", "mem", "size")
+
+    def __init__(self, size: int):
+        self.mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.size = size
+        self.idle_refs = sys.getrefcount(self.mem)  # only this object holds it now (same expression as idle())
+
+    def idle(self) -> bool:
+        """True when no tensor made by ``torch.frombuffer(self.mem)`` is alive (each holds one reference)."""
+        return sys.getrefcount(self.mem) <= self.idle_refs
+
+
+class ReceiveBufferPool:
+    """Fresh-looking receive buffers that are recycled only once nothing references them (CPU only).
+
+    Why: a receive buffer that is new memory is dominated by its first touch. The kernel faults (and zeroes) it
+    in 4 KiB pages as the bytes arrive: ~90 ms per 64 MiB on the 2-core CI box, where writing memory that is
+    already faulted in takes ~6 ms, so a 0.5 GB transfer paid ~3x its wire time in page faults.
+
+    How: each block is an anonymous ``mmap``; :meth:`take` hands out a *new* tensor over it
+    (``torch.frombuffer``, whose storage holds a reference to the ``mmap`` object until its last view dies). A
+    block is therefore in use exactly while some tensor built from it (a yielded weight, a view or slice of one,
+    a dict holding them) is alive, and ``sys.getrefcount`` of the ``mmap`` object tells so without private torch
+    APIs. :meth:`take` returns the smallest free block that fits, else maps a new one; a block still referenced
+    is never handed out again, so yielded tensors stay valid for as long as anyone holds them.
+
+    Memory: idle blocks are kept up to ``keep_bytes`` (set by :meth:`trim`, the receiver calls it with one
+    transfer's total); the rest are unmapped. :meth:`clear` drops every idle block. Not for CUDA buffers:
+    the caching allocator already recycles device memory.
+    """
+
+    def __init__(self) -> None:
+        self._blocks: list[_Block] = []
+
+    def take(self, nbytes: int) -> Tensor:
+        """A 1-D ``uint8`` CPU tensor of ``nbytes`` over a block that no live tensor references."""
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        best = None
+        for b in self._blocks:
+            if b.size >= nbytes and (best is None or b.size < best.size) and b.idle():
+                best = b
+        if best is None:
+            best = _Block(nbytes)
+            self._blocks.append(best)
+        return torch.frombuffer(best.mem, dtype=torch.uint8, count=nbytes)
+
+    def idle_bytes(self) -> int:
+        """Bytes held by blocks that no tensor references."""
+        return sum(b.size for b in self._blocks if b.idle())
+
+    def trim(self, keep_bytes: int) -> None:
+        """Forget blocks still in use (their tensors own them now) and keep at most ``keep_bytes`` of idle ones."""
+        kept, total = [], 0
+        for b in sorted(self._blocks, key=lambda b: -b.size):
+            if b.idle() and total + b.size <= keep_bytes:
+                kept.append(b)
+                total += b.size
+        self._blocks = kept
+
+    def clear(self) -> None:
+        """Drop every block (memory of blocks still referenced is unmapped when their last tensor dies)."""
+        self._blocks = []
+
+
 class WeightReceiver:
     """Receiving side of :class:`WeightSender`.
 
     ``expected``: what this rank will accept: a ``{name: tensor}`` mapping (e.g. ``model.state_dict()``), an
     iterable of ``(name, tensor)``, or :class:`TensorMeta` entries. Names, shapes and dtypes must match the sender's
     manifest exactly (order is free); ``None`` accepts any manifest.
+
+    Receive buffers (see :meth:`receive` for how long yielded tensors stay valid):
+
+    * default: every bucket lands in a buffer that no live tensor references, so yielded tensors stay valid for
+      as long as anyone holds them. On CPU these come from a :class:`ReceiveBufferPool`: a buffer whose tensors
+      have all been dropped (e.g. after ``load_state_dict(dict(it))``) is reused, already faulted in, by the next
+      receive. Between receives the pool keeps up to one transfer's bytes of idle memory;
+      :meth:`release_buffers` frees it, and ``pool_buffers=False`` maps new memory for every bucket instead (every
+      receive then pays first-touch page faults).
+    * ``reuse_buffers=True``: three buffers recycled regardless of who still holds their tensors (a tensor is
+      valid only until the iterator advances two buckets further; the consumer must copy as it goes).
     """
 
-    def __init__(self, group: SyncGroup, src: int = 0, *, expected: object = None, reuse_buffers: bool = False):
+    def __init__(
+        self,
+        group: SyncGroup,
+        src: int = 0,
+        *,
+        expected: object = None,
+        reuse_buffers: bool = False,
+        pool_buffers: bool = True,
+    ):
         if group.rank == src:
             raise ValueError(f"src: this process is rank {src}, the sender; a WeightReceiver runs on the other ranks")
         self.group, self.src, self.reuse_buffers = group, src, bool(reuse_buffers)
         self.expected = None if expected is None else _as_specs(expected, "expected")
         self._buffers: list[Tensor | None] = [None, None, None]
+        on_cpu = group.device.type == "cpu"
+        self.pool = ReceiveBufferPool() if pool_buffers and on_cpu and not self.reuse_buffers else None
+
+    def release_buffers(self) -> None:
+        """Free the idle receive buffers (pool blocks and the ``reuse_buffers`` ring); live tensors are untouched."""
+        self._buffers = [None, None, None]
+        if self.pool is not None:
+            self.pool.clear()
 
     def _buffer(self, slot: int, nbytes: int) -> Tensor:
-        if not self.reuse_buffers:
+        if not self.reuse_buffers:  # a buffer no live tensor references: yielded views stay valid
+            if self.pool is not None:
+                return self.pool.take(nbytes)
             return torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
         buf = self._buffers[slot]
         if buf is None or buf.numel() < nbytes:
@@ -430,7 +529,8 @@ class WeightReceiver:
         The iterator receives bucket after bucket as it is consumed (bucket ``i + 1`` is already in flight while
         bucket ``i``'s tensors are yielded) and yields views of the bucket buffers (on ``group.device``). By default
         every bucket gets a fresh buffer, so tensors stay valid after iteration (``model.load_state_dict(dict(it))``
-        works). With ``reuse_buffers=True`` three buffers are recycled across buckets and receives: a yielded tensor
+        works); on CPU a buffer is recycled by the pool only once every tensor from it is gone. With
+        ``reuse_buffers=True`` three buffers are recycled across buckets and receives: a yielded tensor
         is valid only until the iterator advances two buckets further, so the consumer must copy each tensor as it
         goes (``engine.update_weights(it)`` and vLLM's ``load_weights`` do). The iterator must be consumed to the end
         (the sender waits for it).
@@ -447,6 +547,8 @@ class WeightReceiver:
             problem = f"manifest bucket_bytes must be positive, got {bucket_bytes}"
         _verdict(g, seq, problem)
         plan = plan_buckets(specs, bucket_bytes=bucket_bytes)
+        if self.pool is not None:  # idle blocks beyond this transfer's size go; blocks still in use are let go
+            self.pool.trim(sum(bucket_nbytes(m) for m in plan))
 
         def stream() -> Iterator[tuple[str, Tensor]]:
             pending = None
