@@ -1,12 +1,14 @@
 """Broadcast of a ~500 MB model over gloo between 2 local processes (separately started, own sync group).
 
-Run: .venv/bin/python benchmarks/sync/bench_broadcast.py [--mb 500] [--reps 5] [--threads 1]
+Run: .venv/bin/python benchmarks/sync/bench_broadcast.py [--mb 500] [--reps 7] [--threads 1]
 Compares, in one run (methods interleaved rep by rep, so that load changes on the shared box hit all alike):
   raw single buffer          one broadcast of one pre-allocated uint8 buffer holding every byte, the same already
                              faulted-in buffer every rep on both sides (the ceiling; a receiver that keeps the
                              tensors cannot reuse it)
-  raw fresh torch.empty      the same, but the receiver allocates a fresh torch.empty buffer each time (what a
-                             receiver that keeps the tensors pays with 4 KiB page faults)
+  raw + sender pack          the same, but the sender first copies every tensor into that buffer (what a sender
+                             whose weights are separate tensors pays to use one raw broadcast)
+  raw fresh torch.empty      the raw single buffer, but the receiver allocates a fresh torch.empty buffer each
+                             time (what a receiver that keeps the tensors pays with 4 KiB page faults)
   per-tensor                 one broadcast per tensor into the receiver's existing tensors (what naive weight sync does)
   bucketed N MB              WeightSender.send / WeightReceiver.receive (safe default): manifest handshake, packing,
                              one broadcast per bucket (pipelined), the receiver keeps every tensor (dict(it)) and
@@ -71,6 +73,15 @@ def run(rank: int, port: int, mb: int, reps: int, buckets: list[int], threads: i
         g.broadcast(flat, 0)
         g.barrier()
 
+    def raw_packed():
+        if rank == 0:
+            off = 0
+            for t in state.values():
+                n = t.numel() * t.element_size()
+                flat[off : off + n].copy_(t.reshape(-1).view(torch.uint8))
+                off += n
+        raw()
+
     def raw_fresh(alloc):
         def fn():
             buf = flat if rank == 0 else alloc()
@@ -87,6 +98,7 @@ def run(rank: int, port: int, mb: int, reps: int, buckets: list[int], threads: i
 
     methods = {
         "raw single buffer": raw,
+        "raw + sender pack": raw_packed,
         "raw fresh torch.empty": raw_fresh(lambda: torch.empty(nbytes, dtype=torch.uint8)),
         "per-tensor": per_tensor,
     }
@@ -134,7 +146,7 @@ def run(rank: int, port: int, mb: int, reps: int, buckets: list[int], threads: i
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=500)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads per process")
     ap.add_argument("--buckets", type=int, nargs="+", default=[64, 512])
     ap.add_argument("--rank", type=int, default=None)

@@ -432,18 +432,22 @@ class ReceiveBufferPool:
     APIs. :meth:`take` returns the smallest free block that fits, else maps a new one; a block still referenced
     is never handed out again, so yielded tensors stay valid for as long as anyone holds them.
 
+    Buffers under ``min_bytes`` (default 1 MiB) are plain ``torch.empty`` memory: the allocator's heap already
+    recycles small blocks, and a mapping per tiny bucket would waste a page each.
+
     Memory: idle blocks are kept up to ``keep_bytes`` (set by :meth:`trim`, the receiver calls it with one
     transfer's total); the rest are unmapped. :meth:`clear` drops every idle block. Not for CUDA buffers:
     the caching allocator already recycles device memory.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, min_bytes: int = 1 << 20) -> None:
+        self.min_bytes = min_bytes
         self._blocks: list[_Block] = []
 
     def take(self, nbytes: int) -> Tensor:
         """A 1-D ``uint8`` CPU tensor of ``nbytes`` over a block that no live tensor references."""
-        if nbytes == 0:
-            return torch.empty(0, dtype=torch.uint8)
+        if nbytes == 0 or nbytes < self.min_bytes:
+            return torch.empty(nbytes, dtype=torch.uint8)
         best = None
         for b in self._blocks:
             if b.size >= nbytes and (best is None or b.size < best.size) and b.idle():

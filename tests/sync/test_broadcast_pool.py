@@ -33,7 +33,13 @@ def _states(n_versions: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
 
 
 def test_pool_never_hands_out_a_referenced_block():
-    pool = ReceiveBufferPool()
+    pool = ReceiveBufferPool(min_bytes=0)
+    default = ReceiveBufferPool()
+    small = default.take(4096)  # under the default min_bytes: plain torch.empty, never pooled
+    assert small.numel() == 4096
+    del small
+    assert default.idle_bytes() == 0 and default.take(2 << 20).numel() == 2 << 20
+    assert default.idle_bytes() == 2 << 20  # the 2 MiB buffer was pooled (and its tensor is already gone)
     a = pool.take(4096)
     a.fill_(7)
     view = a[100:200].view(torch.int32)  # a view of a slice keeps the block busy too
@@ -69,6 +75,7 @@ def test_default_receiver_tensors_stay_valid_and_exact_across_receives():
 
     def receiver(g):
         r = WeightReceiver(g, expected=states[0])
+        r.pool.min_bytes = 0  # pool even these tiny buckets
         v0, it = r.receive()
         first = dict(it)  # exhausted: the stream is over, the tensors must stay valid
         v1, it = r.receive()
@@ -104,6 +111,7 @@ def test_streaming_consumer_recycles_within_one_receive():
 
     def receiver(g):
         r = WeightReceiver(g)
+        r.pool.min_bytes = 0
         v, it = r.receive()
         got, ptrs = {}, set()
         for n, t in it:
@@ -135,6 +143,7 @@ def test_pool_off_and_release():
         assert r.pool is None
         a = dict(r.receive()[1])
         r2 = WeightReceiver(g)
+        r2.pool.min_bytes = 0
         b = dict(r2.receive()[1])
         del b
         idle = r2.pool.idle_bytes()
