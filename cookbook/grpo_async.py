@@ -8,7 +8,8 @@ Ranks ``[0, T)`` train, ranks ``[T, W)`` generate (``T = W - rollout_ranks``).
 Rollout rank: an asyncio loop drives an engine (TorchEngine / VLLMEngine / SGLangEngine). It submits prompt groups
 as the ``StalenessController`` admits them (AReaL: at most ``(η + v + 1)·B`` groups accepted or running at policy
 version v), each sample through ``resumable_generate``. Finished groups are scored (exact match), optionally
-filtered by a ``DynamicSampler`` (zero-variance groups are rejected, freeing their slot) and sent to trainer rank 0
+filtered by a ``DynamicSampler`` (zero-variance groups are rejected, freeing their slot, at most
+``--dynamic-max-rounds`` × B per batch; then the batch proceeds with the groups as they come) and sent to trainer rank 0
 with ``send_object_list`` on a gloo group (lossless pickles). A receiver thread waits for weights on a separate
 sync group; an update runs *pause → update_weights(version) → resume* on the engine. With ``--partial-rollout``
 the interrupted generations are resumed by ``resumable_generate`` under the new weights (tokens keep the version
@@ -93,6 +94,9 @@ class Config:
     max_concurrent: int = opt(256, "groups in flight over all rollout ranks")
     partial_rollout: bool = opt(True, "resume interrupted generations under new weights (else restart them)")
     dynamic_sampling: bool = opt(False, "reject zero-variance groups (DAPO/SLIME) and generate more")
+    dynamic_max_rounds: int = opt(4, "--dynamic-sampling bound: once rounds × (per-rank B) groups were filtered "
+                                  "while filling one batch, further groups are shipped as they come, filtered or "
+                                  "not (counted: groups_filled_unfiltered), so a step never waits forever")
     sync: str = opt("full", "weight sync: full buckets, delta packets, or LoRA adapters only (trains a LoRA)",
                     ("full", "delta", "lora"))
     lora_rank: int = opt(16, "--sync lora: adapter rank (alpha = 2·rank) on every linear layer of the decoder")
@@ -184,7 +188,9 @@ class Rollout:
             max_concurrent=cfg.max_concurrent,
             dp_size=cfg.rollout_ranks,
         )
-        self.sampler = DynamicSampler(target_groups=self.ctrl.batch_size) if cfg.dynamic_sampling else None
+        self.sampler = (DynamicSampler(target_groups=self.ctrl.batch_size, keep_when_insufficient=True)
+                        if cfg.dynamic_sampling else None)
+        self.window_filled = 0  # groups shipped unfiltered in the sampler's current batch window (round limit hit)
         self.pairs = toy.split_pairs()["rl"]
         self.rng = random.Random(cfg.seed * 1000 + rank)
         self.outbox: pyqueue.Queue = pyqueue.Queue()
@@ -220,14 +226,31 @@ class Rollout:
         rec = group_record(uid, pair, prompt, gens, rewards, self.rank)
         self.stats["samples_generated"] += len(gens)
         self.stats["tokens_generated"] += sum(len(g.output_ids) for g in gens)
-        if self.sampler is not None and not self.sampler.add_group(uid, rewards):
+        if self.sampler is not None and not self._keep(uid, rewards, rec):
             self.ctrl.on_reject()
             self.stats["groups_filtered"] += 1
             return
-        if self.sampler is not None and self.sampler.done:
-            self.sampler.reset()
         self.ctrl.on_accept()
         self.outbox.put(rec)
+
+    def _keep(self, uid: str, rewards: list[float], rec: dict) -> bool:
+        """Dynamic sampling with a bound. A batch window wants ``target`` (= per-rank B) groups; a zero-variance
+        group is discarded (its slot freed, so another group is generated) only while fewer than
+        ``dynamic_max_rounds · target`` groups were discarded in this window. Past that bound the window proceeds
+        with what it has (``keep_when_insufficient``): its shortfall is filled by the next groups as they finish,
+        marked ``zero_variance_fill`` and counted, so the trainer never waits forever and nothing goes unseen."""
+        s = self.sampler
+        if not s.add_group(uid, rewards):
+            discarded_before = s.counts()["filtered"] - 1 - self.window_filled
+            if discarded_before < self.cfg.dynamic_max_rounds * s.target_groups:
+                return False
+            rec["zero_variance_fill"] = True
+            self.window_filled += 1
+            self.stats["groups_filled_unfiltered"] += 1
+        if len(s.finish()) + self.window_filled >= s.target_groups:  # the window's batch is complete
+            s.reset()
+            self.window_filled = 0
+        return True
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -599,6 +622,7 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
                 "queue_wait_seconds": wait_s, "queue_len": len(q), "samples_generated": inbox.generated,
                 "samples_trained": counters["samples_trained"], "wall_seconds": time.time() - t_start,
                 "trained_uids": [g["uid"] for g in batch], "lr": optim.param_groups[0]["lr"],
+                "groups_filled_unfiltered": sum(1 for g in batch if g.get("zero_variance_fill")),
                 **{k: v for k, v in m.items() if k.startswith("correction_")},
             }
             files.log(rec)
@@ -654,6 +678,8 @@ def main(argv: list[str] | None = None) -> None:
     n_train = world - cfg.rollout_ranks
     if n_train < 1 or cfg.rollout_ranks < 1:
         raise ValueError(f"rollout_ranks: expected 1..{world - 1} for a world of {world}, got {cfg.rollout_ranks}")
+    if cfg.dynamic_max_rounds < 0:
+        raise ValueError(f"dynamic_max_rounds: expected an int >= 0, got {cfg.dynamic_max_rounds}")
     if cfg.prompts_per_step % n_train or cfg.prompts_per_step % cfg.rollout_ranks:
         raise ValueError(f"prompts_per_step: expected a multiple of the trainer ({n_train}) and rollout "
                          f"({cfg.rollout_ranks}) rank counts, got {cfg.prompts_per_step}")

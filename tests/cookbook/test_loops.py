@@ -116,6 +116,24 @@ def test_async_loop_two_procs(tiny_hf_dir, tmp_path, eta, flags):
                                             + summary["samples_left_in_queue"])
 
 
+def test_async_dynamic_sampling_is_bounded(tiny_hf_dir, tmp_path):
+    # the random tiny model scores 0 on every sample: every group has zero variance, so unbounded dynamic sampling
+    # would wait forever; with the bound each batch discards rounds·B groups, then proceeds with the next B
+    rounds = 1
+    _run(_async_cmd(2, tiny_hf_dir, tmp_path, "d", "--steps", "2", "--max-staleness", "0", "--dynamic-sampling",
+                    "--dynamic-max-rounds", str(rounds)))
+    rows, summary = _read(tmp_path, "d")
+    _check_common(rows, summary, 2, 0)
+    ro = summary["rollout"]
+    for r in rows:
+        assert r["reward"] == 0.0
+        assert r["groups_filled_unfiltered"] == B  # every trained group was shipped past the bound, and marked
+    assert ro["groups_filtered"] >= 2 * rounds * B  # both batches discarded their rounds·B groups first
+    assert ro["groups_filled_unfiltered"] >= 2 * B
+    # nothing dropped silently: every generated sample was received by the trainer or counted as filtered
+    assert ro["samples_generated"] == summary["samples_generated"] + ro["groups_filtered"] * K
+
+
 def test_async_fsdp2_two_trainers_one_rollout(tiny_hf_dir, tmp_path):
     _run(_async_cmd(3, tiny_hf_dir, tmp_path, "f", "--steps", "2", "--max-staleness", "1", "--loss", "decoupled"))
     rows, summary = _read(tmp_path, "f")
