@@ -43,11 +43,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--median-len", type=float, default=5.0)  # p99 ≈ 50 tokens: fits the tiny model (64 positions)
     ap.add_argument("--prompts-per-step", type=int, default=16)
+    ap.add_argument("--group-size", type=int, default=8)  # the figures in the README were measured with 8
     ap.add_argument("--model", default="", help="HF checkpoint dir (default: the cached warm start)")
     ap.add_argument("--runs-dir", default="runs/bench")
     args = ap.parse_args()
     common = ["--steps", str(args.steps), "--length-tail", str(args.median_len), "--prompts-per-step",
-              str(args.prompts_per_step), "--runs-dir", args.runs_dir, "--time-limit", "0", "--eval-every",
+              str(args.prompts_per_step), "--group-size", str(args.group_size),
+              "--runs-dir", args.runs_dir, "--time-limit", "0", "--eval-every",
               str(args.steps), "--quiet", *(["--model", args.model] if args.model else [])]
     results = {}
     run([sys.executable, str(ROOT / "cookbook" / "grpo_sync.py"), "--name", "sync", *common])
