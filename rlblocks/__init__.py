@@ -7,7 +7,11 @@ Sub-packages (import the one you need; none is imported here, so ``import rlbloc
 - ``rlblocks.rollout`` rollout engines with interrupt/resume and per-token policy versions
 - ``rlblocks.sync``    weight movement: buckets, broadcast, delta, LoRA, resharding
 - ``rlblocks.sched``   staleness-bounded admission and queue, partial rollouts, dynamic sampling, packing
+
+Every exception raised on purpose derives from ``rlblocks.RLBlocksError`` (see ``rlblocks.errors``).
 """
 
+from rlblocks.errors import RLBlocksError
+
 __version__ = "0.1.0"
-__all__ = ["__version__"]
+__all__ = ["RLBlocksError", "__version__"]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rlblocks.errors import ArgumentError
+
 
 def shape_str(x: Tensor) -> str:
     return "[" + ", ".join(str(int(s)) for s in x.shape) + "]"
@@ -17,14 +19,14 @@ def shape_str(x: Tensor) -> str:
 
 def check_tensor(name: str, x: object) -> Tensor:
     if not isinstance(x, Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        raise ArgumentError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     return x
 
 
 def check_floating(name: str, x: Tensor) -> Tensor:
     check_tensor(name, x)
     if not x.is_floating_point():
-        raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+        raise ArgumentError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
     return x
 
 
@@ -34,13 +36,13 @@ def check_ndim(name: str, x: Tensor, ndim: int | tuple[int, ...], layout: str = 
     if x.dim() not in allowed:
         want = " or ".join(f"{d}-D" for d in allowed)
         hint = f" {layout}" if layout else ""
-        raise ValueError(f"{name}: expected a {want} tensor{hint}, got shape {shape_str(x)}")
+        raise ArgumentError(f"{name}: expected a {want} tensor{hint}, got shape {shape_str(x)}")
     return x
 
 
 def check_same_shape(name_a: str, a: Tensor, name_b: str, b: Tensor) -> None:
     if a.shape != b.shape:
-        raise ValueError(
+        raise ArgumentError(
             f"{name_b}: expected the same shape as {name_a} {shape_str(a)}, got {shape_str(b)}"
         )
 
@@ -52,7 +54,7 @@ def as_bool_mask(mask: Tensor, like: Tensor, *, name: str = "mask", like_name: s
     """
     check_tensor(name, mask)
     if mask.dtype.is_complex:
-        raise ValueError(f"{name}: expected dtype bool (or 0/1 int/float), got {mask.dtype}")
+        raise ArgumentError(f"{name}: expected dtype bool (or 0/1 int/float), got {mask.dtype}")
     if mask.shape != like.shape:
-        raise ValueError(f"{name}: expected the shape of {like_name} {shape_str(like)}, got {shape_str(mask)}")
+        raise ArgumentError(f"{name}: expected the shape of {like_name} {shape_str(like)}, got {shape_str(mask)}")
     return mask if mask.dtype == torch.bool else mask != 0

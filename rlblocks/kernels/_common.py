@@ -21,6 +21,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from rlblocks._validate import check_floating, check_tensor, shape_str
+from rlblocks.errors import ArgumentError
 
 # Bytes of fp32 logits one chunk of rows may hold in the torch path (per temporary). 64 MiB (512 rows at V=32768)
 # keeps the chunk GEMMs efficient on CPU (at 16 MiB they ran ~1.7x slower here) while the extra memory stays a
@@ -59,25 +60,28 @@ def resolve_backend(backend: str | None, *tensors: Tensor) -> str:
         return "torch"
     if backend == "triton":
         if not triton_available():
-            raise ValueError("backend: 'triton' was requested but triton is not installed (rlblocks[kernels] extra)")
+            raise ArgumentError("backend: 'triton' was requested but triton is not installed (rlblocks[kernels] extra)")
         if not all(t.is_cuda for t in tensors) and not interpret_mode():
-            raise ValueError("backend: 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before importing triton")
+            raise ArgumentError(
+                "backend: 'triton' needs CUDA tensors, or "
+                "TRITON_INTERPRET=1 set before importing triton"
+            )
         return "triton"
-    raise ValueError(f"backend: expected 'auto', 'triton' or 'torch', got {backend!r}")
+    raise ArgumentError(f"backend: expected 'auto', 'triton' or 'torch', got {backend!r}")
 
 
 def check_float_input(name: str, x: Tensor) -> Tensor:
     check_floating(name, x)
     if x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{name}: expected dtype float32, bfloat16 or float16, got {x.dtype}")
+        raise ArgumentError(f"{name}: expected dtype float32, bfloat16 or float16, got {x.dtype}")
     return x
 
 
 def check_temperature(temperature: float) -> float:
     if isinstance(temperature, Tensor) or not isinstance(temperature, (int, float)):
-        raise ValueError(f"temperature: expected a Python float > 0, got {type(temperature).__name__}")
+        raise ArgumentError(f"temperature: expected a Python float > 0, got {type(temperature).__name__}")
     if not temperature > 0 or temperature != temperature or temperature == float("inf"):
-        raise ValueError(f"temperature: expected a finite float > 0, got {temperature}")
+        raise ArgumentError(f"temperature: expected a finite float > 0, got {temperature}")
     return float(temperature)
 
 
@@ -91,16 +95,16 @@ def check_labels(
     """
     check_tensor("labels", labels)
     if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise ValueError(f"labels: expected an integer tensor, got dtype {labels.dtype}")
+        raise ArgumentError(f"labels: expected an integer tensor, got dtype {labels.dtype}")
     if labels.shape != lead_shape:
-        raise ValueError(f"labels: expected the leading shape of {like} [{', '.join(map(str, lead_shape))}], "
+        raise ArgumentError(f"labels: expected the leading shape of {like} [{', '.join(map(str, lead_shape))}], "
                          f"got {shape_str(labels)}")
     flat = labels.reshape(-1).long().contiguous()
     if validate and not torch.compiler.is_compiling() and flat.numel() > 0:
         bad = (flat != ignore_index) & ((flat < 0) | (flat >= num_classes))
         if bool(bad.any()):
             first = int(flat[bad][0])
-            raise ValueError(
+            raise ArgumentError(
                 f"labels: expected values in [0, {num_classes}) or ignore_index={ignore_index}, got {first}"
             )
     return flat

@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlblocks.errors import ArgumentError
+
 PROVIDERS = ("naive", "compiled_chunked", "liger", "rlblocks")
 MODES = ("fwd", "bwd", "full", "nograd")
 FLOP_FACTOR = {"fwd": 2, "nograd": 2, "bwd": 6, "full": 8}
@@ -150,7 +152,7 @@ def make_provider(name: str, temperature: float, entropy: bool, device: torch.de
             return (out[0], out[1]) if entropy else (out, None)
 
         return run
-    raise ValueError(f"provider: unknown {name!r}")
+    raise ArgumentError(f"provider: unknown {name!r}")
 
 
 # ------------------------------------------------------------------------------------------------------ measuring

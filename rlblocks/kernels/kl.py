@@ -23,6 +23,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from rlblocks._validate import as_bool_mask, shape_str
+from rlblocks.errors import ArgumentError
 from rlblocks.kernels._common import (
     check_float_input,
     check_labels,
@@ -250,9 +251,9 @@ class VocabKLFunction(torch.autograd.Function):
 
 def check_kind_beta(kind: str, beta: float) -> int:
     if kind not in KINDS:
-        raise ValueError(f"kind: expected one of {sorted(KINDS)}, got {kind!r}")
+        raise ArgumentError(f"kind: expected one of {sorted(KINDS)}, got {kind!r}")
     if kind == "jsd" and not (isinstance(beta, (int, float)) and 0.0 < float(beta) < 1.0):
-        raise ValueError(f"beta: expected a float in (0, 1) for kind='jsd', got {beta!r}")
+        raise ArgumentError(f"beta: expected a float in (0, 1) for kind='jsd', got {beta!r}")
     return KINDS[kind]
 
 
@@ -303,12 +304,12 @@ def vocab_kl(
     check_float_input("student_logits", student_logits)
     check_float_input("teacher_logits", teacher_logits)
     if student_logits.dim() < 1 or student_logits.shape[-1] == 0:
-        raise ValueError(f"student_logits: expected shape [..., V] with V > 0, got {shape_str(student_logits)}")
+        raise ArgumentError(f"student_logits: expected shape [..., V] with V > 0, got {shape_str(student_logits)}")
     if teacher_logits.shape != student_logits.shape:
-        raise ValueError(f"teacher_logits: expected the shape of student_logits {shape_str(student_logits)}, "
+        raise ArgumentError(f"teacher_logits: expected the shape of student_logits {shape_str(student_logits)}, "
                          f"got {shape_str(teacher_logits)}")
     if teacher_logits.requires_grad:
-        raise ValueError("teacher_logits: requires grad, but vocab_kl is differentiable only w.r.t. the student; "
+        raise ArgumentError("teacher_logits: requires grad, but vocab_kl is differentiable only w.r.t. the student; "
                          "pass teacher_logits.detach()")
     k = check_kind_beta(kind, beta)
     temperature = check_temperature(temperature)

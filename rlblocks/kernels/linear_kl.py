@@ -21,6 +21,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from rlblocks._validate import shape_str
+from rlblocks.errors import ArgumentError
 from rlblocks.kernels import _common
 from rlblocks.kernels._common import (
     check_float_input,
@@ -333,29 +334,29 @@ def linear_vocab_kl(
                     ("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):  # fmt: skip
         check_float_input(name, x)
     if student_hidden.dim() < 1:
-        raise ValueError(f"student_hidden: expected shape [..., H], got {shape_str(student_hidden)}")
+        raise ArgumentError(f"student_hidden: expected shape [..., H], got {shape_str(student_hidden)}")
     hs_dim = student_hidden.shape[-1]
     if student_weight.dim() != 2 or student_weight.shape[1] != hs_dim or student_weight.shape[0] == 0:
-        raise ValueError(f"student_weight: expected shape [V, {hs_dim}] (H = student_hidden.shape[-1]), "
+        raise ArgumentError(f"student_weight: expected shape [V, {hs_dim}] (H = student_hidden.shape[-1]), "
                          f"got {shape_str(student_weight)}")
     lead = student_hidden.shape[:-1]
     if teacher_hidden.dim() < 1 or teacher_hidden.shape[:-1] != lead:
-        raise ValueError(f"teacher_hidden: expected shape [{', '.join(map(str, lead))}, Ht] (the leading shape of "
+        raise ArgumentError(f"teacher_hidden: expected shape [{', '.join(map(str, lead))}, Ht] (the leading shape of "
                          f"student_hidden), got {shape_str(teacher_hidden)}")
     v = student_weight.shape[0]
     ht_dim = teacher_hidden.shape[-1]
     if teacher_weight.dim() != 2 or teacher_weight.shape != (v, ht_dim):
-        raise ValueError(f"teacher_weight: expected shape [{v}, {ht_dim}] (V of student_weight, "
+        raise ArgumentError(f"teacher_weight: expected shape [{v}, {ht_dim}] (V of student_weight, "
                          f"H = teacher_hidden.shape[-1]), got {shape_str(teacher_weight)}")
     if student_weight.dtype != student_hidden.dtype:
-        raise ValueError(f"student_weight: expected the dtype of student_hidden ({student_hidden.dtype}), "
+        raise ArgumentError(f"student_weight: expected the dtype of student_hidden ({student_hidden.dtype}), "
                          f"got {student_weight.dtype}")
     if teacher_weight.dtype != teacher_hidden.dtype:
-        raise ValueError(f"teacher_weight: expected the dtype of teacher_hidden ({teacher_hidden.dtype}), "
+        raise ArgumentError(f"teacher_weight: expected the dtype of teacher_hidden ({teacher_hidden.dtype}), "
                          f"got {teacher_weight.dtype}")
     for name, x in (("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):
         if x.requires_grad:
-            raise ValueError(f"{name}: requires grad, but linear_vocab_kl is differentiable only w.r.t. the "
+            raise ArgumentError(f"{name}: requires grad, but linear_vocab_kl is differentiable only w.r.t. the "
                              f"student; pass {name}.detach()")
     k = check_kind_beta(kind, beta)
     temperature = check_temperature(temperature)

@@ -32,6 +32,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from rlblocks._validate import shape_str
+from rlblocks.errors import ArgumentError
 from rlblocks.kernels import _common
 from rlblocks.kernels._common import (
     allreduce_stats,
@@ -375,12 +376,12 @@ def linear_token_logprobs(
     check_float_input("hidden", hidden)
     check_float_input("weight", weight)
     if hidden.dim() < 1:
-        raise ValueError(f"hidden: expected shape [..., H], got {shape_str(hidden)}")
+        raise ArgumentError(f"hidden: expected shape [..., H], got {shape_str(hidden)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
-        raise ValueError(f"weight: expected shape [V, {hidden.shape[-1]}] (V > 0, H = hidden.shape[-1]), "
+        raise ArgumentError(f"weight: expected shape [V, {hidden.shape[-1]}] (V > 0, H = hidden.shape[-1]), "
                          f"got {shape_str(weight)}")
     if weight.dtype != hidden.dtype:
-        raise ValueError(f"weight: expected the dtype of hidden ({hidden.dtype}), got {weight.dtype}")
+        raise ArgumentError(f"weight: expected the dtype of hidden ({hidden.dtype}), got {weight.dtype}")
     temperature = check_temperature(temperature)
     _, v_full = shard_offset(weight.shape[0], process_group)
     y = check_labels(labels, hidden.shape[:-1], v_full, ignore_index, like="hidden")

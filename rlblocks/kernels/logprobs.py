@@ -15,6 +15,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from rlblocks.errors import ArgumentError
 from rlblocks.kernels._common import (
     check_float_input,
     check_labels,
@@ -224,7 +225,7 @@ def token_logprobs(
     """
     check_float_input("logits", logits)
     if logits.dim() < 1 or logits.shape[-1] == 0:
-        raise ValueError(f"logits: expected shape [..., V] with V > 0, got {list(logits.shape)}")
+        raise ArgumentError(f"logits: expected shape [..., V] with V > 0, got {list(logits.shape)}")
     temperature = check_temperature(temperature)
     v = logits.shape[-1]
     y = check_labels(labels, logits.shape[:-1], v, ignore_index, like="logits")

@@ -10,6 +10,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from rlblocks._validate import as_bool_mask, check_floating, check_ndim, check_same_shape, shape_str
+from rlblocks.errors import ArgumentError
 
 LOG_RATIO_CLAMP = 20.0
 """Log-ratios are clamped to ``[-20, 20]`` before ``exp`` (e^20 ≈ 4.9e8 stays finite in fp32 and bf16)."""
@@ -22,7 +23,7 @@ def compute_dtype(x: Tensor) -> torch.dtype:
 
 def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"{name}: expected one of {', '.join(repr(c) for c in choices)}, got {value!r}")
+        raise ArgumentError(f"{name}: expected one of {', '.join(repr(c) for c in choices)}, got {value!r}")
 
 
 def check_number(
@@ -36,18 +37,18 @@ def check_number(
 ) -> float:
     """Validate a Python scalar hyper-parameter and return it as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}: expected a Python number, got {type(value).__name__}")
+        raise ArgumentError(f"{name}: expected a Python number, got {type(value).__name__}")
     v = float(value)
     if v != v:
-        raise ValueError(f"{name}: expected a number, got nan")
+        raise ArgumentError(f"{name}: expected a number, got nan")
     if ge is not None and not v >= ge:
-        raise ValueError(f"{name}: expected a value >= {ge}, got {v}")
+        raise ArgumentError(f"{name}: expected a value >= {ge}, got {v}")
     if gt is not None and not v > gt:
-        raise ValueError(f"{name}: expected a value > {gt}, got {v}")
+        raise ArgumentError(f"{name}: expected a value > {gt}, got {v}")
     if le is not None and not v <= le:
-        raise ValueError(f"{name}: expected a value <= {le}, got {v}")
+        raise ArgumentError(f"{name}: expected a value <= {le}, got {v}")
     if lt is not None and not v < lt:
-        raise ValueError(f"{name}: expected a value < {lt}, got {v}")
+        raise ArgumentError(f"{name}: expected a value < {lt}, got {v}")
     return v
 
 
@@ -69,13 +70,13 @@ def broadcast_advantages(
     check_floating(name, advantages)
     if advantages.dim() == 1:
         if advantages.shape[0] != like.shape[0]:
-            raise ValueError(
+            raise ArgumentError(
                 f"{name}: expected shape [B] = [{like.shape[0]}] or [B, T] = {shape_str(like)} "
                 f"(from {like_name} {shape_str(like)}), got {shape_str(advantages)}"
             )
         advantages = advantages[:, None].expand(like.shape)
     elif advantages.shape != like.shape:
-        raise ValueError(
+        raise ArgumentError(
             f"{name}: expected shape [B] = [{like.shape[0]}] or [B, T] = {shape_str(like)} "
             f"(from {like_name} {shape_str(like)}), got {shape_str(advantages)}"
         )
@@ -114,17 +115,17 @@ def check_group_inputs(
     """Check ``rewards [n]`` (or ``[n, F]`` when ``ndim == 2``) and integer ``group_ids [n]``."""
     layout = "[n]" if ndim == 1 else "[n, F]"
     if not isinstance(rewards, Tensor):
-        raise ValueError(f"{rewards_name}: expected a torch.Tensor, got {type(rewards).__name__}")
+        raise ArgumentError(f"{rewards_name}: expected a torch.Tensor, got {type(rewards).__name__}")
     if rewards.dtype.is_complex:
-        raise ValueError(f"{rewards_name}: expected a real tensor, got dtype {rewards.dtype}")
+        raise ArgumentError(f"{rewards_name}: expected a real tensor, got dtype {rewards.dtype}")
     check_ndim(rewards_name, rewards, ndim, layout)
     if not isinstance(group_ids, Tensor):
-        raise ValueError(f"group_ids: expected a torch.Tensor, got {type(group_ids).__name__}")
+        raise ArgumentError(f"group_ids: expected a torch.Tensor, got {type(group_ids).__name__}")
     if group_ids.is_floating_point() or group_ids.dtype.is_complex or group_ids.dtype == torch.bool:
-        raise ValueError(f"group_ids: expected an integer tensor, got dtype {group_ids.dtype}")
+        raise ArgumentError(f"group_ids: expected an integer tensor, got dtype {group_ids.dtype}")
     check_ndim("group_ids", group_ids, 1, "[n]")
     if group_ids.shape[0] != rewards.shape[0]:
-        raise ValueError(
+        raise ArgumentError(
             f"group_ids: expected length n = {rewards.shape[0]} (from {rewards_name} {shape_str(rewards)}), "
             f"got {shape_str(group_ids)}"
         )

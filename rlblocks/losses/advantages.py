@@ -15,6 +15,7 @@ from jaxtyping import Bool, Float, Int, Shaped
 from torch import Tensor
 
 from rlblocks._validate import as_bool_mask, check_floating, check_ndim, check_same_shape, shape_str
+from rlblocks.errors import ArgumentError
 from rlblocks.losses._common import check_choice, check_group_inputs, check_number, compute_dtype, safe
 from rlblocks.losses._groups import dense_group_index, group_count, group_mean_std, group_reduce, group_sum
 
@@ -104,7 +105,7 @@ def opo_advantages(
     """
     check_group_inputs(rewards, group_ids)
     if not isinstance(lengths, Tensor) or lengths.dtype.is_complex:
-        raise ValueError(f"lengths: expected a real tensor of shape [n], got {type(lengths).__name__}")
+        raise ArgumentError(f"lengths: expected a real tensor of shape [n], got {type(lengths).__name__}")
     check_ndim("lengths", lengths, 1, "[n]")
     check_same_shape("rewards", rewards, "lengths", lengths)
     r = rewards.to(torch.float64)
@@ -153,10 +154,10 @@ def gdpo_advantages(
     """
     check_group_inputs(rewards, group_ids, ndim=2)
     if not isinstance(weights, Tensor) or weights.dtype.is_complex:
-        raise ValueError(f"weights: expected a real tensor of shape [F], got {type(weights).__name__}")
+        raise ArgumentError(f"weights: expected a real tensor of shape [F], got {type(weights).__name__}")
     check_ndim("weights", weights, 1, "[F]")
     if weights.shape[0] != rewards.shape[1]:
-        raise ValueError(
+        raise ArgumentError(
             f"weights: expected shape [F] = [{rewards.shape[1]}] (from rewards {shape_str(rewards)}), "
             f"got {shape_str(weights)}"
         )
@@ -180,7 +181,7 @@ def remax_advantages(rewards: Shaped[Tensor, " n"], greedy_rewards: Shaped[Tenso
     """ReMax: ``A_i = R_i − R_greedy,i`` (the greedy decode of the same prompt is the baseline)."""
     for name, x in (("rewards", rewards), ("greedy_rewards", greedy_rewards)):
         if not isinstance(x, Tensor) or x.dtype.is_complex:
-            raise ValueError(f"{name}: expected a real tensor of shape [n], got {type(x).__name__}")
+            raise ArgumentError(f"{name}: expected a real tensor of shape [n], got {type(x).__name__}")
         check_ndim(name, x, 1, "[n]")
     check_same_shape("rewards", rewards, "greedy_rewards", greedy_rewards)
     return (rewards.to(torch.float64) - greedy_rewards.to(torch.float64)).to(_out_dtype(rewards))
@@ -226,7 +227,7 @@ def reinforce_pp_baseline_advantages(
     check_group_inputs(rewards, group_ids)
     check_tensor_2d("mask", mask)
     if mask.shape[0] != rewards.shape[0]:
-        raise ValueError(
+        raise ArgumentError(
             f"mask: expected shape [n, T] with n = {rewards.shape[0]} (from rewards {shape_str(rewards)}), "
             f"got {shape_str(mask)}"
         )
@@ -241,7 +242,7 @@ def reinforce_pp_baseline_advantages(
 
 def check_tensor_2d(name: str, x: object) -> None:
     if not isinstance(x, Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        raise ArgumentError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     check_ndim(name, x, 2, "[n, T]")
 
 

@@ -12,6 +12,7 @@ from jaxtyping import Float, Shaped
 from torch import Tensor
 
 from rlblocks._validate import as_bool_mask, check_floating, check_ndim
+from rlblocks.errors import ArgumentError
 from rlblocks.losses._common import check_choice, compute_dtype, masked_sum
 
 __all__ = ["AGG_MODES", "aggregate"]
@@ -26,11 +27,11 @@ def _count(name: str, value: Count | None, default: Tensor, dt: torch.dtype) -> 
         return default.to(dt)
     if isinstance(value, Tensor):
         if value.numel() != 1:
-            raise ValueError(f"{name}: expected a number or a 1-element tensor, got shape {list(value.shape)}")
+            raise ArgumentError(f"{name}: expected a number or a 1-element tensor, got shape {list(value.shape)}")
         v = value.reshape(()).to(device=default.device, dtype=dt)
         return torch.where(v > 0, v, torch.ones_like(v))  # a global count of 0 (nothing valid anywhere) gives 0
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name}: expected a positive number, got {value!r}")
+        raise ArgumentError(f"{name}: expected a positive number, got {value!r}")
     return torch.tensor(float(value), dtype=dt, device=default.device)
 
 

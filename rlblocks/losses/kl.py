@@ -16,6 +16,7 @@ from jaxtyping import Float, Shaped
 from torch import Tensor
 
 from rlblocks._validate import as_bool_mask, check_floating, check_same_shape
+from rlblocks.errors import ArgumentError
 from rlblocks.losses._common import LOG_RATIO_CLAMP, check_choice, check_number, compute_dtype, safe
 
 __all__ = ["AdaptiveKLController", "FixedKLController", "kl_estimate"]
@@ -94,7 +95,7 @@ class AdaptiveKLController:
         kl = float(current_kl.detach().float().item()) if isinstance(current_kl, Tensor) else float(current_kl)
         check_number("current_kl", kl)
         if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 0:
-            raise ValueError(f"n_steps: expected a non-negative int, got {n_steps!r}")
+            raise ArgumentError(f"n_steps: expected a non-negative int, got {n_steps!r}")
         error = min(max(kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
         return self.value

@@ -10,6 +10,7 @@ from jaxtyping import Bool, Float, Int, Shaped
 from torch import Tensor
 
 from rlblocks._validate import as_bool_mask, check_floating, check_ndim
+from rlblocks.errors import ArgumentError
 from rlblocks.losses._common import (
     broadcast_advantages,
     check_group_inputs,
@@ -86,7 +87,7 @@ def overlong_penalty(
     ``−penalty`` if ``|y| ≥ max_len``. Float32 (float64 for float64 lengths).
     """
     if not isinstance(lengths, Tensor) or lengths.dtype.is_complex or lengths.dtype == torch.bool:
-        raise ValueError(f"lengths: expected a real tensor of shape [n], got {getattr(lengths, 'dtype', lengths)!r}")
+        raise ArgumentError(f"lengths: expected a real tensor of shape [n], got {getattr(lengths, 'dtype', lengths)!r}")
     check_ndim("lengths", lengths, 1, "[n]")
     ml = check_number("max_len", max_len, gt=0)
     buf = check_number("buffer", buffer, gt=0, le=ml)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from .batch import RolloutBatch, build_batch
 from .types import FinishReason, Generation, GenerationRequest, RolloutEngine, SamplingParams
 
 _LAZY = {
@@ -19,7 +20,11 @@ _LAZY = {
     "Router": ".router",
 }
 
-__all__ = ["FinishReason", "Generation", "GenerationRequest", "RolloutEngine", "SamplingParams", *_LAZY]
+__all__ = [
+    "FinishReason",
+    "RolloutBatch",
+    "build_batch",
+    "Generation", "GenerationRequest", "RolloutEngine", "SamplingParams", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -21,6 +21,8 @@ import asyncio
 import dataclasses
 from dataclasses import dataclass, field
 
+from rlblocks.errors import ArgumentError
+
 from .types import Generation, GenerationRequest, RolloutEngine
 
 __all__ = ["ResumableResult", "resumable_generate"]
@@ -84,9 +86,9 @@ async def resumable_generate(
         concatenation of every call's outputs (ids, fp32 logprobs, versions: never dropped).
     """
     if not isinstance(request, GenerationRequest):
-        raise ValueError(f"request: expected a GenerationRequest, got {type(request).__name__}")
+        raise ArgumentError(f"request: expected a GenerationRequest, got {type(request).__name__}")
     if max_submissions is not None and max_submissions < 1:
-        raise ValueError(f"max_submissions: expected >= 1 or None, got {max_submissions}")
+        raise ArgumentError(f"max_submissions: expected >= 1 or None, got {max_submissions}")
     prompt = list(request.prompt_ids)
     budget = request.sampling.max_new_tokens
     out_ids: list[int] = []

@@ -20,6 +20,8 @@ from typing import Literal
 
 from torch import Tensor
 
+from rlblocks.errors import ArgumentError
+
 from .types import Generation, GenerationRequest, RolloutEngine
 
 __all__ = ["Router"]
@@ -36,9 +38,9 @@ class Router:
     def __init__(self, engines: Sequence[RolloutEngine], *, max_sessions: int = 1_000_000) -> None:
         engines = list(engines)
         if not engines:
-            raise ValueError("engines: expected at least one engine, got an empty sequence")
+            raise ArgumentError("engines: expected at least one engine, got an empty sequence")
         if max_sessions < 1:
-            raise ValueError(f"max_sessions: expected >= 1, got {max_sessions}")
+            raise ArgumentError(f"max_sessions: expected >= 1, got {max_sessions}")
         self.engines = engines
         self.max_sessions = int(max_sessions)
         self.in_flight = [0] * len(engines)  # requests in flight through this router, per engine
@@ -67,7 +69,7 @@ class Router:
     async def generate(self, request: GenerationRequest) -> Generation:
         """Dispatch ``request`` (see the module docstring) and return the engine's generation."""
         if request.request_id in self._where:
-            raise ValueError(f"request_id: {request.request_id!r} is already in flight")
+            raise ArgumentError(f"request_id: {request.request_id!r} is already in flight")
         i = self.engine_for(request)
         self._aborted.pop(request.request_id, None)
         if request.session_id is not None:
@@ -105,7 +107,7 @@ class Router:
 
     async def pause(self, mode: Literal["abort", "keep"] = "abort") -> None:
         if mode not in ("abort", "keep"):
-            raise ValueError(f"mode: expected 'abort' or 'keep', got {mode!r}")
+            raise ArgumentError(f"mode: expected 'abort' or 'keep', got {mode!r}")
         await asyncio.gather(*[e.pause(mode) for e in self.engines])
 
     async def resume(self) -> None:

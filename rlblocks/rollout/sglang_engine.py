@@ -57,6 +57,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from rlblocks.errors import ArgumentError, EngineError
+
 from .types import Generation, GenerationRequest
 
 __all__ = ["SGLangEngine", "SGLangError", "serialize_named_tensors"]
@@ -64,7 +66,7 @@ __all__ = ["SGLangEngine", "SGLangError", "serialize_named_tensors"]
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-class SGLangError(RuntimeError):
+class SGLangError(EngineError):
     """The server answered with an HTTP error or an unexpected body."""
 
 
@@ -112,9 +114,9 @@ class SGLangEngine:
         max_concurrency: int = 256,
     ) -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url: expected 'http://host:port', got {base_url!r}")
+            raise ArgumentError(f"base_url: expected 'http://host:port', got {base_url!r}")
         if tp_size < 1:
-            raise ValueError(f"tp_size: expected >= 1, got {tp_size}")
+            raise ArgumentError(f"tp_size: expected >= 1, got {tp_size}")
         self.base_url = base_url.rstrip("/")
         self.timeout = float(timeout)
         self.api_key = api_key
@@ -151,7 +153,7 @@ class SGLangEngine:
     @staticmethod
     def _check_success(path: str, body: Any) -> Any:
         if isinstance(body, dict) and body.get("success") is False:
-            raise ValueError(f"{path}: the server rejected the update: {body.get('message', body)}")
+            raise ArgumentError(f"{path}: the server rejected the update: {body.get('message', body)}")
         return body
 
     # ------------------------------------------------------------------ protocol
@@ -168,7 +170,7 @@ class SGLangEngine:
         """The JSON body of ``POST /generate`` for ``request`` (see the module docstring)."""
         sp = request.sampling
         if not self.allow_unprocessed_logprobs and sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1.0):
-            raise ValueError(
+            raise ArgumentError(
                 f"request.sampling: SGLang's logprobs ignore top_k/top_p (got top_k={sp.top_k}, top_p={sp.top_p}); "
                 "they would not be the processed logprobs. Disable them or pass allow_unprocessed_logprobs=True"
             )
@@ -227,7 +229,7 @@ class SGLangEngine:
     async def generate(self, request: GenerationRequest) -> Generation:
         """``POST /generate``; an aborted request returns its partial output with ``finish_reason="abort"``."""
         if not isinstance(request, GenerationRequest):
-            raise ValueError(f"request: expected a GenerationRequest, got {type(request).__name__}")
+            raise ArgumentError(f"request: expected a GenerationRequest, got {type(request).__name__}")
         if request.sampling.max_new_tokens == 0:
             return Generation(request.request_id, list(request.prompt_ids), finish_reason="length")
         payload = self.build_generate_payload(request)
@@ -257,7 +259,7 @@ class SGLangEngine:
         """``POST /pause_generation``: ``abort`` -> SGLang ``abort``; ``keep`` -> SGLang ``retract`` (requests
         wait in the server's queue; their KV may be flushed and recomputed on resume)."""
         if mode not in ("abort", "keep"):
-            raise ValueError(f"mode: expected 'abort' or 'keep', got {mode!r}")
+            raise ArgumentError(f"mode: expected 'abort' or 'keep', got {mode!r}")
         self._paused = True
         await self._request("POST", "/pause_generation", {"mode": "abort" if mode == "abort" else "retract"})
 
@@ -280,16 +282,19 @@ class SGLangEngine:
         checked here, names and shapes by the server (its ``success: false`` becomes ``ValueError`` and the
         client's version is unchanged). Version set after the server confirmed the load."""
         if isinstance(version, bool) or not isinstance(version, int):
-            raise ValueError(f"version: expected an int, got {version!r}")
+            raise ArgumentError(f"version: expected an int, got {version!r}")
         items = list(named_tensors)
         seen: set[str] = set()
         for i, item in enumerate(items):
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-                raise ValueError(f"named_tensors[{i}]: expected a (name, tensor) pair, got {type(item).__name__}")
+                raise ArgumentError(f"named_tensors[{i}]: expected a (name, tensor) pair, got {type(item).__name__}")
             if not isinstance(item[1], Tensor):
-                raise ValueError(f"named_tensors: {item[0]!r}: expected a torch.Tensor, got {type(item[1]).__name__}")
+                raise ArgumentError(
+                    f"named_tensors: {item[0]!r}: expected a "
+                    f"torch.Tensor, got {type(item[1]).__name__}"
+                )
             if item[0] in seen:
-                raise ValueError(f"named_tensors: {item[0]!r} appears more than once")
+                raise ArgumentError(f"named_tensors: {item[0]!r} appears more than once")
             seen.add(item[0])
         payload = {
             "serialized_named_tensors": [serialize_named_tensors(items)] * self.tp_size,
@@ -349,7 +354,7 @@ class SGLangEngine:
         """``POST /update_weights_from_distributed``: the server receives each named tensor by broadcast from
         the trainer's rank 0 (run the trainer's broadcasts concurrently with this call)."""
         if not (len(names) == len(dtypes) == len(shapes)):
-            raise ValueError(
+            raise ArgumentError(
                 f"names, dtypes, shapes: expected equal lengths, got {len(names)}, {len(dtypes)}, {len(shapes)}"
             )
         payload = {

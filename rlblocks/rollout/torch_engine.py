@@ -69,6 +69,8 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from rlblocks.errors import ArgumentError
+
 from .types import Generation, GenerationRequest
 
 __all__ = ["EngineStats", "TorchEngine", "processed_logprobs"]
@@ -232,9 +234,9 @@ class TorchEngine:
         version: int = 0,
     ) -> None:
         if max_batch_size < 1:
-            raise ValueError(f"max_batch_size: expected >= 1, got {max_batch_size}")
+            raise ArgumentError(f"max_batch_size: expected >= 1, got {max_batch_size}")
         if prefix_cache_size < 0:
-            raise ValueError(f"prefix_cache_size: expected >= 0, got {prefix_cache_size}")
+            raise ArgumentError(f"prefix_cache_size: expected >= 0, got {prefix_cache_size}")
         self.model = model.eval()
         cfg = getattr(model, "config", None)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
@@ -297,17 +299,17 @@ class TorchEngine:
         token ids outside the vocabulary or a prompt of ``max_model_len`` tokens or more."""
         self._bind_loop()
         if not isinstance(request, GenerationRequest):
-            raise ValueError(f"request: expected a GenerationRequest, got {type(request).__name__}")
+            raise ArgumentError(f"request: expected a GenerationRequest, got {type(request).__name__}")
         rid = request.request_id
         if rid in self._seqs:
-            raise ValueError(f"request_id: {rid!r} is already in flight")
+            raise ArgumentError(f"request_id: {rid!r} is already in flight")
         bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt_ids: expected token ids in [0, {self.vocab_size}), got {bad[:5]}")
+            raise ArgumentError(f"prompt_ids: expected token ids in [0, {self.vocab_size}), got {bad[:5]}")
         if request.sampling.max_new_tokens == 0:
             return Generation(rid, list(request.prompt_ids), finish_reason="length")
         if len(request.prompt_ids) >= self.max_model_len:
-            raise ValueError(
+            raise ArgumentError(
                 f"prompt_ids: expected fewer than max_model_len={self.max_model_len} tokens, "
                 f"got {len(request.prompt_ids)}"
             )
@@ -336,7 +338,7 @@ class TorchEngine:
         returns its partial output (``"abort"``); ``keep``: they are frozen (KV kept) and continue after
         :meth:`resume`. Requests submitted after this call wait for :meth:`resume`."""
         if mode not in ("abort", "keep"):
-            raise ValueError(f"mode: expected 'abort' or 'keep', got {mode!r}")
+            raise ArgumentError(f"mode: expected 'abort' or 'keep', got {mode!r}")
         self._bind_loop()
         self._paused = True
         before = list(self._seqs)
@@ -358,27 +360,27 @@ class TorchEngine:
         """
         self._bind_loop()
         if isinstance(version, bool) or not isinstance(version, int):
-            raise ValueError(f"version: expected an int, got {version!r}")
+            raise ArgumentError(f"version: expected an int, got {version!r}")
         items = list(named_tensors)
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
         seen: set[str] = set()
         for i, item in enumerate(items):
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-                raise ValueError(f"named_tensors[{i}]: expected a (name, tensor) pair, got {type(item).__name__}")
+                raise ArgumentError(f"named_tensors[{i}]: expected a (name, tensor) pair, got {type(item).__name__}")
             name, t = item
             if name not in params:
-                raise ValueError(f"named_tensors: no parameter or buffer named {name!r} in the model")
+                raise ArgumentError(f"named_tensors: no parameter or buffer named {name!r} in the model")
             if not isinstance(t, Tensor):
-                raise ValueError(f"named_tensors: {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+                raise ArgumentError(f"named_tensors: {name!r}: expected a torch.Tensor, got {type(t).__name__}")
             if tuple(t.shape) != tuple(params[name].shape):
-                raise ValueError(
+                raise ArgumentError(
                     f"named_tensors: {name!r}: expected shape {list(params[name].shape)}, got {list(t.shape)}"
                 )
             if t.is_floating_point() != params[name].is_floating_point():
-                raise ValueError(f"named_tensors: {name!r}: expected dtype like {params[name].dtype}, got {t.dtype}")
+                raise ArgumentError(f"named_tensors: {name!r}: expected dtype like {params[name].dtype}, got {t.dtype}")
             if name in seen:
-                raise ValueError(f"named_tensors: {name!r} appears more than once")
+                raise ArgumentError(f"named_tensors: {name!r} appears more than once")
             seen.add(name)
         self_paused = not self._paused
         self._paused = True

@@ -21,6 +21,8 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from rlblocks.errors import ArgumentError
+
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -43,13 +45,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0):
-            raise ValueError(f"temperature: expected >= 0, got {self.temperature}")
+            raise ArgumentError(f"temperature: expected >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p: expected a value in (0, 1], got {self.top_p}")
+            raise ArgumentError(f"top_p: expected a value in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int):
-            raise ValueError(f"top_k: expected an int (<= 0 disables it), got {self.top_k!r}")
+            raise ArgumentError(f"top_k: expected an int (<= 0 disables it), got {self.top_k!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens: expected an int >= 0, got {self.max_new_tokens!r}")
+            raise ArgumentError(f"max_new_tokens: expected an int >= 0, got {self.max_new_tokens!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
 
@@ -64,10 +66,10 @@ class GenerationRequest:
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
-            raise ValueError(f"request_id: expected a non-empty str, got {self.request_id!r}")
+            raise ArgumentError(f"request_id: expected a non-empty str, got {self.request_id!r}")
         self.prompt_ids = [int(t) for t in self.prompt_ids]
         if len(self.prompt_ids) == 0:
-            raise ValueError("prompt_ids: expected at least one token, got an empty list")
+            raise ArgumentError("prompt_ids: expected at least one token, got an empty list")
 
 
 @dataclass
@@ -84,12 +86,12 @@ class Generation:
     def __post_init__(self) -> None:
         n = len(self.output_ids)
         if len(self.output_logprobs) != n or len(self.output_versions) != n:
-            raise ValueError(
+            raise ArgumentError(
                 "Generation: output_ids, output_logprobs and output_versions must have one entry per token, got "
                 f"{n}, {len(self.output_logprobs)} and {len(self.output_versions)}"
             )
         if self.finish_reason not in FINISH_REASONS:
-            raise ValueError(f"finish_reason: expected one of {FINISH_REASONS}, got {self.finish_reason!r}")
+            raise ArgumentError(f"finish_reason: expected one of {FINISH_REASONS}, got {self.finish_reason!r}")
 
     @property
     def num_output_tokens(self) -> int:

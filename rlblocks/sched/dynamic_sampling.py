@@ -25,9 +25,7 @@ from typing import Any
 
 from torch import Tensor
 
-
-class InsufficientGroupsError(RuntimeError):
-    """``finish()`` with fewer accepted groups than the target and ``keep_when_insufficient=False``."""
+from rlblocks.errors import ArgumentError, InsufficientGroupsError
 
 
 def nonzero_reward_variance(group: Any, rewards: Sequence[float]) -> bool:
@@ -42,15 +40,15 @@ def nonzero_reward_variance(group: Any, rewards: Sequence[float]) -> bool:
 def _as_rewards(rewards: Sequence[float] | Tensor) -> list[float]:
     if isinstance(rewards, Tensor):
         if rewards.dim() != 1:
-            raise ValueError(f"rewards: expected a 1-D tensor [group_size], got shape {list(rewards.shape)}")
+            raise ArgumentError(f"rewards: expected a 1-D tensor [group_size], got shape {list(rewards.shape)}")
         values = [float(r) for r in rewards.detach().cpu().tolist()]
     else:
         values = [float(r) for r in rewards]
     if not values:
-        raise ValueError("rewards: expected at least one reward per group, got none")
+        raise ArgumentError("rewards: expected at least one reward per group, got none")
     for i, r in enumerate(values):
         if not math.isfinite(r):
-            raise ValueError(f"rewards[{i}]: expected a finite reward, got {r}")
+            raise ArgumentError(f"rewards[{i}]: expected a finite reward, got {r}")
     return values
 
 
@@ -84,11 +82,11 @@ class DynamicSampler:
         keep_when_insufficient: bool = True,
     ) -> None:
         if isinstance(target_groups, bool) or not isinstance(target_groups, int) or target_groups < 1:
-            raise ValueError(f"target_groups: expected an int >= 1, got {target_groups!r}")
+            raise ArgumentError(f"target_groups: expected an int >= 1, got {target_groups!r}")
         if not (isinstance(over_sampling, (int, float)) and math.isfinite(over_sampling) and over_sampling >= 1.0):
-            raise ValueError(f"over_sampling: expected a finite number >= 1.0, got {over_sampling!r}")
+            raise ArgumentError(f"over_sampling: expected a finite number >= 1.0, got {over_sampling!r}")
         if filter_fn is not None and not callable(filter_fn):
-            raise ValueError(f"filter_fn: expected a callable(group, rewards) -> bool or None, got {filter_fn!r}")
+            raise ArgumentError(f"filter_fn: expected a callable(group, rewards) -> bool or None, got {filter_fn!r}")
         self.target_groups = target_groups
         self.over_sampling = float(over_sampling)
         self.filter_fn = filter_fn if filter_fn is not None else nonzero_reward_variance
@@ -132,7 +130,7 @@ class DynamicSampler:
     def on_submit(self, n: int = 1) -> None:
         """``n`` groups were submitted."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"n: expected an int >= 1, got {n!r}")
+            raise ArgumentError(f"n: expected an int >= 1, got {n!r}")
         with self._lock:
             self._submitted += n
 
@@ -146,7 +144,7 @@ class DynamicSampler:
         keep = bool(self.filter_fn(group, values))
         with self._lock:
             if self._in_flight_locked() <= 0:
-                raise ValueError("group: add_group() with no group in flight (call on_submit() when submitting)")
+                raise ArgumentError("group: add_group() with no group in flight (call on_submit() when submitting)")
             if not keep:
                 self._filtered.append(group)
                 return False
@@ -159,10 +157,10 @@ class DynamicSampler:
     def on_abort(self, n: int = 1) -> None:
         """``n`` in-flight groups were aborted (typically into the partial-rollout buffer once :attr:`done`)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"n: expected an int >= 1, got {n!r}")
+            raise ArgumentError(f"n: expected an int >= 1, got {n!r}")
         with self._lock:
             if n > self._in_flight_locked():
-                raise ValueError(f"n: cannot abort {n} group(s), only {self._in_flight_locked()} in flight")
+                raise ArgumentError(f"n: cannot abort {n} group(s), only {self._in_flight_locked()} in flight")
             self._aborted += n
 
     # ------------------------------------------------------------------ results

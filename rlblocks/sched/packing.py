@@ -19,13 +19,15 @@ import torch
 from jaxtyping import Bool, Int, Shaped
 from torch import Tensor
 
+from rlblocks.errors import ArgumentError
+
 from .._validate import check_ndim, check_tensor, shape_str
 
 
 def _as_lengths(lengths: Sequence[int] | Tensor, name: str = "lengths") -> list[int]:
     if isinstance(lengths, Tensor):
         if lengths.dim() != 1 or lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
-            raise ValueError(f"{name}: expected a 1-D integer tensor, got dtype {lengths.dtype} shape "
+            raise ArgumentError(f"{name}: expected a 1-D integer tensor, got dtype {lengths.dtype} shape "
                              f"{shape_str(lengths)}")
         out = [int(v) for v in lengths.tolist()]
     else:
@@ -35,24 +37,24 @@ def _as_lengths(lengths: Sequence[int] | Tensor, name: str = "lengths") -> list[
                 try:
                     iv = int(v)
                 except (TypeError, ValueError):
-                    raise ValueError(f"{name}[{i}]: expected an int >= 0, got {v!r}") from None
+                    raise ArgumentError(f"{name}[{i}]: expected an int >= 0, got {v!r}") from None
                 if iv != v:
-                    raise ValueError(f"{name}[{i}]: expected an int >= 0, got {v!r}")
+                    raise ArgumentError(f"{name}[{i}]: expected an int >= 0, got {v!r}")
                 v = iv
             out.append(v)
     for i, v in enumerate(out):
         if v < 0:
-            raise ValueError(f"{name}[{i}]: expected a length >= 0, got {v}")
+            raise ArgumentError(f"{name}[{i}]: expected a length >= 0, got {v}")
     return out
 
 
 def _check_budget(max_tokens: int, lengths: list[int]) -> int:
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
-        raise ValueError(f"max_tokens: expected an int > 0, got {max_tokens!r}")
+        raise ArgumentError(f"max_tokens: expected an int > 0, got {max_tokens!r}")
     if lengths:
         i = max(range(len(lengths)), key=lengths.__getitem__)
         if lengths[i] > max_tokens:
-            raise ValueError(
+            raise ArgumentError(
                 f"max_tokens: expected >= the longest sequence (lengths[{i}] = {lengths[i]}), got {max_tokens}"
             )
     return max_tokens
@@ -139,10 +141,10 @@ def balance_partitions(lengths: Sequence[int] | Tensor, k: int, *, equal_size: b
     """
     lens = _as_lengths(lengths)
     if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
-        raise ValueError(f"k: expected an int > 0, got {k!r}")
+        raise ArgumentError(f"k: expected an int > 0, got {k!r}")
     n = len(lens)
     if equal_size and n % k != 0:
-        raise ValueError(f"lengths: equal_size=True needs a multiple of k={k} sequences, got {n}")
+        raise ArgumentError(f"lengths: equal_size=True needs a multiple of k={k} sequences, got {n}")
     # A partial solution: k subsets sorted by sum descending, each (sum, members) where members is a cheap tree
     # (None, an index, or a pair of trees) so a merge costs O(k), not O(subset size); heap key = -(spread), id.
     seeds: list[list[tuple[int, object]]] = []
@@ -192,7 +194,7 @@ def inverse_permutation(groups: Sequence[Sequence[int]]) -> list[int]:
     inv = [-1] * n
     for pos, i in enumerate(flat):
         if not 0 <= i < n or inv[i] != -1:
-            raise ValueError(f"groups: expected each of 0..{n - 1} exactly once, got {i!r} at position {pos}")
+            raise ArgumentError(f"groups: expected each of 0..{n - 1} exactly once, got {i!r} at position {pos}")
         inv[i] = pos
     return inv
 
@@ -215,7 +217,7 @@ def pad_to_packed(
     check_ndim("x", x, tuple(range(2, 9)), "[B, T, ...]")
     check_tensor("mask", mask)
     if mask.shape != x.shape[:2]:
-        raise ValueError(f"mask: expected shape [B, T] = {list(x.shape[:2])} (the first two dims of x), "
+        raise ArgumentError(f"mask: expected shape [B, T] = {list(x.shape[:2])} (the first two dims of x), "
                          f"got {shape_str(mask)}")
     m = mask if mask.dtype == torch.bool else mask != 0
     seqlens = m.sum(dim=1)
@@ -225,7 +227,7 @@ def pad_to_packed(
         bad = (right != m).any(dim=1)
         if bool(bad.any()):
             row = int(bad.nonzero()[0, 0])
-            raise ValueError(
+            raise ArgumentError(
                 f"mask: expected right-padded rows (valid tokens first, then padding), row {row} is not "
                 f"(pass validate=False to pack non-contiguous or left-padded masks row by row)"
             )
@@ -250,14 +252,14 @@ def packed_to_pad(
     check_ndim("flat", flat, tuple(range(1, 8)), "[N, ...]")
     check_ndim("cu_seqlens", cu_seqlens, 1, "[B + 1]")
     if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
-        raise ValueError(f"cu_seqlens: expected an integer tensor, got dtype {cu_seqlens.dtype}")
+        raise ArgumentError(f"cu_seqlens: expected an integer tensor, got dtype {cu_seqlens.dtype}")
     if cu_seqlens.numel() < 1:
-        raise ValueError("cu_seqlens: expected at least one entry (0), got an empty tensor")
+        raise ArgumentError("cu_seqlens: expected at least one entry (0), got an empty tensor")
     cu = cu_seqlens.to(device=flat.device, dtype=torch.int64)
     seqlens = cu[1:] - cu[:-1]
     first, last = int(cu[0]), int(cu[-1])
     if first != 0 or last != flat.shape[0] or bool((seqlens < 0).any()):
-        raise ValueError(
+        raise ArgumentError(
             f"cu_seqlens: expected non-decreasing offsets from 0 to flat.shape[0]={flat.shape[0]}, "
             f"got first={first}, last={last}"
         )
@@ -265,7 +267,7 @@ def packed_to_pad(
     if max_len is None:
         max_len = longest
     elif isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < longest:
-        raise ValueError(f"max_len: expected an int >= the longest sequence ({longest}), got {max_len!r}")
+        raise ArgumentError(f"max_len: expected an int >= the longest sequence ({longest}), got {max_len!r}")
     b = seqlens.numel()
     mask = torch.arange(max_len, device=flat.device).unsqueeze(0) < seqlens.unsqueeze(1)
     out = flat.new_full((b, max_len, *flat.shape[1:]), pad_value)

@@ -16,6 +16,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from rlblocks.errors import ArgumentError
+
 
 class GenerationLike(Protocol):
     """Structural type of :class:`rlblocks.rollout.Generation` (only the attributes read here)."""
@@ -51,16 +53,16 @@ class PartialRollout:
     def __post_init__(self) -> None:
         n = len(self.output_ids)
         if len(self.output_logprobs) != n or len(self.output_versions) != n:
-            raise ValueError(
+            raise ArgumentError(
                 "PartialRollout: output_ids, output_logprobs and output_versions need one entry per token, got "
                 f"{n}, {len(self.output_logprobs)} and {len(self.output_versions)}"
             )
         if isinstance(self.remaining_tokens, bool) or not isinstance(self.remaining_tokens, int) or (
             self.remaining_tokens < 0
         ):
-            raise ValueError(f"remaining_tokens: expected an int >= 0, got {self.remaining_tokens!r}")
+            raise ArgumentError(f"remaining_tokens: expected an int >= 0, got {self.remaining_tokens!r}")
         if len(self.prompt_ids) == 0:
-            raise ValueError("prompt_ids: expected at least one token, got an empty list")
+            raise ArgumentError("prompt_ids: expected at least one token, got an empty list")
 
     @property
     def oldest_version(self) -> int | None:
@@ -81,7 +83,7 @@ class PartialRollout:
         """
         n = len(gen.output_ids)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < n:
-            raise ValueError(f"max_new_tokens: expected an int >= len(output_ids) = {n}, got {max_new_tokens!r}")
+            raise ArgumentError(f"max_new_tokens: expected an int >= len(output_ids) = {n}, got {max_new_tokens!r}")
         finished = gen.finish_reason != "abort"
         return cls(
             group_id=group_id,
@@ -128,9 +130,9 @@ class PartialRolloutBuffer:
     ) -> None:
         if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)
                                        or group_size < 1):
-            raise ValueError(f"group_size: expected None or an int >= 1, got {group_size!r}")
+            raise ArgumentError(f"group_size: expected None or an int >= 1, got {group_size!r}")
         if max_age is not None and (isinstance(max_age, bool) or not isinstance(max_age, int) or max_age < 0):
-            raise ValueError(f"max_age: expected None or an int >= 0, got {max_age!r}")
+            raise ArgumentError(f"max_age: expected None or an int >= 0, got {max_age!r}")
         self.group_size = group_size
         self.max_age = max_age
         self.on_drop = on_drop
@@ -146,7 +148,7 @@ class PartialRolloutBuffer:
     # ------------------------------------------------------------------ adding
     def _check_sample(self, s: object, name: str) -> PartialRollout:
         if not isinstance(s, PartialRollout):
-            raise ValueError(
+            raise ArgumentError(
                 f"{name}: expected a PartialRollout (use PartialRollout.from_generation), got {type(s).__name__}"
             )
         return s
@@ -155,16 +157,16 @@ class PartialRolloutBuffer:
         """Add a whole group at once (all samples share one ``group_id`` not already in the buffer)."""
         samples = [self._check_sample(s, f"samples[{i}]") for i, s in enumerate(samples)]
         if not samples:
-            raise ValueError("samples: expected at least one sample, got an empty group")
+            raise ArgumentError("samples: expected at least one sample, got an empty group")
         gid = samples[0].group_id
         for i, s in enumerate(samples):
             if s.group_id != gid:
-                raise ValueError(f"samples[{i}].group_id: expected {gid!r} (one group per call), got {s.group_id!r}")
+                raise ArgumentError(f"samples[{i}].group_id: expected {gid!r} (one group per call), got {s.group_id!r}")
         if self.group_size is not None and len(samples) != self.group_size:
-            raise ValueError(f"samples: expected a whole group of group_size={self.group_size}, got {len(samples)}")
+            raise ArgumentError(f"samples: expected a whole group of group_size={self.group_size}, got {len(samples)}")
         with self._lock:
             if gid in self._complete or gid in self._incomplete:
-                raise ValueError(f"samples: group_id {gid!r} is already in the buffer")
+                raise ArgumentError(f"samples: group_id {gid!r} is already in the buffer")
             self._complete[gid] = samples
             self._counts["groups_added"] += 1
             self._counts["samples_added"] += len(samples)
@@ -182,11 +184,11 @@ class PartialRolloutBuffer:
         """Add one sample (needs ``group_size``). Returns True when this sample completed its group."""
         sample = self._check_sample(sample, "sample")
         if self.group_size is None:
-            raise ValueError("sample: add() needs group_size to know when a group is whole; use put_group()")
+            raise ArgumentError("sample: add() needs group_size to know when a group is whole; use put_group()")
         gid = sample.group_id
         with self._lock:
             if gid in self._complete:
-                raise ValueError(f"sample: group {gid!r} is already whole ({self.group_size} samples)")
+                raise ArgumentError(f"sample: group {gid!r} is already whole ({self.group_size} samples)")
             group = self._incomplete.setdefault(gid, [])
             group.append(sample)
             self._counts["samples_added"] += 1
@@ -227,7 +229,7 @@ class PartialRolloutBuffer:
     def drop_stale(self, current_version: int) -> int:
         """Drop (whole) every group older than ``max_age`` versions at ``current_version``. Returns how many."""
         if isinstance(current_version, bool) or not isinstance(current_version, int) or current_version < 0:
-            raise ValueError(f"current_version: expected an int >= 0, got {current_version!r}")
+            raise ArgumentError(f"current_version: expected an int >= 0, got {current_version!r}")
         with self._lock:
             dropped = self._drop_locked(current_version)
         self._deliver(dropped)
@@ -239,11 +241,11 @@ class PartialRolloutBuffer:
         With ``current_version`` and ``max_age`` set, stale groups are dropped first (see :meth:`drop_stale`).
         """
         if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
-            raise ValueError(f"k: expected an int > 0, got {k!r}")
+            raise ArgumentError(f"k: expected an int > 0, got {k!r}")
         if current_version is not None and (
             isinstance(current_version, bool) or not isinstance(current_version, int) or current_version < 0
         ):
-            raise ValueError(f"current_version: expected None or an int >= 0, got {current_version!r}")
+            raise ArgumentError(f"current_version: expected None or an int >= 0, got {current_version!r}")
         with self._lock:
             dropped = self._drop_locked(current_version) if current_version is not None else []
             out = []
@@ -306,7 +308,7 @@ class PartialRolloutBuffer:
         """Restore into this EMPTY buffer (raises ``ValueError`` otherwise)."""
         for key in ("complete", "incomplete", "dropped", "counts"):
             if key not in state:
-                raise ValueError(f"state: missing key {key!r}")
+                raise ArgumentError(f"state: missing key {key!r}")
 
         def dec(entries):
             return [(gid, [PartialRollout(**d) for d in samples]) for gid, samples in entries]
@@ -314,7 +316,7 @@ class PartialRolloutBuffer:
         complete, incomplete, dropped = dec(state["complete"]), dec(state["incomplete"]), dec(state["dropped"])
         with self._lock:
             if self._complete or self._incomplete or self._dropped:
-                raise ValueError("load_state_dict: expected an empty buffer (loading would lose its groups)")
+                raise ArgumentError("load_state_dict: expected an empty buffer (loading would lose its groups)")
             self._complete = dict(complete)
             self._incomplete = dict(incomplete)
             self._dropped = dropped

@@ -15,33 +15,26 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-import queue as _stdlib_queue
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-
-class QueueFull(_stdlib_queue.Full):
-    """``put`` could not insert because the queue is at capacity (non-blocking put, or the timeout expired)."""
-
-
-class QueueClosed(RuntimeError):
-    """``put`` on a closed queue."""
+from rlblocks.errors import ArgumentError, QueueClosed, QueueFull
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+        raise ArgumentError(f"{name}: expected an int >= {minimum}, got {value!r}")
     if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+        raise ArgumentError(f"{name}: expected an int >= {minimum}, got {value}")
     return value
 
 
 def _check_timeout(timeout: float | None) -> float | None:
     if timeout is not None and not (timeout >= 0):
-        raise ValueError(f"timeout: expected None or a number >= 0, got {timeout!r}")
+        raise ArgumentError(f"timeout: expected None or a number >= 0, got {timeout!r}")
     return timeout
 
 
@@ -78,7 +71,7 @@ class StalenessQueue:
         self.max_staleness = _check_int("max_staleness", max_staleness, minimum=0)
         self.capacity = None if capacity is None else _check_int("capacity", capacity, minimum=1)
         if on_stale is not None and not callable(on_stale):
-            raise ValueError(f"on_stale: expected a callable(item, version) or None, got {on_stale!r}")
+            raise ArgumentError(f"on_stale: expected a callable(item, version) or None, got {on_stale!r}")
         self.on_stale = on_stale
         self._lock = threading.Lock()
         self._not_empty = threading.Condition(self._lock)
@@ -400,7 +393,7 @@ class StalenessQueue:
         """
         for key in ("items", "stale_pending", "counters"):
             if key not in state:
-                raise ValueError(f"state: missing key {key!r}")
+                raise ArgumentError(f"state: missing key {key!r}")
         items = [(item, _check_int("state['items'] version", v, minimum=0), float(age)) for item, v, age in
                  state["items"]]
         stale_pending = [(item, _check_int("state['stale_pending'] version", v, minimum=0)) for item, v in
@@ -408,13 +401,13 @@ class StalenessQueue:
         c = state["counters"]
         n_put, n_returned, n_stale = int(c["put"]), int(c["returned"]), int(c["stale"])
         if n_put != n_returned + n_stale + len(items):
-            raise ValueError(
+            raise ArgumentError(
                 f"state['counters']: expected put == returned + stale + queued, got {n_put} != "
                 f"{n_returned} + {n_stale} + {len(items)}"
             )
         with self._lock:
             if self._heap or self._stale_pending:
-                raise ValueError(
+                raise ArgumentError(
                     f"load_state_dict: expected an empty queue, this one holds {len(self._heap)} queued and "
                     f"{len(self._stale_pending)} stale-pending items (loading would lose them)"
                 )

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import AllgatherOptions, BroadcastOptions
 
+from rlblocks.errors import ArgumentError, SyncError, SyncMismatchError
 from rlblocks.sync.buckets import (
     Bucket,
     TensorMeta,
@@ -51,14 +52,6 @@ from rlblocks.sync.buckets import (
     tensor_spec,
     unpack_bucket,
 )
-
-
-class SyncError(RuntimeError):
-    """A collective of the sync group failed: a peer died, refused, or did not answer within the timeout."""
-
-
-class SyncMismatchError(SyncError):
-    """Sender and receiver disagree on the tensors to move (names, shapes or dtypes)."""
 
 
 def tensor_to_bytes(t: Tensor) -> bytes:
@@ -187,16 +180,16 @@ def init_sync_group(
     have selected its device with ``torch.cuda.set_device`` first).
     """
     if not isinstance(world_size, int) or world_size < 2:
-        raise ValueError(f"world_size: expected an int >= 2, got {world_size!r}")
+        raise ArgumentError(f"world_size: expected an int >= 2, got {world_size!r}")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank: expected an int in [0, {world_size}), got {rank!r}")
+        raise ArgumentError(f"rank: expected an int in [0, {world_size}), got {rank!r}")
     if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
+        raise ArgumentError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
     if not isinstance(master_port, int) or not 0 < master_port < 65536:
-        raise ValueError(f"master_port: expected an int in (0, 65536), got {master_port!r}")
+        raise ArgumentError(f"master_port: expected an int in (0, 65536), got {master_port!r}")
     td = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
     if td.total_seconds() <= 0:
-        raise ValueError(f"timeout: expected a positive duration, got {timeout!r}")
+        raise ArgumentError(f"timeout: expected a positive duration, got {timeout!r}")
     try:
         store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=td)
     except (RuntimeError, OSError) as e:
@@ -208,7 +201,7 @@ def init_sync_group(
             device = torch.device("cpu")
         else:
             if not torch.cuda.is_available() or not hasattr(dist, "ProcessGroupNCCL"):
-                raise ValueError("backend: 'nccl' needs CUDA and a torch build with NCCL; use 'gloo' on CPU")
+                raise ArgumentError("backend: 'nccl' needs CUDA and a torch build with NCCL; use 'gloo' on CPU")
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = td
             pg = dist.ProcessGroupNCCL(pstore, rank, world_size, opts)
@@ -238,7 +231,7 @@ def _parse_manifest(data: bytes) -> tuple[int, int, list[TensorMeta]]:
     try:
         d = json.loads(data.decode())
         if d.get("magic") != _MAGIC:
-            raise ValueError(f"magic {d.get('magic')!r}")
+            raise ArgumentError(f"magic {d.get('magic')!r}")
         specs = [TensorMeta(str(n), tuple(int(x) for x in s), dtype_from_name(dt), 0) for n, s, dt in d["tensors"]]
         return int(d["version"]), int(d["bucket_bytes"]), specs
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
@@ -258,7 +251,7 @@ def _as_specs(expected: object, arg: str) -> dict[str, TensorMeta]:
             name, t = item
             out[name] = tensor_spec(name, t) if isinstance(t, Tensor) else TensorMeta(name, tuple(t[0]), t[1], 0)
     if len(out) != len(items):
-        raise ValueError(f"{arg}: duplicate names")
+        raise ArgumentError(f"{arg}: duplicate names")
     return out
 
 
@@ -316,9 +309,9 @@ class WeightSender:
 
     def __init__(self, group: SyncGroup, src: int = 0, *, bucket_bytes: int = 512 << 20):
         if group.rank != src:
-            raise ValueError(f"src: this process is rank {group.rank}, a WeightSender must run on rank src={src}")
+            raise ArgumentError(f"src: this process is rank {group.rank}, a WeightSender must run on rank src={src}")
         if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes: expected a positive int, got {bucket_bytes!r}")
+            raise ArgumentError(f"bucket_bytes: expected a positive int, got {bucket_bytes!r}")
         self.group, self.src, self.bucket_bytes = group, src, bucket_bytes
         self._buffers: list[Tensor | None] = [None, None]
 
@@ -349,7 +342,7 @@ class WeightSender:
         Raises :class:`SyncMismatchError` if a receiver refuses, :class:`SyncError` if a peer dies or times out.
         """
         if not isinstance(version, int):
-            raise ValueError(f"version: expected an int, got {type(version).__name__}")
+            raise ArgumentError(f"version: expected an int, got {type(version).__name__}")
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         if manifest is None:
             items = list(items)
@@ -358,7 +351,7 @@ class WeightSender:
             specs = [TensorMeta(m.name, tuple(m.shape), m.dtype, 0) for m in manifest]
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
-            raise ValueError("named_tensors: duplicate names")
+            raise ArgumentError("named_tensors: duplicate names")
         g = self.group
         seq = g.next_seq()
         g.broadcast_bytes(_manifest_bytes(version, self.bucket_bytes, specs), self.src)
@@ -374,10 +367,10 @@ class WeightSender:
                     name, t = next(it)
                 except StopIteration:
                     g.abort()
-                    raise ValueError(f"named_tensors: ended before {m.name!r} of the manifest") from None
+                    raise ArgumentError(f"named_tensors: ended before {m.name!r} of the manifest") from None
                 if name != m.name or tuple(t.shape) != m.shape or t.dtype != m.dtype:
                     g.abort()
-                    raise ValueError(
+                    raise ArgumentError(
                         f"named_tensors: expected {m.name!r} {list(m.shape)} {dtype_name(m.dtype)} (manifest order), "
                         f"got {name!r} {list(t.shape)} {t.dtype}; the group was aborted"
                     )
@@ -397,7 +390,7 @@ class WeightSender:
             g.wait(pending, f"broadcast of the last bucket of version {version}")
         if manifest is not None and next(it, None) is not None:
             g.abort()
-            raise ValueError("named_tensors: more tensors than the manifest lists; the group was aborted")
+            raise ArgumentError("named_tensors: more tensors than the manifest lists; the group was aborted")
         codes = g.all_gather_int(0)
         if any(codes):
             raise SyncError(f"ranks {[r for r, c in enumerate(codes) if c]} reported a failure after receiving")
@@ -504,7 +497,10 @@ class WeightReceiver:
         pool_buffers: bool = True,
     ):
         if group.rank == src:
-            raise ValueError(f"src: this process is rank {src}, the sender; a WeightReceiver runs on the other ranks")
+            raise ArgumentError(
+                f"src: this process is rank {src}, the sender; a "
+                f"WeightReceiver runs on the other ranks"
+            )
         self.group, self.src, self.reuse_buffers = group, src, bool(reuse_buffers)
         self.expected = None if expected is None else _as_specs(expected, "expected")
         self._buffers: list[Tensor | None] = [None, None, None]

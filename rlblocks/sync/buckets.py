@@ -30,6 +30,8 @@ import torch
 from jaxtyping import UInt8
 from torch import Tensor
 
+from rlblocks.errors import ArgumentError
+
 ALIGN = 64
 """Byte alignment of every tensor inside a bucket buffer."""
 
@@ -58,7 +60,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _NAMES[dtype]
     except KeyError:
-        raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype}") from None
+        raise ArgumentError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype}") from None
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -66,7 +68,7 @@ def dtype_from_name(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
     except KeyError:
-        raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {name!r}") from None
+        raise ArgumentError(f"dtype: expected one of {sorted(_DTYPES)}, got {name!r}") from None
 
 
 def _align(n: int) -> int:
@@ -98,13 +100,13 @@ class TensorMeta:
         try:
             return cls(str(d["name"]), tuple(int(s) for s in d["shape"]), dtype_from_name(d["dtype"]), int(d["offset"]))
         except (KeyError, TypeError) as e:
-            raise ValueError(f"metadata: expected keys name, shape, dtype, offset, got {d!r}") from e
+            raise ArgumentError(f"metadata: expected keys name, shape, dtype, offset, got {d!r}") from e
 
 
 def tensor_spec(name: str, t: Tensor) -> TensorMeta:
     """``TensorMeta`` of ``t`` with offset 0 (the manifest entry used before layout)."""
     if not isinstance(t, Tensor):
-        raise ValueError(f"named_tensors[{name!r}]: expected a torch.Tensor, got {type(t).__name__}")
+        raise ArgumentError(f"named_tensors[{name!r}]: expected a torch.Tensor, got {type(t).__name__}")
     return TensorMeta(name, tuple(int(s) for s in t.shape), t.dtype, 0)
 
 
@@ -114,7 +116,7 @@ def plan_buckets(specs: Iterable[TensorMeta], *, bucket_bytes: int) -> list[list
     Greedy in order; offsets aligned to :data:`ALIGN`; a tensor with ``nbytes > bucket_bytes`` gets its own bucket.
     """
     if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes: expected a positive int, got {bucket_bytes!r}")
+        raise ArgumentError(f"bucket_bytes: expected a positive int, got {bucket_bytes!r}")
     out: list[list[TensorMeta]] = []
     cur: list[TensorMeta] = []
     end = 0
@@ -151,7 +153,7 @@ class Bucket:
         """Rebuild a bucket from :meth:`metadata_bytes` and its received buffer (checked against each other)."""
         nbytes, metas = metadata_from_bytes(meta)
         if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != nbytes:
-            raise ValueError(
+            raise ArgumentError(
                 f"buffer: expected a 1-D uint8 tensor of {nbytes} bytes, got {buffer.dtype} shape {list(buffer.shape)}"
             )
         return cls(buffer, metas)
@@ -169,11 +171,11 @@ def metadata_from_bytes(data: bytes) -> tuple[int, list[TensorMeta]]:
         d = json.loads(bytes(data).decode())
         nbytes, items = int(d["nbytes"]), d["tensors"]
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"metadata: not valid bucket metadata ({e})") from e
+        raise ArgumentError(f"metadata: not valid bucket metadata ({e})") from e
     metas = [TensorMeta.from_dict(x) for x in items]
     for m in metas:
         if m.offset < 0 or m.offset % m.dtype.itemsize or m.offset + m.nbytes > nbytes:
-            raise ValueError(f"metadata: tensor {m.name!r} at offset {m.offset} does not fit a {nbytes}-byte buffer")
+            raise ArgumentError(f"metadata: tensor {m.name!r} at offset {m.offset} does not fit a {nbytes}-byte buffer")
     return nbytes, metas
 
 
@@ -197,7 +199,7 @@ def pack_buckets(
     Names must be unique; every tensor appears exactly once, bit for bit.
     """
     if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes: expected a positive int, got {bucket_bytes!r}")
+        raise ArgumentError(f"bucket_bytes: expected a positive int, got {bucket_bytes!r}")
     seen: set[str] = set()
     cur_meta: list[TensorMeta] = []
     cur_t: list[Tensor] = []
@@ -211,9 +213,12 @@ def pack_buckets(
 
     for name, t in named_tensors:
         if not isinstance(name, str):
-            raise ValueError(f"named_tensors: expected (str, Tensor) pairs, got a name of type {type(name).__name__}")
+            raise ArgumentError(
+                f"named_tensors: expected (str, Tensor) pairs, got a "
+                f"name of type {type(name).__name__}"
+            )
         if name in seen:
-            raise ValueError(f"named_tensors: duplicate name {name!r}")
+            raise ArgumentError(f"named_tensors: duplicate name {name!r}")
         seen.add(name)
         spec = tensor_spec(name, t)
         dtype_name(spec.dtype)  # refuse dtypes without a wire name early
@@ -235,9 +240,9 @@ def unpack_bucket(bucket: Bucket) -> Iterator[tuple[str, Tensor]]:
     """
     buf = bucket.buffer
     if buf.dtype != torch.uint8 or buf.dim() != 1:
-        raise ValueError(f"bucket.buffer: expected a 1-D uint8 tensor, got {buf.dtype} shape {list(buf.shape)}")
+        raise ArgumentError(f"bucket.buffer: expected a 1-D uint8 tensor, got {buf.dtype} shape {list(buf.shape)}")
     n = buf.numel()
     for m in bucket.metas:
         if m.offset < 0 or m.offset + m.nbytes > n or m.offset % m.dtype.itemsize:
-            raise ValueError(f"bucket.metas: tensor {m.name!r} at offset {m.offset} does not fit a {n}-byte buffer")
+            raise ArgumentError(f"bucket.metas: tensor {m.name!r} at offset {m.offset} does not fit a {n}-byte buffer")
         yield m.name, buf[m.offset : m.offset + m.nbytes].view(m.dtype).view(m.shape)

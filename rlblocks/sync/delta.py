@@ -46,6 +46,7 @@ import torch
 from jaxtyping import UInt8
 from torch import Tensor
 
+from rlblocks.errors import ArgumentError, DeltaError
 from rlblocks.sync.buckets import dtype_from_name, dtype_name
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -59,9 +60,6 @@ if sys.byteorder != "little":  # pragma: no cover - every supported platform is 
     raise ImportError("rlblocks.sync.delta assumes a little-endian host")
 
 
-class DeltaError(ValueError):
-    """A delta packet was refused (wrong chain position, corrupted bytes, checksum or layout mismatch)."""
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # helpers
@@ -73,7 +71,7 @@ def _int_view(t: Tensor) -> Tensor:
     try:
         iv = _INT_VIEW[t.element_size()]
     except KeyError:
-        raise ValueError(f"dtype: element size {t.element_size()} of {t.dtype} is not supported") from None
+        raise ArgumentError(f"dtype: element size {t.element_size()} of {t.dtype} is not supported") from None
     return t.reshape(-1).view(iv)
 
 
@@ -328,11 +326,11 @@ def _named(named_tensors: Iterable[tuple[str, Tensor]] | Mapping[str, Tensor], a
     out: dict[str, Tensor] = {}
     for name, t in items:
         if not isinstance(t, Tensor):
-            raise ValueError(f"{arg}[{name!r}]: expected a torch.Tensor, got {type(t).__name__}")
+            raise ArgumentError(f"{arg}[{name!r}]: expected a torch.Tensor, got {type(t).__name__}")
         if t.element_size() not in _INT_VIEW:
-            raise ValueError(f"{arg}[{name!r}]: dtype {t.dtype} has an unsupported element size")
+            raise ArgumentError(f"{arg}[{name!r}]: dtype {t.dtype} has an unsupported element size")
         if name in out:
-            raise ValueError(f"{arg}: duplicate name {name!r}")
+            raise ArgumentError(f"{arg}: duplicate name {name!r}")
         out[name] = t
     return out
 
@@ -341,16 +339,16 @@ def _check_same_layout(ref: Mapping[str, Tensor], got: Mapping[str, Tensor], arg
     missing = [n for n in ref if n not in got]
     extra = [n for n in got if n not in ref]
     if missing or extra:
-        raise ValueError(f"{arg}: names differ from the snapshot (missing {missing[:3]}, unexpected {extra[:3]})")
+        raise ArgumentError(f"{arg}: names differ from the snapshot (missing {missing[:3]}, unexpected {extra[:3]})")
     for n, t in got.items():
         r = ref[n]
         if t.shape != r.shape or t.dtype != r.dtype:
-            raise ValueError(f"{arg}[{n!r}]: expected {list(r.shape)} {r.dtype}, got {list(t.shape)} {t.dtype}")
+            raise ArgumentError(f"{arg}[{n!r}]: expected {list(r.shape)} {r.dtype}, got {list(t.shape)} {t.dtype}")
 
 
 def _check_version(version: object, arg: str = "version") -> int:
     if not isinstance(version, int) or isinstance(version, bool):
-        raise ValueError(f"{arg}: expected an int, got {type(version).__name__}")
+        raise ArgumentError(f"{arg}: expected an int, got {type(version).__name__}")
     return version
 
 
@@ -370,7 +368,7 @@ class DeltaEncoder:
         compress: bool | str = False,
     ):
         if compress not in (False, True, "auto"):
-            raise ValueError(f"compress: expected False, True or 'auto', got {compress!r}")
+            raise ArgumentError(f"compress: expected False, True or 'auto', got {compress!r}")
         if compress is True:
             _zstd("compress=True")
         self.compression = "zstd" if compress is True or (compress == "auto" and _zstd_available()) else "none"
@@ -400,7 +398,7 @@ class DeltaEncoder:
         """
         version = _check_version(version)
         if version <= self.version:
-            raise ValueError(f"version: expected > {self.version} (the last encoded version), got {version}")
+            raise ArgumentError(f"version: expected > {self.version} (the last encoded version), got {version}")
         named = _named(named_tensors, "named_tensors")
         _check_same_layout(self._snap, named, "named_tensors")
         out = [self._encode_one(n, t) for n, t in named.items()]
@@ -472,7 +470,7 @@ class DeltaDecoder:
         self.tensors = _named(named_tensors, "named_tensors")
         for n, t in self.tensors.items():
             if not t.is_contiguous():
-                raise ValueError(f"named_tensors[{n!r}]: expected a contiguous tensor (updated in place)")
+                raise ArgumentError(f"named_tensors[{n!r}]: expected a contiguous tensor (updated in place)")
         self.version = _check_version(version)
         self._crc: dict[str, int] = {}
 
@@ -489,7 +487,7 @@ class DeltaDecoder:
         ``verify=False`` skips the CRC passes over the tensors (faster; the packet's own checksums still hold).
         """
         if not isinstance(packet, DeltaPacket):
-            raise ValueError(f"packet: expected a DeltaPacket, got {type(packet).__name__}")
+            raise ArgumentError(f"packet: expected a DeltaPacket, got {type(packet).__name__}")
         if not packet.is_full and packet.base_version != self.version:
             raise DeltaError(
                 f"packet: base_version {packet.base_version} does not match the current version {self.version} "

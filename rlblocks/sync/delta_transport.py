@@ -22,6 +22,7 @@ import shutil
 import time
 from pathlib import Path
 
+from rlblocks.errors import ArgumentError
 from rlblocks.sync.broadcast import SyncGroup
 from rlblocks.sync.delta import DeltaPacket
 
@@ -44,7 +45,7 @@ class DirectoryTransport:
 
     def __init__(self, root: str | os.PathLike, *, keep: int = 4):
         if not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"keep: expected an int >= 1, got {keep!r}")
+            raise ArgumentError(f"keep: expected an int >= 1, got {keep!r}")
         self.root = Path(root)
         self.keep = keep
         self.root.mkdir(parents=True, exist_ok=True)
@@ -56,12 +57,12 @@ class DirectoryTransport:
         Refuses (ValueError) a version that already exists: a published version is immutable.
         """
         if not isinstance(packet, DeltaPacket):
-            raise ValueError(f"packet: expected a DeltaPacket, got {type(packet).__name__}")
+            raise ArgumentError(f"packet: expected a DeltaPacket, got {type(packet).__name__}")
         if packet.version < 0:
-            raise ValueError(f"packet.version: expected >= 0, got {packet.version}")
+            raise ArgumentError(f"packet.version: expected >= 0, got {packet.version}")
         final = self.root / f"v{packet.version:06d}"
         if final.exists():
-            raise ValueError(f"packet.version: {final} is already published")
+            raise ArgumentError(f"packet.version: {final} is already published")
         data = packet.to_bytes()
         tmp = self.root / f".tmp-{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
         tmp.mkdir()
@@ -176,15 +177,15 @@ class GroupDeltaTransport:
 
     def __init__(self, group: SyncGroup, src: int = 0):
         if not 0 <= src < group.world_size:
-            raise ValueError(f"src: expected a rank in [0, {group.world_size}), got {src}")
+            raise ArgumentError(f"src: expected a rank in [0, {group.world_size}), got {src}")
         self.group, self.src = group, src
 
     def send(self, packet: DeltaPacket) -> int:
         """Broadcast ``packet``; returns its wire size in bytes."""
         if self.group.rank != self.src:
-            raise ValueError(f"src: only rank {self.src} sends; this is rank {self.group.rank}")
+            raise ArgumentError(f"src: only rank {self.src} sends; this is rank {self.group.rank}")
         if not isinstance(packet, DeltaPacket):
-            raise ValueError(f"packet: expected a DeltaPacket, got {type(packet).__name__}")
+            raise ArgumentError(f"packet: expected a DeltaPacket, got {type(packet).__name__}")
         data = packet.to_bytes()
         self.group.broadcast_bytes(data, self.src)
         return len(data)
@@ -192,5 +193,5 @@ class GroupDeltaTransport:
     def receive(self) -> DeltaPacket:
         """Receive the next packet (raises DeltaError if its bytes are corrupted, SyncError if the sender died)."""
         if self.group.rank == self.src:
-            raise ValueError(f"src: rank {self.src} sends; receive runs on the other ranks")
+            raise ArgumentError(f"src: rank {self.src} sends; receive runs on the other ranks")
         return DeltaPacket.from_bytes(self.group.broadcast_bytes(None, self.src))

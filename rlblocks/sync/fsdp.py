@@ -13,6 +13,8 @@ import torch
 from jaxtyping import Shaped
 from torch import Tensor, nn
 
+from rlblocks.errors import ArgumentError
+
 __all__ = ["clean_name", "full_tensors"]
 
 AnyTensor = Shaped[Tensor, "..."]
@@ -72,9 +74,9 @@ def full_tensors(
     tensors do not require grad. The generator keeps no reference to a tensor after it has been yielded.
     """
     if not isinstance(model, nn.Module):
-        raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        raise ArgumentError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype: expected a torch.dtype or None, got {dtype!r}")
+        raise ArgumentError(f"dtype: expected a torch.dtype or None, got {dtype!r}")
     dtensor = _dtensor_type()
     ddp_prefix = isinstance(model, nn.parallel.DistributedDataParallel)
     for raw_name, tensor in _named_state(model, buffers, remove_duplicate):

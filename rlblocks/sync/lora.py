@@ -37,6 +37,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from rlblocks.errors import ArgumentError
+
 PEFT_PREFIX = "base_model.model."
 CONFIG_TENSOR = "__rlblocks_lora__"
 """Name of the uint8 tensor carrying the adapter config (JSON) inside a LoRA sync message."""
@@ -77,20 +79,20 @@ def lora_state(peft_model: Any, adapter_name: str = "default") -> dict:
 
     configs = getattr(peft_model, "peft_config", None)
     if not isinstance(configs, Mapping) or adapter_name not in configs:
-        raise ValueError(f"peft_model: expected a peft model with adapter {adapter_name!r}, got {type(peft_model)}")
+        raise ArgumentError(f"peft_model: expected a peft model with adapter {adapter_name!r}, got {type(peft_model)}")
     cfg = configs[adapter_name].to_dict()
     config = {k: _jsonable(cfg.get(k)) for k in _JSON_CONFIG_KEYS}
     if config["peft_type"] != "LORA":
-        raise ValueError(f"peft_model: expected a LoRA adapter, got peft_type {config['peft_type']!r}")
+        raise ArgumentError(f"peft_model: expected a LoRA adapter, got peft_type {config['peft_type']!r}")
     if config["use_dora"]:
-        raise ValueError("peft_model: DoRA adapters (use_dora=True) are not supported: their merge is not W + s*B@A")
+        raise ArgumentError("peft_model: DoRA adapters (use_dora=True) are not supported: their merge is not W + s*B@A")
     if config["bias"] not in (None, "none"):
-        raise ValueError(f"peft_model: bias={config['bias']!r} trains biases too; only bias='none' is supported")
+        raise ArgumentError(f"peft_model: bias={config['bias']!r} trains biases too; only bias='none' is supported")
     sd = get_peft_model_state_dict(peft_model, adapter_name=adapter_name, save_embedding_layers=False)
     tensors = {k: v.detach() for k, v in sd.items()}
     for k in tensors:
         if not _PAIR.match(k):
-            raise ValueError(f"peft_model: adapter tensor {k!r} is not a LoRA A/B matrix (e.g. modules_to_save)")
+            raise ArgumentError(f"peft_model: adapter tensor {k!r} is not a LoRA A/B matrix (e.g. modules_to_save)")
     return {"tensors": tensors, "config": config, "adapter_name": adapter_name}
 
 
@@ -120,7 +122,7 @@ def lora_delta(
 ) -> Float[Tensor, "fan_out fan_in"]:
     """``s * (B @ A)`` in float32, ``s = lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA), ``r = A.shape[0]``."""
     if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
-        raise ValueError(f"lora A/B: expected A [r, in] and B [out, r], got {list(a.shape)} and {list(b.shape)}")
+        raise ArgumentError(f"lora A/B: expected A [r, in] and B [out, r], got {list(a.shape)} and {list(b.shape)}")
     r = a.shape[0]
     scale = lora_alpha / (math.sqrt(r) if use_rslora else r)
     return (b.float() @ a.float()) * scale
@@ -140,18 +142,18 @@ def merge_lora(
     try:
         tensors, config = lora_state["tensors"], lora_state["config"]
     except (KeyError, TypeError):
-        raise ValueError("lora_state: expected the dict returned by lora_state(peft_model)") from None
+        raise ArgumentError("lora_state: expected the dict returned by lora_state(peft_model)") from None
     pairs: dict[str, dict[str, Tensor]] = {}
     for key, t in tensors.items():
         m = _PAIR.match(key)
         if m is None:
-            raise ValueError(f"lora_state['tensors']: {key!r} is not a LoRA A/B matrix")
+            raise ArgumentError(f"lora_state['tensors']: {key!r} is not a LoRA A/B matrix")
         module = m["module"][len(PEFT_PREFIX) :] if m["module"].startswith(PEFT_PREFIX) else m["module"]
         pairs.setdefault(module, {})[m["kind"]] = t
     for module, p in pairs.items():
         kinds = set(p)
         if kinds not in ({"lora_A", "lora_B"}, {"lora_embedding_A", "lora_embedding_B"}):
-            raise ValueError(f"lora_state['tensors']: module {module!r} has {sorted(kinds)}, expected an A and a B")
+            raise ArgumentError(f"lora_state['tensors']: module {module!r} has {sorted(kinds)}, expected an A and a B")
     used: set[str] = set()
     items = base_named_tensors.items() if isinstance(base_named_tensors, Mapping) else base_named_tensors
     for name, w in items:
@@ -170,13 +172,13 @@ def merge_lora(
         else:
             delta = lora_delta(p["lora_embedding_A"], p["lora_embedding_B"], lora_alpha=alpha, use_rslora=rslora).T
         if delta.shape != w.shape:
-            raise ValueError(f"base_named_tensors[{name!r}]: shape {list(w.shape)} does not fit LoRA delta "
+            raise ArgumentError(f"base_named_tensors[{name!r}]: shape {list(w.shape)} does not fit LoRA delta "
                              f"{list(delta.shape)}")
         used.add(module)
         yield name, (w.float() + delta.to(w.device)).to(w.dtype)
     unused = sorted(set(pairs) - used)
     if unused:
-        raise ValueError(f"base_named_tensors: no '<module>.weight' for LoRA module(s) {unused[:4]}")
+        raise ArgumentError(f"base_named_tensors: no '<module>.weight' for LoRA module(s) {unused[:4]}")
 
 
 def _config_tensor(payload: dict) -> Tensor:
@@ -201,9 +203,9 @@ def split_lora_message(named_tensors: Iterable[tuple[str, Tensor]] | Mapping[str
         else:
             base[name] = t.clone()
     if meta is None:
-        raise ValueError(f"named_tensors: no {CONFIG_TENSOR!r} entry: not a LoraSyncer message")
+        raise ArgumentError(f"named_tensors: no {CONFIG_TENSOR!r} entry: not a LoraSyncer message")
     if meta["kind"] == "adapter" and base:
-        raise ValueError(f"named_tensors: an adapter-only message carries {len(base)} base tensor(s)")
+        raise ArgumentError(f"named_tensors: an adapter-only message carries {len(base)} base tensor(s)")
     info = {"kind": meta["kind"], "version": meta["version"], "base_version": meta["base_version"]}
     return base, {"tensors": adapters, "config": meta["config"], "adapter_name": meta["adapter_name"]}, info
 
@@ -221,9 +223,9 @@ class LoraSyncer:
 
     def __init__(self, send: Callable[[Iterable[tuple[str, Tensor]], int], Any], *, keep: int = 2):
         if not callable(send):
-            raise ValueError(f"send: expected a callable (named_tensors, version), got {type(send).__name__}")
+            raise ArgumentError(f"send: expected a callable (named_tensors, version), got {type(send).__name__}")
         if not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"keep: expected an int >= 1, got {keep!r}")
+            raise ArgumentError(f"keep: expected an int >= 1, got {keep!r}")
         self.send = send
         self.base_version: int | None = None
         self.live_versions: deque[int] = deque(maxlen=keep)
@@ -237,9 +239,9 @@ class LoraSyncer:
     def sync(self, peft_model: Any, version: int, adapter_name: str = "default") -> str:
         """Send ``version``: ``"base+adapter"`` the first time, ``"adapter"`` afterwards; returns the kind sent."""
         if not isinstance(version, int):
-            raise ValueError(f"version: expected an int, got {type(version).__name__}")
+            raise ArgumentError(f"version: expected an int, got {type(version).__name__}")
         if self.live_versions and version <= self.live_versions[-1]:
-            raise ValueError(f"version: expected > {self.live_versions[-1]} (the last synced), got {version}")
+            raise ArgumentError(f"version: expected > {self.live_versions[-1]} (the last synced), got {version}")
         state = lora_state(peft_model, adapter_name)
         kind = "base+adapter" if self.base_version is None else "adapter"
         base_version = version if self.base_version is None else self.base_version

@@ -44,6 +44,8 @@ import torch
 from jaxtyping import Shaped
 from torch import Tensor
 
+from rlblocks.errors import ArgumentError
+
 __all__ = ["GPTDims", "gpt_dims", "hf_to_megatron", "megatron_to_hf", "megatron_to_hf_streaming"]
 
 AnyTensor = Shaped[Tensor, "..."]
@@ -111,16 +113,19 @@ def gpt_dims(hf_config: Any) -> GPTDims:
     """Read the sizes from an HF Llama/Qwen2 config object or dict (see the module docstring for the fields)."""
     model_type = _field(hf_config, "model_type")
     if model_type not in ("llama", "qwen2"):
-        raise ValueError(f"hf_config: expected model_type 'llama' or 'qwen2', got {model_type!r}")
+        raise ArgumentError(f"hf_config: expected model_type 'llama' or 'qwen2', got {model_type!r}")
     need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     missing = [k for k in need if _field(hf_config, k) is None]
     if missing:
-        raise ValueError(f"hf_config: missing required field(s) {missing}")
+        raise ArgumentError(f"hf_config: missing required field(s) {missing}")
     heads = int(_field(hf_config, "num_attention_heads"))
     kv = int(_field(hf_config, "num_key_value_heads", heads))
     hidden = int(_field(hf_config, "hidden_size"))
     if heads % kv:
-        raise ValueError(f"hf_config: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv})")
+        raise ArgumentError(
+            f"hf_config: num_attention_heads ({heads}) must be a "
+            f"multiple of num_key_value_heads ({kv})"
+        )
     attn_bias = bool(_field(hf_config, "attention_bias", False))
     return GPTDims(
         model_type=model_type,
@@ -142,16 +147,16 @@ def gpt_dims(hf_config: Any) -> GPTDims:
 def _stage(dims: GPTDims, pp_size: int, pp_rank: int, pp_layers: Sequence[int] | None) -> tuple[int, int, bool, bool]:
     """Return (first HF layer, number of layers, holds embedding, holds final norm / output) of a pipeline stage."""
     if pp_size < 1 or not 0 <= pp_rank < pp_size:
-        raise ValueError(f"pp_rank: expected 0 <= pp_rank < pp_size with pp_size >= 1, got {pp_rank=} {pp_size=}")
+        raise ArgumentError(f"pp_rank: expected 0 <= pp_rank < pp_size with pp_size >= 1, got {pp_rank=} {pp_size=}")
     if pp_layers is None:
         if dims.num_layers % pp_size:
-            raise ValueError(
+            raise ArgumentError(
                 f"pp_size: {dims.num_layers} layers do not split evenly over {pp_size} stages; pass pp_layers"
             )
         pp_layers = [dims.num_layers // pp_size] * pp_size
     pp_layers = [int(n) for n in pp_layers]
     if len(pp_layers) != pp_size or sum(pp_layers) != dims.num_layers or min(pp_layers) < 0:
-        raise ValueError(
+        raise ArgumentError(
             f"pp_layers: expected {pp_size} non-negative counts summing to {dims.num_layers}, got {pp_layers}"
         )
     return sum(pp_layers[:pp_rank]), pp_layers[pp_rank], pp_rank == 0, pp_rank == pp_size - 1
@@ -184,14 +189,14 @@ def _check_tp(dims: GPTDims, tp_size: int) -> None:
     for what, n in (("num_key_value_heads", dims.num_kv_heads), ("num_attention_heads", dims.num_heads),
                     ("intermediate_size", dims.ffn_hidden_size)):
         if n % tp_size:
-            raise ValueError(f"tp_size: {what} ({n}) must be divisible by tp_size ({tp_size})")
+            raise ArgumentError(f"tp_size: {what} ({n}) must be divisible by tp_size ({tp_size})")
 
 
 def _check_shape(name: str, t: Any, shape: tuple[int, ...]) -> Tensor:
     if not isinstance(t, Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        raise ArgumentError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
+        raise ArgumentError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
     return t
 
 
@@ -254,13 +259,13 @@ def hf_to_megatron(
     """
     dims = gpt_dims(hf_config)
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank: expected 0 <= tp_rank < tp_size with tp_size >= 1, got {tp_rank=} {tp_size=}")
+        raise ArgumentError(f"tp_rank: expected 0 <= tp_rank < tp_size with tp_size >= 1, got {tp_rank=} {tp_size=}")
     _check_tp(dims, tp_size)
     if spec not in _NORM_NAMES:
-        raise ValueError(f"spec: expected 'local' or 'te', got {spec!r}")
+        raise ArgumentError(f"spec: expected 'local' or 'te', got {spec!r}")
     padded = dims.vocab_size if padded_vocab_size is None else int(padded_vocab_size)
     if padded < dims.vocab_size or padded % tp_size:
-        raise ValueError(
+        raise ArgumentError(
             f"padded_vocab_size: expected a multiple of tp_size ({tp_size}) that is >= vocab_size "
             f"({dims.vocab_size}), got {padded}"
         )
@@ -284,12 +289,12 @@ def hf_to_megatron(
 
     for name, t in named_tensors:
         if name in seen:
-            raise ValueError(f"named_tensors: duplicate tensor name {name!r}")
+            raise ArgumentError(f"named_tensors: duplicate tensor name {name!r}")
         m = _HF_LAYER.match(name)
         if m:
             layer, suffix = int(m.group(1)), m.group(2)
             if suffix not in layer_shapes or layer >= dims.num_layers:
-                raise ValueError(f"named_tensors: unknown HF tensor {name!r} for {dims.model_type} ({dims})")
+                raise ArgumentError(f"named_tensors: unknown HF tensor {name!r} for {dims.model_type} ({dims})")
             _check_shape(name, t, layer_shapes[suffix])
             seen.add(name)
             if not offset <= layer < offset + count:
@@ -319,7 +324,7 @@ def hf_to_megatron(
             if dims.tie_embeddings:
                 other = _HF_HEAD if name == _HF_EMBED else _HF_EMBED
                 if other in tied_ref and not torch.equal(tied_ref.pop(other), t):
-                    raise ValueError(f"{name}: tie_word_embeddings is set but {name} differs from {other}")
+                    raise ArgumentError(f"{name}: tie_word_embeddings is set but {name} differs from {other}")
                 if other not in seen:
                     tied_ref[name] = t
                 if name == _HF_HEAD:
@@ -339,11 +344,11 @@ def hf_to_megatron(
             if last:
                 yield _MG_NORM, t.contiguous()
             continue
-        raise ValueError(f"named_tensors: unknown HF tensor name {name!r} for model_type {dims.model_type!r}")
+        raise ArgumentError(f"named_tensors: unknown HF tensor name {name!r} for model_type {dims.model_type!r}")
 
     missing = sorted(needed - seen)
     if missing:
-        raise ValueError(
+        raise ArgumentError(
             f"named_tensors: missing {len(missing)} tensor(s) needed by pp_rank {pp_rank}: {missing[:8]}"
             + (" ..." if len(missing) > 8 else "")
         )
@@ -367,19 +372,19 @@ def _mg_info(name: str, dims: GPTDims, tp: int, offset: int, count: int, first: 
     h, d = dims.hidden_size, dims.head_dim
     if name in (_MG_EMBED, _MG_OUT):
         if (name == _MG_EMBED and not first) or (name == _MG_OUT and not last):
-            raise ValueError(f"per_rank: {name!r} does not belong on this pipeline stage")
+            raise ArgumentError(f"per_rank: {name!r} does not belong on this pipeline stage")
         hf = _HF_EMBED if name == _MG_EMBED else _HF_HEAD
         return _MgTensor("vocab", (hf,), (-1, h))
     if name == _MG_NORM:
         if not last:
-            raise ValueError(f"per_rank: {name!r} does not belong on this pipeline stage")
+            raise ArgumentError(f"per_rank: {name!r} does not belong on this pipeline stage")
         return _MgTensor("rep", (_HF_NORM,), (h,))
     m = _MG_LAYER.match(name)
     if not m or m.group(2) not in _MG_LAYER_KINDS:
-        raise ValueError(f"per_rank: unknown megatron-core tensor name {name!r}")
+        raise ArgumentError(f"per_rank: unknown megatron-core tensor name {name!r}")
     local, suffix = int(m.group(1)), m.group(2)
     if local >= count:
-        raise ValueError(f"per_rank: {name!r} has layer index {local} but this pipeline stage holds {count} layers")
+        raise ArgumentError(f"per_rank: {name!r} has layer index {local} but this pipeline stage holds {count} layers")
     kind, hf_suffixes = _MG_LAYER_KINDS[suffix]
     hf_names = tuple(f"model.layers.{local + offset}.{s}" for s in hf_suffixes)
     rows = {
@@ -426,18 +431,18 @@ def _merge(name: str, info: _MgTensor, shards: Sequence[Tensor], dims: GPTDims) 
     for r, s in enumerate(shards):
         want = info.shard_shape
         if len(s.shape) != len(want) or any(w not in (-1, g) for w, g in zip(want, s.shape)):
-            raise ValueError(f"per_rank[{r}][{name!r}]: expected shape {list(want)} (-1: any), got {list(s.shape)}")
+            raise ArgumentError(f"per_rank[{r}][{name!r}]: expected shape {list(want)} (-1: any), got {list(s.shape)}")
     if info.kind == "rep":
         for r, s in enumerate(shards[1:], start=1):
             if not torch.equal(s, shards[0]):
-                raise ValueError(f"per_rank[{r}][{name!r}]: replicated tensor differs from TP rank 0")
+                raise ArgumentError(f"per_rank[{r}][{name!r}]: replicated tensor differs from TP rank 0")
         return [(info.hf_names[0], shards[0].contiguous())]
     if info.kind == "row":
         return [(info.hf_names[0], torch.cat(list(shards), dim=1))]
     if info.kind == "vocab":
         full = torch.cat(list(shards), dim=0)
         if full.shape[0] < dims.vocab_size:
-            raise ValueError(f"per_rank[*][{name!r}]: {full.shape[0]} vocab rows in all, fewer than vocab_size "
+            raise ArgumentError(f"per_rank[*][{name!r}]: {full.shape[0]} vocab rows in all, fewer than vocab_size "
                              f"{dims.vocab_size}")
         return [(info.hf_names[0], full[: dims.vocab_size].contiguous() if full.shape[0] > dims.vocab_size else full)]
     if info.kind == "fc1":
@@ -466,13 +471,13 @@ class _Consumed:
 
     def add(self, name: str) -> None:
         if name in self.seen:
-            raise ValueError(f"per_rank: duplicate tensor name {name!r}")
+            raise ArgumentError(f"per_rank: duplicate tensor name {name!r}")
         self.seen.add(name)
 
     def finish(self, where: str) -> None:
         missing = [alts[0] for alts in self.required if not any(a in self.seen for a in alts)]
         if missing:
-            raise ValueError(f"{where}: missing {len(missing)} megatron tensor(s): {missing[:8]}"
+            raise ArgumentError(f"{where}: missing {len(missing)} megatron tensor(s): {missing[:8]}"
                              + (" ..." if len(missing) > 8 else ""))
 
 
@@ -499,7 +504,10 @@ def megatron_to_hf(
     """
     dims = gpt_dims(hf_config)
     if not isinstance(per_rank, Sequence) or isinstance(per_rank, Mapping) or not per_rank:
-        raise ValueError(f"per_rank: expected a non-empty sequence of mappings (one per TP rank), got {per_rank!r:.80}")
+        raise ArgumentError(
+            f"per_rank: expected a non-empty sequence of mappings "
+            f"(one per TP rank), got {per_rank!r:.80}"
+        )
     tp = len(per_rank)
     _check_tp(dims, tp)
     offset, count, first, last = _stage(dims, pp_size, pp_rank, pp_layers)
@@ -509,7 +517,7 @@ def megatron_to_hf(
         other = {n for n in sd if not n.endswith(_EXTRA)}
         if other != name_set:
             diff = sorted(other ^ name_set)
-            raise ValueError(f"per_rank[{r}]: names differ from per_rank[0]: {diff[:8]}")
+            raise ArgumentError(f"per_rank[{r}]: names differ from per_rank[0]: {diff[:8]}")
     consumed = _Consumed(dims, count, first, last)
     infos = {}
     for name in names:  # validate every name before yielding anything
@@ -523,7 +531,7 @@ def megatron_to_hf(
 
 def _check_shape_any(name: str, t: Any) -> Tensor:
     if not isinstance(t, Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        raise ArgumentError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     return t
 
 
@@ -562,7 +570,7 @@ def megatron_to_hf_streaming(
         for r, hr in enumerate(headers):
             if not torch.equal(hr, header):
                 other = "reached the end of its tensors" if hr[0] == 0 else "sent a different name or shape"
-                raise ValueError(f"named_local_tensors: TP rank {r} {other} than this rank's {what} "
+                raise ArgumentError(f"named_local_tensors: TP rank {r} {other} than this rank's {what} "
                                  f"(header {hr.tolist()} vs {header.tolist()})")
 
     for name, t in named_local_tensors:
@@ -570,7 +578,7 @@ def megatron_to_hf_streaming(
             continue
         t = _check_shape_any(f"named_local_tensors[{name!r}]", t)
         if t.dim() > 4:
-            raise ValueError(f"named_local_tensors[{name!r}]: expected at most 4 dims, got shape {list(t.shape)}")
+            raise ArgumentError(f"named_local_tensors[{name!r}]: expected at most 4 dims, got shape {list(t.shape)}")
         device = t.device
         # Agree on (name, shape) before validating, so that every rank raises the same error instead of one rank
         # raising while the others wait in a collective. Field 0 is 1 for a tensor, 0 for the end of the stream.

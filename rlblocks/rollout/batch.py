@@ -1,0 +1,173 @@
+"""From generations to training tensors: the batch layout that rlblocks.losses and rlblocks.kernels take directly.
+
+Layout (every tensor right-padded):
+
+- ``input_ids [B, L]``: prompt then response of each row; ``attention_mask [B, L]`` is True on real tokens.
+- ``prompt_lens [B]``: the prompt length ``P_b`` of each row.
+- Response-aligned tensors ``[B, T]`` (``T`` = longest response): position ``t`` of row ``b`` is the token at
+  sequence position ``P_b + t``, predicted from position ``P_b + t − 1``.
+
+  - ``response_ids``: the response tokens (``pad_id`` beyond the row's length);
+  - ``response_mask``: True on the row's response tokens;
+  - ``loss_mask``: the positions to train on, a subset of ``response_mask`` (a generation's own ``loss_mask``,
+    e.g. ``resumable_generate(..., mask_stale=True)``, and, in multi-turn trajectories, model tokens only);
+  - ``rollout_logp``: the engine's processed log-probs (the behaviour policy; 0 where there is no model token);
+  - ``versions``: the weight version of each model token (−1 where there is none);
+  - ``turn_ids``: the turn index of each token for multi-turn trajectories (``None`` for single-turn batches).
+
+- Per row: ``group_ids [B]`` (rows of one prompt share an id) and ``rewards [B]`` when given.
+
+With a causal LM, ``rlblocks.kernels.causal_lm_logprobs(model, batch.input_ids, batch.prompt_lens,
+batch.response_mask)`` gives the ``[B, T]`` trainer log-probs aligned with ``rollout_logp``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from rlblocks.errors import ArgumentError
+
+from .types import Generation
+
+__all__ = ["RolloutBatch", "build_batch"]
+
+
+@dataclass
+class RolloutBatch:
+    """Right-padded training tensors for a list of generations or trajectories (layout in the module docstring)."""
+
+    input_ids: Int[Tensor, "B L"]
+    attention_mask: Bool[Tensor, "B L"]
+    prompt_lens: Int[Tensor, " B"]
+    response_ids: Int[Tensor, "B T"]
+    response_mask: Bool[Tensor, "B T"]
+    loss_mask: Bool[Tensor, "B T"]
+    rollout_logp: Float[Tensor, "B T"]
+    versions: Int[Tensor, "B T"]
+    group_ids: Int[Tensor, " B"] | None = None
+    rewards: Float[Tensor, " B"] | None = None
+    turn_ids: Int[Tensor, "B T"] | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_tokens(self) -> Int[Tensor, ""]:
+        """Number of trained tokens (``loss_mask.sum()``) as a 0-dim int64 tensor (no host sync)."""
+        return self.loss_mask.sum()
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        """A copy with every tensor on ``device``."""
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).to(device)
+                for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), Tensor)
+            },
+        )
+
+
+def _as_list(name: str, value: object, n: int) -> list | None:
+    if value is None:
+        return None
+    if isinstance(value, Tensor):
+        value = value.tolist()
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise ArgumentError(f"{name}: expected a sequence of {n} values (one per row), got {type(value).__name__}")
+    if len(value) != n:
+        raise ArgumentError(f"{name}: expected {n} values (one per generation), got {len(value)}")
+    return list(value)
+
+
+def build_batch(
+    generations: Sequence[Generation],
+    *,
+    pad_id: int,
+    group_ids: Sequence[int] | Tensor | None = None,
+    rewards: Sequence[float] | Tensor | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    device: torch.device | str | None = None,
+) -> RolloutBatch:
+    """Right-padded tensors for ``generations`` (any :class:`~rlblocks.rollout.types.Generation`, including the
+    :class:`~rlblocks.rollout.resume.ResumableResult` of ``resumable_generate``).
+
+    - ``response_mask`` covers each generation's output tokens. With ``stop_token_ids``, it ends at (and includes)
+      the first stop token: tokens an engine produced after it are padding and are not trained on (the engines in
+      rlblocks stop there, so this only matters for outputs of other origins).
+    - ``loss_mask`` is ``response_mask`` and, where the generation carries one (``ResumableResult.loss_mask``),
+      its own per-token mask.
+    - ``rollout_logp`` is float32 (the engines' fp32 values, exactly); ``versions`` int64.
+    - ``group_ids`` (one int per generation; default: all 0) and ``rewards`` (float32) are per row.
+
+    Raises :class:`~rlblocks.errors.ArgumentError` for an empty list, a non-``Generation`` entry, a ``pad_id``
+    that is not an int, or per-row lists of the wrong length. Nothing is dropped: every generation is one row.
+    """
+    if not isinstance(generations, Sequence) or len(generations) == 0:
+        raise ArgumentError(f"generations: expected a non-empty sequence of Generation, got {generations!r:.80}")
+    for i, g in enumerate(generations):
+        if not isinstance(g, Generation):
+            raise ArgumentError(f"generations[{i}]: expected a Generation, got {type(g).__name__}")
+    if isinstance(pad_id, bool) or not isinstance(pad_id, int):
+        raise ArgumentError(f"pad_id: expected an int token id, got {pad_id!r}")
+    n = len(generations)
+    gids = _as_list("group_ids", group_ids, n)
+    rews = _as_list("rewards", rewards, n)
+    stops = None if stop_token_ids is None else {int(t) for t in stop_token_ids}
+
+    lengths = []
+    for g in generations:
+        k = len(g.output_ids)
+        if stops:
+            for j, t in enumerate(g.output_ids):
+                if t in stops:
+                    k = j + 1
+                    break
+        lengths.append(k)
+    t_max = max(max(lengths), 1)
+    l_max = max(len(g.prompt_ids) + k for g, k in zip(generations, lengths))
+
+    input_ids = torch.full((n, l_max), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, l_max), dtype=torch.bool)
+    response_ids = torch.full((n, t_max), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((n, t_max), dtype=torch.bool)
+    loss_mask = torch.zeros((n, t_max), dtype=torch.bool)
+    rollout_logp = torch.zeros((n, t_max), dtype=torch.float32)
+    versions = torch.full((n, t_max), -1, dtype=torch.long)
+    for i, (g, k) in enumerate(zip(generations, lengths)):
+        p = len(g.prompt_ids)
+        out = g.output_ids[:k]
+        input_ids[i, : p + k] = torch.tensor(list(g.prompt_ids) + list(out), dtype=torch.long)
+        attention[i, : p + k] = True
+        if k == 0:
+            continue
+        response_ids[i, :k] = torch.tensor(out, dtype=torch.long)
+        response_mask[i, :k] = True
+        own = getattr(g, "loss_mask", None)
+        if own is not None and len(own) == len(g.output_ids):
+            loss_mask[i, :k] = torch.tensor([bool(x) for x in own[:k]], dtype=torch.bool)
+        else:
+            loss_mask[i, :k] = True
+        rollout_logp[i, :k] = torch.tensor(g.output_logprobs[:k], dtype=torch.float32)
+        versions[i, :k] = torch.tensor(g.output_versions[:k], dtype=torch.long)
+
+    batch = RolloutBatch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        prompt_lens=torch.tensor([len(g.prompt_ids) for g in generations], dtype=torch.long),
+        response_ids=response_ids,
+        response_mask=response_mask,
+        loss_mask=loss_mask,
+        rollout_logp=rollout_logp,
+        versions=versions,
+        group_ids=torch.tensor(gids if gids is not None else [0] * n, dtype=torch.long),
+        rewards=None if rews is None else torch.tensor([float(r) for r in rews], dtype=torch.float32),
+    )
+    return batch if device is None else batch.to(device)

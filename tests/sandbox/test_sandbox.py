@@ -1,0 +1,131 @@
+"""rlblocks.sandbox: untrusted programs run in a separate, limited process; every limit is exercised for real."""
+
+import asyncio
+import glob
+import os
+import tempfile
+import time
+
+import pytest
+
+from rlblocks.errors import ArgumentError
+from rlblocks.sandbox import SandboxLimits, arun_python, run_python
+
+FAST = SandboxLimits(cpu_seconds=1, wall_seconds=5)
+
+
+def test_runs_a_program_with_stdin_args_and_files():
+    code = "import sys; data = open('in.txt').read(); print(data, sys.argv[1:], sys.stdin.read())"
+    r = run_python(code, stdin="from-stdin", args=("a", "b"), files={"in.txt": "file-content"}, limits=FAST)
+    assert r.ok, r.stderr
+    assert r.stdout.strip() == "file-content ['a', 'b'] from-stdin"
+    assert {"network", "processes", "files"} <= set(r.isolation)  # the bootstrap reported its layers
+
+
+def test_failure_is_a_result_not_an_exception():
+    r = run_python("raise SystemExit(3)", limits=FAST)
+    assert r.returncode == 3 and not r.ok
+    r = run_python("1/0", limits=FAST)
+    assert r.returncode == 1 and "ZeroDivisionError" in r.stderr
+
+
+def test_infinite_loop_is_killed_by_the_cpu_limit():
+    t0 = time.perf_counter()
+    r = run_python("while True: pass", limits=SandboxLimits(cpu_seconds=1, wall_seconds=20))
+    assert time.perf_counter() - t0 < 10
+    assert r.limit == "cpu" and r.signal in ("SIGXCPU", "SIGKILL") and not r.ok
+
+
+def test_sleeping_program_is_killed_at_the_wall_clock():
+    t0 = time.perf_counter()
+    r = run_python("import time; time.sleep(60)", limits=SandboxLimits(cpu_seconds=5, wall_seconds=1))
+    assert time.perf_counter() - t0 < 8
+    assert r.timed_out and r.limit == "wall" and r.returncode is None
+
+
+def test_memory_bomb_is_refused():
+    r = run_python("x = bytearray(8 << 30)", limits=SandboxLimits(memory_bytes=256 << 20, cpu_seconds=2))
+    assert r.limit == "memory" and "MemoryError" in r.stderr
+
+
+def test_file_size_limit():
+    r = run_python("open('big', 'wb').write(b'x' * (4 << 20))", limits=SandboxLimits(file_bytes=1 << 20))
+    assert r.limit == "file_size" and not r.ok
+
+
+def test_fork_is_refused_by_default():
+    r = run_python("import os\nwhile True: os.fork()", limits=FAST)
+    assert r.returncode == 1 and "not allowed" in r.stderr
+    r = run_python("import subprocess; subprocess.run(['true'])", limits=FAST)
+    assert r.returncode == 1 and "not allowed" in r.stderr
+
+
+def test_fork_bomb_is_bounded_even_with_subprocesses_allowed():
+    code = (
+        "import os, time\nn = 0\nwhile True:\n    try:\n        pid = os.fork()\n    except OSError:\n"
+        "        print('refused after', n, flush=True); break\n    if pid == 0:\n        time.sleep(60)\n    n += 1\n"
+    )
+    limits = SandboxLimits(allow_subprocesses=True, max_processes=8, wall_seconds=3, cpu_seconds=3)
+    r = run_python(code, limits=limits)
+    if r.isolation.get("processes") not in ("cgroup", "rlimit"):
+        pytest.skip(f"no kernel process limit here (isolation={r.isolation}); the audit hook refuses fork by default")
+    n = int(r.stdout.split()[-1])
+    assert n < 8, r.stdout
+    # every child was killed with the group: none of them is still alive
+    time.sleep(0.2)
+    assert not glob.glob("/sys/fs/cgroup/pids/rlblocks-sandbox-*")
+
+
+def test_network_is_unreachable():
+    code = "import socket\ns = socket.create_connection(('1.1.1.1', 53), timeout=2)\nprint('connected')"
+    r = run_python(code, limits=FAST)
+    assert r.returncode != 0 and "connected" not in r.stdout
+
+
+def test_writes_outside_the_sandbox_directory_fail():
+    target = os.path.join(tempfile.gettempdir(), f"rlblocks-sandbox-escape-{os.getpid()}")
+    for code in (f"open({target!r}, 'w').write('x')", f"import os; os.mkdir({target!r})",
+                 f"import os; os.open({target!r}, os.O_WRONLY | os.O_CREAT)"):
+        r = run_python(code, limits=FAST)
+        assert r.returncode == 1, (code, r.stderr)
+        assert not os.path.exists(target)
+    r = run_python("open('inside.txt', 'w').write('ok'); print(open('inside.txt').read())", limits=FAST)
+    assert r.ok and r.stdout.strip() == "ok"
+
+
+def test_temporary_directory_is_removed():
+    r = run_python("import os; print(os.getcwd())", limits=FAST)
+    assert r.ok and not os.path.exists(r.stdout.strip())
+    r = run_python("import os; print(os.getcwd(), flush=True); import time; time.sleep(30)",
+                   limits=SandboxLimits(wall_seconds=1))
+    assert r.timed_out and not os.path.exists(r.stdout.strip())
+
+
+def test_output_is_truncated_and_counted():
+    r = run_python("print('x' * 100000)", limits=SandboxLimits(max_output_bytes=1000))
+    assert len(r.stdout) == 1000 and r.stdout_truncated_bytes == 100001 - 1000
+
+
+def test_concurrent_runs_are_independent():
+    async def main():
+        return await asyncio.gather(*(arun_python(f"print({i} * {i})", limits=FAST) for i in range(6)))
+
+    results = asyncio.run(main())
+    assert [r.stdout.strip() for r in results] == [str(i * i) for i in range(6)]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"cpu_seconds": 0}, "cpu_seconds"), ({"wall_seconds": float("inf")}, "wall_seconds"),
+     ({"memory_bytes": -1}, "memory_bytes"), ({"max_processes": True}, "max_processes")],
+)
+def test_bad_limits_name_the_argument(kwargs, match):
+    with pytest.raises(ArgumentError, match=match):
+        SandboxLimits(**kwargs)
+
+
+def test_bad_arguments():
+    with pytest.raises(ArgumentError, match="code"):
+        run_python(b"print(1)")
+    with pytest.raises(ArgumentError, match="files"):
+        run_python("print(1)", files={"../escape.txt": "x"})
