@@ -56,3 +56,19 @@ def group_mean_std(
     centred = x - mean
     var = group_sum(centred * centred, index) / (count - 1).clamp(min=1)
     return mean, var.sqrt(), count
+
+
+def poison_nonfinite_groups(
+    adv: Float[Tensor, "n *F"], values: Float[Tensor, "n *F"], index: Int[Tensor, " n"]
+) -> Float[Tensor, "n *F"]:
+    """``adv`` with every sample of a group that holds a non-finite ``values`` entry set to NaN.
+
+    Group estimators compare a sample with its group, so one NaN or infinite reward leaves no sample of that group
+    a meaningful advantage. Without this, ``where(count > 1, adv, 0)`` (singletons), ``r == r_max`` (pass@k) or a
+    ``Σw > 0`` fallback (OPO) would turn the NaN into a plausible 0 and the broken reward would vanish. Other groups
+    are untouched. Works per column for ``[n, F]`` values.
+    """
+    bad = (~torch.isfinite(values)).to(values.dtype)
+    n = values.shape[0]
+    count = torch.zeros((n, *values.shape[1:]), dtype=values.dtype, device=values.device).index_add(0, index, bad)
+    return torch.where(count[index] > 0, torch.full_like(adv, float("nan")), adv)

@@ -1,11 +1,16 @@
 """Advantage estimators: group-relative (GRPO, RLOO, OPO, pass@k, GDPO, REINFORCE++-baseline), ReMax, GAE,
 discounted returns and masked whitening.
 
-Conventions (DESIGN §1): sequence-level estimators take ``rewards [n]`` and arbitrary integer ``group_ids [n]``
+Conventions: sequence-level estimators take ``rewards [n]`` and arbitrary integer ``group_ids [n]``
 (non-contiguous, unsorted, ragged groups) and return ``[n]``; the policy losses broadcast ``[B]`` advantages over
 the tokens. Group statistics run in float64 with a two-pass variance, vectorised with a sort-based dense group
 index (see ``rlblocks.losses._groups``): no Python loop over groups and no host sync, so every function here
 compiles with ``torch.compile(fullgraph=True)``. Outputs are float32 (float64 for float64 inputs).
+
+Non-finite rewards propagate, they never vanish: in the group estimators (GRPO, RLOO, OPO, pass@k, GDPO) a NaN or
+±inf reward makes every advantage of *its group* NaN (a singleton included), and leaves the other groups untouched;
+estimators that mix the whole batch (GRPO's ``std_scale="batch"``, GDPO's and REINFORCE++'s whitening, ``whiten``)
+turn every output NaN. A NaN advantage makes the loss NaN, which the caller sees; a 0 would be trained on silently.
 """
 
 from __future__ import annotations
@@ -17,7 +22,14 @@ from torch import Tensor
 from rlblocks._validate import as_bool_mask, check_floating, check_ndim, check_same_shape, shape_str
 from rlblocks.errors import ArgumentError
 from rlblocks.losses._common import check_choice, check_group_inputs, check_number, compute_dtype, safe
-from rlblocks.losses._groups import dense_group_index, group_count, group_mean_std, group_reduce, group_sum
+from rlblocks.losses._groups import (
+    dense_group_index,
+    group_count,
+    group_mean_std,
+    group_reduce,
+    group_sum,
+    poison_nonfinite_groups,
+)
 
 __all__ = [
     "discounted_returns",
@@ -59,8 +71,8 @@ def grpo_advantages(
       by its std yourself for that variant.
     - ``std_scale="none"``: no division (Dr.GRPO).
 
-    A singleton group gives 0. ``eps`` differs across frameworks (verl/SLIME 1e-6, TRL/ms-swift 1e-4,
-    OpenRLHF 1e-9); with eps=1e-9 the low-variance group ``[1.0, 1.00001]`` gives ±0.707.
+    A singleton group gives 0 (NaN if its reward is not finite). ``eps`` differs across frameworks (verl/SLIME
+    1e-6, TRL/ms-swift 1e-4, OpenRLHF 1e-9); with eps=1e-9 the low-variance group ``[1.0, 1.00001]`` gives ±0.707.
     Numerics: float64 two-pass mean/variance per group; output float32 (float64 for float64 rewards).
     """
     check_group_inputs(rewards, group_ids)
@@ -76,22 +88,23 @@ def grpo_advantages(
         adv = centred / (_unbiased_std(r) + eps)
     else:
         adv = centred
-    adv = torch.where(count > 1, adv, torch.zeros_like(adv))
+    adv = poison_nonfinite_groups(torch.where(count > 1, adv, torch.zeros_like(adv)), r, idx)
     return adv.to(_out_dtype(rewards))
 
 
 def rloo_advantages(rewards: Shaped[Tensor, " n"], group_ids: Int[Tensor, " n"]) -> Float[Tensor, " n"]:
     """RLOO leave-one-out baseline: ``A_i = R_i − (Σ_g R − R_i) / (K − 1)`` with K the group size.
 
-    Equals ``K/(K−1)·(R_i − μ_g)``. A singleton group gives 0. Numerics: float64 group sums.
+    Equals ``K/(K−1)·(R_i − μ_g)``. A singleton group gives 0; a group with a non-finite reward gives NaN.
+    Numerics: float64 group sums.
     """
     check_group_inputs(rewards, group_ids)
     r = rewards.to(torch.float64)
     idx = dense_group_index(group_ids)
     count = group_count(idx, torch.float64)
     total = group_sum(r, idx)
-    adv = r - (total - r) / (count - 1).clamp(min=1)
-    adv = torch.where(count > 1, adv, torch.zeros_like(adv))
+    adv = r - (total - r) / (count - 1).clamp(min=1)  # the clamp only guards singletons, which are set to 0 next
+    adv = poison_nonfinite_groups(torch.where(count > 1, adv, torch.zeros_like(adv)), r, idx)
     return adv.to(_out_dtype(rewards))
 
 
@@ -101,7 +114,8 @@ def opo_advantages(
     """OPO length-weighted baseline: ``A_i = R_i − Σ_g |y_j| R_j / Σ_g |y_j|``.
 
     ``lengths`` are response lengths (tokens). A singleton group gives 0. If a group's lengths sum to 0 the
-    baseline falls back to the plain group mean. Numerics: float64 group sums.
+    baseline falls back to the plain group mean. A non-finite reward or length gives its whole group NaN (the
+    fallback must not hide a NaN length). Numerics: float64 group sums.
     """
     check_group_inputs(rewards, group_ids)
     if not isinstance(lengths, Tensor) or lengths.dtype.is_complex:
@@ -116,6 +130,7 @@ def opo_advantages(
     weighted = group_sum(w * r, idx) / torch.where(wsum > 0, wsum, torch.ones_like(wsum))
     baseline = torch.where(wsum > 0, weighted, group_sum(r, idx) / count)
     adv = torch.where(count > 1, r - baseline, torch.zeros_like(r))
+    adv = poison_nonfinite_groups(poison_nonfinite_groups(adv, r, idx), w, idx)
     return adv.to(_out_dtype(rewards))
 
 
@@ -123,7 +138,9 @@ def passk_advantages(rewards: Shaped[Tensor, " n"], group_ids: Int[Tensor, " n"]
     """pass@k advantage (verl ``grpo_passk``): only the group's best sample gets ``r_max − r_second``, others 0.
 
     ``r_second`` is the second-largest reward counting duplicates, so a tie for the best gives 0 to everyone.
-    A singleton group gives 0. Numerics: float64.
+    A singleton group gives 0; a group with a non-finite reward gives NaN to all its samples (``r == r_max``
+    is False everywhere once the max is NaN, so without that rule the NaN would read as "not the best").
+    Numerics: float64.
     """
     check_group_inputs(rewards, group_ids)
     r = rewards.to(torch.float64)
@@ -135,7 +152,7 @@ def passk_advantages(rewards: Shaped[Tensor, " n"], group_ids: Int[Tensor, " n"]
     below = group_reduce(torch.where(is_max, torch.full_like(r, float("-inf")), r), idx, "amax")
     r_second = torch.where(n_max > 1, r_max, below)
     gap = torch.where(count > 1, r_max - r_second, torch.zeros_like(r))
-    adv = torch.where(is_max & (count > 1), gap, torch.zeros_like(r))
+    adv = poison_nonfinite_groups(torch.where(is_max & (count > 1), gap, torch.zeros_like(r)), r, idx)
     return adv.to(_out_dtype(rewards))
 
 
@@ -149,8 +166,8 @@ def gdpo_advantages(
     """GDPO: normalise each reward function within the group, take the weighted sum, then whiten over the batch.
 
     ``Â_f = (R_f − μ_{g,f}) / (σ_{g,f} + eps)`` per reward function f (unbiased group std, singleton → 0);
-    ``S = Σ_f w_f Â_f``; ``A = (S − mean(S)) / (std(S) + eps)`` with the unbiased batch std.
-    Numerics: float64 throughout.
+    ``S = Σ_f w_f Â_f``; ``A = (S − mean(S)) / (std(S) + eps)`` with the unbiased batch std. A non-finite reward
+    makes its group's Â NaN, and the batch whitening then spreads it to every sample. Numerics: float64 throughout.
     """
     check_group_inputs(rewards, group_ids, ndim=2)
     if not isinstance(weights, Tensor) or weights.dtype.is_complex:
@@ -171,7 +188,7 @@ def gdpo_advantages(
     centred = r - mean
     var = torch.zeros(n, f, dtype=torch.float64, device=r.device).index_add(0, idx, centred * centred)[idx]
     std = (var / (count - 1).clamp(min=1)).sqrt()
-    norm = torch.where(count > 1, centred / (std + eps), torch.zeros_like(centred))
+    norm = poison_nonfinite_groups(torch.where(count > 1, centred / (std + eps), torch.zeros_like(centred)), r, idx)
     s = norm @ weights.to(torch.float64)
     adv = (s - s.mean()) / (_unbiased_std(s) + eps)
     return adv.to(_out_dtype(rewards))

@@ -22,17 +22,31 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mea
 Count = int | float | Tensor
 
 
-def _count(name: str, value: Count | None, default: Tensor, dt: torch.dtype) -> Tensor:
+def _count(name: str, value: Count | None, default: Tensor, dt: torch.dtype, any_valid: Tensor) -> Tensor:
+    """The normaliser to divide by (a 0-dim tensor in ``dt``), read without a host sync.
+
+    A count must be positive and finite. A count of 0 is right only when nothing is valid anywhere: then this
+    call has no valid token either, its masked sum is 0, and dividing by 1 gives the 0 loss. Every other count
+    that cannot be right gives NaN, so the loss (and its gradient) show it instead of being scaled by a guess:
+    a tensor that is negative, NaN or ±inf, or 0 while this call has valid tokens. Python numbers are checked on
+    the host for free, so a negative, NaN, infinite or non-numeric one raises; a Python 0 follows the tensor rule.
+    """
     if value is None:
         return default.to(dt)
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise ArgumentError(f"{name}: expected a number or a 1-element tensor, got shape {list(value.shape)}")
+        if value.dtype == torch.bool or value.dtype.is_complex:
+            raise ArgumentError(f"{name}: expected a real count, got a tensor of dtype {value.dtype}")
         v = value.reshape(()).to(device=default.device, dtype=dt)
-        return torch.where(v > 0, v, torch.ones_like(v))  # a global count of 0 (nothing valid anywhere) gives 0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ArgumentError(f"{name}: expected a positive number, got {value!r}")
-    return torch.tensor(float(value), dtype=dt, device=default.device)
+    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < float("inf")):
+        raise ArgumentError(f"{name}: expected a finite number >= 0 (0 only when nothing is valid), got {value!r}")
+    else:
+        v = torch.tensor(float(value), dtype=dt, device=default.device)
+    one = torch.ones((), dtype=dt, device=v.device)
+    nan = torch.full((), float("nan"), dtype=dt, device=v.device)
+    empty_ok = (v == 0) & ~any_valid
+    return torch.where((v > 0) & torch.isfinite(v), v, torch.where(empty_ok, one, nan))
 
 
 def aggregate(
@@ -56,9 +70,11 @@ def aggregate(
     - ``token-sum``: ``Σ mℓ``
 
     Golden: ℓ=[[1,1,1,1],[2,2,0,0]], m=[[1,1,1,1],[1,1,0,0]] → 1.3333, 1.5, 4.0, 1.0.
-    Counts may be positive Python numbers or 1-element tensors (e.g. all-reduced; a tensor count of 0 is read as
-    1). A local count of 0 is clamped to 1 too, so an all-false mask gives 0, never NaN.
-    Accumulates in float32 (float64 for float64 input).
+    Counts may be Python numbers or 1-element tensors (e.g. all-reduced over ranks). A count of 0 gives a 0 loss
+    when this call has no valid token (a global batch with nothing to train on) and NaN otherwise; a tensor count
+    that is negative, NaN or ±inf gives NaN (read without a host sync); a Python count that is negative, NaN,
+    ±inf, a bool or not a number raises ``ArgumentError``. Without counts, a local count of 0 (an all-false mask)
+    gives 0, never NaN. Accumulates in float32 (float64 for float64 input).
     """
     check_floating("per_token", per_token)
     check_ndim("per_token", per_token, 2, "[B, T]")
@@ -69,15 +85,17 @@ def aggregate(
     b, t = x.shape
     if mode == "token-sum":
         return masked_sum(x, m)
+    any_valid = m.any()
+    # The default (local) counts are clamped to 1: a local count is 0 only when the masked sum is 0 too.
     if mode == "token-mean":
-        n = _count("num_tokens", num_tokens, m.sum().clamp(min=1), dt)
+        n = _count("num_tokens", num_tokens, m.sum().clamp(min=1), dt, any_valid)
         return masked_sum(x, m) / n
     lengths = m.sum(-1)
     if mode == "seq-mean-token-sum-norm":
-        s = _count("num_seqs", num_seqs, torch.tensor(max(b, 1), device=x.device), dt)
-        L = _count("max_len", max_len, torch.tensor(max(t, 1), device=x.device), dt)
+        s = _count("num_seqs", num_seqs, torch.tensor(max(b, 1), device=x.device), dt, any_valid)
+        L = _count("max_len", max_len, torch.tensor(max(t, 1), device=x.device), dt, any_valid)
         return masked_sum(x, m) / (s * L)
-    s = _count("num_seqs", num_seqs, (lengths > 0).sum().clamp(min=1), dt)
+    s = _count("num_seqs", num_seqs, (lengths > 0).sum().clamp(min=1), dt, any_valid)
     if mode == "seq-mean-token-sum":
         return masked_sum(x, m) / s
     per_seq = masked_sum(x, m, -1) / lengths.clamp(min=1).to(dt)

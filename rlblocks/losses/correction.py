@@ -52,8 +52,8 @@ def rollout_correction(
 
     - ``"truncate"``: ``weights = min(ρ, upper)`` (then ``max(·, lower)`` if ``lower`` is given),
       ``keep_mask = mask`` (no token is dropped);
-    - ``"mask"``: ``keep_mask = mask & (lower ≤ ρ ≤ upper)`` with ``lower`` defaulting to 0,
-      ``weights = ρ`` where kept, else 0.
+    - ``"mask"``: ``keep_mask = mask & ¬(ρ < lower ∨ ρ > upper)`` with ``lower`` defaulting to 0,
+      ``weights = ρ`` where kept, else 0. A NaN ρ (NaN in valid data) is kept with weight NaN, never dropped.
 
     ``upper=None`` means no upper bound. Weights are detached, 0 at masked positions, float32 (float64 for
     float64 inputs). Multiply them into a per-token loss (e.g. ``pg_loss(..., weights=w)``) and use ``keep_mask``
@@ -84,10 +84,11 @@ def rollout_correction(
         if lo is not None:
             w = w.clamp(min=lo)
         keep = m
-        changed = masked_mean((w != rho).to(dt), m)
+        changed = masked_mean(((w != rho) & ~torch.isnan(rho)).to(dt), m)  # a NaN ρ stays NaN: not "clipped"
         metrics = {"clipped_frac": changed}
     else:
-        keep = m & (rho >= (0.0 if lo is None else lo)) & (rho <= hi)
+        # drop what is provably outside the band; a NaN ratio is kept (weight NaN) so it shows in the loss
+        keep = m & ~((rho < (0.0 if lo is None else lo)) | (rho > hi))
         w = rho
         metrics = {"masked_frac": masked_mean((m & ~keep).to(dt), m)}
     w = safe(w, keep, dt)

@@ -36,11 +36,19 @@ def kl_estimate(
 
     ``kind`` is one of ``"k1" | "k2" | "k3" | "abs" | "low_var_kl"`` (formulas in the module docstring). In k3 the
     exponent is clamped (``e^{−clamp(l, −20, 20)}``) so the value stays finite. ``straight_through=True`` returns
-    the value of ``kind`` with the gradient of k2 (verl's ``k3+``): ``sg(k) + k2 − sg(k2)``.
-    The result has the input's shape; reduce it with ``aggregate``. Pass ``mask`` (an addition to the issue's
-    signature) when padding may hold NaN/inf: the inputs are then sanitised first and the output is 0 at masked
-    positions, so nothing non-finite reaches the value *or the gradient* (``aggregate`` alone keeps the value
-    finite, but the gradient of a NaN k is NaN·0 = NaN). Computed in float32 (float64 for float64 inputs).
+    the value of ``kind`` with the gradient of k2 (verl's ``k3+``): ``sg(k) + k2 − sg(k2)``. ``ref_logp`` is
+    detached. The result has the input's shape; reduce it with ``aggregate``.
+
+    Padding. With ``mask``, the masked positions are padding: their inputs are never read (they may hold NaN/inf)
+    and the output there is exactly 0. Without ``mask``, a position is padding when its log-ratio
+    ``logp − ref_logp`` is not finite (NaN or ±inf in either input, or an overflow): its output is NaN and it gets
+    exactly zero gradient. So NaN/inf padding masked later (``aggregate(kl, mask)``) reaches neither the value nor
+    the gradient, for every ``kind`` and with ``straight_through`` (a plain formula would send ``NaN·0 = NaN``
+    back through k2's ``l·∇logp``), while a non-finite value at a position that *is* data still shows as a NaN in
+    whatever reads it. Finite padding is data to this function: mask it (here or in ``aggregate``) as usual.
+    With a mask, a NaN at a valid position propagates to the value and the gradient.
+
+    Computed in float32 (float64 for float64 inputs).
     """
     check_floating("logp", logp)
     check_floating("ref_logp", ref_logp)
@@ -50,9 +58,13 @@ def kl_estimate(
     if mask is not None:
         m = as_bool_mask(mask, logp)
         lr = safe(logp, m, dt) - safe(ref_logp, m, dt).detach()
+        fill = torch.zeros((), dtype=dt, device=logp.device)
     else:
-        m = None
-        lr = logp.to(dt) - ref_logp.to(dt).detach()
+        raw = logp.to(dt) - ref_logp.to(dt).detach()
+        m = torch.isfinite(raw.detach())
+        # torch.where routes an exact zero gradient to the non-finite positions (a product with 0 would give NaN)
+        lr = safe(raw, m, dt)
+        fill = torch.full((), float("nan"), dtype=dt, device=logp.device)
     if kind == "k1":
         k = lr
     elif kind == "k2":
@@ -65,7 +77,7 @@ def kl_estimate(
     if straight_through:
         k2 = 0.5 * lr * lr
         k = k.detach() + (k2 - k2.detach())
-    return k if m is None else safe(k, m, dt)
+    return torch.where(m, k, fill)
 
 
 class FixedKLController:

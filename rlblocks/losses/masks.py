@@ -20,7 +20,7 @@ from rlblocks.losses._common import (
     masked_sum,
     safe,
 )
-from rlblocks.losses._groups import dense_group_index, group_reduce
+from rlblocks.losses._groups import dense_group_index, group_reduce, poison_nonfinite_groups
 
 __all__ = ["off_policy_sequence_mask", "overlong_penalty", "top_entropy_mask", "zero_variance_groups"]
 
@@ -58,6 +58,10 @@ def top_entropy_mask(
     ``torch.quantile``) of the entropies of the valid tokens of this call: ``quantile=0.8`` keeps the top 20%.
     Sync-free: invalid positions are sorted to the end as +inf and the quantile is gathered at a tensor index.
     The quantile is local to the call (per micro-batch); pass the whole batch for a batch-level threshold.
+
+    A NaN entropy at a valid position is left out of the quantile and its token is *kept*: a NaN has no rank, and
+    counting it would make the threshold NaN and drop every token; dropping just that token would hide the NaN
+    (its log-probs are NaN too, and kept they make the loss NaN, where it shows). ±inf entropies rank normally.
     """
     check_floating("entropy", entropy)
     check_ndim("entropy", entropy, 2, "[B, T]")
@@ -65,17 +69,22 @@ def top_entropy_mask(
     q = check_number("quantile", quantile, ge=0.0, le=1.0)
     dt = compute_dtype(entropy)
     e = entropy.detach().to(dt)
-    flat = torch.where(m, e, torch.full_like(e, float("inf"))).reshape(-1)
+    nan = torch.isnan(e)
+    ranked = m & ~nan
+    # +inf for the unranked positions: sorted after every ranked value (NaN would sort after +inf, also fine, but
+    # a valid +inf entropy must stay a rankable value, so the unranked are excluded by count, not by value)
+    flat = torch.where(ranked, e, torch.full_like(e, float("inf"))).reshape(-1)
     srt, _ = torch.sort(flat)
-    n = m.sum()
+    n = ranked.sum()
     pos = q * (n - 1).clamp(min=0).to(dt)
     lo = pos.floor().long()
     hi = pos.ceil().long()
     v_lo = srt.gather(0, lo.reshape(1)).reshape(())
     v_hi = srt.gather(0, hi.reshape(1)).reshape(())
     frac = pos - lo.to(dt)
-    thr = torch.where(hi == lo, v_lo, v_lo + frac * (v_hi - v_lo))
-    return m & (e >= thr)
+    # equal neighbours (incl. two +inf, where the interpolation would be inf − inf = NaN) need no interpolation
+    thr = torch.where((hi == lo) | (v_hi == v_lo), v_lo, v_lo + frac * (v_hi - v_lo))
+    return m & ((e >= thr) | nan)
 
 
 def overlong_penalty(
@@ -102,9 +111,16 @@ def zero_variance_groups(rewards: Shaped[Tensor, " n"], group_ids: Int[Tensor, "
 
     Such groups give zero GRPO advantage everywhere; DAPO's dynamic sampling drops them. Exact comparison of the
     group max and min (no variance threshold).
+
+    A group holding a NaN or ±inf reward is never reported (``False``, even ``[inf, inf]`` or a singleton
+    ``[nan]``): ``True`` tells a filter to discard the group, and the broken reward would vanish with it. Kept,
+    the group's advantages are NaN (see ``grpo_advantages``) and the loss shows it. Raising instead would need a
+    host sync; ``rlblocks.sched.DynamicSampler``'s Python-side filter raises on non-finite rewards.
     """
     check_group_inputs(rewards, group_ids)
     r = rewards.to(torch.float64)
     idx = dense_group_index(group_ids)
-    return group_reduce(r, idx, "amax") == group_reduce(r, idx, "amin")
+    equal = group_reduce(r, idx, "amax") == group_reduce(r, idx, "amin")
+    nonfinite_group = torch.isnan(poison_nonfinite_groups(torch.zeros_like(r), r, idx))
+    return equal & ~nonfinite_group
 

@@ -344,7 +344,9 @@ def decoupled_ppo_loss(
     behav = safe(behav_logp, m, dt).detach()
     loss, metrics = ppo_clip_loss(logp, prox_logp, advantages, m, eps_low=eps_low, eps_high=eps_high)
     w = torch.exp((prox - behav).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    keep = m if behav_weight_cap is None else m & (w <= behav_weight_cap)
+    # "drop when above the cap", not "keep when below": a NaN weight is not above the cap, so its token is kept
+    # and the NaN reaches the loss (``w <= cap`` is False for NaN and would drop the token silently)
+    keep = m if behav_weight_cap is None else m & ~(w > behav_weight_cap)
     w = safe(w, keep, dt)
     loss = safe(loss * w, m, dt)
     metrics["behav_weight_mean"] = masked_mean(w, keep)

@@ -61,7 +61,7 @@ def rand_groups(seed, n=13):
 
 
 def test_grpo_low_variance_group_golden():
-    # DESIGN §2: the two-pass fp64 variance keeps [1.0, 1.00001] exact (verl's one-pass form gave ±0.005).
+    # The two-pass fp64 variance keeps [1.0, 1.00001] exact (verl's one-pass form gave ±0.005).
     r = torch.tensor([1.0, 1.00001])
     ids = torch.tensor([3, 3])
     a9 = grpo_advantages(r, ids, eps=1e-9)

@@ -67,7 +67,7 @@ def test_shape_mismatch_names_argument_and_both_shapes(call, arg, shapes):
         (lambda: L.grpo_advantages(torch.zeros(3), torch.zeros(3)), r"^group_ids: .*integer"),
         (lambda: L.grpo_advantages(torch.zeros(3), torch.zeros(3, dtype=torch.long), std_scale="x"), r"^std_scale"),
         (lambda: L.aggregate(LP, M, mode="mean"), r"^mode: "),
-        (lambda: L.aggregate(LP, M, num_tokens=0), r"^num_tokens: "),
+        (lambda: L.aggregate(LP, M, num_tokens=-1), r"^num_tokens: "),
         (lambda: L.kl_estimate(LP, LP, kind="k4"), r"^kind: "),
         (lambda: L.rollout_correction(LP, LP, M, level="seq"), r"^level: "),
         (lambda: L.rollout_correction(LP, LP, M, lower=3.0, upper=2.0), r"^lower: "),
