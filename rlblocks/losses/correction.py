@@ -1,8 +1,13 @@
 """Training/rollout mismatch: importance weights that correct it, and metrics that measure it.
 
-``ρ = π_train / π_rollout`` per token, ``log ρ = train_logp − rollout_logp``. The rollout engine (vLLM, SGLang)
-and the trainer compute different probabilities for the same tokens (kernels, precision, or a stale policy);
-these weights correct the policy gradient for that and the metrics tell how large the gap is.
+``ρ = π_old / π_rollout`` per token, ``log ρ = old_logp − rollout_logp``: ``old_logp`` are the trainer's
+log-probs of the sampled tokens before this update, ``rollout_logp`` the engine's processed log-probs of the same
+tokens. The rollout engine (vLLM, SGLang) and the trainer compute different probabilities for the same tokens
+(kernels, precision, sampling filters, or a policy several versions old); these weights correct the policy
+gradient for that and the metrics tell how large the gap is.
+
+The first argument was called ``train_logp`` before; ``train_logp=`` still works for one release, with a
+DeprecationWarning.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import torch
 from jaxtyping import Bool, Float, Shaped
 from torch import Tensor
 
+from rlblocks._deprecate import renamed_kwargs
 from rlblocks.losses._common import (
     LOG_RATIO_CLAMP,
     check_choice,
@@ -24,14 +30,15 @@ from rlblocks.losses._common import (
 __all__ = ["mismatch_metrics", "rollout_correction"]
 
 
-def _log_rho(train_logp: Tensor, rollout_logp: Tensor, m: Tensor) -> Tensor:
-    """Detached fp32 token log-ratio, 0 at masked positions (fp64 for fp64 inputs)."""
-    dt = torch.float64 if train_logp.dtype == torch.float64 else torch.float32
-    return (safe(train_logp, m, dt) - safe(rollout_logp, m, dt)).detach()
+def _log_rho(old_logp: Tensor, rollout_logp: Tensor, m: Tensor) -> Tensor:
+    """Detached fp32 token log-ratio ``old_logp − rollout_logp``, 0 at masked positions (fp64 for fp64 inputs)."""
+    dt = torch.float64 if old_logp.dtype == torch.float64 else torch.float32
+    return (safe(old_logp, m, dt) - safe(rollout_logp, m, dt)).detach()
 
 
+@renamed_kwargs(train_logp="old_logp")
 def rollout_correction(
-    train_logp: Float[Tensor, "B T"],
+    old_logp: Float[Tensor, "B T"],
     rollout_logp: Float[Tensor, "B T"],
     mask: Shaped[Tensor, "B T"],
     *,
@@ -40,7 +47,8 @@ def rollout_correction(
     upper: float | None = 2.0,
     lower: float | None = None,
 ) -> tuple[Float[Tensor, "B T"], Bool[Tensor, "B T"], dict[str, Tensor]]:
-    """Importance weights for the train/rollout mismatch. Returns ``(weights, keep_mask, metrics)``.
+    """Importance weights ``ρ = π_old/π_rollout`` for the train/rollout mismatch. Returns
+    ``(weights, keep_mask, metrics)``.
 
     Levels (ρ broadcast to the tokens of a sequence for the sequence levels):
 
@@ -61,7 +69,7 @@ def rollout_correction(
     whose weight was truncated, truncate mode) or ``masked_frac`` (fraction of valid tokens dropped, mask mode),
     ``rho_mean`` (mean of ρ over valid tokens).
     """
-    m = check_token_pair("train_logp", train_logp, "rollout_logp", rollout_logp, mask)
+    m = check_token_pair("old_logp", old_logp, "rollout_logp", rollout_logp, mask)
     check_choice("level", level, ("token", "sequence", "geometric"))
     check_choice("mode", mode, ("truncate", "mask"))
     hi = float("inf") if upper is None else check_number("upper", upper, gt=0.0)
@@ -69,7 +77,7 @@ def rollout_correction(
         lo = check_number("lower", lower, ge=0.0, le=hi)
     else:
         lo = None
-    lr = _log_rho(train_logp, rollout_logp, m)
+    lr = _log_rho(old_logp, rollout_logp, m)
     dt = lr.dtype
     if level == "token":
         log_rho = lr
@@ -97,26 +105,27 @@ def rollout_correction(
     return w, keep, metrics
 
 
+@renamed_kwargs(train_logp="old_logp")
 def mismatch_metrics(
-    train_logp: Float[Tensor, "B T"],
+    old_logp: Float[Tensor, "B T"],
     rollout_logp: Float[Tensor, "B T"],
     mask: Shaped[Tensor, "B T"],
 ) -> dict[str, Tensor]:
     """Size of the train/rollout mismatch, as 0-dim float32 tensors (detached, no host sync).
 
-    With ``l = rollout_logp − train_logp`` (so KL(π_rollout‖π_train) estimated from the rollout samples) and
+    With ``l = rollout_logp − old_logp`` (so KL(π_rollout‖π_train) estimated from the rollout samples) and
     ``ρ = exp(clamp(−l, ±20))``:
 
     - ``kl_k1`` = masked mean of l; ``kl_k3`` = masked mean of ``e^{−l} − 1 + l``;
-    - ``ppl_train`` = exp(−masked token mean of train_logp); ``ppl_rollout`` likewise;
+    - ``ppl_train`` = exp(−masked token mean of old_logp) (the trainer's); ``ppl_rollout`` likewise;
     - ``chi2_token`` = E[ρ²] − 1 over valid tokens;
     - ``chi2_seq`` = E[ρ_seq²] − 1 over non-empty sequences, ``ρ_seq = exp(clamp(Σ_t log ρ_t, ±20))``;
     - ``ess`` = 1 / E[(ρ/E[ρ])²] = E[ρ]² / E[ρ²] over valid tokens, in (0, 1].
 
     With no valid token: kl 0, perplexities 1, χ² 0, ess 1.
     """
-    m = check_token_pair("train_logp", train_logp, "rollout_logp", rollout_logp, mask)
-    lr = _log_rho(train_logp, rollout_logp, m)
+    m = check_token_pair("old_logp", old_logp, "rollout_logp", rollout_logp, mask)
+    lr = _log_rho(old_logp, rollout_logp, m)
     dt = lr.dtype
     l_ = -lr
     rho = torch.exp(lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
@@ -130,7 +139,7 @@ def mismatch_metrics(
     out = {
         "kl_k1": masked_mean(l_, m),
         "kl_k3": masked_mean(rho - 1.0 + l_, m),
-        "ppl_train": torch.exp(-masked_mean(safe(train_logp, m, dt).detach(), m)),
+        "ppl_train": torch.exp(-masked_mean(safe(old_logp, m, dt).detach(), m)),
         "ppl_rollout": torch.exp(-masked_mean(safe(rollout_logp, m, dt).detach(), m)),
         "chi2_token": torch.where(any_valid, e_rho2 - 1.0, zero),
         "chi2_seq": torch.where(seq_has.any(), masked_mean(rho_seq * rho_seq, seq_has) - 1.0, zero),

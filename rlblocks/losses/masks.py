@@ -9,6 +9,7 @@ import torch
 from jaxtyping import Bool, Float, Int, Shaped
 from torch import Tensor
 
+from rlblocks._deprecate import renamed_kwargs
 from rlblocks._validate import as_bool_mask, check_floating, check_ndim
 from rlblocks.errors import ArgumentError
 from rlblocks.losses._common import (
@@ -25,10 +26,11 @@ from rlblocks.losses._groups import dense_group_index, group_reduce, poison_nonf
 __all__ = ["off_policy_sequence_mask", "overlong_penalty", "top_entropy_mask", "zero_variance_groups"]
 
 
+@renamed_kwargs(old_logp="rollout_logp")
 def off_policy_sequence_mask(
     advantages: Float[Tensor, "B T"] | Float[Tensor, " B"],
     logp: Float[Tensor, "B T"],
-    old_logp: Float[Tensor, "B T"],
+    rollout_logp: Float[Tensor, "B T"],
     mask: Shaped[Tensor, "B T"],
     *,
     delta: float,
@@ -36,14 +38,17 @@ def off_policy_sequence_mask(
     """Off-policy sequence masking (OPSM, DeepSeek-V3.2). Returns the keep mask ``[B, T]``.
 
     A token is dropped when its advantage is negative and its sequence has drifted:
-    ``A_{i,t} < 0`` and ``mean_t (old_logp − logp) > delta`` (the per-sequence mean over valid tokens, a k1
-    estimate of KL(π_old‖π_θ)); ``old_logp`` is the sampling (rollout) policy. Everything else valid is kept.
+    ``A_{i,t} < 0`` and ``mean_t (rollout_logp − logp) > delta`` (the per-sequence mean over valid tokens, a k1
+    estimate of KL(π_rollout‖π_θ)). ``rollout_logp`` is the sampling policy as the engine reported it: DeepSeek-V3.2
+    takes "the sampling probability directly returned by the inference framework", so the test covers both the
+    policy's staleness and the engine/trainer mismatch. Everything else valid is kept (a NaN drift or advantage
+    keeps the token: it is never dropped on a NaN comparison). The keyword was ``old_logp=`` before (deprecated).
     """
-    m = check_token_pair("logp", logp, "old_logp", old_logp, mask)
+    m = check_token_pair("logp", logp, "rollout_logp", rollout_logp, mask)
     d = check_number("delta", delta)
     dt = compute_dtype(logp)
     adv = broadcast_advantages(advantages, logp, m).detach()
-    diff = (safe(old_logp, m, dt) - safe(logp, m, dt)).detach()
+    diff = (safe(rollout_logp, m, dt) - safe(logp, m, dt)).detach()
     seq_kl = masked_sum(diff, m, -1) / m.sum(-1).clamp(min=1).to(dt)
     drop = (adv < 0) & (seq_kl > d)[:, None]
     return m & ~drop

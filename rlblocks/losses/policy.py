@@ -12,6 +12,13 @@ Every loss takes ``(logp, old_logp, advantages, mask, *, ...)`` with ``logp``/``
 - Computation in float32 (float64 for float64 inputs); bf16/fp16 inputs are upcast. The loss is returned in the
   compute dtype.
 - Metrics are 0-dim tensors: masked means over this call's valid tokens (0 when there are none). No host sync.
+  Every policy loss reports ``approx_kl``, the k3 estimate of KL(π_old‖π_θ) ``mean(r − 1 − log r)``; every
+  clipping loss reports ``clipfrac`` (fraction of valid tokens where any clip is active), ``clipfrac_low`` (the
+  lower bound ``1 − eps_low`` is active) and ``clipfrac_high`` (the upper bound ``1 + eps_high``).
+
+Log-probs (one vocabulary across rlblocks): ``logp`` is the trainer's, with grad; ``old_logp`` the trainer's
+before this update (π_old, AReaL's proximal policy); ``rollout_logp`` the engine's processed log-probs of the
+sampled tokens (the behaviour policy), used by ``decoupled_ppo_loss`` and ``rlblocks.losses.rollout_correction``.
 
 Reduce the per-token loss with ``rlblocks.losses.aggregate`` and an explicit normaliser.
 """
@@ -24,9 +31,13 @@ import torch
 from jaxtyping import Float, Shaped
 from torch import Tensor
 
+from rlblocks._deprecate import renamed_kwargs, warn_renamed
 from rlblocks._validate import as_bool_mask, check_floating, check_ndim, check_same_shape
+from rlblocks.errors import ArgumentError
 from rlblocks.losses._common import (
     LOG_RATIO_CLAMP,
+    MISSING,
+    Metrics,
     broadcast_advantages,
     check_number,
     check_token_pair,
@@ -46,9 +57,6 @@ __all__ = [
     "sapo_loss",
     "value_loss",
 ]
-
-Metrics = dict[str, Tensor]
-
 
 def _prepare(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, old_name: str = "old_logp"):
     m = check_token_pair("logp", logp, old_name, old_logp, mask)
@@ -94,7 +102,8 @@ def ppo_clip_loss(
     The gradient is exactly 0 wherever the clipped branch is active.
 
     Metrics (masked token means): ``clipfrac_low`` (``r < 1 − eps_low`` and ``A < 0``: lower clip active),
-    ``clipfrac_high`` (``r > 1 + eps_high`` and ``A > 0``), ``dual_clipfrac`` (dual clip active),
+    ``clipfrac_high`` (``r > 1 + eps_high`` and ``A > 0``), ``dual_clipfrac`` (dual clip active: ``A < 0`` and
+    ``r > c``), ``clipfrac`` (any of the three, which are disjoint: the tokens whose gradient a clip zeroes),
     ``approx_kl`` (k3 estimate of KL(π_old‖π_θ): ``r − 1 − log r``).
     """
     m, dt, lp, olp, adv = _prepare(logp, old_logp, advantages, mask)
@@ -115,12 +124,15 @@ def ppo_clip_loss(
         dual_active = torch.zeros_like(m)
     loss = safe(loss, m, dt)
     r = ratio.detach()
-    metrics = {
-        "clipfrac_low": masked_mean(((r < 1.0 - el) & neg).to(dt), m),
-        "clipfrac_high": masked_mean(((r > 1.0 + eh) & (adv > 0)).to(dt), m),
-        "dual_clipfrac": masked_mean(dual_active.to(dt), m),
-        "approx_kl": _approx_kl(log_ratio, m),
-    }
+    low = (r < 1.0 - el) & neg
+    high = (r > 1.0 + eh) & (adv > 0)
+    metrics = Metrics(
+        clipfrac=masked_mean((low | high | dual_active).to(dt), m),
+        clipfrac_low=masked_mean(low.to(dt), m),
+        clipfrac_high=masked_mean(high.to(dt), m),
+        dual_clipfrac=masked_mean(dual_active.to(dt), m),
+        approx_kl=_approx_kl(log_ratio, m),
+    )
     return loss, metrics
 
 
@@ -154,7 +166,8 @@ def gspo_loss(
     the tokens of one sequence equally.
 
     Metrics: ``clipfrac_low``, ``clipfrac_high`` (fraction of valid tokens whose sequence ratio is clipped in the
-    active direction), ``seq_ratio_mean`` (mean of ``s_i`` over non-empty sequences), ``approx_kl``.
+    active direction: ``s < 1 − eps_low`` with ``A < 0``, ``s > 1 + eps_high`` with ``A > 0``), ``clipfrac``
+    (either), ``seq_ratio_mean`` (mean of ``s_i`` over non-empty sequences), ``approx_kl`` (per token).
     """
     m, dt, lp, olp, adv = _prepare(logp, old_logp, advantages, mask)
     el, eh = _check_eps(eps_low, eps_high)
@@ -166,12 +179,15 @@ def gspo_loss(
     loss = safe(loss, m, dt)
     sd = s.detach()
     has = n > 0
-    metrics = {
-        "clipfrac_low": masked_mean(((sd < 1.0 - el) & (adv < 0)).to(dt), m),
-        "clipfrac_high": masked_mean(((sd > 1.0 + eh) & (adv > 0)).to(dt), m),
-        "seq_ratio_mean": masked_mean(torch.exp(seq_log.detach()), has),
-        "approx_kl": _approx_kl(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), m),
-    }
+    low = (sd < 1.0 - el) & (adv < 0)
+    high = (sd > 1.0 + eh) & (adv > 0)
+    metrics = Metrics(
+        clipfrac=masked_mean((low | high).to(dt), m),
+        clipfrac_low=masked_mean(low.to(dt), m),
+        clipfrac_high=masked_mean(high.to(dt), m),
+        seq_ratio_mean=masked_mean(torch.exp(seq_log.detach()), has),
+        approx_kl=_approx_kl(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), m),
+    )
     return loss, metrics
 
 
@@ -191,8 +207,9 @@ def cispo_loss(
     on the ratio (their ``epsilon_high=5`` means ``r ≤ 5``, i.e. ``eps_high=4`` here). The default
     ``eps_low=1.0`` puts the lower bound at 0 (no lower clip, as the paper); ``eps_high=0.28``.
 
-    Metrics: ``clipfrac_low``, ``clipfrac_high`` (fraction of valid tokens whose weight is clipped),
-    ``is_weight_mean`` (mean clipped weight), ``approx_kl``.
+    Metrics: ``clipfrac_low`` (``r < 1 − eps_low``), ``clipfrac_high`` (``r > 1 + eps_high``), ``clipfrac``
+    (either: the fraction of valid tokens whose weight is clipped, whatever the sign of A, since CISPO clips the
+    weight, not the objective), ``is_weight_mean`` (mean clipped weight), ``approx_kl``.
     """
     m, dt, lp, olp, adv = _prepare(logp, old_logp, advantages, mask)
     el, eh = _check_eps(eps_low, eps_high, low_inclusive=True)
@@ -200,12 +217,15 @@ def cispo_loss(
     ratio = torch.exp(log_ratio)
     w = ratio.clamp(1.0 - el, 1.0 + eh)
     loss = safe(-w * adv * lp, m, dt)
-    metrics = {
-        "clipfrac_low": masked_mean((ratio < 1.0 - el).to(dt), m),
-        "clipfrac_high": masked_mean((ratio > 1.0 + eh).to(dt), m),
-        "is_weight_mean": masked_mean(w, m),
-        "approx_kl": _approx_kl(log_ratio, m),
-    }
+    low = ratio < 1.0 - el
+    high = ratio > 1.0 + eh
+    metrics = Metrics(
+        clipfrac=masked_mean((low | high).to(dt), m),
+        clipfrac_low=masked_mean(low.to(dt), m),
+        clipfrac_high=masked_mean(high.to(dt), m),
+        is_weight_mean=masked_mean(w, m),
+        approx_kl=_approx_kl(log_ratio, m),
+    )
     return loss, metrics
 
 
@@ -220,8 +240,8 @@ def sapo_loss(
 ) -> tuple[Float[Tensor, "B T"], Metrics]:
     """SAPO soft-gated objective: ``ℓ = −(4/τ)·sigmoid(τ·(r − 1))·A`` with τ = tau_pos if A > 0 else tau_neg.
 
-    A smooth replacement of the hard clip: at r = 1 the gradient is ``−A·∇logp`` (as PPO), and it decays
-    smoothly as r leaves 1, faster for negative advantages (tau_neg > tau_pos).
+    A smooth replacement of the hard clip (so no ``clipfrac``): at r = 1 the gradient is ``−A·∇logp`` (as PPO),
+    and it decays smoothly as r leaves 1, faster for negative advantages (tau_neg > tau_pos).
 
     Metrics: ``gate_mean`` (mean of ``4·σ'(τ(r−1))``·r, the effective gradient weight relative to PG),
     ``approx_kl``.
@@ -235,10 +255,10 @@ def sapo_loss(
     gate = torch.sigmoid(tau * (ratio - 1.0))
     loss = safe(-(4.0 / tau) * gate * adv, m, dt)
     g = gate.detach()
-    metrics = {
-        "gate_mean": masked_mean(4.0 * g * (1.0 - g) * ratio.detach(), m),
-        "approx_kl": _approx_kl(log_ratio, m),
-    }
+    metrics = Metrics(
+        gate_mean=masked_mean(4.0 * g * (1.0 - g) * ratio.detach(), m),
+        approx_kl=_approx_kl(log_ratio, m),
+    )
     return loss, metrics
 
 
@@ -265,7 +285,9 @@ def gmpo_loss(
     The paper's clip range ``(e^{−0.4}, e^{0.4})`` is the default: eps_low = 1 − e^{−0.4}, eps_high = e^{0.4} − 1.
     With ``[B, T]`` advantages the sign is taken per token.
 
-    Metrics: ``clipfrac`` (fraction of valid tokens whose log-ratio is clipped), ``seq_ratio_mean``, ``approx_kl``.
+    Metrics: ``clipfrac`` (fraction of valid tokens whose log-ratio is clipped, either bound), ``clipfrac_low``
+    (``log r < log(1 − eps_low)`` with ``A < 0``), ``clipfrac_high`` (``log r > log(1 + eps_high)`` with
+    ``A ≥ 0``, the sign the formula gives A = 0), ``seq_ratio_mean``, ``approx_kl``.
     """
     m, dt, lp, olp, adv = _prepare(logp, old_logp, advantages, mask)
     el, eh = _check_eps(eps_low, eps_high)
@@ -278,31 +300,66 @@ def gmpo_loss(
     seq_log = masked_sum(lr_eff, m, -1) / n.clamp(min=1).to(dt)
     g = torch.exp(_seq_token_form(seq_log, lr_eff))
     loss = safe(-adv * g, m, dt)
-    metrics = {
-        "clipfrac": masked_mean((lr_eff.detach() != log_ratio.detach()).to(dt), m),
-        "seq_ratio_mean": masked_mean(torch.exp(seq_log.detach()), n > 0),
-        "approx_kl": _approx_kl(log_ratio, m),
-    }
+    lrd = log_ratio.detach()
+    low = (lrd < lo) & (adv < 0)
+    high = (lrd > hi) & ~(adv < 0)
+    metrics = Metrics(
+        clipfrac=masked_mean((lr_eff.detach() != lrd).to(dt), m),  # equals low | high
+        clipfrac_low=masked_mean(low.to(dt), m),
+        clipfrac_high=masked_mean(high.to(dt), m),
+        seq_ratio_mean=masked_mean(torch.exp(seq_log.detach()), n > 0),
+        approx_kl=_approx_kl(log_ratio, m),
+    )
     return loss, metrics
 
 
 def pg_loss(
     logp: Float[Tensor, "B T"],
-    advantages: Float[Tensor, "B T"] | Float[Tensor, " B"],
-    mask: Shaped[Tensor, "B T"],
+    old_logp: Float[Tensor, "B T"] | None = MISSING,  # type: ignore[assignment]
+    advantages: Float[Tensor, "B T"] | Float[Tensor, " B"] = MISSING,  # type: ignore[assignment]
+    mask: Shaped[Tensor, "B T"] = MISSING,  # type: ignore[assignment]
     *,
     weights: Float[Tensor, "B T"] | None = None,
 ) -> tuple[Float[Tensor, "B T"], Metrics]:
     """Vanilla policy gradient / REINFORCE: ``ℓ = −w·A·logp`` (w an optional per-token IS weight, detached).
 
+    The signature of every policy loss, ``(logp, old_logp, advantages, mask)``. The loss does not use
+    ``old_logp``; it feeds ``approx_kl`` (k3 of KL(π_old‖π_θ), as in the other losses). ``old_logp=None`` means
+    π_old = π_θ (one update per batch): ``approx_kl`` is then exactly 0. The earlier form
+    ``pg_loss(logp, advantages, mask)`` still works for one release, with a DeprecationWarning.
+
     ``weights`` (e.g. from ``rollout_correction``) may hold NaN/inf at masked positions. Metrics:
-    ``weight_mean`` (mean weight over valid tokens; 1 without weights).
+    ``weight_mean`` (mean weight over valid tokens; 1 without weights), ``approx_kl``.
     """
+    if mask is MISSING or advantages is MISSING:
+        # Fewer than four tensors: the earlier form pg_loss(logp, advantages, mask), whose advantages land in
+        # old_logp (positionally) and whose mask lands in advantages (positionally) or in mask (by keyword).
+        given = [x for x in (old_logp, advantages, mask) if x is not MISSING]
+        if len(given) != 2:
+            raise ArgumentError(
+                f"pg_loss: expected (logp, old_logp, advantages, mask) with old_logp possibly None, got logp and "
+                f"{len(given)} more tensor(s)"
+            )
+        warn_renamed("`pg_loss(logp, advantages, mask)`", "`pg_loss(logp, old_logp, advantages, mask)` "
+                     "(old_logp may be None)")
+        old_logp = None
+        advantages, mask = given
+    elif old_logp is MISSING:
+        warn_renamed("`pg_loss` without `old_logp`", "`pg_loss(logp, old_logp, advantages, mask)` "
+                     "(old_logp may be None)")
+        old_logp = None
     check_floating("logp", logp)
     check_ndim("logp", logp, 2, "[B, T]")
-    m = as_bool_mask(mask, logp)
-    dt = compute_dtype(logp)
-    lp = safe(logp, m, dt)
+    if old_logp is None:
+        m = as_bool_mask(mask, logp)
+        dt = compute_dtype(logp)
+        lp = safe(logp, m, dt)
+        olp = lp.detach()
+    else:
+        m = check_token_pair("logp", logp, "old_logp", old_logp, mask)
+        dt = compute_dtype(logp)
+        lp = safe(logp, m, dt)
+        olp = safe(old_logp, m, dt).detach()
     adv = broadcast_advantages(advantages, logp, m).detach()
     if weights is not None:
         check_floating("weights", weights)
@@ -311,46 +368,72 @@ def pg_loss(
     else:
         w = torch.ones_like(lp)
     loss = safe(-w * adv * lp, m, dt)
-    return loss, {"weight_mean": masked_mean(w, m)}
+    log_ratio = (lp - olp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return loss, Metrics(weight_mean=masked_mean(w, m), approx_kl=_approx_kl(log_ratio, m))
 
 
+@renamed_kwargs(prox_logp="old_logp", behav_logp="rollout_logp", behav_weight_cap="rollout_weight_cap")
 def decoupled_ppo_loss(
     logp: Float[Tensor, "B T"],
-    prox_logp: Float[Tensor, "B T"],
-    behav_logp: Float[Tensor, "B T"],
-    advantages: Float[Tensor, "B T"] | Float[Tensor, " B"],
-    mask: Shaped[Tensor, "B T"],
-    *,
+    old_logp: Float[Tensor, "B T"] = MISSING,  # type: ignore[assignment]
+    advantages: Float[Tensor, "B T"] | Float[Tensor, " B"] = MISSING,  # type: ignore[assignment]
+    mask: Shaped[Tensor, "B T"] = MISSING,  # type: ignore[assignment]
+    *legacy: Tensor,
+    rollout_logp: Float[Tensor, "B T"] = MISSING,  # type: ignore[assignment]
     eps_low: float = 0.2,
     eps_high: float = 0.2,
-    behav_weight_cap: float | None = None,
+    rollout_weight_cap: float | None = None,
 ) -> tuple[Float[Tensor, "B T"], Metrics]:
-    """Decoupled PPO (AReaL): ``ℓ = w_behav·PPOclip(π_θ/π_prox)``, ``w_behav = π_prox/π_behav`` (detached).
+    """Decoupled PPO (AReaL): ``ℓ = w·PPOclip(π_θ/π_old)`` with ``w = π_old/π_rollout`` (detached).
 
-    ``prox_logp`` is the proximal policy (the trainer's logp before this update), ``behav_logp`` the behaviour
-    policy that generated the tokens (rollout logp). The trust region is centred on π_prox; the behaviour weight
-    corrects the off-policy sampling. As in AReaL, ``behav_weight_cap`` *drops* tokens whose weight exceeds the
-    cap (weight set to 0) rather than truncating them. Both log-ratios are clamped to ±20 before ``exp``.
+    ``old_logp`` is the proximal policy (the trainer's log-probs before this update, AReaL's ``prox_logp``);
+    ``rollout_logp`` (keyword) the behaviour policy that generated the tokens, i.e. the engine's processed
+    log-probs (AReaL's ``behav_logp``). The trust region is centred on π_old; ``w`` corrects the off-policy
+    sampling: ``log w = old_logp − rollout_logp``, clamped to ±20 before ``exp``, as is the PPO log-ratio.
+    As in AReaL, ``rollout_weight_cap`` *drops* tokens whose weight exceeds the cap (weight set to 0) rather
+    than truncating them; a NaN weight is not above the cap, so its token is kept and its loss is NaN.
 
-    Metrics: those of ``ppo_clip_loss`` plus ``behav_weight_mean`` (over kept tokens) and ``behav_capped_frac``.
+    Metrics: those of ``ppo_clip_loss`` (``clipfrac``, ``clipfrac_low``, ``clipfrac_high``, ``dual_clipfrac``,
+    ``approx_kl``, measured against π_old) plus ``rollout_weight_mean`` (mean ``w`` over kept tokens) and
+    ``rollout_capped_frac`` (fraction of valid tokens dropped by the cap). The earlier keys ``behav_weight_mean`` /
+    ``behav_capped_frac`` can still be read, with a DeprecationWarning, for one release.
+
+    Deprecated for one release (DeprecationWarning): the 5-positional form
+    ``decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask)`` and the keywords ``prox_logp=``,
+    ``behav_logp=``, ``behav_weight_cap=``.
     """
-    m = check_token_pair("logp", logp, "prox_logp", prox_logp, mask)
-    check_floating("behav_logp", behav_logp)
-    check_same_shape("logp", logp, "behav_logp", behav_logp)
-    if behav_weight_cap is not None:
-        behav_weight_cap = check_number("behav_weight_cap", behav_weight_cap, gt=0.0)
+    if legacy:
+        if len(legacy) != 1 or rollout_logp is not MISSING:
+            also = " and rollout_logp=" if rollout_logp is not MISSING else ""
+            raise ArgumentError(
+                "decoupled_ppo_loss: expected (logp, old_logp, advantages, mask, *, rollout_logp=...), "
+                f"got {4 + len(legacy)} positional arguments{also}"
+            )
+        # the deprecated form (logp, prox_logp, behav_logp, advantages, mask)
+        warn_renamed("`decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask)`",
+                     "`decoupled_ppo_loss(logp, old_logp, advantages, mask, rollout_logp=...)`", stacklevel=4)
+        rollout_logp, advantages, mask = advantages, mask, legacy[0]
+    for name, value in (("old_logp", old_logp), ("advantages", advantages), ("mask", mask),
+                        ("rollout_logp", rollout_logp)):
+        if value is MISSING:
+            raise ArgumentError(f"{name}: required; call decoupled_ppo_loss(logp, old_logp, advantages, mask, "
+                                "rollout_logp=...)")
+    m = check_token_pair("logp", logp, "old_logp", old_logp, mask)
+    check_floating("rollout_logp", rollout_logp)
+    check_same_shape("logp", logp, "rollout_logp", rollout_logp)
+    cap = None if rollout_weight_cap is None else check_number("rollout_weight_cap", rollout_weight_cap, gt=0.0)
     dt = compute_dtype(logp)
-    prox = safe(prox_logp, m, dt).detach()
-    behav = safe(behav_logp, m, dt).detach()
-    loss, metrics = ppo_clip_loss(logp, prox_logp, advantages, m, eps_low=eps_low, eps_high=eps_high)
-    w = torch.exp((prox - behav).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    olp = safe(old_logp, m, dt).detach()
+    rlp = safe(rollout_logp, m, dt).detach()
+    loss, metrics = ppo_clip_loss(logp, old_logp, advantages, m, eps_low=eps_low, eps_high=eps_high)
+    w = torch.exp((olp - rlp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     # "drop when above the cap", not "keep when below": a NaN weight is not above the cap, so its token is kept
     # and the NaN reaches the loss (``w <= cap`` is False for NaN and would drop the token silently)
-    keep = m if behav_weight_cap is None else m & ~(w > behav_weight_cap)
+    keep = m if cap is None else m & ~(w > cap)
     w = safe(w, keep, dt)
     loss = safe(loss * w, m, dt)
-    metrics["behav_weight_mean"] = masked_mean(w, keep)
-    metrics["behav_capped_frac"] = masked_mean((m & ~keep).to(dt), m)
+    metrics["rollout_weight_mean"] = masked_mean(w, keep)
+    metrics["rollout_capped_frac"] = masked_mean((m & ~keep).to(dt), m)
     return loss, metrics
 
 
@@ -384,4 +467,4 @@ def value_loss(
         loss = 0.5 * torch.maximum(err1, err2)
         clipfrac = masked_mean((err2 > err1).to(dt), m)
     loss = safe(loss, m, dt)
-    return loss, {"vf_clipfrac": clipfrac, "vf_mse": masked_mean(err1.detach(), m)}
+    return loss, Metrics(vf_clipfrac=clipfrac, vf_mse=masked_mean(err1.detach(), m))

@@ -24,8 +24,10 @@ CASES = {
     "cispo_loss": lambda: L.cispo_loss(LOGP, OLD, ADV, MASK),
     "sapo_loss": lambda: L.sapo_loss(LOGP, OLD, ADV, MASK),
     "gmpo_loss": lambda: L.gmpo_loss(LOGP, OLD, ADV, MASK),
-    "pg_loss": lambda: L.pg_loss(LOGP, ADV, MASK, weights=torch.exp(OLD)),
-    "decoupled_ppo_loss": lambda: L.decoupled_ppo_loss(LOGP, OLD, OLD - 0.1, ADV, MASK, behav_weight_cap=2.0),
+    "pg_loss": lambda: L.pg_loss(LOGP, OLD, ADV, MASK, weights=torch.exp(OLD)),
+    "decoupled_ppo_loss": lambda: L.decoupled_ppo_loss(
+        LOGP, OLD, ADV, MASK, rollout_logp=OLD - 0.1, rollout_weight_cap=2.0
+    ),
     "value_loss": lambda: L.value_loss(LOGP, OLD, OLD + 1, MASK),
     "kl_estimate": lambda: L.kl_estimate(LOGP, OLD, kind="low_var_kl", straight_through=True),
     "aggregate": lambda: L.aggregate(LOGP, MASK, mode="seq-mean-token-mean", num_seqs=torch.tensor(8)),

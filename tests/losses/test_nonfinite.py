@@ -82,12 +82,13 @@ def test_decoupled_cap_keeps_token_with_nonfinite_rollout_logp(bad):
     lp = torch.zeros(1, 3, dtype=torch.float64)
     rollout = torch.tensor([[0.0, -bad if bad == INF else bad, 0.0]], dtype=torch.float64)
     m = torch.ones(1, 3, dtype=torch.bool)
-    loss, met = L.decoupled_ppo_loss(lp, lp, rollout, torch.ones(1, dtype=torch.float64), m, behav_weight_cap=5.0)
+    adv = torch.ones(1, dtype=torch.float64)
+    loss, met = L.decoupled_ppo_loss(lp, lp, adv, m, rollout_logp=rollout, rollout_weight_cap=5.0)
     if bad != bad:  # NaN weight: the token's loss is NaN, not 0
         assert torch.isnan(loss[0, 1]), loss
-        assert torch.isnan(met["behav_weight_mean"])
+        assert torch.isnan(met["rollout_weight_mean"])
     else:  # π_old/π_rollout = e^{+inf}: over the cap, dropped and counted
-        assert loss[0, 1] == 0 and met["behav_capped_frac"].item() == pytest.approx(1 / 3)
+        assert loss[0, 1] == 0 and met["rollout_capped_frac"].item() == pytest.approx(1 / 3)
     assert (loss[0, [0, 2]] == -1).all()
 
 

@@ -156,7 +156,7 @@ def test_losses_match_loop_references(seq_adv):
         (sapo_loss(lp, olp, adv, MASK)[0], ref_sapo(L(lp), L(olp), a, m, 1.0, 1.05)),
         (gmpo_loss(lp, olp, adv, MASK, eps_low=0.1, eps_high=0.1)[0], ref_gmpo(L(lp), L(olp), a, m, 0.1, 0.1)),
         (
-            pg_loss(lp, adv, MASK)[0],
+            pg_loss(lp, olp, adv, MASK)[0],
             [[-adv_at(a, i, j) * L(lp)[i][j] if m[i][j] else 0.0 for j in range(T)] for i in range(B)],
         ),
     ]
@@ -168,12 +168,16 @@ def test_decoupled_ppo_matches_reference_and_drops_capped_tokens():
     lp, prox, adv = inputs(2, spread=0.4)
     behav = prox - torch.linspace(-0.8, 0.8, B * T, dtype=torch.float64).reshape(B, T)
     for cap in (None, 1.5):
-        got, met = decoupled_ppo_loss(lp, prox, behav, adv, MASK, eps_low=0.1, eps_high=0.3, behav_weight_cap=cap)
+        got, met = decoupled_ppo_loss(
+            lp, prox, adv, MASK, rollout_logp=behav, eps_low=0.1, eps_high=0.3, rollout_weight_cap=cap
+        )
         ref = ref_decoupled(L(lp), L(prox), L(behav), L(adv), MASK.tolist(), 0.1, 0.3, cap)
         torch.testing.assert_close(got, torch.tensor(ref, dtype=torch.float64))
     w = torch.exp(prox - behav)
     want = ((w > 1.5) & MASK).sum() / MASK.sum()
-    torch.testing.assert_close(met["behav_capped_frac"], want.double())
+    torch.testing.assert_close(met["rollout_capped_frac"], want.double())
+    kept = MASK & (w <= 1.5)
+    torch.testing.assert_close(met["rollout_weight_mean"], w[kept].mean())
 
 
 def test_value_loss_matches_reference():
@@ -210,8 +214,9 @@ LOSSES = {
     "cispo": lambda lp, olp, a, m: cispo_loss(lp, olp, a, m, eps_low=0.2, eps_high=0.2),
     "sapo": lambda lp, olp, a, m: sapo_loss(lp, olp, a, m),
     "gmpo": lambda lp, olp, a, m: gmpo_loss(lp, olp, a, m),
-    "pg": lambda lp, olp, a, m: pg_loss(lp, a, m),
-    "decoupled": lambda lp, olp, a, m: decoupled_ppo_loss(lp, olp, olp, a, m, behav_weight_cap=5.0),
+    "pg": lambda lp, olp, a, m: pg_loss(lp, olp, a, m),
+    "pg_on_policy": lambda lp, olp, a, m: pg_loss(lp, None, a, m),
+    "decoupled": lambda lp, olp, a, m: decoupled_ppo_loss(lp, olp, a, m, rollout_logp=olp, rollout_weight_cap=5.0),
 }
 
 
@@ -377,3 +382,44 @@ def test_bf16_inputs_computed_in_fp32(name):
     torch.testing.assert_close(loss, ref)
     (g,) = torch.autograd.grad(loss.sum(), lpb)
     assert g.dtype == torch.bfloat16 and torch.isfinite(g).all()
+
+
+def test_clip_metrics_of_every_clipping_loss():
+    lp, olp, adv = inputs(12, spread=1.0)
+    n = MASK.sum().double()
+    lr = lp - olp
+    r = torch.exp(lr)
+
+    def frac(x):
+        return (x & MASK).sum() / n
+
+    seq_s = torch.exp(torch.where(MASK, lr, 0.0).sum(-1) / MASK.sum(-1))[:, None].expand(B, T)
+    lo, hi = math.log(0.9), math.log(1.1)
+    want = {
+        "ppo": (frac((r < 0.8) & (adv < 0)), frac((r > 1.28) & (adv > 0))),
+        "gspo": (frac((seq_s < 0.9) & (adv < 0)), frac((seq_s > 1.1) & (adv > 0))),
+        "cispo": (frac(r < 0.5), frac(r > 1.1)),
+        "gmpo": (frac((lr < lo) & (adv < 0)), frac((lr > hi) & (adv >= 0))),
+        "decoupled": (frac((r < 0.8) & (adv < 0)), frac((r > 1.2) & (adv > 0))),
+    }
+    got = {
+        "ppo": ppo_clip_loss(lp, olp, adv, MASK, eps_low=0.2, eps_high=0.28)[1],
+        "gspo": gspo_loss(lp, olp, adv, MASK, eps_low=0.1, eps_high=0.1)[1],
+        "cispo": cispo_loss(lp, olp, adv, MASK, eps_low=0.5, eps_high=0.1)[1],
+        "gmpo": gmpo_loss(lp, olp, adv, MASK, eps_low=0.1, eps_high=0.1)[1],
+        "decoupled": decoupled_ppo_loss(lp, olp, adv, MASK, rollout_logp=olp - 0.3)[1],
+    }
+    for name, met in got.items():
+        low, high = want[name]
+        assert 0 < low + high < 1, name  # the data exercise both bounds somewhere
+        torch.testing.assert_close(met["clipfrac_low"], low, msg=name)
+        torch.testing.assert_close(met["clipfrac_high"], high, msg=name)
+        torch.testing.assert_close(met["clipfrac"], low + high, msg=name)  # disjoint (no dual clip here)
+    k3 = (r - 1 - lr)[MASK].mean()
+    for name, fn in LOSSES.items():
+        met = fn(lp, olp, adv, MASK)[1]
+        want_kl = torch.zeros((), dtype=torch.float64) if name == "pg_on_policy" else k3
+        torch.testing.assert_close(met["approx_kl"], want_kl, msg=name)
+    _, met = ppo_clip_loss(lp, olp, adv, MASK, dual_clip=1.5)
+    torch.testing.assert_close(met["clipfrac"], met["clipfrac_low"] + met["clipfrac_high"] + met["dual_clipfrac"])
+    assert met["dual_clipfrac"] > 0
