@@ -1,4 +1,4 @@
-"""rlblocks.losses: advantages, policy losses, KL, aggregation, mismatch correction and masks.
+"""rlblocks.losses: advantages, policy losses, KL, aggregation, mismatch correction, off-policy masks.
 
 Pure, typed functions on ``[B, T]`` tensors with a mask (conventions in each module's docstring): per-token losses
 plus 0-dim metrics, aggregation with explicit global normalisers, fp32 accumulation, NaN-safe padding, no host
@@ -18,9 +18,17 @@ from rlblocks.losses.advantages import (
     whiten,
 )
 from rlblocks.losses.aggregation import AGG_MODES, aggregate
-from rlblocks.losses.correction import mismatch_metrics, rollout_correction
+from rlblocks.losses.correction import rollout_correction
 from rlblocks.losses.kl import AdaptiveKLController, FixedKLController, kl_estimate
 from rlblocks.losses.masks import off_policy_sequence_mask, overlong_penalty, top_entropy_mask, zero_variance_groups
+from rlblocks.losses.mismatch import mismatch_metrics
+from rlblocks.losses.offpolicy import (
+    dppo_loss,
+    dppo_mask,
+    geometric_sequence_mask,
+    icepop_correction,
+    outlier_sequence_mask,
+)
 from rlblocks.losses.policy import (
     cispo_loss,
     decoupled_ppo_loss,
@@ -40,15 +48,20 @@ __all__ = [
     "cispo_loss",
     "decoupled_ppo_loss",
     "discounted_returns",
+    "dppo_loss",
+    "dppo_mask",
     "gae",
     "gdpo_advantages",
+    "geometric_sequence_mask",
     "gmpo_loss",
     "grpo_advantages",
     "gspo_loss",
+    "icepop_correction",
     "kl_estimate",
     "mismatch_metrics",
     "off_policy_sequence_mask",
     "opo_advantages",
+    "outlier_sequence_mask",
     "overlong_penalty",
     "passk_advantages",
     "pg_loss",

@@ -127,6 +127,12 @@ def safe(x: Tensor, mask: Bool[Tensor, "..."], dtype: torch.dtype) -> Tensor:
     return torch.where(mask, x.to(dtype), torch.zeros((), dtype=dtype, device=x.device))
 
 
+def detached_log_ratio(a: Tensor, b: Tensor, m: Tensor) -> Tensor:
+    """Detached ``a − b`` in fp32 (fp64 for fp64 ``a``), 0 at masked positions (never read there)."""
+    dt = compute_dtype(a)
+    return (safe(a, m, dt) - safe(b, m, dt)).detach()
+
+
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     if dim is None:

@@ -10,7 +10,7 @@ gives each sample a dense group index in ``[0, n)``, and per-group sums are ``in
 from __future__ import annotations
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 
@@ -72,3 +72,27 @@ def poison_nonfinite_groups(
     n = values.shape[0]
     count = torch.zeros((n, *values.shape[1:]), dtype=values.dtype, device=values.device).index_add(0, index, bad)
     return torch.where(count[index] > 0, torch.full_like(adv, float("nan")), adv)
+
+
+def segment_index(mask: Bool[Tensor, "B T"], turn_ids: Int[Tensor, "B T"] | None) -> Int[Tensor, "B T"]:
+    """Dense index in ``[0, B·T)`` of each token's segment: the pair (row, turn).
+
+    With ``turn_ids``, a segment is every valid token of one row with one turn id (wherever they sit). Without,
+    a segment is a maximal run of consecutive valid tokens of a row (ROLL's convention: the model's turns of a
+    multi-turn trajectory are separated by masked environment tokens). Ids are dense within each row and offset
+    by ``row·T``, so every shape is static and nothing syncs. Masked positions get an index too (a segment of
+    their own, or their turn's); callers mask them out of every sum.
+    """
+    b, t = mask.shape
+    if turn_ids is None:
+        prev = torch.zeros_like(mask)
+        prev[:, 1:] = mask[:, :-1]
+        local = torch.cumsum((mask & ~prev).long(), dim=-1)  # 0 before the first run, then 1, 2, ...
+    else:
+        sorted_ids, order = torch.sort(turn_ids, dim=-1, stable=True)
+        new = torch.ones_like(sorted_ids, dtype=torch.long)
+        if t > 1:
+            new[:, 1:] = (sorted_ids[:, 1:] != sorted_ids[:, :-1]).long()
+        local = torch.empty_like(new).scatter_(1, order, torch.cumsum(new, dim=-1) - 1)
+    row = torch.arange(b, device=mask.device)[:, None] * t
+    return (row + local.clamp(max=t - 1)).reshape(b, t)

@@ -1,4 +1,4 @@
-"""Training/rollout mismatch: importance weights that correct it, and metrics that measure it.
+"""Training/rollout mismatch: the importance weights that correct it (``rlblocks.losses.mismatch`` measures it).
 
 ``ρ = π_old / π_rollout`` per token, ``log ρ = old_logp − rollout_logp``: ``old_logp`` are the trainer's
 log-probs of the sampled tokens before this update, ``rollout_logp`` the engine's processed log-probs of the same
@@ -13,27 +13,25 @@ DeprecationWarning.
 from __future__ import annotations
 
 import torch
-from jaxtyping import Bool, Float, Shaped
+from jaxtyping import Bool, Float, Int, Shaped
 from torch import Tensor
 
 from rlblocks._deprecate import renamed_kwargs
+from rlblocks._validate import check_same_shape, check_tensor
+from rlblocks.errors import ArgumentError
 from rlblocks.losses._common import (
     LOG_RATIO_CLAMP,
     check_choice,
     check_number,
     check_token_pair,
+    detached_log_ratio,
     masked_mean,
     masked_sum,
     safe,
 )
+from rlblocks.losses._groups import segment_index
 
 __all__ = ["mismatch_metrics", "rollout_correction"]
-
-
-def _log_rho(old_logp: Tensor, rollout_logp: Tensor, m: Tensor) -> Tensor:
-    """Detached fp32 token log-ratio ``old_logp − rollout_logp``, 0 at masked positions (fp64 for fp64 inputs)."""
-    dt = torch.float64 if old_logp.dtype == torch.float64 else torch.float32
-    return (safe(old_logp, m, dt) - safe(rollout_logp, m, dt)).detach()
 
 
 @renamed_kwargs(train_logp="old_logp")
@@ -46,6 +44,7 @@ def rollout_correction(
     mode: str = "truncate",
     upper: float | None = 2.0,
     lower: float | None = None,
+    turn_ids: Int[Tensor, "B T"] | None = None,
 ) -> tuple[Float[Tensor, "B T"], Bool[Tensor, "B T"], dict[str, Tensor]]:
     """Importance weights ``ρ = π_old/π_rollout`` for the train/rollout mismatch. Returns
     ``(weights, keep_mask, metrics)``.
@@ -54,7 +53,13 @@ def rollout_correction(
 
     - ``"token"``: ``ρ_t = exp(clamp(log ρ_t, ±20))``;
     - ``"sequence"``: ``ρ_i = exp(clamp(Σ_t log ρ_t, ±20))`` (product of the token ratios);
-    - ``"geometric"``: ``ρ_i = exp(clamp(mean_t log ρ_t, ±20))`` (geometric mean).
+    - ``"geometric"``: ``ρ_i = exp(clamp(mean_t log ρ_t, ±20))`` (geometric mean);
+    - ``"segment"``: ``ρ_k = exp(clamp(mean_{t∈k} log ρ_t, ±20))`` per segment k of a row, broadcast to the
+      segment's tokens: segment-level (per turn) IS for multi-turn trajectories, ROLL's ``"segment"``
+      granularity (``roll/utils/train_infer_corrections.py``). Segments are the tokens of one ``turn_ids``
+      value within a row (e.g. ``RolloutBatch.turn_ids``); without ``turn_ids``, the maximal runs of
+      consecutive valid tokens, as ROLL cuts them (the model's turns are separated by masked tool output).
+      ``"truncate"`` gives segment-level truncated IS (``min(ρ_k, upper)``), ``"mask"`` drops whole turns.
 
     Modes:
 
@@ -70,17 +75,30 @@ def rollout_correction(
     ``rho_mean`` (mean of ρ over valid tokens).
     """
     m = check_token_pair("old_logp", old_logp, "rollout_logp", rollout_logp, mask)
-    check_choice("level", level, ("token", "sequence", "geometric"))
+    check_choice("level", level, ("token", "sequence", "geometric", "segment"))
+    if turn_ids is not None:
+        if level != "segment":
+            raise ArgumentError(f"turn_ids: only used with level='segment', got level={level!r}")
+        check_tensor("turn_ids", turn_ids)
+        if turn_ids.is_floating_point() or turn_ids.dtype.is_complex or turn_ids.dtype == torch.bool:
+            raise ArgumentError(f"turn_ids: expected an integer tensor, got dtype {turn_ids.dtype}")
+        check_same_shape("old_logp", old_logp, "turn_ids", turn_ids)
     check_choice("mode", mode, ("truncate", "mask"))
     hi = float("inf") if upper is None else check_number("upper", upper, gt=0.0)
     if lower is not None:
         lo = check_number("lower", lower, ge=0.0, le=hi)
     else:
         lo = None
-    lr = _log_rho(old_logp, rollout_logp, m)
+    lr = detached_log_ratio(old_logp, rollout_logp, m)
     dt = lr.dtype
     if level == "token":
         log_rho = lr
+    elif level == "segment":
+        seg = segment_index(m, turn_ids).reshape(-1)
+        n = lr.numel()
+        sums = torch.zeros(n, dtype=dt, device=lr.device).index_add(0, seg, lr.reshape(-1))  # lr is 0 off-mask
+        counts = torch.zeros(n, dtype=dt, device=lr.device).index_add(0, seg, m.reshape(-1).to(dt))
+        log_rho = (sums / counts.clamp(min=1))[seg].reshape(lr.shape)
     else:
         total = masked_sum(lr, m, -1)
         if level == "geometric":
@@ -105,44 +123,5 @@ def rollout_correction(
     return w, keep, metrics
 
 
-@renamed_kwargs(train_logp="old_logp")
-def mismatch_metrics(
-    old_logp: Float[Tensor, "B T"],
-    rollout_logp: Float[Tensor, "B T"],
-    mask: Shaped[Tensor, "B T"],
-) -> dict[str, Tensor]:
-    """Size of the train/rollout mismatch, as 0-dim float32 tensors (detached, no host sync).
-
-    With ``l = rollout_logp − old_logp`` (so KL(π_rollout‖π_train) estimated from the rollout samples) and
-    ``ρ = exp(clamp(−l, ±20))``:
-
-    - ``kl_k1`` = masked mean of l; ``kl_k3`` = masked mean of ``e^{−l} − 1 + l``;
-    - ``ppl_train`` = exp(−masked token mean of old_logp) (the trainer's); ``ppl_rollout`` likewise;
-    - ``chi2_token`` = E[ρ²] − 1 over valid tokens;
-    - ``chi2_seq`` = E[ρ_seq²] − 1 over non-empty sequences, ``ρ_seq = exp(clamp(Σ_t log ρ_t, ±20))``;
-    - ``ess`` = 1 / E[(ρ/E[ρ])²] = E[ρ]² / E[ρ²] over valid tokens, in (0, 1].
-
-    With no valid token: kl 0, perplexities 1, χ² 0, ess 1.
-    """
-    m = check_token_pair("old_logp", old_logp, "rollout_logp", rollout_logp, mask)
-    lr = _log_rho(old_logp, rollout_logp, m)
-    dt = lr.dtype
-    l_ = -lr
-    rho = torch.exp(lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    any_valid = m.any()
-    seq_has = m.any(-1)
-    rho_seq = torch.exp(masked_sum(lr, m, -1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    e_rho = masked_mean(rho, m)
-    e_rho2 = masked_mean(rho * rho, m)
-    one = torch.ones((), dtype=dt, device=lr.device)
-    zero = torch.zeros((), dtype=dt, device=lr.device)
-    out = {
-        "kl_k1": masked_mean(l_, m),
-        "kl_k3": masked_mean(rho - 1.0 + l_, m),
-        "ppl_train": torch.exp(-masked_mean(safe(old_logp, m, dt).detach(), m)),
-        "ppl_rollout": torch.exp(-masked_mean(safe(rollout_logp, m, dt).detach(), m)),
-        "chi2_token": torch.where(any_valid, e_rho2 - 1.0, zero),
-        "chi2_seq": torch.where(seq_has.any(), masked_mean(rho_seq * rho_seq, seq_has) - 1.0, zero),
-        "ess": torch.where(any_valid, e_rho * e_rho / torch.where(any_valid, e_rho2, one), one),
-    }
-    return {k: v.to(torch.float32) if dt != torch.float64 else v for k, v in out.items()}
+# mismatch_metrics lives in its own module; importing it from here keeps working
+from rlblocks.losses.mismatch import mismatch_metrics  # noqa: E402

@@ -95,6 +95,12 @@ def test_mismatch_metrics_match_reference():
         "chi2_seq": sum(r * r for r in rho_seq) / len(rho_seq) - 1,
         "ess": 1 / (sum((r / e_rho) ** 2 for r in rho.values()) / n),
     }
+    pt = [math.exp(train[ij].item()) for ij in valid]
+    pr = [math.exp(roll[ij].item()) for ij in valid]
+    mt, mr = sum(pt) / n, sum(pr) / n
+    cov = sum((a - mt) * (b - mr) for a, b in zip(pt, pr))
+    want["prob_corr"] = cov / math.sqrt(sum((a - mt) ** 2 for a in pt) * sum((b - mr) ** 2 for b in pr))
+    want["ratio_in_band_frac"] = sum(0.9 <= r <= 1.1 for r in rho.values()) / n
     got = mismatch_metrics(torch.where(MASK, train, torch.inf), torch.where(MASK, roll, torch.nan), MASK)
     assert set(got) == set(want)
     for k, v in want.items():
@@ -108,10 +114,66 @@ def test_mismatch_metrics_identical_and_empty():
     for k in ("kl_k1", "kl_k3", "chi2_token", "chi2_seq"):
         assert got[k].item() == pytest.approx(0.0, abs=1e-12)
     assert got["ess"].item() == pytest.approx(1.0)
+    assert got["ratio_in_band_frac"].item() == 1.0 and got["prob_corr"].item() == pytest.approx(1.0)
     empty = mismatch_metrics(train, train + 1, torch.zeros(3, 5, dtype=torch.bool))
+    assert math.isnan(empty.pop("prob_corr").item())  # undefined without two valid tokens
     assert {k: v.item() for k, v in empty.items()} == {
-        "kl_k1": 0.0, "kl_k3": 0.0, "ppl_train": 1.0, "ppl_rollout": 1.0, "chi2_token": 0.0, "chi2_seq": 0.0, "ess": 1.0
+        "kl_k1": 0.0, "kl_k3": 0.0, "ppl_train": 1.0, "ppl_rollout": 1.0, "chi2_token": 0.0, "chi2_seq": 0.0,
+        "ess": 1.0, "ratio_in_band_frac": 0.0,
     }
+    const = mismatch_metrics(torch.zeros(1, 3), torch.full((1, 3), -1.0), torch.ones(1, 3, dtype=torch.bool))
+    assert math.isnan(const["prob_corr"].item())  # both sides constant: no correlation to report
+
+
+def test_mismatch_metrics_band_and_per_version_breakdown():
+    g = torch.Generator().manual_seed(8)
+    m = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    roll = -torch.rand(3, 5, generator=g, dtype=torch.float64) * 2
+    old = roll + (torch.rand(3, 5, generator=g, dtype=torch.float64) * 2 - 1) * 0.2
+    versions = torch.tensor([[7, 7, 6, 6, -1], [5, 5, 8, -1, -1], [7, 6, 5, 4, 7]])
+    got = mismatch_metrics(old, roll, m, band=(0.95, 1.05), versions=versions, current_version=7, max_staleness=2)
+    valid = [(i, j) for i in range(3) for j in range(5) if m[i, j]]
+    rho = {ij: math.exp(old[ij].item() - roll[ij].item()) for ij in valid}
+    n = len(valid)
+    assert got["ratio_in_band_frac"].item() == pytest.approx(sum(0.95 <= r <= 1.05 for r in rho.values()) / n)
+    total = 0.0
+    for s in range(3):
+        sel = [ij for ij in valid if versions[ij].item() >= 0 and 7 - versions[ij].item() == s]
+        assert sel, s
+        assert got[f"staleness{s}_token_frac"].item() == pytest.approx(len(sel) / n)
+        k3 = sum(r - 1 - math.log(r) for ij, r in rho.items() if ij in sel) / len(sel)
+        assert got[f"staleness{s}_kl_k3"].item() == pytest.approx(k3, rel=1e-9)
+        band = sum(0.95 <= rho[ij] <= 1.05 for ij in sel) / len(sel)
+        assert got[f"staleness{s}_ratio_in_band_frac"].item() == pytest.approx(band)
+        total += got[f"staleness{s}_token_frac"].item()
+    # version 8 (ahead of the trainer) and version 4 (older than η = 2) are counted, not dropped
+    assert got["staleness_other_token_frac"].item() == pytest.approx(2 / n)
+    assert total + got["staleness_other_token_frac"].item() == pytest.approx(1.0)
+    as_tensor = mismatch_metrics(old, roll, m, band=(0.95, 1.05), versions=versions,
+                                 current_version=torch.tensor(7), max_staleness=2)
+    for k in got:
+        torch.testing.assert_close(as_tensor[k], got[k])
+
+
+@pytest.mark.parametrize(
+    ("kw", "pattern"),
+    [
+        ({"versions": torch.zeros(3, 5)}, "^versions: expected an integer"),
+        ({"versions": torch.zeros(3, 4, dtype=torch.long), "current_version": 1, "max_staleness": 1}, r"^versions: "),
+        ({"versions": torch.zeros(3, 5, dtype=torch.long), "max_staleness": 1}, "^current_version: required"),
+        ({"versions": torch.zeros(3, 5, dtype=torch.long), "current_version": 1.5, "max_staleness": 1},
+         "^current_version: "),
+        ({"versions": torch.zeros(3, 5, dtype=torch.long), "current_version": 1}, "^max_staleness: "),
+        ({"versions": torch.zeros(3, 5, dtype=torch.long), "current_version": 1, "max_staleness": torch.tensor(1)},
+         "^max_staleness: "),
+        ({"band": (1.1, 0.9)}, r"^band\[1\]: "),
+        ({"band": 0.9}, "^band: "),
+    ],
+)
+def test_mismatch_metrics_argument_checks(kw, pattern):
+    train, roll = logps(9)
+    with pytest.raises(ValueError, match=pattern):
+        mismatch_metrics(train, roll, MASK, **kw)
 
 
 def test_bf16_inputs():

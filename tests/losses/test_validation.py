@@ -32,6 +32,11 @@ A = torch.zeros(2)
         (lambda: L.rollout_correction(LP, LP[:, :1], M), "rollout_logp", ["[2, 3]", "[2, 1]"]),
         (lambda: L.rollout_correction(LP.long(), LP, M), "old_logp", ["torch.int64"]),
         (lambda: L.mismatch_metrics(LP, LP, M.T), "mask", ["[2, 3]", "[3, 2]"]),
+        (lambda: L.geometric_sequence_mask(LP, LP[:1], M), "rollout_logp", ["[2, 3]", "[1, 3]"]),
+        (lambda: L.outlier_sequence_mask(LP, LP, M[:, :2]), "mask", ["[2, 3]", "[2, 2]"]),
+        (lambda: L.icepop_correction(LP[:, :1], LP, M), "rollout_logp", ["[2, 1]", "[2, 3]"]),
+        (lambda: L.dppo_mask(LP, LP, torch.zeros(5), M), "advantages", ["[2, 3]", "[5]"]),
+        (lambda: L.dppo_loss(LP, LP.T, A, M), "old_logp", ["[2, 3]", "[3, 2]"]),
         (lambda: L.grpo_advantages(torch.zeros(4), torch.zeros(3, dtype=torch.long)), "group_ids", ["[4]", "[3]"]),
         (lambda: L.rloo_advantages(torch.zeros(4), torch.zeros(5, dtype=torch.long)), "group_ids", ["[4]", "[5]"]),
         (lambda: L.opo_advantages(torch.zeros(4), torch.zeros(4, dtype=torch.long), torch.ones(3)), "lengths",
@@ -80,6 +85,11 @@ def test_shape_mismatch_names_argument_and_both_shapes(call, arg, shapes):
         (lambda: L.decoupled_ppo_loss(LP, LP, A, M, LP, rollout_logp=LP), r"^decoupled_ppo_loss: .*rollout_logp="),
         (lambda: L.decoupled_ppo_loss(LP, LP, A, M, rollout_logp=LP, rollout_weight_cap=0), r"^rollout_weight_cap: "),
         (lambda: L.pg_loss(LP), r"^pg_loss: "),
+        (lambda: L.outlier_sequence_mask(LP, LP, M, lower=3.0, upper=2.0), r"^lower: "),
+        (lambda: L.icepop_correction(LP, LP, M, upper=0.0), r"^upper: "),
+        (lambda: L.dppo_mask(LP, LP, A, M, delta_low=-0.1), r"^delta_low: "),
+        (lambda: L.dppo_loss(LP, LP, A, M, kl_coef=-1.0), r"^kl_coef: "),
+        (lambda: L.rollout_correction(LP, LP, M, level="turn"), r"^level: "),
     ],
 )
 def test_bad_values_and_dtypes(call, pattern):
