@@ -1,4 +1,4 @@
-"""rlblocks.losses: advantages, policy losses, KL, aggregation, mismatch correction, off-policy masks.
+"""rlblocks.losses: advantages, policy losses, KL, aggregation, mismatch correction, off-policy masks, distillation.
 
 Pure, typed functions on ``[B, T]`` tensors with a mask (conventions in each module's docstring): per-token losses
 plus 0-dim metrics, aggregation with explicit global normalisers, fp32 accumulation, NaN-safe padding, no host
@@ -19,6 +19,7 @@ from rlblocks.losses.advantages import (
 )
 from rlblocks.losses.aggregation import AGG_MODES, aggregate
 from rlblocks.losses.correction import rollout_correction
+from rlblocks.losses.distill import distill_advantages
 from rlblocks.losses.kl import AdaptiveKLController, FixedKLController, kl_estimate
 from rlblocks.losses.masks import off_policy_sequence_mask, overlong_penalty, top_entropy_mask, zero_variance_groups
 from rlblocks.losses.mismatch import mismatch_metrics
@@ -48,6 +49,7 @@ __all__ = [
     "cispo_loss",
     "decoupled_ppo_loss",
     "discounted_returns",
+    "distill_advantages",
     "dppo_loss",
     "dppo_mask",
     "gae",

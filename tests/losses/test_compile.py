@@ -44,6 +44,7 @@ CASES = {
     "icepop_correction": lambda: L.icepop_correction(LOGP, OLD, MASK),
     "dppo_mask": lambda: L.dppo_mask(LOGP, OLD, ADV, MASK),
     "dppo_loss": lambda: L.dppo_loss(LOGP, OLD, ADV, MASK, kl_coef=0.1),
+    "distill_advantages": lambda: L.distill_advantages(LOGP, OLD, MASK, discount=0.9),
     "grpo_advantages": lambda: L.grpo_advantages(R, IDS),
     "rloo_advantages": lambda: L.rloo_advantages(R, IDS),
     "opo_advantages": lambda: L.opo_advantages(R, IDS, torch.tensor([3, 4, 5, 6])),

@@ -70,6 +70,7 @@ def test_new_masks_and_losses_ignore_padding(fill, rows, seed):
             "segment": L.rollout_correction(lp, old, mask, level="segment", turn_ids=turns),
             "runs": L.rollout_correction(lp, old, mask, level="segment", mode="mask", lower=0.8),
             "dppo_mask": L.dppo_mask(lp, old, adv, mask),
+            "distill": L.distill_advantages(lp, old, mask, discount=0.8),
             "mismatch": L.mismatch_metrics(lp, old, mask, versions=versions, current_version=3, max_staleness=2),
         }
 

@@ -37,6 +37,7 @@ A = torch.zeros(2)
         (lambda: L.icepop_correction(LP[:, :1], LP, M), "rollout_logp", ["[2, 1]", "[2, 3]"]),
         (lambda: L.dppo_mask(LP, LP, torch.zeros(5), M), "advantages", ["[2, 3]", "[5]"]),
         (lambda: L.dppo_loss(LP, LP.T, A, M), "old_logp", ["[2, 3]", "[3, 2]"]),
+        (lambda: L.distill_advantages(LP, LP, M[:1]), "mask", ["[2, 3]", "[1, 3]"]),
         (lambda: L.grpo_advantages(torch.zeros(4), torch.zeros(3, dtype=torch.long)), "group_ids", ["[4]", "[3]"]),
         (lambda: L.rloo_advantages(torch.zeros(4), torch.zeros(5, dtype=torch.long)), "group_ids", ["[4]", "[5]"]),
         (lambda: L.opo_advantages(torch.zeros(4), torch.zeros(4, dtype=torch.long), torch.ones(3)), "lengths",
