@@ -20,12 +20,14 @@ fast. ``math-verify`` is the optional extra ``pip install rlblocks[reward]``.
 from __future__ import annotations
 
 from rlblocks.reward.combine import FormatReward, OverlongPenalty, WeightedReward
+from rlblocks.reward.math import MathReward, check_math, extract_answer, math_reward
 from rlblocks.reward.pool import RewardPool
 from rlblocks.reward.types import RewardFn, RewardResult, Sample
 from rlblocks.reward.workers import ProcessWorkers, RewardTimeout, WorkerCrashed, WorkerError
 
 __all__ = [
     "FormatReward",
+    "MathReward",
     "OverlongPenalty",
     "ProcessWorkers",
     "RewardFn",
@@ -36,5 +38,8 @@ __all__ = [
     "WeightedReward",
     "WorkerCrashed",
     "WorkerError",
+    "check_math",
+    "extract_answer",
+    "math_reward",
 ]
 
