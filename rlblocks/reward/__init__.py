@@ -19,6 +19,7 @@ fast. ``math-verify`` is the optional extra ``pip install rlblocks[reward]``.
 
 from __future__ import annotations
 
+from rlblocks.reward.code import CodeReward, CodeTest, code_reward, extract_code, outputs_match
 from rlblocks.reward.combine import FormatReward, OverlongPenalty, WeightedReward
 from rlblocks.reward.math import MathReward, check_math, extract_answer, math_reward
 from rlblocks.reward.pool import RewardPool
@@ -26,6 +27,8 @@ from rlblocks.reward.types import RewardFn, RewardResult, Sample
 from rlblocks.reward.workers import ProcessWorkers, RewardTimeout, WorkerCrashed, WorkerError
 
 __all__ = [
+    "CodeReward",
+    "CodeTest",
     "FormatReward",
     "MathReward",
     "OverlongPenalty",
@@ -39,7 +42,10 @@ __all__ = [
     "WorkerCrashed",
     "WorkerError",
     "check_math",
+    "code_reward",
     "extract_answer",
+    "extract_code",
     "math_reward",
+    "outputs_match",
 ]
 

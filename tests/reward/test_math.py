@@ -116,7 +116,7 @@ def test_bad_argument_types():
 
 @pytest.fixture(scope="module")
 def reward():
-    rw = MathReward(timeout=2.0, workers=2)
+    rw = MathReward(timeout=30.0, workers=2)  # generous: the CI machine is shared and may be heavily loaded
     yield rw
     rw.close()
 
@@ -131,8 +131,9 @@ def test_math_reward_in_workers_agrees_with_the_table(reward):
     assert not bad.ok and "ArgumentError" in bad.error and "reference" in bad.error
 
 
-def test_pathological_input_is_stopped_by_the_timeout(reward):
+def test_pathological_input_is_stopped_by_the_timeout():
     # sympy builds 10**(10**10) in C code, where no signal reaches; only killing the worker stops it.
+    reward = MathReward(timeout=2.0, workers=2)
     samples = [Sample("\\boxed{10^{10^{10}}}", "5"), Sample("\\boxed{2}", "2"), Sample("\\boxed{3}", "4")]
     before = reward.stats()
     t0 = time.perf_counter()
@@ -141,8 +142,9 @@ def test_pathological_input_is_stopped_by_the_timeout(reward):
     elapsed = time.perf_counter() - t0
     assert not results[0].ok and "RewardTimeout" in results[0].error and "killed" in results[0].error
     assert [r.score for r in results[1:]] == [1.0, 0.0]  # the other samples were not held up or lost
-    assert elapsed < 25  # the 2 s timeout acted (generous bound for a loaded machine)
+    assert elapsed < 60  # the 2 s timeout acted (the bound is generous for a loaded machine; unbounded, it hangs)
     after = reward.stats()
     assert after["timeouts"] == before["timeouts"] + 1
     # the killed worker was replaced: the next check works
     assert asyncio.run(reward(Sample("\\boxed{\\frac{6}{8}}", "3/4"))).score == 1.0
+    reward.close()
