@@ -19,12 +19,17 @@ fast. ``math-verify`` is the optional extra ``pip install rlblocks[reward]``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rlblocks.reward.code import CodeReward, CodeTest, code_reward, extract_code, outputs_match
 from rlblocks.reward.combine import FormatReward, OverlongPenalty, WeightedReward
 from rlblocks.reward.math import MathReward, check_math, extract_answer, math_reward
 from rlblocks.reward.pool import RewardPool
 from rlblocks.reward.types import RewardFn, RewardResult, Sample
 from rlblocks.reward.workers import ProcessWorkers, RewardTimeout, WorkerCrashed, WorkerError
+
+if TYPE_CHECKING:
+    from rlblocks.reward.model import RewardModel
 
 __all__ = [
     "CodeReward",
@@ -34,6 +39,7 @@ __all__ = [
     "OverlongPenalty",
     "ProcessWorkers",
     "RewardFn",
+    "RewardModel",
     "RewardPool",
     "RewardResult",
     "RewardTimeout",
@@ -49,3 +55,11 @@ __all__ = [
     "outputs_match",
 ]
 
+
+def __getattr__(name: str):
+    # RewardModel needs torch; load it on first use so the package itself stays light.
+    if name == "RewardModel":
+        from rlblocks.reward.model import RewardModel
+
+        return RewardModel
+    raise AttributeError(f"module 'rlblocks.reward' has no attribute {name!r}")

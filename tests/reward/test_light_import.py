@@ -18,6 +18,12 @@ def test_import_is_light():
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+def test_reward_model_loads_on_first_use():
+    code = "import sys, rlblocks.reward as r; m = r.RewardModel; print(m.__name__, 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["RewardModel", "True"]
+
+
 def test_a_worker_process_starts_without_heavy_imports():
     with ProcessWorkers(1) as w:
         assert w.run(reward_helpers.loaded, HEAVY, timeout=60) == []
