@@ -171,7 +171,10 @@ class MathReward:
             ``MemoryError`` (an error result) instead of taking the machine's memory.
         float_rounding, numeric_precision, strict: passed to :func:`check_math`.
 
-    ``sample.reference`` is the reference answer. ``close()`` stops the workers (idempotent; also at exit).
+    ``sample.reference`` is the reference answer. ``close()`` stops the workers (idempotent; also at exit; a
+    later call starts new ones). In a :class:`~rlblocks.reward.RewardPool`, give the pool a timeout well above
+    this one: the pool's clock also runs while a call waits for a free worker, and while the first call starts
+    one (importing math-verify takes about a second).
     """
 
     def __init__(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import threading
 import time
 import weakref
@@ -65,7 +66,8 @@ class RewardModel:
         model: an HF sequence-classification model with one label, or a backbone / causal LM when ``head`` is given.
         tokenizer: an HF tokenizer (needed for texts; :meth:`score_ids` does not use it).
         head: maps hidden states ``[.., H]`` to ``[.., 1]``; default ``model.score``.
-        device: where the model runs (default: where its parameters are); inputs are moved there.
+        device: where the model runs (default: where its parameters are); the model (moved in place, as
+            ``nn.Module.to`` does) and the inputs go there.
         batch_size: rows per forward.
         max_length: keep at most this many tokens per row, dropping from the LEFT (the start of the prompt): the
             reward is read at the end, which must survive. ``details["truncated"]`` says when it happened.
@@ -139,10 +141,16 @@ class RewardModel:
     ) -> RewardModel:
         """Load an HF sequence-classification checkpoint and its tokenizer from ``path`` (a local directory or a
         hub name; no download happens when ``HF_HUB_OFFLINE=1``). ``kwargs`` go to the constructor."""
+        import transformers
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype) if dtype else (
-            AutoModelForSequenceClassification.from_pretrained(path))
+        load: dict[str, Any] = {}
+        if dtype is not None:
+            # transformers >= 4.56 names it dtype; older versions silently pass an unknown keyword to the config,
+            # so the old name must be used there.
+            major_minor = tuple(int(x) for x in re.findall(r"\d+", transformers.__version__)[:2])
+            load["dtype" if major_minor >= (4, 56) else "torch_dtype"] = dtype
+        model = AutoModelForSequenceClassification.from_pretrained(path, **load)
         tokenizer = AutoTokenizer.from_pretrained(path)
         return cls(model.eval(), tokenizer, device=device, **kwargs)
 

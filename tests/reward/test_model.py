@@ -45,6 +45,15 @@ def test_scores_match_a_manual_forward(rm):
     torch.testing.assert_close(scores, hf, atol=1e-5, rtol=1e-5)
 
 
+def test_from_pretrained_in_bfloat16(tiny_rm_dir, rm):
+    half = RewardModel.from_pretrained(tiny_rm_dir, dtype=torch.bfloat16)
+    assert next(half.model.parameters()).dtype == torch.bfloat16
+    s = half.score(PROMPTS, RESPONSES)
+    assert s.dtype == torch.float32
+    full = rm.score(PROMPTS, RESPONSES)
+    torch.testing.assert_close(s, full, atol=0.05 * full.abs().max().item(), rtol=0.05)
+
+
 def test_left_and_right_padding_give_the_same_scores(rm):
     left = RewardModel(rm.model, rm.tokenizer, padding_side="left", batch_size=6)
     torch.testing.assert_close(left.score(PROMPTS, RESPONSES), rm.score(PROMPTS, RESPONSES), atol=1e-5, rtol=1e-5)
