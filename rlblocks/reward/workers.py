@@ -175,9 +175,10 @@ class ProcessWorkers:
         start_timeout: seconds a new worker may take to import ``preload`` and report ready.
         python: interpreter of the workers (default ``sys.executable``).
 
-    Counters (:meth:`stats`): ``started`` workers, ``calls``, ``timeouts``, ``crashes``, ``errors`` (the
-    function raised). Call :meth:`close` (or use ``with``) to stop the workers; they are also killed when this
-    object is garbage-collected or the interpreter exits, and each worker dies with its parent.
+    Counters (:meth:`stats`): ``started`` workers, ``calls``, ``timeouts``, ``crashes`` (a worker died during a
+    call or failed to start), ``errors`` (the function raised). Call :meth:`close` (or use ``with``) to stop the
+    workers; they are also killed when this object is garbage-collected or the interpreter exits, and each worker
+    dies with its parent.
     """
 
     def __init__(
@@ -289,6 +290,7 @@ class ProcessWorkers:
         if not reply or reply[0] != "ready":
             detail = reply[3] if reply and reply[0] == "error" else child.stderr_tail()
             self._discard(child)
+            self._count("crashes")
             why = "did not report ready" if frame == b"" else f"exited ({_describe_exit(child.proc.returncode)})"
             raise WorkerCrashed(f"worker process {why} within {self.start_timeout:g}s: {detail}")
         return child

@@ -231,3 +231,12 @@ def test_result_invariants():
         Sample(b"x")
     r = RewardResult.failure("why", seconds=0.5)
     assert not r.ok and r.score is None and r.seconds == 0.5
+
+
+def test_a_worker_that_cannot_start_is_a_crash_result():
+    from rlblocks.reward import ProcessWorkers, WorkerCrashed
+
+    with ProcessWorkers(1, preload=("no_such_module_for_rlblocks_tests",)) as w:
+        with pytest.raises(WorkerCrashed, match="no_such_module_for_rlblocks_tests"):
+            w.run(reward_helpers.behave, Sample("x", metadata={"i": 0, "mode": "ok"}), timeout=5)
+        assert w.stats()["crashes"] == 1 and w.stats()["alive"] == 0
