@@ -1,0 +1,223 @@
+"""Math answers: extract the final answer, check it against the reference with ``math-verify``, under a real timeout.
+
+Extraction (:func:`extract_answer`), in this order:
+
+1. the content of the LAST ``\\boxed{...}`` (or ``\\fbox{...}``, or the brace-less ``\\boxed 5``), braces
+   balanced; a response that opens a ``\\boxed{`` but never closes one has NO answer (it is not rescued by a
+   number found elsewhere, which would reward a truncated response by accident);
+2. otherwise the LAST number in the text: an integer or decimal, with optional thousands separators
+   (``1,234.5``), an optional leading minus (only where it cannot be a subtraction: ``5-3`` ends in ``3``), or a
+   plain fraction ``a/b``.
+
+Checking (:func:`check_math`): the reference (a string or a number; a ``\\boxed{}`` in it, or a GSM8K-style
+``#### 72`` tail, is extracted the same way) and the answer are each parsed by ``math-verify`` (HF's parser:
+LaTeX and plain expressions to sympy) and compared by ``math_verify.verify(gold, answer)``: exact symbolic
+equality, numeric equality after rounding to ``float_rounding`` decimals, sets, intervals, equations
+(``x=2`` ≡ ``2``), percentages (``50\\%`` ≡ ``0.5``), and LaTeX forms such as ``\\dfrac{1}{2}``, ``\\frac12``,
+``\\$18``, ``5\\text{ cm}`` or ``30^\\circ`` (units, currency and degree marks are dropped by its normaliser).
+A reference that ``math-verify`` cannot turn into a sympy object is refused (an error result).
+
+Outcome: ``score = 1.0`` if equal, else ``0.0`` (also when no answer was found or the answer did not parse:
+that is a wrong response, not a failure). A reference that does not parse is a failure (``error`` set): the
+data is broken, not the response. ``details``: ``answer`` (extracted text or None), ``answer_source``
+(``"boxed"``, ``"last_number"`` or None) and ``reason`` when the score is 0 without a comparison.
+
+Timeout: ``math-verify`` can run for minutes on pathological input (``\\boxed{10^{10^{10}}}`` makes sympy
+build a ten-billion-digit integer inside C code, where no signal reaches). :class:`MathReward` therefore runs
+:func:`check_math` in killable worker processes (:class:`~rlblocks.reward.workers.ProcessWorkers`) and kills the
+worker at the timeout, returning an error result. ``math-verify``'s own ``signal.alarm`` timeouts are switched
+off: they only work in a main thread and they turn a timeout into ``False`` (a silent 0), not an error.
+
+``math_verify`` is imported only inside :func:`check_math` (an optional extra: ``pip install rlblocks[reward]``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+from rlblocks.errors import ArgumentError
+from rlblocks.reward.types import RewardResult, Sample
+from rlblocks.reward.workers import ProcessWorkers, RewardTimeout, WorkerCrashed, WorkerError
+
+__all__ = ["MathReward", "check_math", "extract_answer", "math_reward"]
+
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?")
+
+
+def _boxed_contents(text: str) -> tuple[list[str], bool]:
+    """Contents of every well-formed ``\\boxed`` in ``text``, and whether any ``\\boxed`` occurred at all."""
+    found: list[str] = []
+    seen = False
+    for m in _BOX.finditer(text):
+        seen = True
+        i = m.end()
+        while i < len(text) and text[i] == " ":
+            i += 1
+        if i < len(text) and text[i] == "{":
+            depth, j = 0, i
+            while j < len(text):
+                c = text[j]
+                if c == "\\":  # an escaped character (\{ \} \\) never opens or closes a group
+                    j += 2
+                    continue
+                if c == "{":
+                    depth += 1
+                elif c == "}":
+                    depth -= 1
+                    if depth == 0:
+                        found.append(text[i + 1 : j].strip())
+                        break
+                j += 1
+        elif i > m.end():  # "\boxed 5": the brace-less form takes one token
+            tok = re.match(r"[^\s$]+", text[i:])
+            if tok:
+                found.append(tok.group(0))
+    return found, seen
+
+
+def _last_number(text: str) -> str | None:
+    last = None
+    for m in _NUMBER.finditer(text):
+        s = m.group(0)
+        # A minus right after a word character or a closing bracket is a subtraction, not a sign: "5-3" ends in 3.
+        if s.startswith("-") and m.start() > 0 and (text[m.start() - 1].isalnum() or text[m.start() - 1] in ")]}"):
+            s = s[1:]
+        last = s.replace(",", "")
+    return last
+
+
+def extract_answer(text: str) -> tuple[str | None, str | None]:
+    """``(answer, source)``: the last ``\\boxed{}`` content (source ``"boxed"``), else the last number
+    (``"last_number"``), else ``(None, None)``. An unclosed ``\\boxed{`` gives ``(None, None)``."""
+    if not isinstance(text, str):
+        raise ArgumentError(f"text: expected a str, got {type(text).__name__}")
+    boxed, seen = _boxed_contents(text)
+    if boxed:
+        return boxed[-1], "boxed"
+    if seen:
+        return None, None
+    num = _last_number(text)
+    return (num, "last_number") if num is not None else (None, None)
+
+
+def _reference_text(reference: object) -> str:
+    if isinstance(reference, bool) or not isinstance(reference, (str, int, float)):
+        raise ArgumentError(f"reference: expected a str or a number, got {type(reference).__name__} {reference!r}")
+    text = str(reference).strip()
+    if "####" in text:  # GSM8K's answer field: the rationale, then "#### 72"
+        text = text.rsplit("####", 1)[1].strip()
+    boxed, _ = _boxed_contents(text)
+    return boxed[-1] if boxed else text
+
+
+def check_math(
+    response: str, reference: object, *, float_rounding: int = 6, numeric_precision: int = 15, strict: bool = True
+) -> RewardResult:
+    """Score ``response`` against ``reference`` in THIS process (no timeout: use :class:`MathReward` for one).
+
+    ``float_rounding``, ``numeric_precision`` and ``strict`` are ``math_verify.verify``'s (decimals kept for
+    numeric comparison; sympy precision; ``strict=False`` also accepts e.g. a bare value for ``x = value``
+    gold in either direction, see its documentation). Returns a :class:`RewardResult` (see the module docstring).
+    """
+    import math_verify.grader as _grader
+    import math_verify.parser as _parser
+    from math_verify import parse, verify
+
+    # The timeout is enforced outside (the worker process is killed), so math-verify's alarm-based timeouts are
+    # off, and so is its one-time warning that says exactly that.
+    _parser.TIMEOUT_WARNING_SHOWN = True
+    _grader.TIMEOUT_WARNING_SHOWN = True
+
+    t0 = time.perf_counter()
+    if not isinstance(response, str):
+        raise ArgumentError(f"response: expected a str, got {type(response).__name__}")
+    ref = _reference_text(reference)
+    gold = parse("\\boxed{" + ref + "}", parsing_timeout=None) if ref else []
+    # math-verify falls back to the raw string when LaTeX does not parse; a reference that is ONLY that fallback
+    # (e.g. "\\frac{") cannot be compared meaningfully.
+    if not any(not isinstance(g, str) for g in gold):
+        return RewardResult.failure(
+            f"reference could not be parsed by math-verify: {ref!r}", seconds=time.perf_counter() - t0
+        )
+    answer, source = extract_answer(response)
+    details: dict = {"answer": answer, "answer_source": source}
+    if answer is None or not answer:
+        details["reason"] = "unclosed \\boxed{" if answer is None and _BOX.search(response) else "no answer found"
+        if answer == "":
+            details["reason"] = "empty \\boxed{}"
+        return RewardResult(0.0, {"correct": 0.0}, seconds=time.perf_counter() - t0, details=details)
+    pred = parse("\\boxed{" + answer + "}", parsing_timeout=None)
+    if not pred:
+        details["reason"] = "answer could not be parsed"
+        return RewardResult(0.0, {"correct": 0.0}, seconds=time.perf_counter() - t0, details=details)
+    equal = verify(gold, pred, float_rounding=float_rounding, numeric_precision=numeric_precision, strict=strict,
+                   timeout_seconds=None)
+    score = 1.0 if equal else 0.0
+    return RewardResult(score, {"correct": score}, seconds=time.perf_counter() - t0, details=details)
+
+
+class MathReward:
+    """Async :class:`~rlblocks.reward.RewardFn` around :func:`check_math`, bounded by a timeout that kills.
+
+    Args:
+        timeout: seconds one check may run in its worker (from the moment the worker starts it); beyond it the
+            worker process is killed and replaced, and the result is an error (``"RewardTimeout: ..."``).
+        workers: worker processes, = checks running at once (default ``min(4, os.cpu_count())``); started on the
+            first call, each importing math-verify once.
+        memory_bytes: ``RLIMIT_AS`` of each worker (default 2 GiB): sympy expanding a huge power fails with
+            ``MemoryError`` (an error result) instead of taking the machine's memory.
+        float_rounding, numeric_precision, strict: passed to :func:`check_math`.
+
+    ``sample.reference`` is the reference answer. ``close()`` stops the workers (idempotent; also at exit; a
+    later call starts new ones). In a :class:`~rlblocks.reward.RewardPool`, give the pool a timeout well above
+    this one: the pool's clock also runs while a call waits for a free worker, and while the first call starts
+    one (importing math-verify takes about a second).
+    """
+
+    def __init__(
+        self,
+        *,
+        timeout: float = 5.0,
+        workers: int | None = None,
+        memory_bytes: int | None = 2 << 30,
+        float_rounding: int = 6,
+        numeric_precision: int = 15,
+        strict: bool = True,
+    ) -> None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ArgumentError(f"timeout: expected a finite number of seconds > 0, got {timeout!r}")
+        for name, v in (("float_rounding", float_rounding), ("numeric_precision", numeric_precision)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ArgumentError(f"{name}: expected an int >= 1, got {v!r}")
+        self.timeout = float(timeout)
+        self.kwargs = {"float_rounding": float_rounding, "numeric_precision": numeric_precision,
+                       "strict": bool(strict)}
+        n = min(4, os.cpu_count() or 1) if workers is None else workers
+        self._workers = ProcessWorkers(n, memory_bytes=memory_bytes, preload=("math_verify",))
+
+    async def __call__(self, sample: Sample) -> RewardResult:
+        if not isinstance(sample, Sample):
+            raise ArgumentError(f"sample: expected a rlblocks.reward.Sample, got {type(sample).__name__}")
+        t0 = time.perf_counter()
+        try:
+            result = await self._workers.arun(check_math, sample.response, sample.reference, timeout=self.timeout,
+                                              **self.kwargs)
+        except (RewardTimeout, WorkerCrashed, WorkerError) as e:
+            text = str(e) if isinstance(e, WorkerError) else f"{type(e).__name__}: {e}"
+            return RewardResult.failure(text, seconds=time.perf_counter() - t0)
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    def stats(self) -> dict[str, int]:
+        """The worker counters (``started``, ``calls``, ``timeouts``, ``crashes``, ``errors``, ``alive``)."""
+        return self._workers.stats()
+
+    def close(self) -> None:
+        self._workers.close()
+
+
+math_reward = MathReward()
+"""The default :class:`MathReward` (5 s timeout); its workers start on the first call."""

@@ -1,0 +1,124 @@
+"""What a reward takes and gives back: :class:`Sample`, :class:`RewardResult` and the :class:`RewardFn` protocol.
+
+A reward function is an ``async`` call on ONE sample::
+
+    async def __call__(self, sample: Sample) -> RewardResult
+
+Conventions every reward in :mod:`rlblocks.reward` keeps:
+
+- A failure is a result, not an exception: ``error`` holds the text (``"TimeoutError: ..."``), ``score`` is
+  ``None``, so a failed sample can never be mistaken for a real 0 and is never lost. A wrong answer is not a
+  failure: it has ``score = 0.0`` and ``error = None``.
+- ``score`` is a finite Python float; ``components`` are the named finite floats that went into it (for a
+  weighted sum, each term's own score, nested ones as ``"term/name"``); ``details`` holds anything else worth
+  logging (the extracted answer, per-test outcomes), JSON-friendly where possible.
+- ``seconds`` is the wall time the call took, measured by whoever ran it (the pool measures it across retries).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from rlblocks.errors import ArgumentError
+
+__all__ = ["RewardFn", "RewardResult", "Sample"]
+
+
+def _finite_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentError(f"{name}: expected a finite real number, got {type(value).__name__} {value!r}")
+    v = float(value)
+    if not math.isfinite(v):
+        raise ArgumentError(f"{name}: expected a finite real number, got {v}")
+    return v
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One response to score.
+
+    ``response``: the model's text. ``reference``: what it is checked against — the answer for a math verifier
+    (a string such as ``"\\frac{1}{2}"`` or a number), the test cases for a code reward; ``None`` for a learned
+    reward model. ``prompt``: the text the response answers (a reward model scores ``prompt + response``).
+    ``response_len``: the response length in tokens, needed by the overlong penalty (tokens, not characters, since
+    the generation budget is in tokens). ``metadata``: passed through untouched (a data source, an id).
+    """
+
+    response: str
+    reference: Any = None
+    prompt: str = ""
+    response_len: int | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.response, str):
+            raise ArgumentError(f"response: expected a str, got {type(self.response).__name__}")
+        if not isinstance(self.prompt, str):
+            raise ArgumentError(f"prompt: expected a str, got {type(self.prompt).__name__}")
+        n = self.response_len
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ArgumentError(f"response_len: expected None or an int >= 0 (tokens), got {n!r}")
+        if not isinstance(self.metadata, Mapping):
+            raise ArgumentError(f"metadata: expected a mapping, got {type(self.metadata).__name__}")
+
+
+@dataclass
+class RewardResult:
+    """The outcome of one reward call.
+
+    Invariant (checked): ``error is None`` exactly when ``score`` is a number. ``score`` and every component are
+    finite floats (NaN or inf raise :class:`~rlblocks.errors.ArgumentError`: a non-finite reward would poison the
+    advantages of its whole group). ``seconds >= 0``.
+    """
+
+    score: float | None
+    components: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    seconds: float = 0.0
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.error is not None:
+            if not isinstance(self.error, str) or not self.error:
+                raise ArgumentError(f"error: expected None or a non-empty str, got {self.error!r}")
+            if self.score is not None:
+                raise ArgumentError(
+                    f"score: expected None when error is set (error={self.error!r}), got {self.score!r}"
+                )
+        elif self.score is None:
+            raise ArgumentError("score: expected a number, got None without an error text (say why it failed)")
+        else:
+            self.score = _finite_float("score", self.score)
+        if not isinstance(self.components, dict):
+            raise ArgumentError(f"components: expected a dict of str -> float, got {type(self.components).__name__}")
+        self.components = {str(k): _finite_float(f"components[{k!r}]", v) for k, v in self.components.items()}
+        s = _finite_float("seconds", self.seconds)
+        if s < 0:
+            raise ArgumentError(f"seconds: expected >= 0, got {s}")
+        self.seconds = s
+        if not isinstance(self.details, dict):
+            raise ArgumentError(f"details: expected a dict, got {type(self.details).__name__}")
+
+    @property
+    def ok(self) -> bool:
+        """The reward was computed (``error is None``); the score may still be 0."""
+        return self.error is None
+
+    @classmethod
+    def failure(cls, error: str, *, seconds: float = 0.0, **kwargs: Any) -> RewardResult:
+        """A failed result: ``score=None`` and the error text."""
+        return cls(score=None, error=error, seconds=seconds, **kwargs)
+
+
+@runtime_checkable
+class RewardFn(Protocol):
+    """An async reward on one sample: ``await fn(sample) -> RewardResult``.
+
+    Per-sample failures come back as results with ``error`` set; a reward may still raise (a bug, a lost
+    connection): :class:`~rlblocks.reward.RewardPool` turns that into an error result too, counted in ``stats()``.
+    """
+
+    async def __call__(self, sample: Sample) -> RewardResult: ...
