@@ -76,8 +76,9 @@ class SandboxLimits:
 class SandboxResult:
     """What a sandboxed run did.
 
-    ``limit``: the limit that ended the run, if one did: ``"wall"``, ``"cpu"``, ``"memory"``, ``"file_size"``,
-    ``"output"`` is never a reason to stop (output is truncated, not fatal). ``isolation``: which layers were in
+    ``limit``: the limit that ended the run, if one did: ``"wall"``, ``"cpu"``, ``"memory"``, ``"file_size"``, or
+    ``"killed"`` (SIGKILL from outside the sandbox's own limits, e.g. the OOM killer). Output is never a reason
+    to stop (it is truncated, not fatal). ``isolation``: which layers were in
     force (``network``: ``"namespace"`` or ``"audit"``; ``processes``: ``"cgroup"``, ``"rlimit"`` or
     ``"audit"``; ``files``: ``"mount-namespace"`` or ``"audit"``).
     """
@@ -398,8 +399,12 @@ async def arun_python(
         limit = None
         if timed_out:
             limit = "wall"
-        elif sig in ("SIGXCPU", "SIGKILL") and not timed_out:
+        elif sig == "SIGXCPU" or (sig == "SIGKILL" and seconds >= limits.cpu_seconds):
+            # RLIMIT_CPU sends SIGXCPU at the soft limit and SIGKILL one second later; a SIGKILL before the CPU
+            # budget could even have been spent came from elsewhere (e.g. the kernel's OOM killer)
             limit = "cpu"
+        elif sig == "SIGKILL":
+            limit = "killed"
         elif "MemoryError" in stderr:
             limit = "memory"
         elif "File too large" in stderr or sig == "SIGXFSZ":
