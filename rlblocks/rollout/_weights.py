@@ -41,7 +41,7 @@ from torch import Tensor
 
 from rlblocks.errors import ArgumentError, WeightUpdateError
 
-__all__ = ["WeightLayout", "WeightSpec", "check_version", "refuse"]
+__all__ = ["WeightLayout", "WeightSpec", "check_tensors", "check_version", "refuse"]
 
 _UNCHANGED = "nothing was loaded (weights and version unchanged)"
 
@@ -94,15 +94,18 @@ class WeightLayout:
         self.required = sorted({self.canonical(n) for n, spec in self.specs.items() if spec.required})
 
     @classmethod
-    def from_module(cls, module: torch.nn.Module) -> WeightLayout:
-        """The layout of ``module``: every ``state_dict()`` name plus non-persistent buffers; parameters are required,
-        buffers optional; names sharing one tensor (tied weights) are aliases of the first such name."""
+    def from_module(cls, module: torch.nn.Module, *, non_persistent_buffers: bool = True) -> WeightLayout:
+        """The layout of ``module``: every ``state_dict()`` name (plus the non-persistent buffers if asked);
+        parameters are required, buffers optional; names sharing one tensor (tied weights) are aliases of the first
+        such name."""
         specs: dict[str, WeightSpec] = {}
         aliases: dict[str, str] = {}
         first: dict[int, str] = {}
         params = {id(p) for p in module.parameters()}
         entries = list(module.state_dict(keep_vars=True).items())
-        entries += [(n, b) for n, b in module.named_buffers() if n not in dict(entries)]
+        if non_persistent_buffers:
+            names = {n for n, _ in entries}
+            entries += [(n, b) for n, b in module.named_buffers() if n not in names]
         for name, t in entries:
             specs[name] = WeightSpec(tuple(t.shape), t.dtype, required=id(t) in params)
             key = id(t)
@@ -183,6 +186,31 @@ class WeightLayout:
                     f"{len(self.required)} weights, missing {shown} (pass partial=True to update only some weights)",
                 )
         return [(key, t) for key, (_, t) in out.items()]
+
+
+def check_tensors(named_tensors: Iterable[tuple[str, Tensor]], *, engine: str) -> list[tuple[str, Tensor]]:
+    """The part of the rule that needs no layout (an engine that cannot see the model's weights, such as a client
+    of a remote server given no ``expected_weights``): pairs, tensors, duplicates, finite values, not empty. Names,
+    shapes and completeness are then the server's to check."""
+    out: list[tuple[str, Tensor]] = []
+    seen: set[str] = set()
+    for i, item in enumerate(named_tensors):
+        if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[0], str)):
+            raise refuse(engine, f"named_tensors[{i}]: expected a (name, torch.Tensor) pair, got {_kind(item)}")
+        name, t = item
+        if not isinstance(t, Tensor):
+            raise refuse(engine, f"{name!r}: expected a torch.Tensor, got {type(t).__name__}")
+        if name in seen:
+            raise refuse(engine, f"{name!r} is given more than once")
+        seen.add(name)
+        if t.is_floating_point() and not t.is_meta:
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                raise refuse(engine, f"{name!r}: {bad} of {t.numel()} values are not finite (NaN or inf)")
+        out.append((name, t))
+    if not out:
+        raise refuse(engine, "the update is empty (no tensor); the version does not move without weights")
+    return out
 
 
 def _kind(item: object) -> str:
