@@ -123,11 +123,13 @@ class Router:
         return [rid for part in parts for rid in part]
 
     async def pause(self, mode: Literal["abort", "keep"] = "abort") -> None:
+        """Pause every engine (``mode`` as in the protocol)."""
         if mode not in ("abort", "keep"):
             raise ArgumentError(f"mode: expected 'abort' or 'keep', got {mode!r}")
         await asyncio.gather(*[e.pause(mode) for e in self.engines])
 
     async def resume(self) -> None:
+        """Resume every engine."""
         await asyncio.gather(*[e.resume() for e in self.engines])
 
     async def update_weights(
@@ -154,9 +156,11 @@ class Router:
                 raise r
 
     async def sleep(self, level: int = 1) -> None:
+        """Put every engine to sleep at ``level`` (the protocol's meaning: in-flight requests are aborted)."""
         await asyncio.gather(*[e.sleep(level) for e in self.engines])
 
     async def wake(self) -> None:
+        """Wake every engine."""
         await asyncio.gather(*[e.wake() for e in self.engines])
 
     def close(self) -> None:

@@ -529,14 +529,16 @@ def test_forward_error_fails_callers_and_engine_recovers(tiny_model):
 
 @pytest.mark.gpu
 def test_cuda_generation_logprobs_and_sleep_wake(tiny_model):
-    """On CUDA: processed logprobs match the CPU float64 reference; sleep() offloads the weights and wake() brings
-    them back with frozen requests re-prefilled."""
+    """On CUDA: processed logprobs match the CPU float64 reference; sleep() aborts the request in flight (its
+    partial output comes back), offloads the weights, and wake() brings them back; the resumed request finishes."""
+    from rlblocks.rollout import resumable_generate
+
     model = tiny_model.to("cuda")
     engine = TorchEngine(model)
     sp = SamplingParams(temperature=0.9, top_k=8, max_new_tokens=12, seed=3)
 
     async def main():
-        t = asyncio.ensure_future(engine.generate(GenerationRequest("g", PROMPTS[0], sp)))
+        t = asyncio.ensure_future(resumable_generate(engine, GenerationRequest("g", PROMPTS[0], sp)))
         await _wait_tokens(engine, "g", 3)
         await engine.sleep()
         on_cpu = next(model.parameters()).device.type == "cpu"
