@@ -48,8 +48,9 @@ Generation
   ID detected"). ``abort(ids)`` only knows the requests sent by this client; other ids are a documented no-op.
   An abort that reaches the server before the request it names is dropped there (``TokenizerManager.abort_request``
   ignores unknown ids), so the client repeats it for a few seconds while the request has not returned. A request
-  that waits in a paused server's tokenizer manager is not on the scheduler yet: an abort cannot stop it (the
-  tokenizer manager forwards one abort per id, and the scheduler drops it), it runs once the server continues.
+  waiting in a paused server's tokenizer manager is registered there but not on the scheduler, so an abort cannot
+  stop it (the tokenizer manager forwards one abort per id and the scheduler drops it); therefore requests made
+  while this client keeps the server paused wait in the client instead, where an abort returns them at once.
 - **Seeds.** ``sampling_seed`` is used only by a server run with ``--enable-deterministic-inference``
   (``srt/sampling/sampling_batch_info.py``); a seeded request to another server raises ``ArgumentError``.
 
@@ -185,13 +186,14 @@ class _InFlight:
     request: GenerationRequest
     wire_rid: str = ""
     abort_requested: bool = False
-    parked: bool = False  # sent while this client kept the server paused: it waits in the tokenizer manager
+    sent: bool = False  # an HTTP call of it is in progress (else it waits in this client)
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)  # wakes a request held by the gate
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-# How long pause / sleep / update wait for this client's aborted requests to come back. A request that reached the
-# server's tokenizer manager only after the server was paused is not on the scheduler: its abort is lost there (the
-# tokenizer manager forwards one abort per id) and it runs after the server continues, so it cannot be waited for.
+# How long pause / sleep / update wait for this client's aborted requests to come back. A request that reaches the
+# server's tokenizer manager only after a pause (a race with the pause call) is not on the scheduler: its abort is
+# lost there (the tokenizer manager forwards one abort per id) and it runs once the server continues.
 _DRAIN_TIMEOUT = 30.0
 # How long an abort is repeated for a request that had not reached the server yet.
 _REABORT_FOR = 5.0
@@ -254,6 +256,10 @@ class SGLangEngine:
         self._layout = None if expected_weights is None else WeightLayout.from_shapes(expected_weights)
         self._state = Lifecycle("SGLangEngine")
         self._server_paused: str | None = None  # the pause mode this client set on the server, if any
+        # Set while this client lets the server run. While it keeps the server paused, new requests wait here
+        # rather than in the server: there an abort could not reach them (see _DRAIN_TIMEOUT).
+        self._gate = asyncio.Event()
+        self._gate.set()
         self._spans_seen = False  # the server reported weight_versions spans
         self._server_info: dict | None = None
         self._released_tags: list[str] | None = None
@@ -470,18 +476,24 @@ class SGLangEngine:
                 prompt_ids=list(request.prompt_ids) + ids,
                 sampling=dataclasses.replace(sp, max_new_tokens=sp.max_new_tokens - len(ids)),
             )
+            if not self._gate.is_set():
+                await self._wait_gate(state)
+                self._state.check_open()
+            if state.abort_requested:  # aborted while it waited here, or between two calls of an EOS continuation
+                reason = "abort"
+                break
             state.wire_rid = f"{request.request_id}@{uuid.uuid4().hex}"
-            state.parked = self._server_paused is not None
+            state.sent = True
             try:
                 _, body = await self._http(
                     "POST", "/generate", self.build_generate_payload(sub, rid=state.wire_rid), control=False
                 )
             except asyncio.CancelledError:  # the caller went away: do not let the server generate for nobody
                 if not self._state.closed:
-                    task = asyncio.get_running_loop().create_task(self._send_abort(state))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
+                    self._spawn(self._send_abort(state, rid=state.wire_rid))
                 raise
+            finally:
+                state.sent = False
             gen = self.parse_generate_response(sub, body)
             meta = body["meta_info"] if isinstance(body, dict) else body[0]["meta_info"]
             self._stats.http_requests += 1
@@ -498,37 +510,55 @@ class SGLangEngine:
             reason = "length"
             if len(ids) >= sp.max_new_tokens:
                 break
-            if state.abort_requested:
-                reason = "abort"
-                break
             self._stats.eos_continuations += 1
         self._stats.requests += 1
         self._stats.output_tokens += len(ids)
         return Generation(request.request_id, list(request.prompt_ids), ids, lps, versions, reason)
 
+    async def _wait_gate(self, state: _InFlight) -> None:
+        """Hold a request in this client until the server runs again, or until it is aborted."""
+        gate = asyncio.ensure_future(self._gate.wait())
+        aborted = asyncio.ensure_future(state.aborted.wait())
+        try:
+            await asyncio.wait({gate, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gate.cancel()
+            aborted.cancel()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def abort(self, request_ids: Iterable[str] | None = None) -> list[str]:
-        """Abort this client's named in-flight requests (``None``: all of them) by their wire ids. Returns the ids
-        that were in flight here; other ids are ignored (documented no-op). The abort is repeated until the request
-        returns (an abort that arrives before its request is dropped by the server)."""
+        """Abort this client's named in-flight requests (``None``: all of them) by their wire ids; a request held in
+        this client returns at once. Returns the ids that were in flight here; other ids are ignored (documented
+        no-op). An abort is repeated for a few seconds while its request has not returned (an abort that arrives
+        before its request is dropped by the server)."""
         self._state.check_open()
         if request_ids is None:
             names = list(self._inflight)
         else:
             wanted = [request_ids] if isinstance(request_ids, str) else list(request_ids)
             names = [r for r in wanted if r in self._inflight]
-        states = [self._inflight[r] for r in names]
-        for s in states:
-            s.abort_requested = True
-        await asyncio.gather(*[self._send_abort(s) for s in states])
-        for s in states:
-            task = asyncio.get_running_loop().create_task(self._repeat_abort(s))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        await self._abort_states([self._inflight[r] for r in names])
         return names
 
-    async def _send_abort(self, state: _InFlight) -> None:
-        if state.wire_rid:
-            await self._http("POST", "/abort_request", {"rid": state.wire_rid, "abort_all": False})
+    async def _abort_states(self, states: list[_InFlight]) -> None:
+        for s in states:
+            s.abort_requested = True
+            s.aborted.set()
+        await asyncio.gather(*[self._send_abort(s) for s in states if s.sent])
+        for s in states:
+            if s.sent:
+                self._spawn(self._repeat_abort(s))
+
+    async def _send_abort(self, state: _InFlight, rid: str | None = None) -> None:
+        """Abort ``rid`` (default: the request's current HTTP call, if one is in progress) on the server."""
+        if rid is None and state.sent:
+            rid = state.wire_rid
+        if rid:
+            await self._http("POST", "/abort_request", {"rid": rid, "abort_all": False})
 
     async def _repeat_abort(self, state: _InFlight, interval: float = 0.2) -> None:
         deadline = asyncio.get_running_loop().time() + min(self.timeout, _REABORT_FOR)
@@ -545,8 +575,8 @@ class SGLangEngine:
                 return
 
     async def _wait_returned(self, states: list[_InFlight]) -> None:
-        """Wait (at most ``_DRAIN_TIMEOUT``) for the ``generate`` calls of ``states`` that are on the scheduler."""
-        pending = [s for s in states if not s.done.is_set() and not s.parked]
+        """Wait (at most ``_DRAIN_TIMEOUT``) for the ``generate`` calls of ``states`` that are on the server."""
+        pending = [s for s in states if not s.done.is_set() and s.sent]
         if pending:
             waits = [asyncio.ensure_future(s.done.wait()) for s in pending]
             await asyncio.wait(waits, timeout=min(self.timeout, _DRAIN_TIMEOUT))
@@ -554,18 +584,13 @@ class SGLangEngine:
                 w.cancel()
 
     async def _abort_all_of_client(self, states: list[_InFlight]) -> None:
-        """Abort ``states`` by wire id and wait until their ``generate`` calls have returned."""
-        for s in states:
-            s.abort_requested = True
-        await asyncio.gather(*[self._send_abort(s) for s in states])
-        for s in states:
-            task = asyncio.get_running_loop().create_task(self._repeat_abort(s))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        """Abort ``states`` and wait until their ``generate`` calls have returned."""
+        await self._abort_states(states)
         await self._wait_returned(states)
 
     # ------------------------------------------------------------------ pause / resume
     async def _pause_server(self, mode: str) -> None:
+        self._gate.clear()  # from here on, new requests wait in this client
         await self._http("POST", "/pause_generation", {"mode": mode})
         self._server_paused = mode
 
@@ -574,13 +599,14 @@ class SGLangEngine:
         if not self._state.paused and self._server_paused is not None:
             await self._http("POST", "/continue_generation", {})
             self._server_paused = None
-            for s in self._inflight.values():
-                s.parked = False
+        if not self._state.paused:
+            self._gate.set()
 
     async def pause(self, mode: Literal["abort", "keep"] = "abort") -> None:
         """``POST /pause_generation``. ``abort`` -> SGLang ``abort`` (every request on the server returns its
         partial output; this call waits until this client's have); ``keep`` -> SGLang ``retract`` (requests wait
-        in the server's queue; their KV may be dropped and recomputed on resume). New requests wait in the server."""
+        in the server's queue; their KV may be dropped and recomputed on resume). New requests wait in this client
+        until :meth:`resume` (in the server an abort could not reach them)."""
         if mode not in ("abort", "keep"):
             raise ArgumentError(f"mode: expected 'abort' or 'keep', got {mode!r}")
         self._state.check_open()
@@ -590,8 +616,9 @@ class SGLangEngine:
                 return  # asleep: the server is paused and this client has nothing in flight on it
             if mode == "abort":
                 states = list(self._inflight.values())
-                for s in states:
-                    s.abort_requested = True
+                for st in states:
+                    st.abort_requested = True
+                    st.aborted.set()  # those held in this client return at once
                 await self._pause_server("abort")
                 await self._wait_returned(states)
             else:
@@ -834,8 +861,6 @@ class SGLangEngine:
                 return
             self._state.on_sleep(level)
             states = list(self._inflight.values())
-            for s in states:
-                s.abort_requested = True
             await self._pause_server("retract")  # the scheduler must be idle before a release
             await self._abort_all_of_client(states)
             if level == 1:

@@ -185,7 +185,8 @@ class FakeSGLang:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.http_thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        serve = lambda: self.server.serve_forever(poll_interval=0.02)  # shutdown() waits for one poll
+        self.http_thread = threading.Thread(target=serve, daemon=True)
         self.scheduler = threading.Thread(target=self._schedule, daemon=True)
 
     # ------------------------------------------------------------------ inspection helpers of the tests

@@ -422,6 +422,26 @@ def test_abort_pause_resume_and_resumable_generate(fake):
     assert len(fake.posts("/continue_generation")) == 1
 
 
+def test_requests_sent_while_paused_wait_in_the_client_where_an_abort_reaches_them(fake):
+    eng = SGLangEngine(fake.url)
+    sp = SamplingParams(max_new_tokens=5)
+
+    async def main():
+        await eng.pause("keep")
+        held = asyncio.ensure_future(eng.generate(GenerationRequest("held", [1, 3], sp)))
+        kept = asyncio.ensure_future(eng.generate(GenerationRequest("kept", [1, 3], sp)))
+        await asyncio.sleep(0.05)
+        assert not held.done() and fake.calls().count("/generate") == 0  # nothing reached the server
+        assert await eng.abort(["held"]) == ["held"]
+        g_held = await held  # returned at once, as on every engine
+        await eng.resume()
+        return g_held, await kept
+
+    g_held, g_kept = run(main())
+    assert g_held.finish_reason == "abort" and g_held.output_ids == []
+    assert g_kept.finish_reason == "length" and g_kept.output_ids == [4, 5, 6, 7, 8]
+
+
 def test_control_calls_do_not_queue_behind_generations(fake):
     eng = SGLangEngine(fake.url, max_concurrency=2)
 
