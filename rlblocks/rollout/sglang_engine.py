@@ -892,6 +892,9 @@ class SGLangEngine:
         if self._state.closed:
             return
         self._state.closed = True
+        for st in self._inflight.values():  # requests held in this client raise EngineError now
+            st.aborted.set()
+        self._gate.set()
         self._gen_pool.shutdown(wait=False, cancel_futures=True)
         self._ctl_pool.shutdown(wait=False, cancel_futures=True)
 

@@ -526,6 +526,13 @@ def test_protocol_members_close_and_errors(fake):
         with pytest.raises(EngineError, match="closed"):
             await eng.pause()
         eng.close()  # idempotent
+        paused = SGLangEngine(fake.url)
+        await paused.pause("keep")
+        held = asyncio.ensure_future(paused.generate(GenerationRequest("h", [1], SamplingParams(max_new_tokens=2))))
+        await asyncio.sleep(0.02)
+        paused.close()
+        with pytest.raises(EngineError, match="closed"):
+            await held  # a request held in the client does not wait forever
         return n, called, part
 
     n, called, part = run(main())
