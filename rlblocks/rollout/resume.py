@@ -1,17 +1,18 @@
 """Client-side resumable generation over any :class:`~rlblocks.rollout.types.RolloutEngine` (AReaL ``agenerate``).
 
-Contract (DESIGN.md §4): keep ``(prompt, out_ids, out_logprobs, out_versions, budget)``; whenever the engine
-returns ``finish_reason="abort"`` (pause for a weight update, an explicit abort), re-submit ``prompt + out_ids``
-with ``max_new_tokens = budget - len(out_ids)`` and append what comes back. The loop ends on ``"stop"``,
-``"length"`` or when the budget is spent (an abort with no budget left is reported as ``"length"``). An abort
-before any token is not an error: the request is simply re-submitted. The resumed prefix is re-prefilled by the
-engine under whatever weights it has then; the earlier tokens keep the version and logprob of the policy that
-sampled them, so a generation can span several versions (``version_spans()``), and ``stale`` /
+Contract (AReaL's partial-rollout loop, written out): keep ``(prompt, out_ids, out_logprobs, out_versions,
+budget)``; whenever the engine returns ``finish_reason="abort"`` (pause for a weight update, a sleep, an explicit
+abort), re-submit ``prompt + out_ids`` with ``max_new_tokens = budget - len(out_ids)`` and append what comes back.
+The loop ends on ``"stop"``, ``"length"`` or when the budget is spent (an abort with no budget left is reported as
+``"length"``). An abort before any token is not an error: the request is simply re-submitted. The resumed prefix
+is re-prefilled by the engine under whatever weights it has then; the earlier tokens keep the version and logprob
+of the policy that sampled them, so a generation can span several versions (``version_spans()``), and ``stale`` /
 ``loss_mask`` let the caller mask tokens produced under versions older than the final one.
 
-Paused engines: a re-submission to a paused engine either waits inside the engine (TorchEngine, vLLM) or comes
-back aborted with no token. In the latter case the loop waits, polling ``engine.is_paused`` when the engine has it
-and backing off exponentially otherwise, so a client loop survives pause -> update_weights -> resume.
+Paused engines: a re-submission to a paused (or sleeping) engine either waits inside the engine (TorchEngine,
+vLLM, SGLang) or comes back aborted with no token. In the latter case the loop waits, polling ``engine.is_paused``
+when the engine has it and backing off exponentially otherwise, so a client loop survives pause ->
+update_weights -> resume.
 To stop a resumable generation for good, cancel its task (an engine-side abort only interrupts it).
 """
 

@@ -5,10 +5,12 @@
   back to the engine that aborted it (the AReaL contract re-submits "to the same server", where its KV may be
   cached). Anything else goes to the least-loaded engine: fewest requests in flight through this router, then
   fewest requests ever assigned, then lowest index (so sequential traffic is spread round-robin).
-- **Broadcast.** ``pause``, ``resume``, ``update_weights``, ``sleep`` and ``wake`` go to every engine concurrently;
-  ``update_weights`` materialises the iterable once and hands the same list to each engine. ``abort(ids)`` goes to
-  the engine that holds each id (ids not in flight here are ignored, as in the protocol); ``abort(None)`` to all.
-- ``version`` is the smallest engine version (all equal after a completed broadcast update).
+- **Broadcast.** ``pause``, ``resume``, ``update_weights``, ``sleep``, ``wake`` and ``close`` go to every engine
+  concurrently; ``update_weights`` materialises the iterable once and hands the same list to each engine.
+  ``abort(ids)`` goes to the engine that holds each id (ids not in flight here are ignored, as in the protocol);
+  ``abort(None)`` to all.
+- ``version`` is the smallest engine version (all equal after a completed broadcast update); ``is_paused`` is True if
+  any engine is paused; ``num_in_flight`` counts the requests in flight through this router.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import Tensor
 
 from rlblocks.errors import ArgumentError
 
+from ._common import InFlightCount
 from .types import Generation, GenerationRequest, RolloutEngine
 
 __all__ = ["Router"]
@@ -55,8 +58,22 @@ class Router:
 
     @property
     def is_paused(self) -> bool:
-        """True if any engine exposes ``is_paused`` and is paused."""
-        return any(getattr(e, "is_paused", False) is True for e in self.engines)
+        """True if any engine is paused (asleep, or waiting for weights after a level-2 sleep, included)."""
+        return any(bool(e.is_paused) for e in self.engines)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests in flight through this router (all engines)."""
+        return InFlightCount(len(self._where))
+
+    def stats(self) -> dict:
+        """``{"num_in_flight", "in_flight": [per engine], "assigned": [per engine], "engines": [engine.stats()]}``."""
+        return {
+            "num_in_flight": len(self._where),
+            "in_flight": list(self.in_flight),
+            "assigned": list(self.assigned),
+            "engines": [e.stats() for e in self.engines],
+        }
 
     def engine_for(self, request: GenerationRequest) -> int:
         """Index of the engine that :meth:`generate` would use now (records nothing)."""
@@ -106,26 +123,56 @@ class Router:
         return [rid for part in parts for rid in part]
 
     async def pause(self, mode: Literal["abort", "keep"] = "abort") -> None:
+        """Pause every engine (``mode`` as in the protocol)."""
         if mode not in ("abort", "keep"):
             raise ArgumentError(f"mode: expected 'abort' or 'keep', got {mode!r}")
         await asyncio.gather(*[e.pause(mode) for e in self.engines])
 
     async def resume(self) -> None:
+        """Resume every engine."""
         await asyncio.gather(*[e.resume() for e in self.engines])
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, version: int) -> None:
-        """Broadcast one weight update. Each engine validates before loading; a ``ValueError`` from any engine is
-        re-raised after all calls have returned (engines of the same model reject the same bad tensor)."""
+    async def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, Tensor]],
+        *,
+        version: int,
+        partial: bool = False,
+        allow_rollback: bool = False,
+    ) -> None:
+        """Broadcast one weight update. Each engine checks it with the same rule before loading, so engines of
+        the same model refuse the same update (:class:`~rlblocks.errors.WeightUpdateError`); the first error is
+        re-raised after every call has returned."""
         items = list(named_tensors)
         results = await asyncio.gather(
-            *[e.update_weights(items, version=version) for e in self.engines], return_exceptions=True
+            *[
+                e.update_weights(items, version=version, partial=partial, allow_rollback=allow_rollback)
+                for e in self.engines
+            ],
+            return_exceptions=True,
         )
         for r in results:
             if isinstance(r, BaseException):
                 raise r
 
-    async def sleep(self) -> None:
-        await asyncio.gather(*[e.sleep() for e in self.engines])
+    async def sleep(self, level: int = 1) -> None:
+        """Put every engine to sleep at ``level`` (the protocol's meaning: in-flight requests are aborted)."""
+        await asyncio.gather(*[e.sleep(level) for e in self.engines])
 
     async def wake(self) -> None:
+        """Wake every engine."""
         await asyncio.gather(*[e.wake() for e in self.engines])
+
+    def close(self) -> None:
+        """Close every engine (each close is idempotent, so this is too)."""
+        for e in self.engines:
+            e.close()
+
+    async def aclose(self) -> None:
+        """Close every engine from inside the event loop (``aclose`` where the engine has it)."""
+        for e in self.engines:
+            closer = getattr(e, "aclose", None)
+            if closer is not None:
+                await closer()
+            else:
+                e.close()

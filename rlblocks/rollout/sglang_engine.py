@@ -1,85 +1,202 @@
 """SGLangEngine: the rollout protocol over a running SGLang server's native HTTP API (standard library only).
 
-The server is started by the user (``python -m sglang.launch_server --model-path ... --port 30000``); this client
-speaks its RL endpoints. HTTP calls are blocking ``urllib`` requests run in a private thread pool, so many
-``generate`` calls can be in flight from one event loop.
+Written against SGLang 0.5.23; every rule below comes from its source (paths are inside the ``sglang`` package).
+The server is started by the user::
 
-Endpoints and fields used
--------------------------
-- ``POST /generate`` ``{"input_ids", "rid", "sampling_params": {"max_new_tokens", "temperature", "top_p",
-  "top_k", "stop_token_ids", "sampling_seed", "ignore_eos": true, "no_stop_trim": true}, "return_logprob": true,
-  "logprob_start_len": -1, "stream": false}`` -> ``{"output_ids", "meta_info": {"finish_reason": {"type":
-  "stop"|"length"|"abort", ...}, "output_token_logprobs": [[logprob, token_id, text], ...], "weight_version"}}``.
-  Tokens are taken from ``output_token_logprobs`` (and checked against ``output_ids`` when present). Only
-  ``stop_token_ids`` stop a generation (``ignore_eos``), as in TorchEngine; pass the EOS id there.
-- ``POST /pause_generation {"mode": "abort"|"retract"}``, ``POST /continue_generation``,
-  ``POST /abort_request {"rid", "abort_all"}``, ``POST /flush_cache``.
-- ``POST /update_weights_from_tensor {"serialized_named_tensors": [payload] * tp_size, "load_format": null,
-  "flush_cache": true, "weight_version"}`` where ``payload`` is the base64 of a ``ForkingPickler`` dump of the
-  ``[(name, tensor), ...]`` list (SGLang's ``MultiprocessingSerializer`` format). Tensors travel as CUDA-IPC or
-  shared-memory handles: **same host only**, and this process must stay alive until the call returns.
-- ``POST /init_weights_update_group`` + ``POST /update_weights_from_distributed {"names", "dtypes", "shapes",
-  "group_name", "flush_cache", "weight_version"}`` (NCCL broadcast from a trainer in another job: run the
-  trainer's broadcast concurrently with :meth:`SGLangEngine.update_weights_from_distributed`).
-- ``POST /update_weights_from_disk {"model_path", "load_format", "weight_version"}``.
-- ``GET /get_weight_version`` (falls back to ``GET /model_info`` on servers where it is gone), returning
-  ``{"weight_version": ...}``. ``POST /release_memory_occupation`` / ``/resume_memory_occupation`` for sleep/wake.
+    python -m sglang.launch_server --model-path /ckpt --port 30000 \\
+        --enable-memory-saver --enable-weights-cpu-backup --enable-deterministic-inference
 
-Semantics and caveats
----------------------
-- **Logprobs.** SGLang reports ``log_softmax(logits / T)`` of the sampled token: temperature is applied, top-k and
-  top-p renormalisation is not (and with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` not even temperature). Those are
-  the processed logprobs of the protocol only when top-k and top-p are off, so by default a request with top-k or
-  top-p raises ``ValueError``; ``allow_unprocessed_logprobs=True`` accepts it knowingly.
-- **Versions.** SGLang returns one ``weight_version`` per response, so every token of a response carries it (an
-  int when the server's version string is one, else the client's version). To keep that exact, updates go
-  through ``pause("abort")`` semantics: ``update_weights*`` first aborts every in-flight request of this client
-  (they return partial outputs, which :func:`~rlblocks.rollout.resume.resumable_generate` re-submits), also
-  when the engine was paused with ``"keep"`` (SGLang's ``retract`` mode).
-- ``abort(ids)`` only knows the requests sent by this client; other ids are a documented no-op (absent from the
-  returned list). ``abort(None)`` aborts everything on the server (``abort_all``).
-- ``version`` is the client-side view: set by ``update_weights*`` after the server confirmed the load, or by
-  :meth:`SGLangEngine.refresh_version`.
+``--enable-memory-saver``: ``sleep()``/``wake()`` release and restore GPU memory (else a logged no-op);
+``--enable-weights-cpu-backup`` (optional): ``sleep(level=1)`` then offloads the weights too;
+``--enable-deterministic-inference``: seeded requests (``sampling_seed`` is ignored otherwise).
+
+HTTP calls are blocking ``urllib`` requests run in two private thread pools: one for ``/generate`` (up to
+``max_concurrency`` requests in flight) and a small one for control calls, so ``pause``, ``abort`` and weight
+updates never queue behind generations.
+
+Generation
+----------
+``POST /generate {"input_ids", "rid", "sampling_params": {"max_new_tokens", "temperature", "top_p", "top_k",
+"stop_token_ids", "ignore_eos", "no_stop_trim": true[, "sampling_seed"]}, "return_logprob": true,
+"logprob_start_len": -1, "stream": false[, "return_sampling_mask": true]}``; the answer's ``output_ids``,
+``meta_info.output_token_logprobs`` (``[logprob, token_id, text]``), ``finish_reason``, ``weight_version`` and
+``weight_versions`` are read (the request and answer types are ``GenerateRequest`` / ``GenerateResponse`` of
+``sglang/api/v1/api_types.py``).
+
+- **Stops.** The protocol stops on ``stop_token_ids`` only. SGLang's ``ignore_eos`` turns off *every* token-based
+  stop, ``stop_token_ids`` included (``srt/managers/schedule_batch.py``, ``Req._check_token_based_finish``), and
+  without it the model's EOS ids stop too. So a request without stop ids is sent with ``ignore_eos: true``; one
+  with stop ids is sent with ``ignore_eos: false``, and when the server stops on an id that is not one of them (an
+  EOS of the model), the client continues the generation from ``prompt + output`` with the remaining budget: the
+  result is the one ``ignore_eos`` would give (counted in ``stats()["eos_continuations"]``).
+- **Logprobs.** SGLang's ``output_token_logprobs`` are ``log_softmax(logits / T)``: temperature applied, top-k/top-p
+  renormalisation not (``srt/layers/sampler.py``). With top-k or top-p active the client asks for
+  ``return_sampling_mask``, whose ``output_token_sampling_logprobs`` are the logprobs renormalised over the sampling
+  support (``log(p / support mass)``, ``Sampler._build_sampling_mask_output``): the processed logprobs of the
+  protocol. The answer then also carries each token's support ids (larger responses; a support wider than the
+  server's ``--sampling-mask-max-tokens``, 4096 by default, fails the request with HTTP 400).
+  ``allow_unprocessed_logprobs=True`` skips the mask and keeps the unrenormalised values knowingly.
+- **Versions.** 0.5.23 reports per-token ``weight_versions`` spans (``srt/utils/weight_versions.py``): a request
+  that runs across an update keeps the exact version of every token. Version labels are this client's integer
+  versions as strings; a label that is not an integer (the server's initial ``--weight-version``, ``"default"``)
+  is read as the version the client was constructed with. Until the server has shown spans, updates abort this
+  client's requests first, so that a response without spans still has one version throughout.
+- **Request ids.** The scheduler aborts by id *prefix* (``srt/managers/scheduler.py``, ``abort_request``:
+  ``req.rid.startswith(recv_req.rid)``), so aborting ``uid/1`` would also stop ``uid/10``. Each HTTP request gets a
+  wire id ``"<request_id>@<32 hex>"``: two wire ids are never prefixes of each other. Two in-flight requests with
+  the same ``request_id`` are refused here (SGLang refuses duplicate ids, ``TokenizerManager``: "Duplicate request
+  ID detected"). ``abort(ids)`` only knows the requests sent by this client; other ids are a documented no-op.
+  An abort that reaches the server before the request it names is dropped there (``TokenizerManager.abort_request``
+  ignores unknown ids), so the client repeats it for a few seconds while the request has not returned. A request
+  waiting in a paused server's tokenizer manager is registered there but not on the scheduler, so an abort cannot
+  stop it (the tokenizer manager forwards one abort per id and the scheduler drops it); therefore requests made
+  while this client keeps the server paused wait in the client instead, where an abort returns them at once.
+- **Seeds.** ``sampling_seed`` is used only by a server run with ``--enable-deterministic-inference``
+  (``srt/sampling/sampling_batch_info.py``); a seeded request to another server raises ``ArgumentError``.
+
+Weight updates
+--------------
+The update is checked with the rule every engine shares (:mod:`rlblocks.rollout._weights`; names, shapes and
+completeness only when ``expected_weights`` is given, since the client cannot see the model otherwise), then:
+
+1. the scheduler is paused in ``retract`` mode: running requests go back to the queue, and the cache flush that
+   follows every load succeeds only when nothing runs (``srt/managers/scheduler_components/weight_updater.py``,
+   ``flush_cache_after_weight_update``; ``Scheduler.flush_cache`` ignores queued requests only while paused);
+2. a weight-update session is opened: ``update_weights_from_tensor`` and ``update_weights_from_distributed`` answer
+   HTTP 400 outside ``/begin_weight_update`` ... ``/end_weight_update`` (``weight_updater.py``), and a session left
+   open (a client that died mid-update) makes the next begin fail: it is then closed and opened again;
+3. the load call; 4. ``/end_weight_update``, always; 5. ``continue_generation`` if the update paused.
+
+A refusal comes back as HTTP 400 with ``{"success": false, "message"}`` (``srt/entrypoints/http_server.py``): it
+raises :class:`~rlblocks.errors.WeightUpdateError` and the client keeps its version. If the server's weight
+version moved although the call failed (the weights were loaded, a later step such as the cache flush failed) the
+client takes the new version and raises :class:`SGLangError`, so client and server never disagree silently.
+
+``update_weights`` sends tensors through CUDA IPC: one ``MultiprocessingSerializer`` payload (base64 of a
+``ForkingPickler`` dump) *per TP rank*, each a separate dump, since every rank opens only its own
+(``srt/managers/tp_worker.py``, ``deserialize_own_rank``: opening another rank's copy breaks the producer's IPC
+reference counting). The device of each tensor is written as its GPU UUID, which the server maps to its own device
+index (``srt/utils/patch_torch.py``): a local index means nothing in a process with other visible devices. CPU
+tensors cannot be shared with the server's processes and are refused; use
+:meth:`SGLangEngine.update_weights_from_disk` or the NCCL path (:meth:`SGLangEngine.init_weights_update_group` +
+:meth:`SGLangEngine.update_weights_from_distributed`).
+
+Sleep and wake
+--------------
+As the protocol defines them. ``release_memory_occupation`` asserts that the scheduler is idle and a failed assert
+stops the scheduler process (``weight_updater.py``, ``release_memory_occupation``), so a sleep first pauses the
+scheduler (``retract``), aborts this client's requests (they return their partial outputs) and only then releases.
+Level 1 releases the KV cache and CUDA graphs (plus the weights when the server runs with
+``--enable-weights-cpu-backup``, which restores them); level 2 releases everything, and the engine generates again
+after a complete update. Requests of *other* clients of the server wait in its queue across the sleep.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
+from rlblocks._deprecate import renamed_kwargs
 from rlblocks.errors import ArgumentError, EngineError
 
+from ._common import InFlightCount, Lifecycle
+from ._weights import WeightLayout, check_tensors, check_version, refuse
 from .types import Generation, GenerationRequest
 
-__all__ = ["SGLangEngine", "SGLangError", "serialize_named_tensors"]
+__all__ = ["SGLangEngine", "SGLangEngineStats", "SGLangError", "serialize_named_tensors"]
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+_ALL_TAGS = ["kv_cache", "weights", "cuda_graph"]  # srt/constants.py GPU_MEMORY_ALL_TYPES
 
 
 class SGLangError(EngineError):
-    """The server answered with an HTTP error or an unexpected body."""
+    """The server answered with an HTTP error or an unexpected body, or could not be reached. ``status`` is the
+    HTTP status (``None`` when there was no answer) and ``body`` the decoded answer."""
+
+    def __init__(self, message: str, *, status: int | None = None, body: Any = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
 
 
-def serialize_named_tensors(named_tensors: list[tuple[str, Tensor]]) -> str:
-    """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` format: base64 of a
-    ``ForkingPickler`` dump (tensors become CUDA-IPC / shared-memory handles, valid on this host only)."""
+def _gpu_uuid_reducer(t: Tensor) -> tuple[Any, tuple]:
+    """``torch.multiprocessing.reductions.reduce_tensor`` with the CUDA device index replaced by the GPU's UUID,
+    the form SGLang's patched ``rebuild_cuda_tensor`` maps back to its own index (``srt/utils/patch_torch.py``;
+    the device is argument 6 of ``rebuild_cuda_tensor``)."""
+    from torch.multiprocessing import reductions
+
+    fn, args = reductions.reduce_tensor(t)
+    if t.is_cuda:
+        args = list(args)
+        args[6] = str(torch.cuda.get_device_properties(args[6]).uuid)
+        args = tuple(args)
+    return fn, args
+
+
+def serialize_named_tensors(named_tensors: list[tuple[str, Tensor]], *, device_uuid: bool = True) -> str:
+    """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` format: base64 of a ``ForkingPickler``
+    dump (CUDA tensors become CUDA-IPC handles, CPU tensors shared-memory handles; valid on this host only, while
+    this process keeps the tensors alive). With ``device_uuid`` CUDA devices are written as GPU UUIDs."""
     from multiprocessing.reduction import ForkingPickler
 
-    import torch.multiprocessing  # noqa: F401  (registers the tensor reductions on ForkingPickler)
+    import torch.multiprocessing  # registers the tensor reductions on ForkingPickler
 
     buf = io.BytesIO()
-    ForkingPickler(buf).dump(named_tensors)
+    pickler = ForkingPickler(buf)
+    if device_uuid:  # a private dispatch table: the process-wide reductions stay as they are
+        pickler.dispatch_table[torch.Tensor] = _gpu_uuid_reducer
+        pickler.dispatch_table[torch.nn.Parameter] = _gpu_uuid_reducer
+    pickler.dump(named_tensors)
     return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+@dataclass
+class SGLangEngineStats:
+    """Counters since construction. ``prompt_tokens`` / ``cached_prompt_tokens``: as the server reports them per
+    HTTP request (``prompt_tokens``, ``cached_tokens``); ``eos_continuations``: generations continued after the
+    server stopped on a model EOS that is not a stop id; ``re_aborts``: aborts sent again because the request had
+    not reached the server yet; ``sessions_recovered``: weight-update sessions left open and closed by this client."""
+
+    requests: int = 0
+    http_requests: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    output_tokens: int = 0
+    eos_continuations: int = 0
+    re_aborts: int = 0
+    weight_updates: int = 0
+    sessions_recovered: int = 0
+
+
+@dataclass(eq=False)
+class _InFlight:
+    request: GenerationRequest
+    wire_rid: str = ""
+    abort_requested: bool = False
+    sent: bool = False  # an HTTP call of it is in progress (else it waits in this client)
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)  # wakes a request held by the gate
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+# How long pause / sleep / update wait for this client's aborted requests to come back. A request that reaches the
+# server's tokenizer manager only after a pause (a race with the pause call) is not on the scheduler: its abort is
+# lost there (the tokenizer manager forwards one abort per id) and it runs once the server continues.
+_DRAIN_TIMEOUT = 30.0
+# How long an abort is repeated for a request that had not reached the server yet.
+_REABORT_FOR = 5.0
 
 
 def _as_int_version(value: Any, default: int) -> int:
@@ -90,16 +207,21 @@ def _as_int_version(value: Any, default: int) -> int:
 
 
 class SGLangEngine:
-    """Rollout-protocol client of one SGLang server.
+    """Rollout-protocol client of one SGLang server (see the module docstring for every rule).
 
     Args:
         base_url: e.g. ``"http://127.0.0.1:30000"``.
         timeout: seconds per HTTP call (generation included).
         api_key: sent as ``Authorization: Bearer`` when the server was started with ``--api-key``.
         tp_size: tensor-parallel size of the server (one serialized payload per TP rank).
+        tp_devices: for :meth:`update_weights`, the CUDA device whose copy of the tensors TP rank ``i`` opens
+            (e.g. the GPU that rank runs on); default: the tensors as given, serialized once per rank.
         version: initial client-side version (call :meth:`refresh_version` to read the server's).
-        allow_unprocessed_logprobs: accept top-k / top-p requests although SGLang's logprobs ignore them.
-        max_concurrency: threads of the private HTTP pool (concurrent requests).
+        expected_weights: ``{name: shape}`` of the served model; with it, updates get the full check (names,
+            shapes, completeness). Without it only pairs, duplicates and finite values are checked here.
+        allow_unprocessed_logprobs: with top-k / top-p, keep SGLang's unrenormalised logprobs instead of asking
+            for the sampling mask.
+        max_concurrency: threads of the ``/generate`` pool (concurrent requests).
     """
 
     def __init__(
@@ -109,26 +231,47 @@ class SGLangEngine:
         timeout: float = 3600.0,
         api_key: str | None = None,
         tp_size: int = 1,
+        tp_devices: Sequence[torch.device | str | int] | None = None,
         version: int = 0,
+        expected_weights: Mapping[str, Sequence[int]] | None = None,
         allow_unprocessed_logprobs: bool = False,
         max_concurrency: int = 256,
     ) -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ArgumentError(f"base_url: expected 'http://host:port', got {base_url!r}")
-        if tp_size < 1:
-            raise ArgumentError(f"tp_size: expected >= 1, got {tp_size}")
+        if not isinstance(tp_size, int) or tp_size < 1:
+            raise ArgumentError(f"tp_size: expected an int >= 1, got {tp_size!r}")
+        if tp_devices is not None and len(tp_devices) != tp_size:
+            raise ArgumentError(f"tp_devices: expected one device per TP rank ({tp_size}), got {len(tp_devices)}")
+        if not isinstance(max_concurrency, int) or max_concurrency < 1:
+            raise ArgumentError(f"max_concurrency: expected an int >= 1, got {max_concurrency!r}")
         self.base_url = base_url.rstrip("/")
         self.timeout = float(timeout)
         self.api_key = api_key
-        self.tp_size = int(tp_size)
+        self.tp_size = tp_size
+        self.tp_devices = None if tp_devices is None else [torch.device(d) for d in tp_devices]
         self.allow_unprocessed_logprobs = bool(allow_unprocessed_logprobs)
         self._version = int(version)
-        self._paused = False
-        self._inflight: dict[str, int] = {}  # request id -> number of calls in flight with it
-        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sglang-http")
+        self._initial_version = int(version)
+        self._layout = None if expected_weights is None else WeightLayout.from_shapes(expected_weights)
+        self._state = Lifecycle("SGLangEngine")
+        self._server_paused: str | None = None  # the pause mode this client set on the server, if any
+        # Set while this client lets the server run. While it keeps the server paused, new requests wait here
+        # rather than in the server: there an abort could not reach them (see _DRAIN_TIMEOUT).
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._spans_seen = False  # the server reported weight_versions spans
+        self._server_info: dict | None = None
+        self._released_tags: list[str] | None = None
+        self._inflight: dict[str, _InFlight] = {}
+        self._control = asyncio.Lock()
+        self._stats = SGLangEngineStats()
+        self._tasks: set[asyncio.Task] = set()
+        self._gen_pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sglang-generate")
+        self._ctl_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sglang-control")
 
     # ------------------------------------------------------------------ http
-    def _call(self, method: str, path: str, payload: dict | None = None) -> Any:
+    def _call(self, method: str, path: str, payload: dict | None) -> tuple[int, Any]:
         data = None if payload is None else json.dumps(payload).encode()
         req = urllib.request.Request(self.base_url + path, data=data, method=method)
         req.add_header("Content-Type", "application/json")
@@ -136,191 +279,502 @@ class SGLangEngine:
             req.add_header("Authorization", f"Bearer {self.api_key}")
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                body = resp.read()
+                status, raw = resp.status, resp.read()
         except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")[:2000]
-            raise SGLangError(f"{method} {path}: HTTP {exc.code}: {detail}") from exc
-        if not body:
-            return None
+            status, raw = exc.code, exc.read()
+        except (urllib.error.URLError, OSError) as exc:  # refused, reset, timed out
+            raise SGLangError(f"{method} {path}: no answer from {self.base_url}: {exc}") from exc
+        if not raw:
+            return status, None
         try:
-            return json.loads(body)
+            return status, json.loads(raw)
         except json.JSONDecodeError:
-            return body.decode(errors="replace")
+            return status, raw.decode(errors="replace")
 
-    async def _request(self, method: str, path: str, payload: dict | None = None) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._call, method, path, payload)
+    async def _http(
+        self, method: str, path: str, payload: dict | None = None, *, control: bool = True, check: bool = True
+    ) -> tuple[int, Any]:
+        """One HTTP call in its pool; with ``check`` an HTTP error raises :class:`SGLangError`."""
+        pool = self._ctl_pool if control else self._gen_pool
+        try:
+            status, body = await asyncio.get_running_loop().run_in_executor(pool, self._call, method, path, payload)
+        except SGLangError:
+            raise
+        except RuntimeError as exc:  # the pool was shut down by close()
+            raise EngineError(f"SGLangEngine: the engine is closed ({method} {path} not sent)") from exc
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._state.closed and (task is None or not task.cancelling()):  # close() cancelled the queued call
+                raise EngineError(f"SGLangEngine: the engine was closed before {method} {path} was sent") from None
+            raise
+        if check and status >= 400:
+            raise SGLangError(f"{method} {path}: HTTP {status}: {str(body)[:2000]}", status=status, body=body)
+        return status, body
 
-    @staticmethod
-    def _check_success(path: str, body: Any) -> Any:
-        if isinstance(body, dict) and body.get("success") is False:
-            raise ArgumentError(f"{path}: the server rejected the update: {body.get('message', body)}")
-        return body
+    async def _server_flag(self, name: str) -> bool:
+        """A launch flag of the server, from ``GET /server_info`` (read once)."""
+        if self._server_info is None:
+            _, body = await self._http("GET", "/server_info")
+            if not isinstance(body, dict):
+                raise SGLangError(f"/server_info: expected a JSON object, got {str(body)[:300]}", body=body)
+            self._server_info = body
+        return bool(self._server_info.get(name, False))
 
-    # ------------------------------------------------------------------ protocol
+    # ------------------------------------------------------------------ protocol state
     @property
     def version(self) -> int:
+        """The client-side version: set by a confirmed update, or by :meth:`refresh_version`."""
         return self._version
 
     @property
     def is_paused(self) -> bool:
-        """Client-side view: True between :meth:`pause` and :meth:`resume` called on this client."""
-        return self._paused
+        """True while the engine does not generate: paused by :meth:`pause`, asleep, waiting for weights after a
+        level-2 sleep, or inside an update."""
+        return self._state.paused
 
-    def build_generate_payload(self, request: GenerationRequest) -> dict:
-        """The JSON body of ``POST /generate`` for ``request`` (see the module docstring)."""
+    @property
+    def num_in_flight(self) -> int:
+        """Requests of this client submitted and not yet returned."""
+        return InFlightCount(len(self._inflight))
+
+    def stats(self) -> dict:
+        """The counters of :class:`SGLangEngineStats` as a dict."""
+        return dataclasses.asdict(self._stats)
+
+    # ------------------------------------------------------------------ generation
+    def build_generate_payload(self, request: GenerationRequest, *, rid: str | None = None) -> dict:
+        """The JSON body of ``POST /generate`` for ``request`` (see the module docstring); ``rid``: the wire id."""
         sp = request.sampling
-        if not self.allow_unprocessed_logprobs and sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1.0):
-            raise ArgumentError(
-                f"request.sampling: SGLang's logprobs ignore top_k/top_p (got top_k={sp.top_k}, top_p={sp.top_p}); "
-                "they would not be the processed logprobs. Disable them or pass allow_unprocessed_logprobs=True"
-            )
         params: dict[str, Any] = {
             "max_new_tokens": sp.max_new_tokens,
             "temperature": sp.temperature,
             "top_p": sp.top_p,
             "top_k": sp.top_k if sp.top_k > 0 else -1,
             "stop_token_ids": list(sp.stop_token_ids),
-            "ignore_eos": True,
+            # ignore_eos also disables stop_token_ids on SGLang: only a request without stop ids may set it
+            "ignore_eos": not sp.stop_token_ids,
             "no_stop_trim": True,
         }
         if sp.seed is not None:
             params["sampling_seed"] = sp.seed
-        return {
+        payload: dict[str, Any] = {
             "input_ids": list(request.prompt_ids),
-            "rid": request.request_id,
+            "rid": rid if rid is not None else request.request_id,
             "sampling_params": params,
             "return_logprob": True,
             "logprob_start_len": -1,
             "stream": False,
         }
+        if self._wants_sampling_mask(request):
+            payload["return_sampling_mask"] = True
+        return payload
+
+    def _wants_sampling_mask(self, request: GenerationRequest) -> bool:
+        sp = request.sampling
+        return not self.allow_unprocessed_logprobs and sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1.0)
+
+    def _span_versions(self, spans: Any, n: int, rid: str) -> list[int]:
+        try:
+            cuts = [
+                (_as_int_version(s["version"], self._initial_version), int(s["start"]), int(s["end"])) for s in spans
+            ]
+        except (TypeError, KeyError, ValueError) as exc:
+            raise SGLangError(f"/generate: malformed weight_versions {str(spans)[:300]} for {rid!r}") from exc
+        versions: list[int] = []
+        for v, start, end in cuts:
+            if start != len(versions) or end < start:
+                raise SGLangError(f"/generate: weight_versions spans {cuts} are not contiguous for {rid!r}")
+            versions.extend([v] * (end - start))
+        if len(versions) != n:
+            raise SGLangError(f"/generate: weight_versions spans cover {len(versions)} of the {n} tokens of {rid!r}")
+        return versions
 
     def parse_generate_response(self, request: GenerationRequest, body: Any) -> Generation:
         """A :class:`Generation` from the JSON body of ``POST /generate`` (raises :class:`SGLangError` on an
-        unexpected shape)."""
+        unexpected shape). A stop on an id that is not in ``stop_token_ids`` is returned as ``"stop"`` here;
+        :meth:`generate` continues such a generation (module docstring)."""
         if isinstance(body, list) and len(body) == 1:
             body = body[0]
         if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
-            raise SGLangError(f"/generate: expected a JSON object with 'meta_info', got {str(body)[:300]}")
+            raise SGLangError(f"/generate: expected a JSON object with 'meta_info', got {str(body)[:300]}", body=body)
+        rid = request.request_id
         meta = body["meta_info"]
         fr = meta.get("finish_reason")
         kind = fr.get("type") if isinstance(fr, dict) else fr
         if kind not in _FINISH:
-            raise SGLangError(f"/generate: unexpected finish_reason {fr!r} for request {request.request_id!r}")
+            raise SGLangError(f"/generate: unexpected finish_reason {fr!r} for request {rid!r}", body=body)
         entries = meta.get("output_token_logprobs") or []
         try:
             ids = [int(e[1]) for e in entries]
             lps = [float(e[0]) for e in entries]
         except (TypeError, ValueError, IndexError) as exc:
-            raise SGLangError(f"/generate: malformed output_token_logprobs {str(entries)[:300]}") from exc
-        out_ids = body.get("output_ids", meta.get("output_ids"))
+            raise SGLangError(f"/generate: malformed output_token_logprobs {str(entries)[:300]}", body=body) from exc
+        out_ids = body.get("output_ids")
         if out_ids is not None and [int(t) for t in out_ids] != ids:
             raise SGLangError(
                 f"/generate: output_ids {list(out_ids)[:10]} and output_token_logprobs ids {ids[:10]} disagree "
-                f"for request {request.request_id!r}"
+                f"for request {rid!r}",
+                body=body,
             )
         if len(ids) > request.sampling.max_new_tokens:
             raise SGLangError(
-                f"/generate: {len(ids)} tokens returned for max_new_tokens={request.sampling.max_new_tokens}"
+                f"/generate: {len(ids)} tokens returned for max_new_tokens={request.sampling.max_new_tokens}", body=body
             )
-        version = _as_int_version(meta.get("weight_version"), self._version)
+        if self._wants_sampling_mask(request):
+            sampled = meta.get("output_token_sampling_logprobs")
+            if not isinstance(sampled, list) or len(sampled) != len(ids):
+                raise SGLangError(
+                    f"/generate: expected {len(ids)} output_token_sampling_logprobs (return_sampling_mask), got "
+                    f"{str(sampled)[:200]} for request {rid!r}",
+                    body=body,
+                )
+            lps = [float(x) for x in sampled]
+        spans = meta.get("weight_versions")
+        if spans:
+            self._spans_seen = True
+            versions = self._span_versions(spans, len(ids), rid)
+        else:
+            versions = [_as_int_version(meta.get("weight_version"), self._version)] * len(ids)
         lps32 = torch.tensor(lps, dtype=torch.float32).tolist()
-        return Generation(request.request_id, list(request.prompt_ids), ids, lps32, [version] * len(ids), _FINISH[kind])
+        return Generation(rid, list(request.prompt_ids), ids, lps32, versions, _FINISH[kind])
 
     async def generate(self, request: GenerationRequest) -> Generation:
-        """``POST /generate``; an aborted request returns its partial output with ``finish_reason="abort"``."""
+        """``POST /generate``; an aborted request returns its partial output with ``finish_reason="abort"``.
+        Requests sent while the server is paused wait there. Raises :class:`~rlblocks.errors.ArgumentError` for a
+        request id already in flight or a seeded request to a server without deterministic inference."""
         if not isinstance(request, GenerationRequest):
             raise ArgumentError(f"request: expected a GenerationRequest, got {type(request).__name__}")
-        if request.sampling.max_new_tokens == 0:
-            return Generation(request.request_id, list(request.prompt_ids), finish_reason="length")
-        payload = self.build_generate_payload(request)
+        self._state.check_open()
         rid = request.request_id
-        self._inflight[rid] = self._inflight.get(rid, 0) + 1
+        if rid in self._inflight:
+            raise ArgumentError(f"request_id: {rid!r} is already in flight on this client (SGLang refuses duplicates)")
+        if request.sampling.max_new_tokens == 0:
+            return Generation(rid, list(request.prompt_ids), finish_reason="length")
+        state = _InFlight(request)
+        self._inflight[rid] = state
         try:
-            body = await self._request("POST", "/generate", payload)
+            if request.sampling.seed is not None and not await self._server_flag("enable_deterministic_inference"):
+                raise ArgumentError(
+                    "request.sampling.seed: the server ignores sampling_seed unless it runs with "
+                    "--enable-deterministic-inference; drop the seed or restart the server with that flag"
+                )
+            return await self._generate(state)
         finally:
-            self._inflight[rid] -= 1
-            if self._inflight[rid] == 0:
-                del self._inflight[rid]
-        return self.parse_generate_response(request, body)
+            self._inflight.pop(rid, None)
+            state.done.set()
+
+    async def _generate(self, state: _InFlight) -> Generation:
+        request = state.request
+        sp = request.sampling
+        ids: list[int] = []
+        lps: list[float] = []
+        versions: list[int] = []
+        reason = "length"
+        while True:
+            sub = dataclasses.replace(
+                request,
+                prompt_ids=list(request.prompt_ids) + ids,
+                sampling=dataclasses.replace(sp, max_new_tokens=sp.max_new_tokens - len(ids)),
+            )
+            if not self._gate.is_set():
+                await self._wait_gate(state)
+                self._state.check_open()
+            if state.abort_requested:  # aborted while it waited here, or between two calls of an EOS continuation
+                reason = "abort"
+                break
+            state.wire_rid = f"{request.request_id}@{uuid.uuid4().hex}"
+            state.sent = True
+            try:
+                _, body = await self._http(
+                    "POST", "/generate", self.build_generate_payload(sub, rid=state.wire_rid), control=False
+                )
+            except asyncio.CancelledError:  # the caller went away: do not let the server generate for nobody
+                if not self._state.closed:
+                    self._spawn(self._send_abort(state, rid=state.wire_rid))
+                raise
+            finally:
+                state.sent = False
+            gen = self.parse_generate_response(sub, body)
+            meta = body["meta_info"] if isinstance(body, dict) else body[0]["meta_info"]
+            self._stats.http_requests += 1
+            self._stats.prompt_tokens += int(meta.get("prompt_tokens") or 0)
+            self._stats.cached_prompt_tokens += int(meta.get("cached_tokens") or 0)
+            ids += gen.output_ids
+            lps += gen.output_logprobs
+            versions += gen.output_versions
+            reason = gen.finish_reason
+            eos = reason == "stop" and gen.output_ids and gen.output_ids[-1] not in sp.stop_token_ids
+            if not eos:
+                break
+            # the server stopped on a model EOS the protocol does not stop on: continue, as ignore_eos would
+            reason = "length"
+            if len(ids) >= sp.max_new_tokens:
+                break
+            self._stats.eos_continuations += 1
+        self._stats.requests += 1
+        self._stats.output_tokens += len(ids)
+        return Generation(request.request_id, list(request.prompt_ids), ids, lps, versions, reason)
+
+    async def _wait_gate(self, state: _InFlight) -> None:
+        """Hold a request in this client until the server runs again, or until it is aborted."""
+        gate = asyncio.ensure_future(self._gate.wait())
+        aborted = asyncio.ensure_future(state.aborted.wait())
+        try:
+            await asyncio.wait({gate, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gate.cancel()
+            aborted.cancel()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def abort(self, request_ids: Iterable[str] | None = None) -> list[str]:
-        """``POST /abort_request`` per id sent by this client (``None``: ``abort_all``). Returns the ids that
-        were in flight here; other ids are ignored (documented no-op)."""
+        """Abort this client's named in-flight requests (``None``: all of them) by their wire ids; a request held in
+        this client returns at once. Returns the ids that were in flight here; other ids are ignored (documented
+        no-op). An abort is repeated for a few seconds while its request has not returned (an abort that arrives
+        before its request is dropped by the server)."""
+        self._state.check_open()
         if request_ids is None:
-            ids = list(self._inflight)
-            await self._request("POST", "/abort_request", {"rid": "", "abort_all": True})
-            return ids
-        wanted = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        ids = [r for r in wanted if r in self._inflight]
-        await asyncio.gather(*[self._request("POST", "/abort_request", {"rid": r, "abort_all": False}) for r in ids])
-        return ids
+            names = list(self._inflight)
+        else:
+            wanted = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+            names = [r for r in wanted if r in self._inflight]
+        await self._abort_states([self._inflight[r] for r in names])
+        return names
+
+    async def _abort_states(self, states: list[_InFlight]) -> None:
+        for s in states:
+            s.abort_requested = True
+            s.aborted.set()
+        await asyncio.gather(*[self._send_abort(s) for s in states if s.sent])
+        for s in states:
+            if s.sent:
+                self._spawn(self._repeat_abort(s))
+
+    async def _send_abort(self, state: _InFlight, rid: str | None = None) -> None:
+        """Abort ``rid`` (default: the request's current HTTP call, if one is in progress) on the server."""
+        if rid is None and state.sent:
+            rid = state.wire_rid
+        if rid:
+            await self._http("POST", "/abort_request", {"rid": rid, "abort_all": False})
+
+    async def _repeat_abort(self, state: _InFlight, interval: float = 0.2) -> None:
+        deadline = asyncio.get_running_loop().time() + min(self.timeout, _REABORT_FOR)
+        while not state.done.is_set() and asyncio.get_running_loop().time() < deadline and not self._state.closed:
+            try:
+                await asyncio.wait_for(state.done.wait(), interval)
+                return
+            except asyncio.TimeoutError:
+                pass
+            self._stats.re_aborts += 1
+            try:
+                await self._send_abort(state)
+            except EngineError:
+                return
+
+    async def _wait_returned(self, states: list[_InFlight]) -> None:
+        """Wait (at most ``_DRAIN_TIMEOUT``) for the ``generate`` calls of ``states`` that are on the server."""
+        pending = [s for s in states if not s.done.is_set() and s.sent]
+        if pending:
+            waits = [asyncio.ensure_future(s.done.wait()) for s in pending]
+            await asyncio.wait(waits, timeout=min(self.timeout, _DRAIN_TIMEOUT))
+            for w in waits:
+                w.cancel()
+
+    async def _abort_all_of_client(self, states: list[_InFlight]) -> None:
+        """Abort ``states`` and wait until their ``generate`` calls have returned."""
+        await self._abort_states(states)
+        await self._wait_returned(states)
+
+    # ------------------------------------------------------------------ pause / resume
+    async def _pause_server(self, mode: str) -> None:
+        self._gate.clear()  # from here on, new requests wait in this client
+        await self._http("POST", "/pause_generation", {"mode": mode})
+        self._server_paused = mode
+
+    async def _apply_run_state(self) -> None:
+        """Continue the server when nothing keeps the engine paused any more (under ``_control``)."""
+        if not self._state.paused and self._server_paused is not None:
+            await self._http("POST", "/continue_generation", {})
+            self._server_paused = None
+        if not self._state.paused:
+            self._gate.set()
 
     async def pause(self, mode: Literal["abort", "keep"] = "abort") -> None:
-        """``POST /pause_generation``: ``abort`` -> SGLang ``abort``; ``keep`` -> SGLang ``retract`` (requests
-        wait in the server's queue; their KV may be flushed and recomputed on resume)."""
+        """``POST /pause_generation``. ``abort`` -> SGLang ``abort`` (every request on the server returns its
+        partial output; this call waits until this client's have); ``keep`` -> SGLang ``retract`` (requests wait
+        in the server's queue; their KV may be dropped and recomputed on resume). New requests wait in this client
+        until :meth:`resume` (in the server an abort could not reach them)."""
         if mode not in ("abort", "keep"):
             raise ArgumentError(f"mode: expected 'abort' or 'keep', got {mode!r}")
-        self._paused = True
-        await self._request("POST", "/pause_generation", {"mode": "abort" if mode == "abort" else "retract"})
+        self._state.check_open()
+        async with self._control:
+            self._state.user_paused = True
+            if self._state.sleep_level:
+                return  # asleep: the server is paused and this client has nothing in flight on it
+            if mode == "abort":
+                states = list(self._inflight.values())
+                for st in states:
+                    st.abort_requested = True
+                    st.aborted.set()  # those held in this client return at once
+                await self._pause_server("abort")
+                await self._wait_returned(states)
+            else:
+                await self._pause_server("retract")
 
     async def resume(self) -> None:
-        """``POST /continue_generation``."""
-        await self._request("POST", "/continue_generation", {})
-        self._paused = False
+        """``POST /continue_generation``. Raises :class:`~rlblocks.errors.EngineError` while asleep, and after a
+        level-2 sleep until a complete update has loaded weights."""
+        self._state.check_resume()
+        async with self._control:
+            self._state.check_resume()
+            self._state.user_paused = False
+            await self._apply_run_state()
 
-    async def _quiesce(self) -> bool:
-        """Pause with abort (every in-flight request of this client returns); True if this call paused."""
-        self_paused = not self._paused
-        if self_paused:
-            await self.pause("abort")
-        elif self._inflight:
-            await self.abort(list(self._inflight))
-        return self_paused
+    # ------------------------------------------------------------------ weights
+    def _check_update(
+        self, named_tensors: Iterable[tuple[str, Tensor]], *, version: int, partial: bool, allow_rollback: bool
+    ) -> list[tuple[str, Tensor]]:
+        self._state.check_open()
+        check_version("SGLangEngine", version, self._version, allow_rollback=allow_rollback)
+        self._state.check_update(partial)
+        if not isinstance(partial, bool):
+            raise ArgumentError(f"partial: expected a bool, got {partial!r}")
+        if self._layout is not None:
+            return self._layout.validate(named_tensors, engine="SGLangEngine", partial=partial)
+        return check_tensors(named_tensors, engine="SGLangEngine")
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, version: int) -> None:
-        """``POST /update_weights_from_tensor`` (same host; see the module docstring). Names and tensor types are
-        checked here, names and shapes by the server (its ``success: false`` becomes ``ValueError`` and the
-        client's version is unchanged). Version set after the server confirmed the load."""
-        if isinstance(version, bool) or not isinstance(version, int):
-            raise ArgumentError(f"version: expected an int, got {version!r}")
-        items = list(named_tensors)
-        seen: set[str] = set()
-        for i, item in enumerate(items):
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-                raise ArgumentError(f"named_tensors[{i}]: expected a (name, tensor) pair, got {type(item).__name__}")
-            if not isinstance(item[1], Tensor):
-                raise ArgumentError(
-                    f"named_tensors: {item[0]!r}: expected a "
-                    f"torch.Tensor, got {type(item[1]).__name__}"
+    async def _server_version(self) -> str | None:
+        try:
+            return await self.get_weight_version()
+        except EngineError:
+            return None
+
+    async def _session(self, begin: bool) -> None:
+        path = "/begin_weight_update" if begin else "/end_weight_update"
+        status, body = await self._http("POST", path, {}, check=False)
+        if status < 400 and isinstance(body, dict) and body.get("success") is True:
+            return
+        message = body.get("message", body) if isinstance(body, dict) else body
+        if begin and "already open" in str(message):
+            # a session left open (a client that died mid-update): close it and open ours
+            await self._session(begin=False)
+            self._stats.sessions_recovered += 1
+            status, body = await self._http("POST", path, {}, check=False)
+            if status < 400 and isinstance(body, dict) and body.get("success") is True:
+                return
+            message = body.get("message", body) if isinstance(body, dict) else body
+        raise SGLangError(f"POST {path}: HTTP {status}: {message}", status=status, body=body)
+
+    async def _update(
+        self, path: str, payload: dict, *, version: int, partial: bool, allow_rollback: bool, session: bool
+    ) -> None:
+        """The update sequence of the module docstring, for the load call ``path``."""
+        async with self._control:
+            check_version("SGLangEngine", version, self._version, allow_rollback=allow_rollback)
+            self._state.check_update(partial)
+            self._state.updating += 1
+            try:
+                if not self._spans_seen:  # without spans, a response has one version: let no request span two
+                    await self._abort_all_of_client(list(self._inflight.values()))
+                before = await self._server_version()
+                if self._server_paused != "retract":
+                    await self._pause_server("retract")
+                if session:
+                    await self._session(begin=True)
+                end_error: BaseException | None = None
+                try:
+                    status, body = await self._http("POST", path, payload, check=False)
+                finally:
+                    if session:
+                        try:
+                            await self._session(begin=False)
+                        except EngineError as exc:
+                            end_error = exc
+                ok = status < 400 and isinstance(body, dict) and body.get("success") is True
+                if not ok:
+                    message = body.get("message", body) if isinstance(body, dict) else body
+                    after = await self._server_version()
+                    if after is not None and after != before:
+                        self._version = _as_int_version(after, self._version)
+                        raise SGLangError(
+                            f"POST {path}: the server loaded the weights (its version is now {after!r}) but answered "
+                            f"HTTP {status}: {message}",
+                            status=status,
+                            body=body,
+                        )
+                    raise refuse("SGLangEngine", f"the server answered HTTP {status}: {message}")
+                self._version = version
+                self._stats.weight_updates += 1
+                if not partial:
+                    self._state.on_complete_update()
+                if end_error is not None:
+                    raise end_error
+            finally:
+                self._state.updating -= 1
+                await self._apply_run_state()
+
+    def _tensor_payloads(self, items: list[tuple[str, Tensor]]) -> tuple[list[str], list[Tensor]]:
+        """One separate serialization per TP rank (module docstring), on ``tp_devices[rank]`` if given. Returns the
+        payloads and the tensors they point to: the caller keeps those alive until the server has loaded them."""
+        for name, t in items:
+            if not t.is_cuda:
+                raise refuse(
+                    "SGLangEngine",
+                    f"{name!r} is on {t.device}: the server opens tensors through CUDA IPC, and CPU tensors cannot be "
+                    "shared with its processes (use update_weights_from_disk or update_weights_from_distributed)",
                 )
-            if item[0] in seen:
-                raise ArgumentError(f"named_tensors: {item[0]!r} appears more than once")
-            seen.add(item[0])
+        payloads, keep = [], []
+        for rank in range(self.tp_size):
+            dev = None if self.tp_devices is None else self.tp_devices[rank]
+            on_rank = [(n, t if dev is None else t.to(dev)) for n, t in items]
+            keep += [t for _, t in on_rank]
+            payloads.append(serialize_named_tensors(on_rank))
+        return payloads, keep
+
+    async def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, Tensor]],
+        *,
+        version: int,
+        partial: bool = False,
+        allow_rollback: bool = False,
+    ) -> None:
+        """``POST /update_weights_from_tensor`` (CUDA tensors on this host; see the module docstring) inside a
+        weight-update session. Refusals raise :class:`~rlblocks.errors.WeightUpdateError` (client version
+        unchanged); the tensors must stay alive until the call returns."""
+        items = self._check_update(list(named_tensors), version=version, partial=partial, allow_rollback=allow_rollback)
+        payloads, keep_alive = self._tensor_payloads(items)  # the server opens these tensors during the call
         payload = {
-            "serialized_named_tensors": [serialize_named_tensors(items)] * self.tp_size,
+            "serialized_named_tensors": payloads,
             "load_format": None,
             "flush_cache": True,
             "weight_version": str(version),
         }
-        await self._update("/update_weights_from_tensor", payload, version)
+        await self._update("/update_weights_from_tensor", payload, version=version, partial=partial,
+                           allow_rollback=allow_rollback, session=True)
+        del keep_alive
 
-    async def _update(self, path: str, payload: dict, version: int) -> None:
-        self_paused = await self._quiesce()
-        try:
-            self._check_success(path, await self._request("POST", path, payload))
-            self._version = version
-        finally:
-            if self_paused:
-                await self.resume()
-
-    async def update_weights_from_disk(self, model_path: str, *, version: int, load_format: str | None = None) -> None:
-        """``POST /update_weights_from_disk``: the server loads a checkpoint directory it can read."""
+    async def update_weights_from_disk(
+        self, model_path: str, *, version: int, load_format: str | None = None, allow_rollback: bool = False
+    ) -> None:
+        """``POST /update_weights_from_disk``: the server loads a whole checkpoint directory it can read (no
+        session needed for this one)."""
+        self._state.check_open()
+        check_version("SGLangEngine", version, self._version, allow_rollback=allow_rollback)
+        self._state.check_update(False)
+        if not isinstance(model_path, str) or not model_path:
+            raise ArgumentError(f"model_path: expected a non-empty path string, got {model_path!r}")
         payload = {"model_path": model_path, "load_format": load_format, "weight_version": str(version)}
-        await self._update("/update_weights_from_disk", payload, version)
+        await self._update("/update_weights_from_disk", payload, version=version, partial=False,
+                           allow_rollback=allow_rollback, session=False)
 
+    @renamed_kwargs(master_address="master_addr")
     async def init_weights_update_group(
         self,
-        master_address: str,
+        master_addr: str,
         master_port: int,
         rank_offset: int,
         world_size: int,
@@ -328,59 +782,67 @@ class SGLangEngine:
         group_name: str = "weight_update_group",
         backend: str = "nccl",
     ) -> None:
-        """``POST /init_weights_update_group``: the server's ranks join a process group with the trainer
-        (the trainer is rank 0 and must call ``init_process_group`` concurrently)."""
-        payload = {
-            "master_address": master_address,
+        """``POST /init_weights_update_group``: the server's ranks join a process group with the trainer at
+        ``master_addr:master_port`` (the trainer is rank 0 and calls ``init_process_group`` concurrently; server
+        rank ``i`` is ``rank_offset + i``). ``master_address=`` still works, with a warning."""
+        self._state.check_open()
+        payload = {  # SGLang's own field names (InitWeightsUpdateGroupReqInput)
+            "master_address": master_addr,
             "master_port": int(master_port),
             "rank_offset": int(rank_offset),
             "world_size": int(world_size),
             "group_name": group_name,
             "backend": backend,
         }
-        self._check_success(
-            "/init_weights_update_group", await self._request("POST", "/init_weights_update_group", payload)
-        )
+        status, body = await self._http("POST", "/init_weights_update_group", payload, check=False)
+        if status >= 400 or not (isinstance(body, dict) and body.get("success") is True):
+            message = body.get("message", body) if isinstance(body, dict) else body
+            raise SGLangError(f"/init_weights_update_group: HTTP {status}: {message}", status=status, body=body)
 
     async def update_weights_from_distributed(
         self,
-        names: list[str],
-        dtypes: list[torch.dtype | str],
-        shapes: list[list[int]],
+        names: Sequence[str],
+        dtypes: Sequence[torch.dtype | str],
+        shapes: Sequence[Sequence[int]],
         *,
         version: int,
+        partial: bool = False,
+        allow_rollback: bool = False,
         group_name: str = "weight_update_group",
     ) -> None:
-        """``POST /update_weights_from_distributed``: the server receives each named tensor by broadcast from
-        the trainer's rank 0 (run the trainer's broadcasts concurrently with this call)."""
+        """``POST /update_weights_from_distributed`` inside a weight-update session: the server receives each named
+        tensor by broadcast from the trainer's rank 0 (run the trainer's broadcasts concurrently with this call)."""
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ArgumentError(
                 f"names, dtypes, shapes: expected equal lengths, got {len(names)}, {len(dtypes)}, {len(shapes)}"
             )
+        torch_dtypes = [d if isinstance(d, torch.dtype) else getattr(torch, str(d), None) for d in dtypes]
+        bad = [d for d, t in zip(dtypes, torch_dtypes) if not isinstance(t, torch.dtype)]
+        if bad:
+            raise ArgumentError(f"dtypes: expected torch dtypes or their names, got {bad[:3]}")
+        metas = [(n, torch.empty(tuple(s), dtype=d, device="meta")) for n, d, s in zip(names, torch_dtypes, shapes)]
+        self._check_update(metas, version=version, partial=partial, allow_rollback=allow_rollback)
         payload = {
             "names": list(names),
-            "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+            "dtypes": [str(d).removeprefix("torch.") for d in torch_dtypes],
             "shapes": [[int(s) for s in shape] for shape in shapes],
             "group_name": group_name,
             "flush_cache": True,
             "weight_version": str(version),
         }
-        await self._update("/update_weights_from_distributed", payload, version)
+        await self._update("/update_weights_from_distributed", payload, version=version, partial=partial,
+                           allow_rollback=allow_rollback, session=True)
 
     async def flush_cache(self) -> None:
-        """``POST /flush_cache`` (drop the radix cache)."""
-        await self._request("POST", "/flush_cache", {})
+        """``POST /flush_cache`` (drop the radix cache; refused with HTTP 400 while requests run)."""
+        self._state.check_open()
+        await self._http("POST", "/flush_cache")
 
     async def get_weight_version(self) -> str:
-        """The server's weight version string (``/get_weight_version``, else ``/model_info``)."""
-        try:
-            body = await self._request("GET", "/get_weight_version")
-        except SGLangError as exc:
-            if "HTTP 404" not in str(exc):
-                raise
-            body = await self._request("GET", "/model_info")
+        """The server's weight version string (``GET /model_info``, ``weight_version``)."""
+        _, body = await self._http("GET", "/model_info")
         if not isinstance(body, dict) or "weight_version" not in body:
-            raise SGLangError(f"weight version: expected {{'weight_version': ...}}, got {str(body)[:300]}")
+            raise SGLangError(f"/model_info: expected {{'weight_version': ...}}, got {str(body)[:300]}", body=body)
         return str(body["weight_version"])
 
     async def refresh_version(self) -> int:
@@ -388,14 +850,62 @@ class SGLangEngine:
         self._version = _as_int_version(await self.get_weight_version(), self._version)
         return self._version
 
-    async def sleep(self) -> None:
-        """``POST /release_memory_occupation`` (weights and KV cache leave the GPU)."""
-        await self._request("POST", "/release_memory_occupation", {})
+    # ------------------------------------------------------------------ memory
+    async def sleep(self, level: int = 1) -> None:
+        """Sleep as the protocol defines it (module docstring): pause the scheduler (``retract``), abort this
+        client's requests (they return their partial outputs), then ``POST /release_memory_occupation``."""
+        if not self._state.check_sleep(level):
+            return
+        async with self._control:
+            if not self._state.check_sleep(level):
+                return
+            self._state.on_sleep(level)
+            states = list(self._inflight.values())
+            await self._pause_server("retract")  # the scheduler must be idle before a release
+            await self._abort_all_of_client(states)
+            if level == 1:
+                tags = ["kv_cache", "cuda_graph"]
+                if await self._server_flag("enable_weights_cpu_backup"):
+                    tags.insert(1, "weights")  # backed up to CPU by the server and restored on resume
+            else:
+                tags = list(_ALL_TAGS)
+            await self._http("POST", "/release_memory_occupation", {"tags": tags})
+            self._released_tags = tags
 
     async def wake(self) -> None:
-        """``POST /resume_memory_occupation``."""
-        await self._request("POST", "/resume_memory_occupation", {})
+        """``POST /resume_memory_occupation`` with the tags the sleep released; generation continues per the
+        protocol (after level 2: at the next complete update). A no-op when awake."""
+        self._state.check_open()
+        async with self._control:
+            if not self._state.sleep_level:
+                return
+            await self._http("POST", "/resume_memory_occupation", {"tags": self._released_tags})
+            self._released_tags = None
+            self._state.on_wake()
+            await self._apply_run_state()
 
+    # ------------------------------------------------------------------ release
     def close(self) -> None:
-        """Shut the private HTTP thread pool down."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Shut the HTTP pools down; every later call raises :class:`~rlblocks.errors.EngineError`. Idempotent.
+        HTTP calls already running finish in their threads (their ``generate`` calls return normally);
+        :meth:`aclose` aborts this client's requests first, so they return their partial outputs at once."""
+        if self._state.closed:
+            return
+        self._state.closed = True
+        for st in self._inflight.values():  # requests held in this client raise EngineError now
+            st.aborted.set()
+        self._gate.set()
+        self._gen_pool.shutdown(wait=False, cancel_futures=True)
+        self._ctl_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def aclose(self) -> None:
+        """:meth:`close` from inside the event loop, after aborting this client's requests and waiting for them."""
+        if self._state.closed:
+            return
+        states = list(self._inflight.values())
+        if states:
+            try:
+                await self._abort_all_of_client(states)
+            except EngineError:
+                pass  # the server is gone: close anyway
+        self.close()

@@ -43,14 +43,22 @@ interrupt + resume exact anyway:
 With the default (batched) mode and other requests joining or leaving, the logits of a sequence can change in the
 last bits with the batch composition (as in vLLM and SGLang); greedy tokens then only differ on near-ties.
 
-Weight updates, pause and sleep
--------------------------------
-``update_weights`` materialises the iterable, validates every name and shape against the model's state dict
-*before* touching anything (``ValueError`` naming the tensor; weights and version unchanged), waits for the current
-step to end, copies the tensors (``copy_`` with dtype cast), clears the prefix cache, drops the KV of requests frozen
-by ``pause("keep")`` (they are re-prefilled under the new weights when resumed; their earlier tokens keep their old
-version) and only then sets ``version``. ``sleep()`` pauses (keep) and, on CUDA, moves the weights to CPU and drops
-every KV cache (re-prefilled after ``wake()``); on CPU there is no device memory to release, so it only pauses.
+Weight updates, pause, sleep and close
+--------------------------------------
+``update_weights`` materialises the iterable and checks it with the rule every engine shares (see
+:mod:`rlblocks.rollout._weights`: names, shapes, dtypes, finite values, completeness unless ``partial=True``, tied
+aliases, versions only forward unless ``allow_rollback=True``) *before* touching anything
+(:class:`~rlblocks.errors.WeightUpdateError`; weights and version unchanged). It then waits for the current step to
+end, copies the tensors (``copy_`` with dtype cast), clears the prefix cache, drops the KV of requests frozen by
+``pause("keep")`` (they are re-prefilled under the new weights when resumed; their earlier tokens keep their old
+version) and only then sets ``version``.
+``sleep(level)`` follows the protocol (:class:`~rlblocks.rollout.types.RolloutEngine`): every request in flight
+returns its partial output, every KV cache is dropped; level 1 moves the weights to CPU on CUDA (on CPU they are
+already in host memory, so only the KV caches are freed) and ``wake()`` moves them back; level 2 frees the
+parameters' storage on any device, and after ``wake()`` the engine generates again only once a complete update has
+loaded weights (the re-allocated parameters hold NaN until then, so a leak would be visible).
+``close()`` returns the partial output of every request in flight (``finish_reason="abort"``) and frees the KV
+caches; later calls raise :class:`~rlblocks.errors.EngineError`.
 An engine is bound to one event loop at a time; using it from a new loop (a second ``asyncio.run``) abandons the
 requests of the previous one.
 """
@@ -58,6 +66,7 @@ requests of the previous one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import random
 from collections import OrderedDict
@@ -69,8 +78,10 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from rlblocks.errors import ArgumentError
+from rlblocks.errors import ArgumentError, EngineError
 
+from ._common import InFlightCount, Lifecycle, StatsView
+from ._weights import WeightLayout, check_version
 from .types import Generation, GenerationRequest
 
 __all__ = ["EngineStats", "TorchEngine", "processed_logprobs"]
@@ -247,15 +258,19 @@ class TorchEngine:
         self.prefix_cache_size = int(prefix_cache_size)
         self.max_batch_size = int(max_batch_size)
         self._version = int(version)
-        self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        params = inspect.signature(model.forward).parameters
+        self._supports_logits_to_keep = "logits_to_keep" in params
+        # transformers >= 5.24 names the KV-cache argument ``cache`` (``past_key_values=`` warns there and is
+        # removed in 5.40); earlier releases only know ``past_key_values``. Pass whichever the model's forward takes.
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._device = next(model.parameters()).device
-        self.stats = EngineStats()
+        self._layout = WeightLayout.from_module(model)
+        self._stats = EngineStats()
+        self._state = Lifecycle("TorchEngine")
+        self._discarded: list[tuple[torch.nn.Parameter, torch.Size, torch.dtype]] = []  # level-2 sleep
         self._seqs: dict[str, _Seq] = {}  # every request in flight, in submission order
         self._batch: _Batch | None = None  # the decode batch (batched mode)
         self._prefix: OrderedDict[tuple[int, ...], tuple[KV, int]] = OrderedDict()
-        self._paused = False
-        self._sleeping = False
-        self._sleep_paused = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._lock: asyncio.Lock | None = None
@@ -282,11 +297,20 @@ class TorchEngine:
 
     @property
     def is_paused(self) -> bool:
-        return self._paused
+        """True while the engine does not step: paused by :meth:`pause`, asleep, waiting for weights after a
+        level-2 sleep, or inside an update that paused it."""
+        return self._state.paused
 
+    @property
     def num_in_flight(self) -> int:
         """Requests submitted and not yet returned (running, frozen or waiting)."""
-        return len(self._seqs)
+        return InFlightCount(len(self._seqs))
+
+    @property
+    def stats(self) -> StatsView:
+        """``engine.stats()``: the counters of :class:`EngineStats` as a dict (reading ``engine.stats.<counter>``
+        still works for one release, with a DeprecationWarning)."""
+        return StatsView(self._stats, "TorchEngine")
 
     def num_output_tokens(self, request_id: str) -> int | None:
         """Tokens generated so far by an in-flight request, or ``None`` if it is not in flight."""
@@ -295,8 +319,10 @@ class TorchEngine:
 
     async def generate(self, request: GenerationRequest) -> Generation:
         """Complete ``request``; returns its partial output with ``finish_reason="abort"`` if aborted. Requests
-        submitted while paused wait for :meth:`resume`. Raises ``ValueError`` for a request id already in flight,
-        token ids outside the vocabulary or a prompt of ``max_model_len`` tokens or more."""
+        submitted while paused (or asleep) wait for generation to resume. Raises
+        :class:`~rlblocks.errors.ArgumentError` for a request id already in flight, token ids outside the vocabulary
+        or a prompt of ``max_model_len`` tokens or more, and :class:`~rlblocks.errors.EngineError` once closed."""
+        self._state.check_open()
         self._bind_loop()
         if not isinstance(request, GenerationRequest):
             raise ArgumentError(f"request: expected a GenerationRequest, got {type(request).__name__}")
@@ -328,6 +354,7 @@ class TorchEngine:
     async def abort(self, request_ids: Iterable[str] | None = None) -> list[str]:
         """Abort in-flight requests (``None``: all) between steps; each returns its partial output with
         ``finish_reason="abort"``. Ids not in flight are ignored (documented no-op) and absent from the result."""
+        self._state.check_open()
         self._bind_loop()
         wanted = None if request_ids is None else ([request_ids] if isinstance(request_ids, str) else list(request_ids))
         async with self._lock:
@@ -339,86 +366,158 @@ class TorchEngine:
         :meth:`resume`. Requests submitted after this call wait for :meth:`resume`."""
         if mode not in ("abort", "keep"):
             raise ArgumentError(f"mode: expected 'abort' or 'keep', got {mode!r}")
+        self._state.check_open()
         self._bind_loop()
-        self._paused = True
+        self._state.user_paused = True
         before = list(self._seqs)
         async with self._lock:
             if mode == "abort":
                 self._abort_locked(before)
 
     async def resume(self) -> None:
-        """Continue stepping (frozen and waiting requests proceed)."""
+        """Continue stepping (frozen and waiting requests proceed). Raises
+        :class:`~rlblocks.errors.EngineError` while asleep or while a level-2 sleep's weights are missing."""
+        self._state.check_resume()
         self._bind_loop()
-        self._paused = False
+        self._state.user_paused = False
         self._wake.set()
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, version: int) -> None:
-        """Load ``named_tensors`` (state-dict names) between steps and set ``version`` afterwards.
+    async def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, Tensor]],
+        *,
+        version: int,
+        partial: bool = False,
+        allow_rollback: bool = False,
+    ) -> None:
+        """Load ``named_tensors`` (``state_dict()`` names) between steps and set ``version`` afterwards.
 
-        Validation of every name and shape happens before anything is copied (``ValueError`` naming the tensor;
-        weights, caches and version unchanged). Pauses itself (keep) if not paused and resumes afterwards.
-        """
+        The whole update is checked first (:mod:`rlblocks.rollout._weights`; a refusal raises
+        :class:`~rlblocks.errors.WeightUpdateError` with weights, caches and version unchanged). Pauses itself
+        (keep) if not paused and resumes afterwards. After a level-2 sleep, a complete update is what lets the
+        engine generate again."""
+        self._state.check_open()
         self._bind_loop()
-        if isinstance(version, bool) or not isinstance(version, int):
-            raise ArgumentError(f"version: expected an int, got {version!r}")
-        items = list(named_tensors)
-        params = dict(self.model.named_parameters())
-        params.update(dict(self.model.named_buffers()))
-        seen: set[str] = set()
-        for i, item in enumerate(items):
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-                raise ArgumentError(f"named_tensors[{i}]: expected a (name, tensor) pair, got {type(item).__name__}")
-            name, t = item
-            if name not in params:
-                raise ArgumentError(f"named_tensors: no parameter or buffer named {name!r} in the model")
-            if not isinstance(t, Tensor):
-                raise ArgumentError(f"named_tensors: {name!r}: expected a torch.Tensor, got {type(t).__name__}")
-            if tuple(t.shape) != tuple(params[name].shape):
-                raise ArgumentError(
-                    f"named_tensors: {name!r}: expected shape {list(params[name].shape)}, got {list(t.shape)}"
-                )
-            if t.is_floating_point() != params[name].is_floating_point():
-                raise ArgumentError(f"named_tensors: {name!r}: expected dtype like {params[name].dtype}, got {t.dtype}")
-            if name in seen:
-                raise ArgumentError(f"named_tensors: {name!r} appears more than once")
-            seen.add(name)
-        self_paused = not self._paused
-        self._paused = True
+        check_version("TorchEngine", version, self._version, allow_rollback=allow_rollback)
+        self._state.check_update(partial)
+        items = self._layout.validate(list(named_tensors), engine="TorchEngine", partial=partial)
+        targets = self._targets()
+        self._state.updating += 1
         try:
             async with self._lock:
+                # another update may have committed while this one waited for the step to end
+                check_version("TorchEngine", version, self._version, allow_rollback=allow_rollback)
+                self._state.check_update(partial)
                 with torch.no_grad():
                     for name, t in items:
-                        params[name].copy_(t.to(params[name].device))
+                        targets[name].copy_(t.to(targets[name].device))
                 self._invalidate_kv()
                 self._version = version
+                if not partial:
+                    self._state.on_complete_update()
         finally:
-            if self_paused:
-                self._paused = False
-                self._wake.set()
+            self._state.updating -= 1
+            self._wake.set()
 
-    async def sleep(self) -> None:
-        """Pause (keep) and, on CUDA, move the weights to CPU and drop every KV cache (frozen requests are
-        re-prefilled after :meth:`wake`). On CPU there is no device memory to release: it only pauses."""
+    def _targets(self) -> dict[str, Tensor]:
+        """Every tensor an update may write, by ``state_dict()`` name (buffers included)."""
+        targets = dict(self.model.state_dict(keep_vars=True))
+        targets.update(dict(self.model.named_buffers()))
+        return targets
+
+    async def sleep(self, level: int = 1) -> None:
+        """Sleep as the protocol defines it: every request in flight returns its partial output
+        (``finish_reason="abort"``), every KV cache is dropped, new requests wait. Level 1 keeps the weights (moved
+        to CPU on CUDA; :meth:`wake` moves them back). Level 2 frees the parameters' storage: after :meth:`wake`,
+        a complete :meth:`update_weights` must load weights before the engine generates again. Sleeping again at
+        the same level is a no-op."""
+        if not self._state.check_sleep(level):
+            return
         self._bind_loop()
-        if not self._sleeping:
-            self._sleep_paused = not self._paused
-        self._paused = True
+        self._state.on_sleep(level)  # paused from here on: no new step starts
         async with self._lock:
-            if self._device.type != "cpu" and not self._sleeping:
-                self._invalidate_kv()
+            self._abort_locked(None, keep_kv=False)
+            self._invalidate_kv()
+            on_device = self._device.type != "cpu"
+            if level == 1 and on_device:
                 self.model.to("cpu")
+            if level == 2:
+                self._discarded = [(p, p.shape, p.dtype) for p in self.model.parameters()]
+                for p, _, dtype in self._discarded:
+                    p.data = torch.empty(0, dtype=dtype, device=p.device)
+            if on_device and torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            self._sleeping = True
 
     async def wake(self) -> None:
-        """Undo :meth:`sleep`: weights back on their device; resume if :meth:`sleep` was what paused."""
+        """Undo :meth:`sleep`: level 1 brings the weights back and generation resumes (unless :meth:`pause` was
+        called before the sleep); level 2 re-allocates the parameters (NaN-filled) and generation resumes after the
+        next complete :meth:`update_weights`. A no-op when awake."""
+        self._state.check_open()
         self._bind_loop()
         async with self._lock:
-            if self._sleeping and self._device.type != "cpu":
+            if not self._state.sleep_level:
+                return
+            if self._state.sleep_level == 1 and self._device.type != "cpu":
                 self.model.to(self._device)
-            was_sleeping, self._sleeping = self._sleeping, False
-        if was_sleeping and self._sleep_paused:
-            await self.resume()
+            if self._state.sleep_level == 2:
+                for p, shape, dtype in self._discarded:
+                    p.data = torch.full(shape, float("nan"), dtype=dtype, device=self._device)
+                self._discarded = []
+                self.model.to(self._device)  # buffers too, had they moved
+            self._state.on_wake()
+        self._wake.set()
+
+    def close(self) -> None:
+        """Release the engine: every request in flight returns its partial output (``finish_reason="abort"``),
+        the KV caches are freed, the engine loop stops, and every later call raises
+        :class:`~rlblocks.errors.EngineError`. Idempotent; callable from any thread or after the event loop ended."""
+        if self._state.closed:
+            return
+        self._state.closed = True
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            self._close_now(resolve=False)  # no one can await these futures any more
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not loop and loop.is_running():
+            loop.call_soon_threadsafe(self._close_now)
+        else:
+            self._close_now()
+
+    async def aclose(self) -> None:
+        """:meth:`close` from inside the engine's event loop, waiting for the current step to end first."""
+        if self._state.closed:
+            return
+        if self._lock is not None and self._loop is asyncio.get_running_loop():
+            async with self._lock:
+                self.close()
+        else:
+            self.close()
+        task = self._task
+        if task is not None and not task.done() and task.get_loop() is asyncio.get_running_loop():
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _close_now(self, resolve: bool = True) -> None:
+        for seq in list(self._seqs.values()):
+            if resolve:
+                self._finish(seq, "abort")
+            else:
+                seq.done = True
+        self._seqs.clear()
+        self._batch = None
+        self._prefix.clear()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+    def __enter__(self) -> TorchEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ loop
     def _bind_loop(self) -> None:
@@ -434,7 +533,7 @@ class TorchEngine:
             self._task = loop.create_task(self._run())
 
     def _has_work(self) -> bool:
-        return not self._paused and bool(self._seqs)
+        return not self._state.paused and bool(self._seqs)
 
     async def _run(self) -> None:
         while True:
@@ -450,10 +549,15 @@ class TorchEngine:
                     result = await asyncio.to_thread(self._compute, plan)
                     self._apply(result)
                 except Exception as exc:  # fail every waiting caller rather than hang; the loop lives on
+                    err = EngineError(
+                        f"TorchEngine: a forward step failed ({type(exc).__name__}: {exc}); the "
+                        f"{len(self._seqs)} request(s) in flight failed with it and the engine goes on"
+                    )
+                    err.__cause__ = exc
                     for seq in list(self._seqs.values()):
                         seq.done = True
                         if not seq.future.done():
-                            seq.future.set_exception(exc)
+                            seq.future.set_exception(err)
                     self._seqs.clear()
                     self._batch = None
             await asyncio.sleep(0)  # let pause/abort/update take the lock between steps
@@ -483,8 +587,8 @@ class TorchEngine:
         if best is not None:
             kv, _ = self._prefix.pop(best)
             seq.kv, seq.n_cached = kv, len(best)
-            self.stats.prefix_cache_hits += 1
-            self.stats.prefix_cache_reused_tokens += len(best)
+            self._stats.prefix_cache_hits += 1
+            self._stats.prefix_cache_reused_tokens += len(best)
 
     def _store_prefix(self, seq: _Seq, kv: KV | None, n_cached: int) -> None:
         if self.prefix_cache_size == 0 or kv is None or n_cached == 0:
@@ -503,12 +607,14 @@ class TorchEngine:
                     return self._batch.row_kv(b), self._batch.width - self._batch.pads[b]
         return seq.kv, seq.n_cached
 
-    def _abort_locked(self, wanted: list[str] | None) -> list[str]:
+    def _abort_locked(self, wanted: list[str] | None, *, keep_kv: bool = True) -> list[str]:
+        """Abort ``wanted`` (``None``: all); with ``keep_kv`` their KV goes to the prefix cache for the resume."""
         ids = list(self._seqs) if wanted is None else [r for r in wanted if r in self._seqs]
         for rid in ids:
             seq = self._seqs.pop(rid)
-            kv, n = self._take_kv(seq)
-            self._store_prefix(seq, kv, n)
+            if keep_kv:
+                kv, n = self._take_kv(seq)
+                self._store_prefix(seq, kv, n)
             self._finish(seq, "abort")
         if ids and self._batch is not None:
             self._batch = self._drop_rows(self._batch)
@@ -542,24 +648,23 @@ class TorchEngine:
     # ------------------------------------------------------------------ compute (worker thread)
     def _forward(self, input_ids: Tensor, kv: KV | None, attention_mask: Tensor, position_ids: Tensor):
         cache = _make_cache(kv)
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {self._cache_arg: cache, "use_cache": True}
         if self._supports_logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            **kwargs,
-        )
-        self.stats.forwards += 1
-        new_kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        self._stats.forwards += 1
+        # A Cache is updated in place by the forward: read the keys and values from the object we passed rather
+        # than from the output, whose field is also being renamed (``past_key_values`` -> ``cache``).
+        new_kv = [(layer.keys, layer.values) for layer in cache.layers]
         return out.logits[:, -1, :].float(), new_kv
 
     def _compute(self, live: list[_Seq]) -> list[tuple[_Seq, int, float] | None]:
-        with torch.inference_mode():
-            return self._compute_invariant(live) if self.batch_invariant else self._compute_batched(live)
+        try:
+            with torch.inference_mode():
+                return self._compute_invariant(live) if self.batch_invariant else self._compute_batched(live)
+        finally:
+            if self._state.closed:  # closed while this step ran: do not keep its decode batch alive
+                self._batch = None
 
     def _prefill_group(self, group: list[_Seq], n_cached: int, m: int) -> tuple[Tensor, KV]:
         dev = self._device
@@ -572,7 +677,7 @@ class TorchEngine:
                 (torch.cat([s.kv[layer][0] for s in group]), torch.cat([s.kv[layer][1] for s in group]))
                 for layer in range(len(group[0].kv))
             ]
-        self.stats.prefill_tokens += len(group) * m
+        self._stats.prefill_tokens += len(group) * m
         return self._forward(ids, kv, mask, pos)
 
     def _compute_invariant(self, live: list[_Seq]) -> list[tuple[_Seq, int, float] | None]:
@@ -658,7 +763,7 @@ class TorchEngine:
             if p:
                 mask[b, :p] = 0
         pos = torch.tensor([[width - p] for p in batch.pads], device=dev)
-        self.stats.decode_tokens += n
+        self._stats.decode_tokens += n
         return self._forward(ids, list(zip(batch.keys, batch.values)), mask, pos)
 
     def _sample(self, seqs: list[_Seq], logits: Float[Tensor, "B V"]) -> list[tuple[_Seq, int, float]]:
@@ -686,7 +791,7 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ results (event loop, under lock)
     def _apply(self, result: list[tuple[_Seq, int, float] | None]) -> None:
-        self.stats.steps += 1
+        self._stats.steps += 1
         finished = False
         for item in result:
             if item is None:

@@ -120,13 +120,63 @@ class Generation:
 class RolloutEngine(Protocol):
     """What every engine implements (TorchEngine, VLLMEngine, SGLangEngine, Router).
 
-    Weight updates follow *quiesce, swap, commit, resume*: ``update_weights`` runs only while the engine is paused
-    (it pauses itself otherwise, and resumes afterwards if it did), loads every tensor, invalidates prefix/KV caches
-    computed under the old weights, and only then makes ``version`` visible.
+    Weight updates
+    --------------
+    ``update_weights(named_tensors, *, version, partial=False, allow_rollback=False)`` follows *quiesce, swap,
+    commit, resume*: it runs only while the engine is paused (it pauses itself otherwise, and resumes afterwards if
+    it did), loads every tensor, invalidates prefix/KV caches computed under the old weights, and only then makes
+    ``version`` visible. Every engine checks the update with one rule before anything is touched (see
+    :mod:`rlblocks.rollout._weights`): an empty update, unknown names, duplicates, wrong shapes or dtypes, non-finite
+    values, a partial update without ``partial=True``, tied aliases with different values and ``version <
+    engine.version`` without ``allow_rollback=True`` raise :class:`~rlblocks.errors.WeightUpdateError`;
+    ``version == engine.version`` re-loads the current version.
+
+    Sleep and wake (one meaning on every engine)
+    --------------------------------------------
+    ``sleep(level=1)`` gives the accelerator memory back between rollout phases (e.g. a trainer on the same GPU):
+
+    - **In-flight requests**: every request in flight — running, waiting, or frozen by ``pause("keep")`` — is
+      aborted: its ``generate`` call returns the partial output with ``finish_reason="abort"`` (what
+      :func:`~rlblocks.rollout.resume.resumable_generate` re-submits after the wake). Nothing survives a sleep, so
+      no request can continue on weights the sleep discarded. Requests submitted while asleep wait, as while
+      paused; ``is_paused`` is True.
+    - **Caches**: prefix and KV caches are dropped at both levels.
+    - **Level 1**: the weights are kept (offloaded to host memory where the engine can) and :meth:`wake` restores
+      them; ``version`` is unchanged.
+    - **Level 2**: the weights are discarded. ``version`` is unchanged (it names the weights the engine will be given
+      back), but after :meth:`wake` the engine stays paused until a complete ``update_weights`` (``partial=False``)
+      has loaded weights; that update resumes generation. Until then a partial update is refused
+      (``WeightUpdateError``) and :meth:`resume` raises :class:`~rlblocks.errors.EngineError`.
+    - **Wake** restores what the sleep released and resumes generation (for level 2: at the next complete update),
+      unless the engine had been paused by :meth:`pause` before the sleep: that pause still holds after the wake.
+    - Sleeping again at the same level and waking an awake engine are no-ops; sleeping at another level,
+      ``update_weights`` and ``resume`` while asleep raise ``EngineError``.
+    - An engine that cannot release memory (CPU builds) still follows every rule above; only the release itself is
+      skipped (each engine documents what it frees).
+
+    Release
+    -------
+    ``close()`` (sync, idempotent; ``aclose()`` inside the event loop) releases the engine. In-flight requests
+    return their partial output (``finish_reason="abort"``) where the engine can still produce it; every later call
+    raises ``EngineError``.
     """
 
     @property
     def version(self) -> int: ...
+
+    @property
+    def is_paused(self) -> bool:
+        """True while the engine does not generate (paused, asleep, or waiting for weights after a level-2 sleep)."""
+        ...
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not yet returned."""
+        ...
+
+    def stats(self) -> dict:
+        """The engine's counters as a plain dict."""
+        ...
 
     async def generate(self, request: GenerationRequest) -> Generation:
         """Complete one request. An aborted request returns its partial output with ``finish_reason="abort"``."""
@@ -144,8 +194,17 @@ class RolloutEngine(Protocol):
 
     async def resume(self) -> None: ...
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, version: int) -> None: ...
+    async def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, Tensor]],
+        *,
+        version: int,
+        partial: bool = False,
+        allow_rollback: bool = False,
+    ) -> None: ...
 
-    async def sleep(self) -> None: ...
+    async def sleep(self, level: int = 1) -> None: ...
 
     async def wake(self) -> None: ...
+
+    def close(self) -> None: ...

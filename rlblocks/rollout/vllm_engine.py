@@ -21,15 +21,24 @@ Conventions
   in transit when an update commits (``pause_generation`` waits for the core to go idle first).
   A request served with a LoRA adapter carries the adapter's version on every token (adapters are never swapped
   under a running request).
-- **Weight updates** (*quiesce, swap, commit, resume*): pause (mode ``keep``, unless already paused) → validate every
-  name and shape against the model's checkpoint layout (``ValueError`` naming the tensor; nothing is loaded) →
+- **Weight updates** (*quiesce, swap, commit, resume*): check the update with the rule every engine shares
+  (:mod:`rlblocks.rollout._weights`, against the model's checkpoint layout; a refusal raises
+  :class:`~rlblocks.errors.WeightUpdateError` and nothing is loaded) → pause (mode ``keep``, unless already paused) →
   ``collective_rpc`` into the worker's ``reload_weights(weights_iterator=...)`` (via :class:`WorkerExtension`) →
   ``reset_prefix_cache(reset_running_requests=True)`` (frozen requests are preempted and re-prefilled under the
   new weights: no KV computed under old weights survives) → commit the version → resume (only if this call paused).
   ``pause`` itself keeps the caches, so an abort-and-resubmit without an update re-uses the prefix cache.
-- **sleep / wake** call ``AsyncLLM.sleep`` / ``wake_up`` when the engine was started with ``enable_sleep_mode=True``
-  (GPU). Otherwise, and always on CPU (vLLM's CPU worker ignores sleep), they only pause and resume: no memory is
-  released.
+- **sleep / wake** follow the protocol (:class:`~rlblocks.rollout.types.RolloutEngine`). With
+  ``enable_sleep_mode=True`` on GPU they call ``AsyncLLM.sleep(level, mode="abort")`` / ``wake_up()`` (level 1
+  offloads the weights to CPU and frees the KV cache, level 2 frees both). vLLM's ``wake_up`` resumes its scheduler
+  by itself, so two things keep a request from running on discarded weights: the sleep aborts every request in
+  flight (frozen ``keep`` ones included), and until the engine may generate again (after a level-2 sleep: until a
+  complete update) new requests are held in this client and vLLM's scheduler is paused again right after the wake.
+  Without sleep mode, and always on CPU (vLLM's CPU worker has no sleep mode), nothing is released but every other
+  rule holds.
+- **Errors**: :class:`~rlblocks.errors.ArgumentError` for a bad request, :class:`~rlblocks.errors.WeightUpdateError`
+  for a refused update, :class:`~rlblocks.errors.EngineError` for an answer of vLLM that breaks the contract and for
+  every call after :meth:`VLLMEngine.close`.
 """
 
 from __future__ import annotations
@@ -49,8 +58,11 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from rlblocks.errors import ArgumentError
+from rlblocks._deprecate import renamed_kwargs, warn_renamed
+from rlblocks.errors import ArgumentError, EngineError, WeightUpdateError
 
+from ._common import InFlightCount, Lifecycle, StatsView
+from ._weights import WeightLayout, check_version, refuse
 from .types import Generation, GenerationRequest, SamplingParams
 
 __all__ = ["VLLMEngine", "VLLMEngineStats", "WorkerExtension", "nccl_trainer_init", "nccl_trainer_send"]
@@ -92,6 +104,8 @@ class _InFlight:
     request: GenerationRequest
     internal_id: str | None = None  # vLLM's rewritten id, known once the request is registered
     abort_requested: bool = False
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)  # wakes a request held by the sleep gate
+    queue: Any = None  # vLLM's RequestOutputCollector of the request, once registered
     lora_version: int | None = None
     tokens: list[int] = field(default_factory=list)  # delta-streaming fallback only
     logprobs: list[float] = field(default_factory=list)
@@ -127,9 +141,9 @@ def _temporary_env(env: Mapping[str, str]) -> Iterator[None]:
 
 def _sampled_logprob(entry: Any, token_id: int, position: int) -> float:
     if entry is None:
-        raise RuntimeError(f"vLLM returned no logprob for output position {position} (token {token_id})")
+        raise EngineError(f"vLLM returned no logprob for output position {position} (token {token_id})")
     if token_id not in entry:
-        raise RuntimeError(
+        raise EngineError(
             f"vLLM's logprobs at output position {position} do not contain the sampled token {token_id}: "
             f"got ids {sorted(entry)}"
         )
@@ -170,12 +184,14 @@ class VLLMEngine:
         self._version = int(version)
         self._label_versions: dict[str, int] = {"default": self._version}
         self._max_staleness = max_staleness
-        self._expected = None if expected_weights is None else {k: tuple(v) for k, v in expected_weights.items()}
-        self._tied: dict[str, str] = {}
+        self._layout = None if expected_weights is None else WeightLayout.from_shapes(expected_weights)
         self._packed: dict[str, str] = {}
         self._inflight: dict[str, _InFlight] = {}
-        self._paused = False
-        self._sleeping = False
+        self._state = Lifecycle("VLLMEngine")
+        self._vllm_paused = False  # whether vLLM's scheduler was told to pause
+        self._gate = asyncio.Event()  # cleared while asleep / waiting for weights: new requests wait in this client
+        self._gate.set()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._control = asyncio.Lock()
         self._max_model_len = int(llm.model_config.max_model_len)
         chunked = bool(llm.vllm_config.scheduler_config.enable_chunked_prefill)
@@ -185,10 +201,9 @@ class VLLMEngine:
         self._lora_users: dict[int, int] = {}  # version -> number of in-flight requests using it
         self._lora_version: int | None = None  # adapter that new requests get (None: base model)
         self._gc_tasks: set[asyncio.Task] = set()
-        self.stats = VLLMEngineStats()
+        self._stats = VLLMEngineStats()
         self._own_lora_dir = lora_dir is None
         self._lora_dir = Path(lora_dir) if lora_dir is not None else None
-        self._closed = False
         from vllm.outputs import CompletionOutput
 
         self._engine_labels = "weight_versions" in getattr(CompletionOutput, "__dataclass_fields__", {})
@@ -257,14 +272,18 @@ class VLLMEngine:
             )
 
     def close(self) -> None:
-        """Shut the engine processes down and delete adapters this engine wrote. Idempotent.
+        """Shut the engine processes down and delete adapters this engine wrote. Idempotent; every later call
+        raises :class:`~rlblocks.errors.EngineError`.
 
-        Called outside the event loop (e.g. after ``asyncio.run`` or between ``run_until_complete`` calls), it also
-        runs that loop until vLLM's output-handler task has processed its cancellation; otherwise the pending task
-        keeps a ZMQ socket open and the interpreter can hang at exit. Inside the loop, use :meth:`aclose`."""
-        if self._closed:
+        A request still in flight cannot return its partial output from here (vLLM keeps the tokens until the request
+        finishes): its ``generate`` call raises ``EngineError``. :meth:`aclose` aborts them first, so that they return
+        their partial outputs. Called outside the event loop (e.g. after ``asyncio.run`` or between
+        ``run_until_complete`` calls), it also runs that loop until vLLM's output-handler task has processed its
+        cancellation; otherwise the pending task keeps a ZMQ socket open and the interpreter can hang at exit."""
+        if self._state.closed:
             return
-        self._closed = True
+        self._state.closed = True
+        self._fail_in_flight()
         # Drop our reference so that AsyncLLM.__del__ runs now, while modules are alive (not at interpreter exit).
         llm, self._llm = self._llm, None
         handler = getattr(llm, "output_handler", None)
@@ -279,8 +298,45 @@ class VLLMEngine:
         if self._own_lora_dir and self._lora_dir is not None:
             shutil.rmtree(self._lora_dir, ignore_errors=True)
 
-    async def aclose(self) -> None:
-        """:meth:`close` from inside the engine's event loop: also waits for vLLM's output handler to stop."""
+    def _fail_in_flight(self) -> None:
+        """Wake every ``generate`` still waiting (on vLLM or on the sleep gate) with an EngineError."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        err = EngineError("VLLMEngine: the engine was closed while the request was in flight (aclose() returns "
+                          "partial outputs)")
+
+        def fail() -> None:
+            for state in list(self._inflight.values()):
+                state.abort_requested = True
+                state.aborted.set()
+                if state.queue is not None:
+                    state.queue.put(err)
+            self._gate.set()
+
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not loop and loop.is_running():
+            loop.call_soon_threadsafe(fail)
+        else:
+            fail()
+
+    async def aclose(self, timeout: float = 30.0) -> None:
+        """:meth:`close` from inside the engine's event loop: requests in flight are aborted first and return their
+        partial outputs (waiting at most ``timeout`` seconds for them), then vLLM's output handler is stopped."""
+        if self._state.closed:
+            return
+        if self._inflight:
+            pending = [s for s in self._inflight.values()]
+            await self.abort(None)
+            self._gate.set()  # requests held by a sleep return their (empty) abort now
+            deadline = asyncio.get_running_loop().time() + timeout
+            while any(s.request.request_id in self._inflight for s in pending):
+                if asyncio.get_running_loop().time() > deadline:
+                    break
+                await asyncio.sleep(0.01)
         handler = getattr(self._llm, "output_handler", None) if self._llm is not None else None
         self.close()
         if handler is not None and not handler.done():
@@ -302,8 +358,9 @@ class VLLMEngine:
 
     @property
     def is_paused(self) -> bool:
-        """True between :meth:`pause` (or :meth:`sleep`) and :meth:`resume` (or :meth:`wake`)."""
-        return self._paused
+        """True while the engine does not generate: between :meth:`pause` and :meth:`resume`, asleep, after a
+        level-2 sleep until a complete update, and during an update that paused it."""
+        return self._state.paused
 
     @property
     def llm(self) -> Any:
@@ -312,7 +369,14 @@ class VLLMEngine:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._inflight)
+        """Requests submitted and not yet returned."""
+        return InFlightCount(len(self._inflight))
+
+    @property
+    def stats(self) -> StatsView:
+        """``engine.stats()``: the counters of :class:`VLLMEngineStats` as a dict (``engine.stats.<counter>``
+        still works for one release, with a DeprecationWarning)."""
+        return StatsView(self._stats, "VLLMEngine")
 
     def in_flight_ids(self) -> list[str]:
         return list(self._inflight)
@@ -349,11 +413,12 @@ class VLLMEngine:
     async def generate(self, request: GenerationRequest) -> Generation:
         """Complete ``request``. Stops on a token of ``stop_token_ids`` (kept in ``output_ids``; the model's EOS is
         not implicit), on ``max_new_tokens``, or at ``max_model_len`` (``"length"``). An aborted request returns
-        its partial output with ``finish_reason="abort"``. ``request_id`` must not be in flight already."""
+        its partial output with ``finish_reason="abort"``. ``request_id`` must not be in flight already. While the
+        engine is asleep (or waits for weights after a level-2 sleep) the request waits in this client."""
         if not isinstance(request, GenerationRequest):
             raise ArgumentError(f"request: expected a GenerationRequest, got {type(request).__name__}")
-        if self._closed:
-            raise RuntimeError("VLLMEngine: the engine is closed")
+        self._state.check_open()
+        self._loop = asyncio.get_running_loop()
         rid = request.request_id
         if rid in self._inflight:
             raise ArgumentError(f"request.request_id: {rid!r} is already in flight on this engine; ids must be unique")
@@ -361,17 +426,23 @@ class VLLMEngine:
             return Generation(rid, list(request.prompt_ids), finish_reason="length")
         params = self._sampling_params(request.sampling, len(request.prompt_ids))
         state = _InFlight(request)
-        lora_request = None
-        if self._lora_version is not None:
-            state.lora_version = self._lora_version
-            lora_request = self._loras[self._lora_version]
-            self._lora_users[state.lora_version] = self._lora_users.get(state.lora_version, 0) + 1
         self._inflight[rid] = state
         try:
+            if not self._gate.is_set():
+                await self._wait_gate(state)
+                self._state.check_open()
+                if state.abort_requested:  # aborted while it waited: nothing was generated
+                    return Generation(rid, list(request.prompt_ids), finish_reason="abort")
+            lora_request = None
+            if self._lora_version is not None:
+                state.lora_version = self._lora_version
+                lora_request = self._loras[self._lora_version]
+                self._lora_users[state.lora_version] = self._lora_users.get(state.lora_version, 0) + 1
             queue = await self._llm.add_request(
                 rid, {"prompt_token_ids": list(request.prompt_ids)}, params, lora_request=lora_request
             )
             state.internal_id = queue.request_id
+            state.queue = queue
             try:
                 if state.abort_requested:  # abort() ran before the request was registered in vLLM
                     await self._llm.abort(state.internal_id, internal=True)
@@ -385,28 +456,39 @@ class VLLMEngine:
                         break
             except BaseException:
                 # Cancelled or failed: make sure vLLM does not keep generating for nobody.
-                with contextlib.suppress(Exception):
-                    await self._llm.abort(state.internal_id, internal=True)
+                if self._llm is not None:
+                    with contextlib.suppress(Exception):
+                        await self._llm.abort(state.internal_id, internal=True)
                 raise
             finally:
                 queue.close()
             gen = self._to_generation(state, final.outputs[0])
             cached = int(getattr(final, "num_cached_tokens", 0) or 0)
-            self.stats.requests += 1
-            self.stats.cached_prompt_tokens += cached
-            self.stats.prefill_tokens += len(request.prompt_ids) - cached
-            self.stats.output_tokens += gen.num_output_tokens
+            self._stats.requests += 1
+            self._stats.cached_prompt_tokens += cached
+            self._stats.prefill_tokens += len(request.prompt_ids) - cached
+            self._stats.output_tokens += gen.num_output_tokens
             return gen
         finally:
             self._inflight.pop(rid, None)
             if state.lora_version is not None:
                 self._release_lora(state.lora_version)
 
+    async def _wait_gate(self, state: _InFlight) -> None:
+        """Hold a request in this client until the engine may generate again, or until it is aborted."""
+        gate = asyncio.ensure_future(self._gate.wait())
+        aborted = asyncio.ensure_future(state.aborted.wait())
+        try:
+            await asyncio.wait({gate, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gate.cancel()
+            aborted.cancel()
+
     def _take_delta(self, state: _InFlight, comp: Any) -> None:
         ids = list(comp.token_ids)
         lps = comp.logprobs or []
         if len(lps) != len(ids):
-            raise RuntimeError(f"vLLM returned {len(lps)} logprob entries for {len(ids)} tokens")
+            raise EngineError(f"vLLM returned {len(lps)} logprob entries for {len(ids)} tokens")
         v = state.lora_version if state.lora_version is not None else self._version
         for i, (t, e) in enumerate(zip(ids, lps)):
             state.logprobs.append(_sampled_logprob(e, t, len(state.tokens) + i))
@@ -417,14 +499,14 @@ class VLLMEngine:
         req = state.request
         reason = _FINISH.get(str(comp.finish_reason))
         if reason is None:
-            raise RuntimeError(f"vLLM finished request {req.request_id!r} with finish_reason={comp.finish_reason!r}")
+            raise EngineError(f"vLLM finished request {req.request_id!r} with finish_reason={comp.finish_reason!r}")
         if not self._engine_labels:
             ids, lps, versions = state.tokens, state.logprobs, state.versions
         else:
             ids = list(comp.token_ids)
             entries = comp.logprobs or []
             if len(entries) != len(ids):
-                raise RuntimeError(f"vLLM returned {len(entries)} logprob entries for {len(ids)} tokens")
+                raise EngineError(f"vLLM returned {len(entries)} logprob entries for {len(ids)} tokens")
             lps = [_sampled_logprob(e, t, i) for i, (t, e) in enumerate(zip(ids, entries))]
             if state.lora_version is not None:
                 versions = [state.lora_version] * len(ids)
@@ -436,15 +518,15 @@ class VLLMEngine:
         if n == 0:
             return []
         if not spans:
-            raise RuntimeError(f"vLLM reported no weight-version spans for the {n} tokens of request {rid!r}")
+            raise EngineError(f"vLLM reported no weight-version spans for the {n} tokens of request {rid!r}")
         versions: list[int] = []
         for span in spans:
             label = str(span.version)
             if label not in self._label_versions:
-                raise RuntimeError(f"vLLM labelled tokens of {rid!r} with an unknown weight version {label!r}")
+                raise EngineError(f"vLLM labelled tokens of {rid!r} with an unknown weight version {label!r}")
             versions.extend([self._label_versions[label]] * (span.end - span.start))
         if len(versions) != n:
-            raise RuntimeError(f"vLLM's weight-version spans cover {len(versions)} of the {n} tokens of {rid!r}")
+            raise EngineError(f"vLLM's weight-version spans cover {len(versions)} of the {n} tokens of {rid!r}")
         return versions
 
     async def abort(self, request_ids: Iterable[str] | None = None) -> list[str]:
@@ -452,6 +534,7 @@ class VLLMEngine:
         calls return the partial output with ``finish_reason="abort"``. Ids not in flight are ignored (a documented
         no-op: they are absent from the returned list). Returns the ids that were in flight; a request that
         finished on its own in the same instant returns with its natural finish reason."""
+        self._state.check_open()
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         names = list(self._inflight) if request_ids is None else [r for r in request_ids if r in self._inflight]
@@ -459,6 +542,7 @@ class VLLMEngine:
         for rid in names:
             state = self._inflight[rid]
             state.abort_requested = True
+            state.aborted.set()
             if state.internal_id is not None:
                 internal.append(state.internal_id)
         if internal:
@@ -473,32 +557,46 @@ class VLLMEngine:
         weights is ever reused."""
         if mode not in ("abort", "keep"):
             raise ArgumentError(f"mode: expected 'abort' or 'keep', got {mode!r}")
+        self._state.check_open()
         async with self._control:
+            self._state.user_paused = True
+            if self._state.sleep_level:
+                return  # asleep: nothing runs in vLLM, requests wait in this client
             await self._llm.pause_generation(mode=mode, clear_cache=False)
-            self._paused = True
+            self._vllm_paused = True
 
     async def resume(self) -> None:
+        """Resume generation. Raises :class:`~rlblocks.errors.EngineError` while asleep, and after a level-2 sleep
+        until a complete update has loaded weights."""
+        self._state.check_resume()
         async with self._control:
+            self._state.check_resume()
+            self._state.user_paused = False
+            await self._apply_run_state()
+
+    async def _apply_run_state(self) -> None:
+        """Make vLLM's scheduler and the client gate agree with the engine state (under ``_control``)."""
+        if not self._state.paused and self._vllm_paused:
             await self._llm.resume_generation()
-            self._paused = False
+            self._vllm_paused = False
+        if not (self._state.sleep_level or self._state.needs_weights):
+            self._gate.set()
 
     # ------------------------------------------------------------------ weights
-    def _expected_weights(self) -> dict[str, tuple[int, ...]]:
-        """Checkpoint-format names and shapes, from the HF model class built on the meta device."""
-        if self._expected is None:
+    def _weight_layout(self) -> WeightLayout:
+        """Checkpoint-format names, shapes and tied aliases, from the HF model class built on the meta device."""
+        if self._layout is None:
             from transformers import AutoConfig, AutoModelForCausalLM
 
             mc = self._llm.model_config
             cfg = AutoConfig.from_pretrained(mc.model, trust_remote_code=mc.trust_remote_code)
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=mc.trust_remote_code)
-            self._expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-            out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
-            if out_emb is not None and in_emb is not None and out_emb.weight is in_emb.weight:
-                names = {id(m): n for n, m in model.named_modules()}
-                self._tied = {f"{names[id(out_emb)]}.weight": f"{names[id(in_emb)]}.weight"}
-            self._packed = self._packed_modules(mc)
-        return self._expected
+            # vLLM loads checkpoint names only: non-persistent buffers (rotary frequencies) are not part of it
+            self._layout = WeightLayout.from_module(model, non_persistent_buffers=False)
+        if not self._packed:
+            self._packed = self._packed_modules(self._llm.model_config)
+        return self._layout
 
     @staticmethod
     def _packed_modules(model_config: Any) -> dict[str, str]:
@@ -518,55 +616,29 @@ class VLLMEngine:
         fused = self._packed.get(leaf, leaf)
         return f"{prefix}.{fused}" if prefix else fused
 
-    def validate_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
-        """Check names, shapes and dtypes against the model before anything is loaded. Returns the list.
+    def validate_weights(
+        self, named_tensors: Iterable[tuple[str, Tensor]], *, partial: bool = False
+    ) -> list[tuple[str, Tensor]]:
+        """Check an update against the model before anything is loaded (the shared rule of
+        :mod:`rlblocks.rollout._weights`) and return it as ``[(checkpoint name, tensor)]``.
 
-        Raises ``ValueError`` naming the tensor for: an unknown name, a wrong shape, a non-floating dtype, a name
-        given twice, or a partial fused module (vLLM fuses e.g. ``q/k/v_proj`` into ``qkv_proj`` and
-        ``gate/up_proj`` into ``gate_up_proj``; loading part of one would leave the rest undefined, so all parts
-        must come together). For tied embeddings the output name alone is refused (vLLM skips it)."""
-        expected = self._expected_weights()
-        items = []
-        seen: set[str] = set()
-        for item in named_tensors:
-            if not (isinstance(item, tuple | list) and len(item) == 2):
-                raise ArgumentError(f"named_tensors: expected (name, Tensor) pairs, got {type(item).__name__}")
-            name, t = item
-            if not isinstance(name, str) or name not in expected:
-                raise ArgumentError(
-                    f"named_tensors: {name!r} is not a weight of this "
-                    f"model (checkpoint names expected)"
-                )
-            if not isinstance(t, Tensor):
-                raise ArgumentError(f"named_tensors[{name!r}]: expected a torch.Tensor, got {type(t).__name__}")
-            if tuple(t.shape) != expected[name]:
-                raise ArgumentError(
-                    f"named_tensors[{name!r}]: expected shape {list(expected[name])}, got {list(t.shape)}"
-                )
-            if not t.is_floating_point():
-                raise ArgumentError(f"named_tensors[{name!r}]: expected a floating-point tensor, got {t.dtype}")
-            if name in seen:
-                raise ArgumentError(f"named_tensors: {name!r} is given twice")
-            seen.add(name)
-            items.append((name, t))
-        for out_name, in_name in self._tied.items():
-            if out_name in seen and in_name not in seen:
-                raise ArgumentError(
-                    f"named_tensors: {out_name!r} is tied to {in_name!r}, which vLLM loads instead: send {in_name!r}"
-                )
+        Tied aliases are folded into the name vLLM loads (``lm_head.weight`` of a tied model becomes
+        ``model.embed_tokens.weight``, which vLLM loads instead of skipping). vLLM also fuses e.g. ``q/k/v_proj``
+        into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj``; loading part of one would leave the rest
+        undefined, so a partial update must send every part of the fused modules it touches. Raises
+        :class:`~rlblocks.errors.WeightUpdateError`."""
+        layout = self._weight_layout()
+        items = layout.validate(named_tensors, engine="VLLMEngine", partial=partial)
+        seen = {n for n, _ in items}
         groups: dict[str, set[str]] = {}
-        for name in expected:
-            if name in self._tied:
-                continue
+        for name in layout.required:
             groups.setdefault(self._fused_module(name), set()).add(name)
         for name in seen:
-            if name in self._tied:
-                continue
-            missing = sorted(groups[self._fused_module(name)] - seen)
+            missing = sorted(groups.get(self._fused_module(name), set()) - seen)
             if missing:
-                raise ArgumentError(
-                    f"named_tensors: {name!r} is part of the fused vLLM module {self._fused_module(name)!r}; "
-                    f"also send {missing}"
+                raise refuse(
+                    "VLLMEngine",
+                    f"{name!r} is part of the fused vLLM module {self._fused_module(name)!r}; also send {missing}",
                 )
         return items
 
@@ -575,49 +647,73 @@ class VLLMEngine:
         self._label_versions[str(version)] = version
         self._version = version
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, version: int) -> None:
-        """Load checkpoint-format tensors (HF names) and commit ``version`` (see the module docstring).
-
-        Every name and shape is validated before anything is loaded; on a ``ValueError`` the engine keeps its old
-        weights and version (and is resumed if this call paused it). Tensors travel to the worker through
-        ``collective_rpc`` as raw bytes (any device, any dtype; :class:`WorkerExtension` rebuilds them), one call
-        for the whole set, so a fused module is never half-loaded: fine for small models and CPU; for large GPU
-        models use :meth:`init_weight_transfer` + :meth:`update_weights_from_distributed` (NCCL). The engine must run
-        :class:`WorkerExtension` (``from_pretrained`` sets it; a custom ``worker_extension_cls`` must subclass it)."""
-        if not isinstance(version, int):
-            raise ArgumentError(f"version: expected an int, got {version!r}")
+    async def _swap(self, version: int, partial: bool, allow_rollback: bool, load: Any) -> None:
+        """Quiesce, run ``load()``, reset caches, commit ``version``, resume (the order of the module docstring)."""
         async with self._control:
-            paused_here = not self._paused
-            if paused_here:
-                await self._llm.pause_generation(mode="keep", clear_cache=False)
+            # another update may have committed while this one waited for the lock
+            check_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
+            self._state.check_update(partial)
+            self._state.updating += 1
             try:
-                items = self.validate_weights(named_tensors)
-                encoded = [(n, *_encode_tensor(t)) for n, t in items]
-                await self._llm.collective_rpc("rlblocks_reload_weights", args=(encoded,))
+                if not self._vllm_paused:
+                    await self._llm.pause_generation(mode="keep", clear_cache=False)
+                    self._vllm_paused = True
+                await load()
                 await self._llm.reset_prefix_cache(reset_running_requests=True)
                 await self._commit_version(version)
+                if not partial:
+                    self._state.on_complete_update()
             finally:
-                if paused_here:
-                    await self._llm.resume_generation()
+                self._state.updating -= 1
+                await self._apply_run_state()
+
+    async def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, Tensor]],
+        *,
+        version: int,
+        partial: bool = False,
+        allow_rollback: bool = False,
+    ) -> None:
+        """Load checkpoint-format tensors (HF names) and commit ``version`` (see the module docstring).
+
+        The update is checked before anything is loaded; on a :class:`~rlblocks.errors.WeightUpdateError` the engine
+        keeps its old weights and version. Tensors travel to the worker through ``collective_rpc`` as raw bytes (any
+        device, any dtype; :class:`WorkerExtension` rebuilds them), one call for the whole set, so a fused module is
+        never half-loaded: fine for small models and CPU; for large GPU models use :meth:`init_weight_transfer` +
+        :meth:`update_weights_from_distributed` (NCCL). The engine must run :class:`WorkerExtension`
+        (``from_pretrained`` sets it; a custom ``worker_extension_cls`` must subclass it)."""
+        self._state.check_open()
+        check_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
+        self._state.check_update(partial)
+        items = self.validate_weights(list(named_tensors), partial=partial)
+        encoded = [(n, *_encode_tensor(t)) for n, t in items]
+
+        async def load() -> None:
+            await self._llm.collective_rpc("rlblocks_reload_weights", args=(encoded,))
+
+        await self._swap(version, partial, allow_rollback, load)
 
     # ---- NCCL path (GPU only): a trainer in another job broadcasts into the workers
+    @renamed_kwargs(master_address="master_addr")
     async def init_weight_transfer(
-        self, *, master_address: str, master_port: int, world_size: int, rank_offset: int = 1, packed: bool = True
+        self, *, master_addr: str, master_port: int, world_size: int, rank_offset: int = 1, packed: bool = True
     ) -> None:
         """Join the trainer's NCCL group (vLLM's ``StatelessProcessGroup`` rendezvous on a TCPStore at
-        ``master_address:master_port`` + ``PyNcclCommunicator``). The trainer is rank 0; worker ``i`` of this
+        ``master_addr:master_port`` + ``PyNcclCommunicator``). The trainer is rank 0; worker ``i`` of this
         engine is rank ``rank_offset + i``; ``world_size`` = 1 + all engine workers. The trainer calls
         :func:`nccl_trainer_init` concurrently. Needs CUDA and an engine started with
-        ``weight_transfer_config={"backend": "nccl"}``."""
+        ``weight_transfer_config={"backend": "nccl"}``. (``master_address=`` still works, with a warning.)"""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
+        self._state.check_open()
         if self._llm.vllm_config.weight_transfer_config is None:
             raise ArgumentError(
                 "weight_transfer_config: start the engine with weight_transfer_config={'backend': 'nccl'} "
                 "to use the NCCL weight-transfer path"
             )
-        info = {
-            "master_address": master_address,
+        info = {  # vLLM's own field names
+            "master_address": master_addr,
             "master_port": int(master_port),
             "rank_offset": int(rank_offset),
             "world_size": int(world_size),
@@ -626,38 +722,49 @@ class VLLMEngine:
         await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
 
     async def update_weights_from_distributed(
-        self, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]], *, version: int
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[torch.dtype],
+        shapes: Sequence[Sequence[int]],
+        *,
+        version: int,
+        partial: bool = False,
+        allow_rollback: bool = False,
     ) -> None:
         """Receive one broadcast round from the trainer (which calls :func:`nccl_trainer_send` with the same
-        names, dtypes and shapes, in the same order) and commit ``version``. Names and shapes are validated before
-        the round starts (``ValueError``, nothing received, old version kept: the trainer must not send then).
+        names, dtypes and shapes, in the same order) and commit ``version``. Names, shapes, dtypes, completeness and
+        the version are checked before the round starts (:class:`~rlblocks.errors.WeightUpdateError`, nothing
+        received, old version kept: the trainer must not send then; values cannot be checked before they arrive).
         Same pause / reset / commit sequence as :meth:`update_weights`."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
+        self._state.check_open()
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ArgumentError(
                 f"names, dtypes, shapes: expected equal lengths, got {len(names)}, {len(dtypes)}, {len(shapes)}"
             )
+        check_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
+        self._state.check_update(partial)
         metas = [(n, torch.empty(tuple(s), dtype=d, device="meta")) for n, d, s in zip(names, dtypes, shapes)]
-        async with self._control:
-            paused_here = not self._paused
-            if paused_here:
-                await self._llm.pause_generation(mode="keep", clear_cache=False)
-            try:
-                self.validate_weights(metas)
-                info = {
-                    "names": list(names),
-                    "dtype_names": [str(d).removeprefix("torch.") for d in dtypes],
-                    "shapes": [list(s) for s in shapes],
-                }
-                await self._llm.start_weight_update()
-                await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
-                await self._llm.finish_weight_update()
-                await self._llm.reset_prefix_cache(reset_running_requests=True)
-                await self._commit_version(version)
-            finally:
-                if paused_here:
-                    await self._llm.resume_generation()
+        self.validate_weights(metas, partial=partial)
+        layout = self._weight_layout()
+        # An alias sent alone is received under the name vLLM loads (a tied lm_head would otherwise be skipped).
+        given = set(names)
+        recv_names = [
+            layout.canonical(n) if layout.canonical(n) not in given else n for n in names
+        ]
+        info = {
+            "names": recv_names,
+            "dtype_names": [str(d).removeprefix("torch.") for d in dtypes],
+            "shapes": [list(s) for s in shapes],
+        }
+
+        async def load() -> None:
+            await self._llm.start_weight_update()
+            await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+            await self._llm.finish_weight_update()
+
+        await self._swap(version, partial, allow_rollback, load)
 
     # ------------------------------------------------------------------ LoRA
     def _write_adapter(self, lora: Any, version: int) -> str:
@@ -714,7 +821,7 @@ class VLLMEngine:
         """The stable adapter name of ``version`` (its vLLM ``lora_int_id`` is ``version + 1``)."""
         return f"rlblocks-v{version}"
 
-    async def update_lora(self, lora: Any, *, version: int) -> None:
+    async def update_lora(self, lora: Any, *, version: int, allow_rollback: bool = False) -> None:
         """Register the adapter of ``version`` and make new requests use it; no pause is needed.
 
         ``lora`` is a PEFT adapter directory, a ``PeftModel``, ``{"config": LoraConfig | dict, "tensors": {peft
@@ -723,23 +830,29 @@ class VLLMEngine:
         re-sending a version replaces it in place. Requests already running keep the adapter they started with
         (their tokens carry its version). Adapters older than ``version - max_staleness`` are removed once no
         in-flight request uses them, so at least ``max_staleness + 1`` versions stay registered (TRL #7017).
-        ``version`` is committed as the engine version too. Needs an engine started with ``enable_lora=True``."""
+        ``version`` is committed as the engine version too, with the version rule of :meth:`update_weights` (an older
+        version needs ``allow_rollback=True``; :class:`~rlblocks.errors.WeightUpdateError`). Needs an engine started
+        with ``enable_lora=True``."""
         from vllm.lora.request import LoRARequest
 
+        self._state.check_open()
         if not self._lora_enabled:
             raise ArgumentError("lora: this engine was started without enable_lora=True")
-        if not isinstance(version, int) or version < 0:
-            raise ArgumentError(f"version: expected an int >= 0, got {version!r}")
-        if version < self._version:
-            raise ArgumentError(f"version: expected >= the current version {self._version}, got {version}")
+        check_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
+        if version < 0:
+            raise ArgumentError(f"version: expected an int >= 0 (vLLM's lora_int_id is version + 1), got {version}")
         async with self._control:
+            check_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
             if lora is None:
                 self._lora_version = None
             else:
                 path = self._write_adapter(lora, version)
                 req = LoRARequest(self.lora_name(version), version + 1, path, load_inplace=True)
                 if await self._llm.add_lora(req) is False:
-                    raise RuntimeError(f"vLLM refused the adapter of version {version} at {path}")
+                    raise WeightUpdateError(
+                        f"VLLMEngine.update_lora refused: vLLM did not register the adapter of version {version} at "
+                        f"{path}; nothing was loaded (adapter and version unchanged)"
+                    )
                 self._loras[version] = req
                 self._lora_version = version
             await self._commit_version(version)
@@ -755,7 +868,7 @@ class VLLMEngine:
             self._lora_users.pop(version, None)
         else:
             self._lora_users[version] = n
-        if version < self._version - self._max_staleness and n <= 0 and not self._closed:
+        if version < self._version - self._max_staleness and n <= 0 and not self._state.closed:
             # Removal is async; run it without blocking the request's return (keep a reference to the task).
             with contextlib.suppress(RuntimeError):
                 task = asyncio.get_running_loop().create_task(self._gc_loras())
@@ -775,47 +888,86 @@ class VLLMEngine:
                 shutil.rmtree(req.lora_path, ignore_errors=True)
 
     # ------------------------------------------------------------------ memory
-    async def sleep(self, level: int = 1, mode: Literal["abort", "keep"] = "abort") -> None:
-        """Pause (``mode``) and release memory with vLLM's sleep mode where the engine was started with
-        ``enable_sleep_mode=True`` (GPU; level 1 offloads weights to CPU and drops the KV cache, level 2 drops the
-        weights too: call :meth:`update_weights` before generating again). Elsewhere, including every CPU engine,
-        it only pauses: nothing is released."""
-        if level not in (1, 2):
-            raise ArgumentError(f"level: expected 1 or 2, got {level!r}")
-        await self.pause(mode)
-        if self._llm.model_config.enable_sleep_mode and torch.cuda.is_available():
-            async with self._control:
-                await self._llm.sleep(level=level, mode=mode)
-                self._sleeping = True
+    @property
+    def releases_memory(self) -> bool:
+        """Whether :meth:`sleep` frees memory (vLLM sleep mode: ``enable_sleep_mode=True`` on GPU)."""
+        return bool(self._llm.model_config.enable_sleep_mode) and torch.cuda.is_available()
+
+    async def sleep(self, level: int = 1, **deprecated: Any) -> None:
+        """Sleep as the protocol defines it (:class:`~rlblocks.rollout.types.RolloutEngine`): every request in
+        flight returns its partial output, frozen ``keep`` ones included; new requests wait in this client. With
+        vLLM sleep mode (:attr:`releases_memory`), ``AsyncLLM.sleep(level, mode="abort")``: level 1 offloads the
+        weights to CPU and frees the KV cache, level 2 frees the weights too (a complete :meth:`update_weights` after
+        :meth:`wake` loads new ones). Without it (every CPU engine) the same rules hold and nothing is freed."""
+        if "mode" in deprecated:
+            mode = deprecated.pop("mode")
+            if mode != "abort":
+                raise ArgumentError(
+                    f"mode: a sleep aborts every request in flight (a kept request could resume on discarded "
+                    f"weights), got mode={mode!r}; use pause('keep') without sleeping to keep requests"
+                )
+            warn_renamed("`VLLMEngine.sleep(mode=...)`", "`sleep(level)` (a sleep always aborts)")
+        if deprecated:
+            raise ArgumentError(f"sleep: unexpected keyword arguments {sorted(deprecated)}")
+        if not self._state.check_sleep(level):
+            return
+        async with self._control:
+            if not self._state.check_sleep(level):
+                return
+            self._gate.clear()  # from here on, new requests wait in this client
+            self._state.on_sleep(level)
+            for state in self._inflight.values():
+                state.abort_requested = True
+                state.aborted.set()
+            if self.releases_memory:
+                await self._llm.sleep(level=level, mode="abort")
+            else:
+                await self._llm.pause_generation(mode="abort", clear_cache=True)
+            self._vllm_paused = True
 
     async def wake(self) -> None:
-        """Undo :meth:`sleep` and resume."""
+        """Undo :meth:`sleep` (see the protocol): level 1 resumes generation; after level 2 the engine stays paused
+        until a complete :meth:`update_weights`. vLLM's ``wake_up`` resumes its scheduler by itself; it is paused
+        again at once whenever the engine must not generate yet (no request reaches it in between: they wait in this
+        client). A no-op when awake."""
+        self._state.check_open()
         async with self._control:
-            if self._sleeping:
+            if not self._state.sleep_level:
+                return
+            if self.releases_memory:
                 await self._llm.wake_up()
-                self._sleeping = False
-        await self.resume()
+                self._vllm_paused = False
+            self._state.on_wake()
+            if self._state.paused and not self._vllm_paused:
+                await self._llm.pause_generation(mode="keep", clear_cache=False)
+                self._vllm_paused = True
+            await self._apply_run_state()
 
 
 # ---------------------------------------------------------------------- trainer side of the NCCL path
-def nccl_trainer_init(*, master_address: str, master_port: int, world_size: int) -> Any:
+@renamed_kwargs(master_address="master_addr")
+def nccl_trainer_init(*, master_addr: str, master_port: int, world_size: int) -> Any:
     """Trainer (rank 0) side of :meth:`VLLMEngine.init_weight_transfer`, run concurrently with it: vLLM's
-    ``StatelessProcessGroup`` on a TCPStore at ``master_address:master_port`` plus a ``PyNcclCommunicator`` on the
-    current CUDA device. Does not touch the default ``torch.distributed`` group. Returns the communicator."""
+    ``StatelessProcessGroup`` on a TCPStore at ``master_addr:master_port`` plus a ``PyNcclCommunicator`` on the
+    current CUDA device. Does not touch the default ``torch.distributed`` group. Returns the communicator.
+    (``master_address=`` still works, with a warning.)"""
     from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
-    return trainer_init({"master_address": master_address, "master_port": master_port, "world_size": world_size})
+    return trainer_init({"master_address": master_addr, "master_port": master_port, "world_size": world_size})
 
 
 def nccl_trainer_send(group: Any, named_tensors: Iterable[tuple[str, Tensor]], *, packed: bool = True) -> None:
     """Broadcast CUDA tensors from the trainer (rank 0) to the engine workers, in order, while the engine runs
     :meth:`VLLMEngine.update_weights_from_distributed` with the same names, dtypes and shapes. ``packed`` must
     match the engine's :meth:`~VLLMEngine.init_weight_transfer` (packed buffers are vLLM's double-buffered
-    ``packed_nccl_broadcast_producer``; unpacked is one broadcast per tensor)."""
+    ``packed_nccl_broadcast_producer``; unpacked is one broadcast per tensor). A broadcast sends the tensor's
+    storage as laid out, so a non-contiguous tensor (a transposed or sliced view) is made contiguous first: the
+    receiver reads the bytes in row-major order."""
     if packed:
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
         packed_nccl_broadcast_producer(iterator=iter(named_tensors), group=group, src=0, post_iter_func=lambda x: x[1])
     else:
         for _, t in named_tensors:
-            group.broadcast(t, src=0, stream=torch.cuda.current_stream())
+            t = t.contiguous()
+            group.broadcast(t, src=0, stream=torch.cuda.current_stream() if t.is_cuda else None)

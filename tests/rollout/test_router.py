@@ -29,6 +29,7 @@ class FakeEngine:
         self._rng = random.Random(seed)
         self._inflight = {}
         self.hold = False
+        self.paused = False
 
     @property
     def version(self):
@@ -61,19 +62,35 @@ class FakeEngine:
 
     async def pause(self, mode="abort"):
         self.calls.append(("pause", mode))
+        self.paused = True
 
     async def resume(self):
         self.calls.append(("resume",))
+        self.paused = False
 
-    async def update_weights(self, named_tensors, *, version):
-        self.calls.append(("update", [n for n, _ in named_tensors], version))
+    async def update_weights(self, named_tensors, *, version, partial=False, allow_rollback=False):
+        self.calls.append(("update", [n for n, _ in named_tensors], version, partial, allow_rollback))
         self._version = version
 
-    async def sleep(self):
-        self.calls.append(("sleep",))
+    async def sleep(self, level=1):
+        self.calls.append(("sleep", level))
 
     async def wake(self):
         self.calls.append(("wake",))
+
+    @property
+    def is_paused(self):
+        return self.paused
+
+    @property
+    def num_in_flight(self):
+        return len(self._inflight)
+
+    def stats(self):
+        return {"served": len(self.served)}
+
+    def close(self):
+        self.calls.append(("close",))
 
 
 def test_session_affinity_over_1000_requests_and_load_spread():
@@ -145,24 +162,34 @@ def test_abort_routing_broadcast_and_resubmission_stickiness():
             e.hold = False
         await asyncio.gather(*tasks, t1)
         await router.pause("keep")
+        paused = router.is_paused
         await router.resume()
-        await router.sleep()
+        await router.sleep(2)
         await router.wake()
 
         def stream():
             yield "w", torch.zeros(2)
 
-        await router.update_weights(stream(), version=3)
-        return got, g1, owner, rest
+        await router.update_weights(stream(), version=3, partial=True)
+        await router.aclose()
+        return got, g1, owner, rest, paused
 
-    got, g1, owner, rest = run(main())
+    got, g1, owner, rest, paused = run(main())
+    assert paused and not router.is_paused and router.num_in_flight == 0
+    assert router.stats() == {
+        "num_in_flight": 0,
+        "in_flight": [0, 0],
+        "assigned": [len(e.served) for e in engines],
+        "engines": [{"served": len(e.served)} for e in engines],
+    }
     assert got == ["r1"] and g1.finish_reason == "abort"
     assert [r.request_id for r in engines[owner].served].count("r1") == 2
     assert sorted(rest) == ["r0", "r1", "r2", "r3"]
     assert router.version == 3
     for e in engines:
-        assert ("pause", "keep") in e.calls and ("resume",) in e.calls and ("sleep",) in e.calls
-        assert ("update", ["w"], 3) in e.calls  # every engine saw the whole (one-shot) stream
+        assert ("pause", "keep") in e.calls and ("resume",) in e.calls and ("sleep", 2) in e.calls
+        assert ("update", ["w"], 3, True, False) in e.calls  # every engine saw the whole (one-shot) stream
+        assert e.calls[-1] == ("close",)
     with pytest.raises(ValueError, match="engines"):
         Router([])
 
@@ -188,7 +215,8 @@ def test_router_over_torch_engines_with_resumable_generate(tiny_model, make_tiny
 
     ref, results = run(main())
     assert [e.version for e in engines] == [1, 1] and router.version == 1
-    assert engines[1].stats.decode_tokens == 0 and engines[1].stats.prefill_tokens == 0  # one session, one engine
+    # one session, one engine
+    assert engines[1].stats()["decode_tokens"] == 0 and engines[1].stats()["prefill_tokens"] == 0
     for res in results:
         assert res.num_output_tokens == 12 and res.version_spans()[-1][0] == 1
         k = res.version_spans()[0][2] if res.version_spans()[0][0] == 0 else 0

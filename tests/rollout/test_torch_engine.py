@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from rlblocks.errors import EngineError
 from rlblocks.rollout import Generation, GenerationRequest, SamplingParams, TorchEngine
 from rlblocks.rollout.torch_engine import processed_logprobs
 from rlblocks.rollout.types import RolloutEngine
@@ -107,14 +108,14 @@ def test_greedy_interrupt_resume_is_bit_identical_batched_mode(tiny_model):
 
     async def main():
         ref = await engine.generate(GenerationRequest("ref", PROMPTS[0], sp))
-        hits = engine.stats.prefix_cache_hits
+        hits = engine.stats()["prefix_cache_hits"]
         task = asyncio.ensure_future(engine.generate(GenerationRequest("x", PROMPTS[0], sp)))
         await _wait_tokens(engine, "x", 5)
         await engine.pause("abort")
         part = await task
         await engine.resume()
         rest = await _resubmit(engine, part, sp, "x2")
-        return ref, part, rest, engine.stats.prefix_cache_hits - hits
+        return ref, part, rest, engine.stats()["prefix_cache_hits"] - hits
 
     ref, part, rest, hits = run(main())
     assert part.finish_reason == "abort" and 5 <= part.num_output_tokens < 24
@@ -267,12 +268,12 @@ def test_update_during_keep_pause_tags_versions_and_reprefills(tiny_model, make_
         await _wait_tokens(engine, "x", 5)
         await engine.pause("keep")
         k = engine.num_output_tokens("x")
-        prefill_before = engine.stats.prefill_tokens
+        prefill_before = engine.stats()["prefill_tokens"]
         await engine.update_weights(new.items(), version=7)
         assert engine.version == 7 and engine.is_paused
         await engine.resume()
         gen = await task
-        return gen, k, engine.stats.prefill_tokens - prefill_before
+        return gen, k, engine.stats()["prefill_tokens"] - prefill_before
 
     gen, k, reprefilled = run(main())
     assert gen.finish_reason == "length" and gen.num_output_tokens == 20
@@ -299,9 +300,9 @@ def test_update_weights_self_pauses_and_clears_prefix_cache(tiny_model):
         part = await task
         await engine.update_weights(iter(new.items()), version=1)  # not paused: pauses itself, then resumes
         assert not engine.is_paused
-        hits, prefill = engine.stats.prefix_cache_hits, engine.stats.prefill_tokens
+        hits, prefill = engine.stats()["prefix_cache_hits"], engine.stats()["prefill_tokens"]
         rest = await _resubmit(engine, part, sp, "y")
-        return part, rest, engine.stats.prefix_cache_hits - hits, engine.stats.prefill_tokens - prefill
+        return part, rest, engine.stats()["prefix_cache_hits"] - hits, engine.stats()["prefill_tokens"] - prefill
 
     part, rest, hits, prefill = run(main())
     assert hits == 0  # the KV of the aborted request belonged to version 0
@@ -463,7 +464,7 @@ def test_cancelled_caller_does_not_disturb_others(tiny_model):
         await _wait_tokens(engine, "a", 2)
         a.cancel()
         gb = await b
-        return ref, gb, engine.num_in_flight()
+        return ref, gb, engine.num_in_flight
 
     ref, gb, left = run(main())
     assert gb.output_ids == ref.output_ids and left == 0
@@ -522,20 +523,22 @@ def test_forward_error_fails_callers_and_engine_recovers(tiny_model):
         return results, await engine.generate(GenerationRequest("ok", PROMPTS[0], greedy(4)))
 
     results, ok = run(main())
-    assert all(isinstance(r, RuntimeError) and "device lost" in str(r) for r in results)
-    assert ok.num_output_tokens == 4 and engine.num_in_flight() == 0
+    assert all(isinstance(r, EngineError) and "device lost" in str(r) for r in results)
+    assert ok.num_output_tokens == 4 and engine.num_in_flight == 0
 
 
 @pytest.mark.gpu
 def test_cuda_generation_logprobs_and_sleep_wake(tiny_model):
-    """On CUDA: processed logprobs match the CPU float64 reference; sleep() offloads the weights and wake() brings
-    them back with frozen requests re-prefilled."""
+    """On CUDA: processed logprobs match the CPU float64 reference; sleep() aborts the request in flight (its
+    partial output comes back), offloads the weights, and wake() brings them back; the resumed request finishes."""
+    from rlblocks.rollout import resumable_generate
+
     model = tiny_model.to("cuda")
     engine = TorchEngine(model)
     sp = SamplingParams(temperature=0.9, top_k=8, max_new_tokens=12, seed=3)
 
     async def main():
-        t = asyncio.ensure_future(engine.generate(GenerationRequest("g", PROMPTS[0], sp)))
+        t = asyncio.ensure_future(resumable_generate(engine, GenerationRequest("g", PROMPTS[0], sp)))
         await _wait_tokens(engine, "g", 3)
         await engine.sleep()
         on_cpu = next(model.parameters()).device.type == "cpu"

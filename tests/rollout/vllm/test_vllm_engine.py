@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import torch
 
+from rlblocks.errors import ArgumentError, EngineError, WeightUpdateError
 from rlblocks.rollout import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.vllm
@@ -193,7 +194,7 @@ def test_abort_all_and_duplicate_id(vllm_engine, run):
     async def scenario():
         tasks = [await generate_when_running(vllm_engine, req(f"all-{i}", 200), after_s=0.0) for i in range(3)]
         await asyncio.sleep(0.2)
-        with pytest.raises(ValueError, match="already in flight"):
+        with pytest.raises(ArgumentError, match="already in flight"):
             await vllm_engine.generate(req("all-0", 4))
         aborted = await vllm_engine.abort(None)
         return sorted(aborted), await asyncio.gather(*tasks)
@@ -225,18 +226,28 @@ def test_bad_updates_are_refused_and_change_nothing(vllm_engine, hf_state, run):
     before = run(vllm_engine.generate(req("bad-before", 24)))
     v = vllm_engine.version
     name = "model.layers.0.mlp.down_proj.weight"
+    nan = dict(hf_state)
+    nan[name] = hf_state[name].clone()
+    nan[name][0, 0] = float("nan")
+    q = "model.layers.0.self_attn.q_proj.weight"
     bad_cases = [
-        ([("model.layers.0.mlp.nope.weight", torch.zeros(3))], "nope"),
-        ([(name, torch.zeros(2, 2))], "down_proj"),
-        ([(name, hf_state[name].to(torch.int32))], "floating"),
-        ([("model.layers.0.self_attn.q_proj.weight", hf_state["model.layers.0.self_attn.q_proj.weight"])], "k_proj"),
+        ([("model.layers.0.mlp.nope.weight", torch.zeros(3))], "nope", {}),
+        ([(name, torch.zeros(2, 2))], "down_proj", {}),
+        ([(name, hf_state[name].to(torch.int32))], "floating", {}),
+        ([(q, hf_state[q])], "k_proj", {"partial": True}),  # part of a fused module
+        ([(q, hf_state[q])], "partial update covers 1 of", {}),  # partial without partial=True
+        (list(nan.items()), "not finite", {}),
+        ([], "empty", {}),
+        (list(hf_state.items()), "older than", {"version": v - 1}),
         # a valid tensor first and a bad one last: nothing may be loaded
-        ([(name, torch.zeros_like(hf_state[name])), ("lm_head.weight", torch.zeros(5, 5))], "lm_head"),
+        ([(name, torch.zeros_like(hf_state[name])), ("lm_head.weight", torch.zeros(5, 5))], "lm_head", {}),
     ]
-    for tensors, needle in bad_cases:
-        with pytest.raises(ValueError, match=needle):
-            run(vllm_engine.update_weights(tensors, version=v + 1))
-        assert vllm_engine.version == v
+    for tensors, needle, kw in bad_cases:
+        kw = {"version": v + 1, **kw}
+        with pytest.raises(WeightUpdateError, match=needle) as info:
+            run(vllm_engine.update_weights(tensors, **kw))
+        assert str(info.value).startswith("VLLMEngine.update_weights refused: ")
+        assert vllm_engine.version == v and not vllm_engine.is_paused
     after = run(vllm_engine.generate(req("bad-after", 24)))
     assert after.output_ids == before.output_ids
     assert after.output_logprobs == before.output_logprobs
@@ -295,7 +306,7 @@ def test_partial_update_of_whole_modules(vllm_engine, hf_state, other_model, run
     load_into(new_model, mixed)
     v0 = vllm_engine.version
     try:
-        run(vllm_engine.update_weights([(k, new_state[k]) for k in names], version=v0 + 1))
+        run(vllm_engine.update_weights([(k, new_state[k]) for k in names], version=v0 + 1, partial=True))
         g = run(vllm_engine.generate(req("partial", 40)))
         assert set(g.output_versions) == {v0 + 1}
         assert hf_argmax_gap(new_model, PROMPT, g.output_ids).max().item() < 1e-4
@@ -340,6 +351,85 @@ def test_sleep_wake_pause_and_resume(vllm_engine, run):
     assert g.finish_reason == "length" and g.num_output_tokens == 8
 
 
+def test_level_2_sleep_never_resumes_a_kept_request_on_discarded_weights(vllm_engine, hf_model, hf_state, run):
+    """vLLM's wake_up resumes its scheduler by itself; a request frozen with keep would then run on the weights a
+    level-2 sleep discarded. The engine aborts every request at sleep and holds new ones until a complete update."""
+    v = vllm_engine.version
+
+    async def scenario():
+        kept = await generate_when_running(vllm_engine, req("lvl2-kept", 200), after_s=0.2)
+        await vllm_engine.pause(mode="keep")
+        await vllm_engine.sleep(level=2)
+        part = await kept  # aborted by the sleep, partial output kept
+        await vllm_engine.wake()
+        assert vllm_engine.is_paused
+        waiting = asyncio.ensure_future(vllm_engine.generate(req("lvl2-new", 24)))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # held until weights are loaded
+        with pytest.raises(EngineError, match="discarded the weights"):
+            await vllm_engine.resume()
+        name = "lm_head.weight"
+        with pytest.raises(WeightUpdateError, match="must be complete"):
+            await vllm_engine.update_weights([(name, hf_state[name])], version=v + 1, partial=True)
+        await vllm_engine.update_weights(hf_state.items(), version=v + 1)
+        assert vllm_engine.is_paused  # the pause(keep) from before the sleep still holds
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        await vllm_engine.resume()
+        return part, await waiting
+
+    part, after = run(scenario())
+    assert part.finish_reason == "abort" and 0 < part.num_output_tokens < 200 and set(part.output_versions) == {v}
+    assert after.finish_reason == "length" and after.output_versions == [v + 1] * 24
+    assert hf_argmax_gap(hf_model, PROMPT, after.output_ids).max().item() < 1e-4
+    assert not vllm_engine.is_paused
+    with pytest.raises(ArgumentError, match="mode"):
+        run(vllm_engine.sleep(mode="keep"))
+    with pytest.warns(DeprecationWarning, match="sleep"):
+        run(vllm_engine.sleep(mode="abort"))
+    run(vllm_engine.wake())
+    assert not vllm_engine.is_paused
+
+
+def test_protocol_members_and_deprecated_call_forms(vllm_engine, run):
+    from rlblocks.rollout.types import RolloutEngine
+
+    assert isinstance(vllm_engine, RolloutEngine)
+
+    async def scenario():
+        task = await generate_when_running(vllm_engine, req("proto", 200), after_s=0.05)
+        n = vllm_engine.num_in_flight
+        with pytest.warns(DeprecationWarning, match=r"num_in_flight\(\)"):
+            called = vllm_engine.num_in_flight()
+        await vllm_engine.abort(["proto"])
+        await task
+        return n, called
+
+    n, called = run(scenario())
+    assert n == called == 1 and vllm_engine.num_in_flight == 0
+    stats = vllm_engine.stats()
+    assert isinstance(stats, dict) and stats["requests"] > 0 and stats["output_tokens"] > 0
+    with pytest.warns(DeprecationWarning, match=r"stats\.requests"):
+        assert vllm_engine.stats.requests == stats["requests"]
+
+
+def test_nccl_unpacked_send_is_contiguous():
+    from rlblocks.rollout.vllm_engine import nccl_trainer_send
+
+    class Group:
+        def __init__(self):
+            self.sent = []
+
+        def broadcast(self, t, src, stream):
+            assert t.is_contiguous(), "a broadcast reads the storage in row-major order"
+            self.sent.append(t.clone())
+
+    w = torch.arange(12.0).view(3, 4)
+    group = Group()
+    nccl_trainer_send(group, [("w.t", w.t()), ("w.col", w[:, 1])], packed=False)
+    assert torch.equal(group.sent[0], w.t()) and torch.equal(group.sent[1], w[:, 1])
+
+
 def test_import_rollout_does_not_import_vllm():
     import subprocess
     import sys
@@ -373,12 +463,11 @@ def test_prefix_cache_reused_after_abort_and_invalidated_by_update(vllm_engine, 
     """A re-submitted prefix hits vLLM's prefix cache while the weights are unchanged; after an update (even with
     the same values) nothing computed under the old weights is reused."""
     prompt = [1] + [4 + (5 * j) % 50 for j in range(179)]
-    stats = vllm_engine.stats
 
     def cached_of(rid, ids):
-        before = stats.cached_prompt_tokens
+        before = vllm_engine.stats()["cached_prompt_tokens"]
         run(vllm_engine.generate(GenerationRequest(rid, ids, SamplingParams(max_new_tokens=2, temperature=0.0))))
-        return stats.cached_prompt_tokens - before
+        return vllm_engine.stats()["cached_prompt_tokens"] - before
 
     first = run(vllm_engine.generate(GenerationRequest("pc-0", prompt, SamplingParams(max_new_tokens=20))))
     resumed = prompt + first.output_ids
@@ -389,13 +478,17 @@ def test_prefix_cache_reused_after_abort_and_invalidated_by_update(vllm_engine, 
 
 def test_nccl_path_checks_before_any_transfer(vllm_engine, hf_state, run):
     """The NCCL path itself needs CUDA (not exercised here); its checks run before anything is sent."""
-    with pytest.raises(ValueError, match="weight_transfer_config"):
+    with pytest.raises(ArgumentError, match="weight_transfer_config"):
+        run(vllm_engine.init_weight_transfer(master_addr="127.0.0.1", master_port=29555, world_size=2))
+    with pytest.warns(DeprecationWarning, match="master_address"), pytest.raises(ArgumentError):
         run(vllm_engine.init_weight_transfer(master_address="127.0.0.1", master_port=29555, world_size=2))
     v = vllm_engine.version
     name = "model.layers.0.mlp.down_proj.weight"
-    with pytest.raises(ValueError, match="down_proj"):
+    with pytest.raises(WeightUpdateError, match="down_proj"):
         run(vllm_engine.update_weights_from_distributed([name], [torch.float32], [[3, 3]], version=v + 1))
-    with pytest.raises(ValueError, match="equal lengths"):
+    with pytest.raises(WeightUpdateError, match="partial update"):
+        run(vllm_engine.update_weights_from_distributed([name], [torch.float32], [hf_state[name].shape], version=v + 1))
+    with pytest.raises(ArgumentError, match="equal lengths"):
         run(vllm_engine.update_weights_from_distributed([name], [], [[3, 3]], version=v + 1))
     assert vllm_engine.version == v and not vllm_engine.is_paused
 
