@@ -109,8 +109,7 @@ def checkpoint_tensors(path: str) -> list[tuple[str, torch.Tensor]]:
 
 async def resume_cost(engine, pairs, args, path: str, update: bool) -> dict:
     """Re-submit prompt + partial for every aborted request and time the first resumed token."""
-    stats = getattr(engine, "stats", None)
-    before = stats.prefill_tokens if stats is not None else None
+    before = engine.stats().get("prefill_tokens")
     if update:
         await engine.update_weights(checkpoint_tensors(path), version=engine.version + 1)
     t0 = time.perf_counter()
@@ -134,8 +133,8 @@ async def resume_cost(engine, pairs, args, path: str, update: bool) -> dict:
         "first_resumed_token_s": round(dt, 4),
         "new_tokens": sum(x.num_output_tokens for x in resumed),
     }
-    if stats is not None:
-        out["tokens_prefilled_by_engine"] = stats.prefill_tokens - before
+    if before is not None:
+        out["tokens_prefilled_by_engine"] = engine.stats()["prefill_tokens"] - before
     return out
 
 
