@@ -1,16 +1,28 @@
 """Trained tokens/s of synchronous vs bounded-async GRPO on the same hardware and the same long-tailed lengths.
 
-    .venv/bin/python benchmarks/cookbook/async_vs_sync.py [--steps 30] [--median-len 5] [--model DIR]
+    .venv/bin/python benchmarks/cookbook/async_vs_sync.py [--steps 40] [--reps 3] [--median-len 5] [--model DIR]
 
 Both loops run the CPU demo task with ``--length-tail M``: every prompt group gets a response budget drawn from a
 lognormal with median M and σ = 0.99 (p99/p50 ≈ 10) and no stop token, so each sample is exactly that long (the
-reward still reads the answer up to the first EOS). Runs, one after another on this machine:
+reward still reads the answer up to the first EOS).
 
-- sync: ``grpo_sync.py`` in one process (generate, then train, then push weights);
-- async η = 1, 2, 4: ``torchrun --nproc_per_node 2 grpo_async.py`` (1 trainer rank + 1 rollout rank).
+Processes and threads (a fair comparison gives every loop the same ones; the historical baseline did not):
 
-Reported per run: trained tokens/s = Σ tokens_trained / Σ step_seconds over the steps after the first two (warm-up
-excluded), the ratio to sync, and the final held-out accuracy. Goal: async ≥ 2× sync at η ≤ 2, accuracy no worse.
+- ``sync-1p``: ``grpo_sync.py`` in ONE process with 2 torch threads (generate, then train, then push weights) —
+  the baseline the README's earlier figures were measured against;
+- ``sync-2p``: ``torchrun --nproc_per_node 2 grpo_sync.py``, 2 processes × 1 thread, colocated (each rank generates
+  half the groups with its own engine, then both train one FSDP2 step) — same processes and threads as async;
+- ``sync-disagg``: ``torchrun --nproc_per_node 2 grpo_async.py --max-staleness 0``, 2 processes × 1 thread
+  (1 trainer + 1 rollout rank), η = 0 is synchronous RL on the disaggregated layout — same code, processes and
+  threads as async;
+- ``async1`` / ``async2`` / ``async4``: the same with η = 1, 2, 4.
+
+Thread counts are pinned with ``OMP_NUM_THREADS`` (``grpo_async.py`` also sets ``cpu_count // world`` = 1 itself).
+
+Repetitions are interleaved (``sync-1p, sync-2p, …, async4`` then again), because the 2-core box is shared and its
+load drifts: adjacent runs see similar load, so each ratio is computed within one repetition and the median over
+repetitions is reported (with the min–max range). Trained tokens/s = Σ tokens_trained / Σ step_seconds over the
+steps after the first two (warm-up) and before the last (whose time includes the held-out evaluation).
 """
 
 from __future__ import annotations
@@ -18,54 +30,112 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+BASELINES = ("sync-1p", "sync-2p", "sync-disagg")
 
 
-def run(cmd: list[str]) -> None:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+def variant_command(name: str, common: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The command line and thread environment of one variant (see the module docstring)."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    if name == "sync-1p":
+        return [sys.executable, str(ROOT / "cookbook" / "grpo_sync.py"), *common], {"OMP_NUM_THREADS": "2",
+                                                                                      "MKL_NUM_THREADS": "2"}
+    if name == "sync-2p":
+        return [*torchrun, str(ROOT / "cookbook" / "grpo_sync.py"), *common], one
+    eta = 0 if name == "sync-disagg" else int(name.removeprefix("async"))
+    return [*torchrun, str(ROOT / "cookbook" / "grpo_async.py"), "--max-staleness", str(eta), "--save-every", "0",
+            *common], one
+
+
+def run(cmd: list[str], threads: dict[str, str]) -> float:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **threads)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-4000:]}")
+    return time.perf_counter() - t0
 
 
-def tokens_per_s(run_dir: Path) -> tuple[float, float]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][2:]
+def measure(run_dir: Path) -> dict:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timed = rows[2:-1]
+    if not timed:
+        raise RuntimeError(f"{run_dir}: need at least 4 steps (2 warm-up, 1 timed, 1 with the evaluation)")
     summary = json.loads((run_dir / "summary.json").read_text())
-    return sum(r["tokens_trained"] for r in rows) / sum(r["step_seconds"] for r in rows), summary["accuracy_after"]
+    tokens = sum(r["tokens_trained"] for r in timed)
+    seconds = sum(r["step_seconds"] for r in timed)
+    return {"tokens_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds, "steps": len(timed),
+            "accuracy_after": summary["accuracy_after"], "staleness": _hist(timed),
+            "samples_generated": summary.get("samples_generated"), "samples_trained": summary.get("samples_trained")}
+
+
+def _hist(rows: list[dict]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in rows:
+        for k, v in r.get("staleness_hist", {}).items():
+            out[k] = out.get(k, 0) + v
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=30)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions of every variant")
     ap.add_argument("--median-len", type=float, default=5.0)  # p99 ≈ 50 tokens: fits the tiny model (64 positions)
     ap.add_argument("--prompts-per-step", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=8)  # the figures in the README were measured with 8
+    ap.add_argument("--variants", default="sync-1p,sync-2p,sync-disagg,async1,async2,async4",
+                    help="comma-separated subset of: sync-1p, sync-2p, sync-disagg, async<η>")
     ap.add_argument("--model", default="", help="HF checkpoint dir (default: the cached warm start)")
     ap.add_argument("--runs-dir", default="runs/bench")
+    ap.add_argument("--out", default="", help="results JSON (default: <runs-dir>/async_vs_sync.json)")
     args = ap.parse_args()
-    common = ["--steps", str(args.steps), "--length-tail", str(args.median_len), "--prompts-per-step",
-              str(args.prompts_per_step), "--group-size", str(args.group_size),
-              "--runs-dir", args.runs_dir, "--time-limit", "0", "--eval-every",
-              str(args.steps), "--quiet", *(["--model", args.model] if args.model else [])]
-    results = {}
-    run([sys.executable, str(ROOT / "cookbook" / "grpo_sync.py"), "--name", "sync", *common])
-    results["sync"] = tokens_per_s(Path(args.runs_dir) / "sync")
-    for eta in (1, 2, 4):
-        run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-             str(ROOT / "cookbook" / "grpo_async.py"), "--name", f"async{eta}", "--max-staleness", str(eta),
-             "--save-every", "0", *common])
-        results[f"async η={eta}"] = tokens_per_s(Path(args.runs_dir) / f"async{eta}")
-    base = results["sync"][0]
-    print(f"{'loop':<12}{'tokens/s':>12}{'vs sync':>10}{'held-out acc':>15}")
-    for k, (tps, acc) in results.items():
-        print(f"{k:<12}{tps:>12.1f}{tps / base:>9.2f}x{acc:>15.3f}")
-    out = Path(args.runs_dir) / "async_vs_sync.json"
-    out.write_text(json.dumps({k: {"tokens_per_s": v[0], "ratio": v[0] / base, "accuracy_after": v[1]}
-                               for k, v in results.items()}, indent=2))
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in variants:
+        if v not in BASELINES and not (v.startswith("async") and v.removeprefix("async").isdigit()):
+            ap.error(f"--variants: unknown variant {v!r}")
+    results: dict[str, list[dict]] = {v: [] for v in variants}
+    for rep in range(args.reps):
+        for v in variants:
+            name = f"{v}-r{rep}"
+            common = ["--name", name, "--steps", str(args.steps), "--length-tail", str(args.median_len),
+                      "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
+                      "--runs-dir", args.runs_dir, "--time-limit", "0", "--eval-every", str(args.steps), "--quiet",
+                      *(["--model", args.model] if args.model else [])]
+            cmd, threads = variant_command(v, common)
+            wall = run(cmd, threads)
+            m = measure(Path(args.runs_dir) / name)
+            m["wall_s"], m["threads"] = wall, threads["OMP_NUM_THREADS"]
+            results[v].append(m)
+            print(f"rep {rep} {v:<12} {m['tokens_per_s']:8.1f} tokens/s  ({wall:.0f} s wall)", flush=True)
+    bases = [b for b in BASELINES if b in results]
+    header = f"{'loop':<12}{'procs×thr':>10}{'tokens/s (median [min–max])':>32}" + "".join(
+        f"{'vs ' + b:>16}" for b in bases) + f"{'held-out acc':>14}"
+    print(f"\n{args.reps} interleaved repetitions, {args.steps} steps each (timed: steps 3..{args.steps - 1})")
+    print(header)
+    summary: dict[str, dict] = {}
+    for v, ms in results.items():
+        tps = [m["tokens_per_s"] for m in ms]
+        procs = "1×2" if v == "sync-1p" else "2×1"
+        ratios = {b: statistics.median(m["tokens_per_s"] / results[b][i]["tokens_per_s"] for i, m in enumerate(ms))
+                  for b in bases}
+        acc = statistics.median(m["accuracy_after"] for m in ms)
+        line = f"{v:<12}{procs:>10}{statistics.median(tps):>14.1f} [{min(tps):7.1f} – {max(tps):7.1f}]"
+        line += "".join(f"{ratios[b]:>15.2f}x" for b in bases) + f"{acc:>14.3f}"
+        print(line)
+        summary[v] = {"tokens_per_s_median": statistics.median(tps), "tokens_per_s": tps,
+                      "ratio_median": ratios, "accuracy_after_median": acc, "runs": ms}
+    out = Path(args.out or Path(args.runs_dir) / "async_vs_sync.json")
+    out.write_text(json.dumps({"config": vars(args), "variants": summary}, indent=2))
     print(out)
 
 

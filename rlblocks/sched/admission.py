@@ -22,13 +22,7 @@ from typing import Any
 
 from rlblocks.errors import ArgumentError
 
-
-def _check_int(name: str, value: object, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ArgumentError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ArgumentError(f"{name}: expected an int >= {minimum}, got {value}")
-    return value
+from ._checks import check_int as _check_int
 
 
 class StalenessController:
@@ -144,6 +138,22 @@ class StalenessController:
     def on_reject(self, n: int = 1) -> None:
         """``n`` running rollouts were discarded (filtered, failed, aborted for good); their slots are freed."""
         self._finish(n, "reject")
+
+    def stats(self) -> dict[str, int]:
+        """Counters snapshot (plain ints): ``submitted``, ``running``, ``accepted``, ``rejected`` (cumulative, this
+        rank) and the per-rank ``batch_size`` / ``max_concurrent`` the admission formula uses, ``max_staleness``
+        and ``dp_size``. Invariant: ``submitted == accepted + rejected + running``."""
+        with self._lock:
+            return {
+                "submitted": self._accepted + self._rejected + self._running,
+                "running": self._running,
+                "accepted": self._accepted,
+                "rejected": self._rejected,
+                "batch_size": self.batch_size,
+                "max_concurrent": self.max_concurrent,
+                "max_staleness": self.max_staleness,
+                "dp_size": self.dp_size,
+            }
 
     # ------------------------------------------------------------------ checkpointing
     def on_version_recovered(self, version: int) -> None:

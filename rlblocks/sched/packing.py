@@ -22,6 +22,7 @@ from torch import Tensor
 from rlblocks.errors import ArgumentError
 
 from .._validate import check_ndim, check_tensor, shape_str
+from ._checks import check_int, check_int_list
 
 
 def _as_lengths(lengths: Sequence[int] | Tensor, name: str = "lengths") -> list[int]:
@@ -31,17 +32,8 @@ def _as_lengths(lengths: Sequence[int] | Tensor, name: str = "lengths") -> list[
                              f"{shape_str(lengths)}")
         out = [int(v) for v in lengths.tolist()]
     else:
-        out = []
-        for i, v in enumerate(lengths):
-            if isinstance(v, bool) or not isinstance(v, int):
-                try:
-                    iv = int(v)
-                except (TypeError, ValueError):
-                    raise ArgumentError(f"{name}[{i}]: expected an int >= 0, got {v!r}") from None
-                if iv != v:
-                    raise ArgumentError(f"{name}[{i}]: expected an int >= 0, got {v!r}")
-                v = iv
-            out.append(v)
+        # A length is a token count: a float would be truncated and True read as 1, so neither is accepted.
+        out = check_int_list(name, lengths)
     for i, v in enumerate(out):
         if v < 0:
             raise ArgumentError(f"{name}[{i}]: expected a length >= 0, got {v}")
@@ -49,8 +41,7 @@ def _as_lengths(lengths: Sequence[int] | Tensor, name: str = "lengths") -> list[
 
 
 def _check_budget(max_tokens: int, lengths: list[int]) -> int:
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
-        raise ArgumentError(f"max_tokens: expected an int > 0, got {max_tokens!r}")
+    max_tokens = check_int("max_tokens", max_tokens, minimum=1)
     if lengths:
         i = max(range(len(lengths)), key=lengths.__getitem__)
         if lengths[i] > max_tokens:
@@ -69,7 +60,7 @@ def pack_sequences(lengths: Sequence[int] | Tensor, *, max_tokens: int) -> list[
     indices ascending within a bin.
     """
     lens = _as_lengths(lengths)
-    _check_budget(max_tokens, lens)
+    max_tokens = _check_budget(max_tokens, lens)
     n = len(lens)
     if n == 0:
         return []
@@ -109,7 +100,7 @@ def token_budget_microbatches(
     fewer micro-batches; this function never reorders.
     """
     lens = _as_lengths(lengths)
-    _check_budget(max_tokens, lens)
+    max_tokens = _check_budget(max_tokens, lens)
     out: list[list[int]] = []
     cur: list[int] = []
     total = longest = 0
@@ -140,8 +131,7 @@ def balance_partitions(lengths: Sequence[int] | Tensor, k: int, *, equal_size: b
     original order.
     """
     lens = _as_lengths(lengths)
-    if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
-        raise ArgumentError(f"k: expected an int > 0, got {k!r}")
+    k = check_int("k", k, minimum=1)
     n = len(lens)
     if equal_size and n % k != 0:
         raise ArgumentError(f"lengths: equal_size=True needs a multiple of k={k} sequences, got {n}")

@@ -16,7 +16,10 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from rlblocks._deprecate import renamed_kwargs, take_renamed, warn_renamed
 from rlblocks.errors import ArgumentError
+
+from ._checks import check_bool, check_int, check_int_list, check_optional_int, check_real_list
 
 
 class GenerationLike(Protocol):
@@ -51,18 +54,29 @@ class PartialRollout:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        try:
+            hash(self.group_id)
+        except TypeError:
+            raise ArgumentError(f"group_id: expected a hashable id, got {type(self.group_id).__name__}") from None
+        # Token ids, versions and budgets are counts and positions: a float would be truncated and True read as 1.
+        self.prompt_ids = check_int_list("prompt_ids", self.prompt_ids, minimum=0)
+        if len(self.prompt_ids) == 0:
+            raise ArgumentError("prompt_ids: expected at least one token, got an empty list")
+        self.output_ids = check_int_list("output_ids", self.output_ids, minimum=0)
+        self.output_logprobs = check_real_list("output_logprobs", self.output_logprobs)
+        self.output_versions = check_int_list("output_versions", self.output_versions, minimum=0)
         n = len(self.output_ids)
         if len(self.output_logprobs) != n or len(self.output_versions) != n:
             raise ArgumentError(
                 "PartialRollout: output_ids, output_logprobs and output_versions need one entry per token, got "
                 f"{n}, {len(self.output_logprobs)} and {len(self.output_versions)}"
             )
-        if isinstance(self.remaining_tokens, bool) or not isinstance(self.remaining_tokens, int) or (
-            self.remaining_tokens < 0
-        ):
-            raise ArgumentError(f"remaining_tokens: expected an int >= 0, got {self.remaining_tokens!r}")
-        if len(self.prompt_ids) == 0:
-            raise ArgumentError("prompt_ids: expected at least one token, got an empty list")
+        self.remaining_tokens = check_int("remaining_tokens", self.remaining_tokens, minimum=0)
+        check_bool("finished", self.finished)
+        if self.request_id is not None and (not isinstance(self.request_id, str) or not self.request_id):
+            raise ArgumentError(f"request_id: expected None or a non-empty str, got {self.request_id!r}")
+        if not isinstance(self.meta, dict):
+            raise ArgumentError(f"meta: expected a dict, got {type(self.meta).__name__}")
 
     @property
     def oldest_version(self) -> int | None:
@@ -82,8 +96,9 @@ class PartialRollout:
         (0 if ``finish_reason != "abort"``, and then ``finished=True``).
         """
         n = len(gen.output_ids)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < n:
-            raise ArgumentError(f"max_new_tokens: expected an int >= len(output_ids) = {n}, got {max_new_tokens!r}")
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=0)
+        if max_new_tokens < n:
+            raise ArgumentError(f"max_new_tokens: expected an int >= len(output_ids) = {n}, got {max_new_tokens}")
         finished = gen.finish_reason != "abort"
         return cls(
             group_id=group_id,
@@ -111,39 +126,45 @@ class PartialRolloutBuffer:
             :meth:`pop_groups` (it is counted in :meth:`stats`, saved by :meth:`state_dict`, and can be taken with
             :meth:`pop_incomplete`). Without ``group_size`` only :meth:`put_group` is allowed, and any group it is
             given is whole by definition.
-        max_age: if set, a group whose oldest token is more than ``max_age`` versions older than ``current_version``
-            (passed to :meth:`pop_groups` / :meth:`drop_stale`) is dropped whole (its samples would be too stale
-            to finish and train on), counted in ``groups_dropped`` / ``samples_dropped``.
+        max_staleness: ``eta``; if set, a group whose oldest token is more than ``eta`` versions older than
+            ``current_version`` (passed to :meth:`pop_groups` / :meth:`drop_stale`) is dropped whole: trained at
+            ``current_version`` or later it would break the staleness bound, so finishing it is wasted work.
+            Counted in ``groups_dropped`` / ``samples_dropped``. (Deprecated spelling: ``max_age=``.)
         on_drop: ``on_drop(group_id, samples)`` receives each dropped group; without it dropped groups are kept
             for :meth:`drain_dropped`. Nothing is discarded silently.
+
+    A sample is one request: the same ``request_id`` (or the same :class:`PartialRollout` object) cannot be held
+    twice, so a duplicate can never stand in for a missing sample and complete a group (``ArgumentError``).
 
     Thread-safe (one lock). Groups come out oldest-inserted first. Serve :meth:`pop_groups` before drawing new
     prompts, so resumed work is not starved.
     """
 
+    @renamed_kwargs(max_age="max_staleness")
     def __init__(
         self,
         *,
         group_size: int | None = None,
-        max_age: int | None = None,
+        max_staleness: int | None = None,
         on_drop: Callable[[Hashable, list[PartialRollout]], None] | None = None,
     ) -> None:
-        if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)
-                                       or group_size < 1):
-            raise ArgumentError(f"group_size: expected None or an int >= 1, got {group_size!r}")
-        if max_age is not None and (isinstance(max_age, bool) or not isinstance(max_age, int) or max_age < 0):
-            raise ArgumentError(f"max_age: expected None or an int >= 0, got {max_age!r}")
-        self.group_size = group_size
-        self.max_age = max_age
+        self.group_size = check_optional_int("group_size", group_size, minimum=1)
+        self.max_staleness = check_optional_int("max_staleness", max_staleness, minimum=0)
+        if on_drop is not None and not callable(on_drop):
+            raise ArgumentError(f"on_drop: expected a callable(group_id, samples) or None, got {on_drop!r}")
         self.on_drop = on_drop
         self._lock = threading.Lock()
         self._complete: dict[Hashable, list[PartialRollout]] = {}
         self._incomplete: dict[Hashable, list[PartialRollout]] = {}
         self._dropped: list[tuple[Hashable, list[PartialRollout]]] = []
-        self._counts = dict.fromkeys(
-            ("groups_added", "samples_added", "groups_popped", "samples_popped", "groups_dropped", "samples_dropped"),
-            0,
-        )
+        self._rids: dict[str, Hashable] = {}  # request_id -> group of every held sample (duplicates are refused)
+        self._counts = dict.fromkeys(_COUNTERS, 0)
+
+    @property
+    def max_age(self) -> int | None:
+        """Deprecated name of :attr:`max_staleness`."""
+        warn_renamed("`PartialRolloutBuffer.max_age`", "`max_staleness`")
+        return self.max_staleness
 
     # ------------------------------------------------------------------ adding
     def _check_sample(self, s: object, name: str) -> PartialRollout:
@@ -152,6 +173,34 @@ class PartialRolloutBuffer:
                 f"{name}: expected a PartialRollout (use PartialRollout.from_generation), got {type(s).__name__}"
             )
         return s
+
+    def _check_new_locked(self, samples: Sequence[PartialRollout], held: Sequence[PartialRollout], name: str) -> None:
+        """Refuse a sample already held (same object or same request_id), in this group or any other."""
+        seen: set[str] = set()
+        for i, s in enumerate(samples):
+            where = f"{name}[{i}]" if len(samples) > 1 else name
+            if any(s is h for h in held) or any(s is o for o in samples[:i]):
+                raise ArgumentError(f"{where}: this PartialRollout object is already in group {s.group_id!r}")
+            rid = s.request_id
+            if rid is None:
+                continue
+            if rid in self._rids or rid in seen:
+                other = self._rids.get(rid, s.group_id)
+                raise ArgumentError(
+                    f"{where}.request_id: expected a request not already in the buffer, got {rid!r} which is "
+                    f"already held in group {other!r} (a duplicate cannot complete a group)"
+                )
+            seen.add(rid)
+
+    def _index_locked(self, samples: Sequence[PartialRollout]) -> None:
+        for s in samples:
+            if s.request_id is not None:
+                self._rids[s.request_id] = s.group_id
+
+    def _unindex_locked(self, samples: Sequence[PartialRollout]) -> None:
+        for s in samples:
+            if s.request_id is not None:
+                self._rids.pop(s.request_id, None)
 
     def put_group(self, samples: Sequence[PartialRollout]) -> None:
         """Add a whole group at once (all samples share one ``group_id`` not already in the buffer)."""
@@ -167,7 +216,9 @@ class PartialRolloutBuffer:
         with self._lock:
             if gid in self._complete or gid in self._incomplete:
                 raise ArgumentError(f"samples: group_id {gid!r} is already in the buffer")
+            self._check_new_locked(samples, (), "samples")
             self._complete[gid] = samples
+            self._index_locked(samples)
             self._counts["groups_added"] += 1
             self._counts["samples_added"] += len(samples)
 
@@ -181,7 +232,11 @@ class PartialRolloutBuffer:
         )
 
     def add(self, sample: PartialRollout) -> bool:
-        """Add one sample (needs ``group_size``). Returns True when this sample completed its group."""
+        """Add one sample (needs ``group_size``). Returns True when this sample completed its group.
+
+        Raises ``ArgumentError`` for a sample whose group is already whole, or that is already held (the same
+        object, or the same ``request_id``): only ``group_size`` DISTINCT samples complete a group.
+        """
         sample = self._check_sample(sample, "sample")
         if self.group_size is None:
             raise ArgumentError("sample: add() needs group_size to know when a group is whole; use put_group()")
@@ -189,8 +244,11 @@ class PartialRolloutBuffer:
         with self._lock:
             if gid in self._complete:
                 raise ArgumentError(f"sample: group {gid!r} is already whole ({self.group_size} samples)")
-            group = self._incomplete.setdefault(gid, [])
+            group = self._incomplete.get(gid, [])
+            self._check_new_locked([sample], group, "sample")
+            self._incomplete[gid] = group
             group.append(sample)
+            self._index_locked([sample])
             self._counts["samples_added"] += 1
             if len(group) < self.group_size:
                 return False
@@ -201,14 +259,15 @@ class PartialRolloutBuffer:
 
     # ------------------------------------------------------------------ taking
     def _drop_locked(self, current_version: int) -> list[tuple[Hashable, list[PartialRollout]]]:
-        if self.max_age is None:
+        if self.max_staleness is None:
             return []
-        limit = current_version - self.max_age
+        limit = current_version - self.max_staleness
         dropped = []
         for store in (self._complete, self._incomplete):
             for gid in [g for g, samples in store.items() if (o := _group_oldest(samples)) is not None and o < limit]:
                 dropped.append((gid, store.pop(gid)))
         for _, samples in dropped:
+            self._unindex_locked(samples)
             self._counts["groups_dropped"] += 1
             self._counts["samples_dropped"] += len(samples)
         if self.on_drop is None:
@@ -227,30 +286,37 @@ class PartialRolloutBuffer:
                 raise
 
     def drop_stale(self, current_version: int) -> int:
-        """Drop (whole) every group older than ``max_age`` versions at ``current_version``. Returns how many."""
-        if isinstance(current_version, bool) or not isinstance(current_version, int) or current_version < 0:
-            raise ArgumentError(f"current_version: expected an int >= 0, got {current_version!r}")
+        """Drop (whole) every group older than ``max_staleness`` versions at ``current_version``. Returns how
+        many groups were dropped."""
+        current_version = check_int("current_version", current_version, minimum=0)
         with self._lock:
             dropped = self._drop_locked(current_version)
         self._deliver(dropped)
         return len(dropped)
 
-    def pop_groups(self, k: int, *, current_version: int | None = None) -> list[list[PartialRollout]]:
-        """Up to ``k`` whole groups, oldest inserted first (each a list of its samples in insertion order).
+    def pop_groups(
+        self, n: int | None = None, *, current_version: int | None = None, **deprecated: Any
+    ) -> list[list[PartialRollout]]:
+        """Up to ``n`` whole groups, oldest inserted first (each a list of its samples in insertion order).
 
-        With ``current_version`` and ``max_age`` set, stale groups are dropped first (see :meth:`drop_stale`).
+        With ``current_version`` and ``max_staleness`` set, stale groups are dropped first (see
+        :meth:`drop_stale`). (Deprecated spelling: ``k=``.)
         """
-        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
-            raise ArgumentError(f"k: expected an int > 0, got {k!r}")
-        if current_version is not None and (
-            isinstance(current_version, bool) or not isinstance(current_version, int) or current_version < 0
-        ):
-            raise ArgumentError(f"current_version: expected None or an int >= 0, got {current_version!r}")
+        n = take_renamed(deprecated, "k", "n", n, where="PartialRolloutBuffer.pop_groups", stacklevel=4)
+        if deprecated:
+            raise TypeError(f"pop_groups() got unexpected keyword arguments {sorted(deprecated)}")
+        if n is None:
+            raise ArgumentError("n: expected an int > 0 (how many groups to take), got None")
+        n = check_int("n", n, minimum=1)
+        if current_version is not None:
+            current_version = check_int("current_version", current_version, minimum=0)
         with self._lock:
             dropped = self._drop_locked(current_version) if current_version is not None else []
             out = []
-            for gid in list(self._complete)[:k]:
+            for gid in list(self._complete)[:n]:
                 out.append(self._complete.pop(gid))
+            for g in out:
+                self._unindex_locked(g)
             self._counts["groups_popped"] += len(out)
             self._counts["samples_popped"] += sum(len(g) for g in out)
         self._deliver(dropped)
@@ -261,6 +327,8 @@ class PartialRolloutBuffer:
         with self._lock:
             out = list(self._incomplete.values())
             self._incomplete.clear()
+            for g in out:
+                self._unindex_locked(g)
             self._counts["groups_popped"] += len(out)
             self._counts["samples_popped"] += sum(len(g) for g in out)
             return out
@@ -291,13 +359,14 @@ class PartialRolloutBuffer:
             }
 
     def state_dict(self) -> dict[str, Any]:
-        """Groups as plain dicts (``dataclasses.asdict``), dropped-pending groups, counters. Picklable as long as
-        group ids and ``meta`` values are."""
+        """Groups as plain dicts (``dataclasses.asdict``), dropped-pending groups, counters and ``group_size``.
+        Picklable as long as group ids and ``meta`` values are."""
         with self._lock:
             def enc(store):
                 return [(gid, [asdict(s) for s in samples]) for gid, samples in store]
 
             return {
+                "group_size": self.group_size,
                 "complete": enc(self._complete.items()),
                 "incomplete": enc(self._incomplete.items()),
                 "dropped": enc(self._dropped),
@@ -305,19 +374,93 @@ class PartialRolloutBuffer:
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore into this EMPTY buffer (raises ``ValueError`` otherwise)."""
+        """Restore into this EMPTY buffer (raises ``ValueError`` otherwise).
+
+        The state is checked as strictly as the calls that built it, so a corrupted or hand-edited checkpoint
+        cannot smuggle in what :meth:`add` / :meth:`put_group` refuse: every sample is re-validated
+        (:class:`PartialRollout`), each listed group's samples carry its ``group_id``, a *complete* group has
+        exactly ``group_size`` samples and an *incomplete* one fewer, no group id or request id appears twice,
+        ``group_size`` (when saved) matches this buffer's, and the counters satisfy ``samples_added ==
+        samples_popped + samples_dropped + samples_held``.
+        """
         for key in ("complete", "incomplete", "dropped", "counts"):
             if key not in state:
                 raise ArgumentError(f"state: missing key {key!r}")
+        if "group_size" in state and state["group_size"] != self.group_size:
+            raise ArgumentError(
+                f"state['group_size']: expected {self.group_size} (this buffer's), got {state['group_size']!r}"
+            )
 
-        def dec(entries):
-            return [(gid, [PartialRollout(**d) for d in samples]) for gid, samples in entries]
+        def dec(key):
+            out = []
+            for j, entry in enumerate(state[key]):
+                gid, samples = entry
+                group = []
+                for i, d in enumerate(samples):
+                    try:
+                        s = PartialRollout(**d)
+                    except (TypeError, ArgumentError) as e:
+                        raise ArgumentError(f"state[{key!r}][{j}] sample {i}: {e}") from None
+                    if s.group_id != gid:
+                        raise ArgumentError(
+                            f"state[{key!r}][{j}] sample {i}: expected group_id {gid!r}, got {s.group_id!r}"
+                        )
+                    group.append(s)
+                if not group:
+                    raise ArgumentError(f"state[{key!r}][{j}]: expected at least one sample in group {gid!r}")
+                out.append((gid, group))
+            return out
 
-        complete, incomplete, dropped = dec(state["complete"]), dec(state["incomplete"]), dec(state["dropped"])
+        complete, incomplete, dropped = dec("complete"), dec("incomplete"), dec("dropped")
+        for j, (gid, group) in enumerate(complete):
+            if self.group_size is not None and len(group) != self.group_size:
+                raise ArgumentError(
+                    f"state['complete'][{j}]: expected a whole group of group_size={self.group_size} samples, "
+                    f"got {len(group)} in group {gid!r}"
+                )
+        for j, (gid, group) in enumerate(incomplete):
+            if self.group_size is None:
+                raise ArgumentError("state['incomplete']: a buffer without group_size holds no incomplete groups, "
+                                    f"got group {gid!r}")
+            if len(group) >= self.group_size:
+                raise ArgumentError(
+                    f"state['incomplete'][{j}]: expected fewer than group_size={self.group_size} samples, got "
+                    f"{len(group)} in group {gid!r}"
+                )
+        gids = [gid for gid, _ in complete + incomplete]
+        if len(set(gids)) != len(gids):
+            dup = next(g for g in gids if gids.count(g) > 1)
+            raise ArgumentError(f"state: expected each group id once among held groups, got {dup!r} twice")
+        rids: dict[str, Hashable] = {}
+        for gid, group in complete + incomplete:
+            for s in group:
+                if s.request_id is None:
+                    continue
+                if s.request_id in rids:
+                    raise ArgumentError(
+                        f"state: expected each request_id once, got {s.request_id!r} in group {rids[s.request_id]!r} "
+                        f"and group {gid!r}"
+                    )
+                rids[s.request_id] = gid
+        counts = state["counts"]
+        for key in _COUNTERS:
+            if key not in counts:
+                raise ArgumentError(f"state['counts']: missing key {key!r}")
+        counts = {key: check_int(f"state['counts'][{key!r}]", counts[key], minimum=0) for key in _COUNTERS}
+        held = sum(len(g) for _, g in complete + incomplete)
+        if counts["samples_added"] != counts["samples_popped"] + counts["samples_dropped"] + held:
+            raise ArgumentError(
+                f"state['counts']: expected samples_added == samples_popped + samples_dropped + held, got "
+                f"{counts['samples_added']} != {counts['samples_popped']} + {counts['samples_dropped']} + {held}"
+            )
         with self._lock:
             if self._complete or self._incomplete or self._dropped:
                 raise ArgumentError("load_state_dict: expected an empty buffer (loading would lose its groups)")
             self._complete = dict(complete)
             self._incomplete = dict(incomplete)
             self._dropped = dropped
-            self._counts = {k: int(state["counts"][k]) for k in self._counts}
+            self._rids = rids
+            self._counts = counts
+
+
+_COUNTERS = ("groups_added", "samples_added", "groups_popped", "samples_popped", "groups_dropped", "samples_dropped")

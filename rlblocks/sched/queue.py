@@ -7,6 +7,13 @@ control alone does not bound age at consumption). Items found too old are *stale
 version)`` or kept for :meth:`StalenessQueue.drain_stale`, and always counted. A full queue makes :meth:`put` block
 or raise; it never evicts.
 
+Items *ahead* of the consumer (``version > current_version``, a negative age) are fresh and are returned, but never
+without a word: each is counted in ``stats()["ahead"]`` (largest lead in ``"max_ahead"``, and its negative age in
+the age histogram). Several consumers sharing a queue produce them legitimately (a producer tags an item with a
+version that another consumer already moved to); in a single-consumer loop they mean the trainer passed the wrong
+``current_version`` or the engine was given weights from the future, so ``on_ahead="raise"`` makes
+:meth:`StalenessQueue.get_batch` refuse them (``ArgumentError``; nothing is taken, the items stay queued).
+
 Accounting invariant (checked by the tests): ``put == returned + stale + len(queue)``.
 """
 
@@ -19,23 +26,12 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from rlblocks.errors import ArgumentError, QueueClosed, QueueFull
 
-
-def _check_int(name: str, value: object, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ArgumentError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ArgumentError(f"{name}: expected an int >= {minimum}, got {value}")
-    return value
-
-
-def _check_timeout(timeout: float | None) -> float | None:
-    if timeout is not None and not (timeout >= 0):
-        raise ArgumentError(f"timeout: expected None or a number >= 0, got {timeout!r}")
-    return timeout
+from ._checks import check_int as _check_int
+from ._checks import check_timeout as _check_timeout
 
 
 class StalenessQueue:
@@ -47,6 +43,8 @@ class StalenessQueue:
             do not count against it.
         on_stale: ``on_stale(item, version)`` is called (outside the lock, in the consuming thread) for each item
             found stale. Without it stale items are kept for :meth:`drain_stale`.
+        on_ahead: what to do with an item newer than ``current_version`` (see the module docstring): ``"count"``
+            (default: return it, count it in ``stats()["ahead"]``) or ``"raise"`` (refuse the batch).
 
     Blocking methods (:meth:`put`, :meth:`get_batch`) use a ``threading.Condition``; the coroutine versions
     (:meth:`aput`, :meth:`aget_batch`) never block the event loop: they check under the lock and otherwise await a
@@ -67,12 +65,16 @@ class StalenessQueue:
         max_staleness: int,
         capacity: int | None = None,
         on_stale: Callable[[Any, int], None] | None = None,
+        on_ahead: Literal["count", "raise"] = "count",
     ) -> None:
         self.max_staleness = _check_int("max_staleness", max_staleness, minimum=0)
         self.capacity = None if capacity is None else _check_int("capacity", capacity, minimum=1)
         if on_stale is not None and not callable(on_stale):
             raise ArgumentError(f"on_stale: expected a callable(item, version) or None, got {on_stale!r}")
         self.on_stale = on_stale
+        if on_ahead not in ("count", "raise"):
+            raise ArgumentError(f"on_ahead: expected 'count' or 'raise', got {on_ahead!r}")
+        self.on_ahead = on_ahead
         self._lock = threading.Lock()
         self._not_empty = threading.Condition(self._lock)
         self._not_full = threading.Condition(self._lock)
@@ -90,6 +92,8 @@ class StalenessQueue:
         self._n_returned = 0
         self._n_stale = 0
         self._n_drained = 0
+        self._n_ahead = 0
+        self._max_ahead = 0
         self._age_hist: Counter[int] = Counter()
         self._stale_age_hist: Counter[int] = Counter()
         self._wait_total = 0.0
@@ -140,20 +144,31 @@ class StalenessQueue:
             self._notify_taken_locked()
         return stale
 
-    def _take_locked(self, n: int) -> list[tuple[int, int, float, Any]]:
+    def _take_locked(self, n: int, current_version: int) -> list[Any]:
+        """Pop the ``n`` oldest items and account for them (ages, waits, items ahead of ``current_version``)."""
         heap = self._heap
-        taken = [heapq.heappop(heap) for _ in range(min(n, len(heap)))]
-        if taken:
-            self._notify_taken_locked()
-        return taken
-
-    def _account_locked(self, taken: list[tuple[int, int, float, Any]], current_version: int) -> list[Any]:
+        k = min(n, len(heap))
+        if self.on_ahead == "raise" and k:
+            newest = max(entry[0] for entry in heapq.nsmallest(k, heap))
+            if newest > current_version:
+                raise ArgumentError(
+                    f"current_version: expected >= the version of every item taken (on_ahead='raise'), got "
+                    f"{current_version} while an item of version {newest} would be returned; nothing was taken"
+                )
+        taken = [heapq.heappop(heap) for _ in range(k)]
+        if not taken:
+            return []
+        self._notify_taken_locked()
         now = time.monotonic()
         self._n_returned += len(taken)
         hist = self._age_hist
         wait = 0.0
         for version, _, t_put, _ in taken:
-            hist[current_version - version] += 1
+            age = current_version - version
+            hist[age] += 1
+            if age < 0:
+                self._n_ahead += 1
+                self._max_ahead = max(self._max_ahead, -age)
             wait += now - t_put
         self._wait_total += wait
         return [entry[3] for entry in taken]
@@ -246,13 +261,13 @@ class StalenessQueue:
                 stale = self._purge_locked(current_version)
                 if not (stale and deliver):
                     if len(self._heap) >= n or self._closed or timeout == 0:
-                        return self._account_locked(self._take_locked(n), current_version)
+                        return self._take_locked(n, current_version)
                     now = time.monotonic()
                     if t0 is None:
                         t0 = now
                         deadline = None if timeout is None else now + timeout
                     if deadline is not None and now >= deadline:
-                        return self._account_locked(self._take_locked(n), current_version)
+                        return self._take_locked(n, current_version)
                     self._getters += 1
                     try:
                         self._not_empty.wait(None if deadline is None else deadline - now)
@@ -279,7 +294,7 @@ class StalenessQueue:
                     expired = deadline is not None and loop.time() >= deadline
                     if len(self._heap) >= n or self._closed or expired:
                         self._get_block_total += loop.time() - t0
-                        return self._account_locked(self._take_locked(n), current_version)
+                        return self._take_locked(n, current_version)
                     waiter = (loop, loop.create_future())
                     self._async_waiters.add(waiter)
             if stale and deliver:
@@ -341,7 +356,8 @@ class StalenessQueue:
         """Counts and timings.
 
         ``put``, ``returned``, ``stale`` (ever found stale), ``stale_pending`` (awaiting :meth:`drain_stale`),
-        ``drained``, ``queued``; ``age_histogram`` ``{age: count}`` of returned items at consumption,
+        ``drained``, ``queued``; ``ahead`` (returned items newer than the ``current_version`` they were taken at,
+        ``max_ahead`` the largest such lead); ``age_histogram`` ``{age: count}`` of returned items at consumption,
         ``stale_age_histogram`` likewise for stale ones; ``wait_time_total_s`` / ``wait_time_mean_s``: time returned
         items spent queued (put to get); ``get_blocked_s`` / ``put_blocked_s``: time consumers / producers waited.
         Invariant: ``put == returned + stale + queued``.
@@ -353,6 +369,8 @@ class StalenessQueue:
                 "stale": self._n_stale,
                 "stale_pending": len(self._stale_pending),
                 "drained": self._n_drained,
+                "ahead": self._n_ahead,
+                "max_ahead": self._max_ahead,
                 "queued": len(self._heap),
                 "oldest_queued_version": self._heap[0][0] if self._heap else None,
                 "age_histogram": dict(sorted(self._age_hist.items())),
@@ -377,6 +395,8 @@ class StalenessQueue:
                     "returned": self._n_returned,
                     "stale": self._n_stale,
                     "drained": self._n_drained,
+                    "ahead": self._n_ahead,
+                    "max_ahead": self._max_ahead,
                     "age_histogram": dict(self._age_hist),
                     "stale_age_histogram": dict(self._stale_age_hist),
                     "wait_time_total_s": self._wait_total,
@@ -418,6 +438,8 @@ class StalenessQueue:
             self._reset_counters()
             self._n_put, self._n_returned, self._n_stale = n_put, n_returned, n_stale
             self._n_drained = int(c["drained"])
+            self._n_ahead = int(c.get("ahead", 0))  # absent from checkpoints written before it was counted
+            self._max_ahead = int(c.get("max_ahead", 0))
             self._age_hist = Counter({int(k): int(v) for k, v in c["age_histogram"].items()})
             self._stale_age_hist = Counter({int(k): int(v) for k, v in c["stale_age_histogram"].items()})
             self._wait_total = float(c["wait_time_total_s"])

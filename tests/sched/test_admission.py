@@ -119,3 +119,16 @@ def test_try_submit_is_atomic_across_threads():
     for t in threads:
         t.join()
     assert sum(wins) == expected == ctl.running == 100
+
+
+def test_stats_is_a_plain_dict_snapshot():
+    ctl = StalenessController(batch_size=8, max_staleness=1, max_concurrent=16, dp_size=2)
+    ctl.on_submit(3)
+    ctl.on_accept(1)
+    ctl.on_reject(1)
+    s = ctl.stats()
+    assert type(s) is dict
+    assert s == {"submitted": 3, "running": 1, "accepted": 1, "rejected": 1, "batch_size": 4, "max_concurrent": 8,
+                 "max_staleness": 1, "dp_size": 2}
+    ctl.on_accept(1)
+    assert s["running"] == 1 and ctl.stats()["running"] == 0  # a snapshot, not a live view

@@ -63,7 +63,7 @@ def test_groups_stay_whole_and_fifo():
 
 def test_drop_old_groups_whole_and_counted():
     dropped = []
-    buf = PartialRolloutBuffer(max_age=2, on_drop=lambda gid, samples: dropped.append((gid, len(samples))))
+    buf = PartialRolloutBuffer(max_staleness=2, on_drop=lambda gid, samples: dropped.append((gid, len(samples))))
     buf.put_group([sample("old", [5]), sample("old", [1, 5])])  # oldest token is version 1
     buf.put_group([sample("new", [4]), sample("new", [])])  # a sample without tokens has no age
     buf.put_group([sample("empty", [])])
@@ -74,20 +74,20 @@ def test_drop_old_groups_whole_and_counted():
     assert (s["groups_dropped"], s["samples_dropped"]) == (1, 2)
     assert s["samples_added"] == s["samples_popped"] + s["samples_dropped"] + s["samples_held"]
     # without a callback dropped groups are kept for drain_dropped()
-    buf2 = PartialRolloutBuffer(max_age=0)
+    buf2 = PartialRolloutBuffer(max_staleness=0)
     buf2.put_group([sample("g", [0])])
     assert buf2.drop_stale(1) == 1
     assert [gid for gid, _ in buf2.drain_dropped()] == ["g"]
 
 
 def test_state_dict_round_trip():
-    buf = PartialRolloutBuffer(group_size=2, max_age=3)
+    buf = PartialRolloutBuffer(group_size=2, max_staleness=3)
     buf.put_group([sample(0, [1, 2]), sample(0, [2], finished=True, remaining=0)])
     buf.add(sample(1, [3]))
     buf.put_group([sample(2, [0]), sample(2, [0])])
     buf.drop_stale(4)
     state = pickle.loads(pickle.dumps(buf.state_dict()))
-    buf2 = PartialRolloutBuffer(group_size=2, max_age=3)
+    buf2 = PartialRolloutBuffer(group_size=2, max_staleness=3)
     buf2.load_state_dict(state)
     assert buf2.stats() == buf.stats()
     assert buf2.pop_groups(5) == buf.pop_groups(5)
@@ -102,10 +102,10 @@ def test_state_dict_round_trip():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="group_size"):
         PartialRolloutBuffer(group_size=0)
-    with pytest.raises(ValueError, match="max_age"):
-        PartialRolloutBuffer(max_age=-1)
+    with pytest.raises(ValueError, match="max_staleness"):
+        PartialRolloutBuffer(max_staleness=-1)
     buf = PartialRolloutBuffer()
-    with pytest.raises(ValueError, match="k"):
+    with pytest.raises(ValueError, match="n"):
         buf.pop_groups(0)
     with pytest.raises(ValueError, match="group_size"):
         buf.add(sample("a", [0]))
@@ -113,3 +113,83 @@ def test_bad_arguments():
         buf.put_group([object()])
     with pytest.raises(ValueError, match="remaining_tokens"):
         sample("a", [0], remaining=-1)
+
+
+# ---------------------------------------------------------------------------------------- regressions
+def test_duplicate_request_id_cannot_complete_a_group():
+    """Two copies of one request used to count as two samples, so a group of 2 completed with one real sample."""
+    buf = PartialRolloutBuffer(group_size=2)
+    first = PartialRollout(group_id="g", prompt_ids=[1], request_id="g/0")
+    assert buf.add(first) is False
+    with pytest.raises(ValueError, match=r"request_id.*'g/0'.*already held"):
+        buf.add(PartialRollout(group_id="g", prompt_ids=[1], request_id="g/0"))
+    with pytest.raises(ValueError, match="already in group"):
+        buf.add(first)  # the very same object, even without a request id
+    s = buf.stats()
+    assert (s["groups_ready"], s["groups_incomplete"], s["samples_held"]) == (0, 1, 1)
+    assert buf.add(PartialRollout(group_id="g", prompt_ids=[1], request_id="g/1")) is True
+    # a request id held in another group, or twice within one put_group, is refused too
+    with pytest.raises(ValueError, match=r"request_id.*'g/1'"):
+        buf.add(PartialRollout(group_id="h", prompt_ids=[1], request_id="g/1"))
+    with pytest.raises(ValueError, match=r"samples\[1\]\.request_id"):
+        buf.put_group([PartialRollout(group_id="k", prompt_ids=[1], request_id="k/0"),
+                       PartialRollout(group_id="k", prompt_ids=[1], request_id="k/0")])
+    # once popped, the request id may come back (a group resumed and interrupted again)
+    (group,) = buf.pop_groups(1)
+    assert [x.request_id for x in group] == ["g/0", "g/1"]
+    assert buf.add(PartialRollout(group_id="g", prompt_ids=[1], request_id="g/0")) is False
+
+
+def test_load_state_dict_refuses_an_incomplete_complete_group():
+    buf = PartialRolloutBuffer(group_size=3)
+    buf.put_group([sample("a", [0]), sample("a", [0]), sample("a", [1])])
+    buf.add(sample("b", [0]))
+    good = buf.state_dict()
+    short = pickle.loads(pickle.dumps(good))
+    short["complete"][0][1].pop()  # a "complete" group with 2 of its 3 samples
+    short["counts"]["samples_added"] -= 1
+    with pytest.raises(ValueError, match=r"state\['complete'\]\[0\]: expected a whole group of group_size=3"):
+        PartialRolloutBuffer(group_size=3).load_state_dict(short)
+    full_incomplete = pickle.loads(pickle.dumps(good))
+    full_incomplete["incomplete"][0][1].extend([good["incomplete"][0][1][0]] * 2)
+    full_incomplete["counts"]["samples_added"] += 2
+    with pytest.raises(ValueError, match=r"state\['incomplete'\]\[0\]: expected fewer than group_size=3"):
+        PartialRolloutBuffer(group_size=3).load_state_dict(full_incomplete)
+    wrong_gid = pickle.loads(pickle.dumps(good))
+    wrong_gid["complete"][0][1][2]["group_id"] = "z"
+    with pytest.raises(ValueError, match="expected group_id 'a'"):
+        PartialRolloutBuffer(group_size=3).load_state_dict(wrong_gid)
+    lost = pickle.loads(pickle.dumps(good))
+    lost["counts"]["samples_added"] += 1  # a sample counted in but held nowhere
+    with pytest.raises(ValueError, match="samples_added == samples_popped"):
+        PartialRolloutBuffer(group_size=3).load_state_dict(lost)
+    with pytest.raises(ValueError, match="group_size"):
+        PartialRolloutBuffer(group_size=4).load_state_dict(good)
+    bad_token = pickle.loads(pickle.dumps(good))
+    bad_token["complete"][0][1][0]["output_ids"] = [1.5]
+    with pytest.raises(ValueError, match="output_ids"):
+        PartialRolloutBuffer(group_size=3).load_state_dict(bad_token)
+    ok = PartialRolloutBuffer(group_size=3)
+    ok.load_state_dict(good)  # the untouched state still loads
+    assert ok.stats() == buf.stats()
+
+
+def test_renamed_max_age_and_k_warn_and_still_work():
+    with pytest.warns(DeprecationWarning, match=r"max_age=.*max_staleness="):
+        old = PartialRolloutBuffer(max_age=1)
+    assert old.max_staleness == 1
+    with pytest.warns(DeprecationWarning, match=r"max_age.*max_staleness"):
+        assert old.max_age == 1
+    old.put_group([sample("a", [0])])
+    old.put_group([sample("b", [2])])
+    with pytest.warns(DeprecationWarning, match=r"k=.*n="):
+        assert [g[0].group_id for g in old.pop_groups(k=5, current_version=2)] == ["b"]
+    with pytest.raises(ValueError, match="both"):
+        old.pop_groups(1, k=1)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new names do not warn
+        new = PartialRolloutBuffer(max_staleness=1)
+        new.put_group([sample("c", [0])])
+        assert len(new.pop_groups(n=1)) == 1 and new.pop_groups(1) == []

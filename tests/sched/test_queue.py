@@ -268,3 +268,46 @@ def test_async_with_on_stale_callback():
         assert q.stats()["stale"] == 1 and q.drain_stale() == []
 
     asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------------------- regressions
+def test_item_ahead_of_current_version_is_counted_or_refused():
+    q = StalenessQueue(max_staleness=1)
+    q.put("now", 3)
+    q.put("future", 5)
+    assert q.get_batch(2, current_version=3, timeout=0) == ["now", "future"]  # fresh, returned ...
+    s = q.stats()
+    assert (s["ahead"], s["max_ahead"]) == (1, 2) and s["age_histogram"] == {-2: 1, 0: 1}  # ... and reported
+    state = pickle.loads(pickle.dumps(q.state_dict()))
+    q2 = StalenessQueue(max_staleness=1)
+    q2.load_state_dict(state)
+    assert (q2.stats()["ahead"], q2.stats()["max_ahead"]) == (1, 2)
+    strict = StalenessQueue(max_staleness=1, on_ahead="raise")
+    strict.put("now", 3)
+    strict.put("future", 5)
+    assert strict.get_batch(1, current_version=3, timeout=0) == ["now"]  # the oldest item is not ahead
+    with pytest.raises(ValueError, match=r"current_version.*version 5"):
+        strict.get_batch(1, current_version=3, timeout=0)
+    assert len(strict) == 1 and strict.stats()["returned"] == 1  # nothing was taken
+    assert strict.get_batch(1, current_version=5, timeout=0) == ["future"]
+    with pytest.raises(ValueError, match="on_ahead"):
+        StalenessQueue(max_staleness=0, on_ahead="ignore")
+
+
+def test_infinite_timeout_means_no_limit():
+    import math
+
+    q = StalenessQueue(max_staleness=0, capacity=1)
+    threading.Timer(0.05, lambda: q.put("x", 0)).start()
+    assert q.get_batch(1, current_version=0, timeout=math.inf) == ["x"]
+    q.put("y", 0)
+    threading.Timer(0.05, lambda: q.get_batch(1, current_version=0, timeout=0)).start()
+    q.put("z", 0, timeout=math.inf)  # waits for room instead of raising OverflowError
+
+    async def main():
+        asyncio.get_running_loop().call_later(0.05, lambda: q.close())
+        return await q.aget_batch(2, current_version=0, timeout=math.inf)
+
+    assert asyncio.run(main()) == ["z"]
+    with pytest.raises(ValueError, match="timeout"):
+        q.get_batch(1, current_version=0, timeout=float("nan"))
