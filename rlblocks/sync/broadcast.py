@@ -232,8 +232,16 @@ def _parse_manifest(data: bytes) -> tuple[int, int, list[TensorMeta]]:
         d = json.loads(data.decode())
         if d.get("magic") != _MAGIC:
             raise ArgumentError(f"magic {d.get('magic')!r}")
-        specs = [TensorMeta(str(n), tuple(int(x) for x in s), dtype_from_name(dt), 0) for n, s, dt in d["tensors"]]
-        return int(d["version"]), int(d["bucket_bytes"]), specs
+        # TensorMeta refuses negative, fractional or non-int dimensions (no truncation by int()).
+        specs = [TensorMeta(n, s, dtype_from_name(dt), 0) for n, s, dt in d["tensors"]]
+        names = {s.name for s in specs}
+        if len(names) != len(specs):
+            raise ArgumentError("duplicate tensor names")
+        version, bucket_bytes = d["version"], d["bucket_bytes"]
+        if isinstance(version, bool) or not isinstance(version, int) or isinstance(bucket_bytes, bool) \
+                or not isinstance(bucket_bytes, int):
+            raise ArgumentError(f"version {version!r} and bucket_bytes {bucket_bytes!r} must be ints")
+        return version, bucket_bytes, specs
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise SyncMismatchError(f"manifest: not a valid weight manifest ({e})") from e
 
