@@ -38,6 +38,7 @@ import json
 import math
 import struct
 import sys
+import warnings
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from jaxtyping import UInt8
 from torch import Tensor
 
 from rlblocks.errors import ArgumentError, DeltaError
+from rlblocks.sync._args import check_version, keyword_only
 from rlblocks.sync.buckets import dtype_from_name, dtype_name
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -346,18 +348,19 @@ def _check_same_layout(ref: Mapping[str, Tensor], got: Mapping[str, Tensor], arg
             raise ArgumentError(f"{arg}[{n!r}]: expected {list(r.shape)} {r.dtype}, got {list(t.shape)} {t.dtype}")
 
 
-def _check_version(version: object, arg: str = "version") -> int:
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise ArgumentError(f"{arg}: expected an int, got {type(version).__name__}")
-    return version
-
-
 class DeltaEncoder:
     """Keeps the last-sent state and turns new weights into :class:`DeltaPacket` s.
 
     ``DeltaEncoder(named_tensors, version=0)`` snapshots the state the receiver is assumed to hold as ``version``
     (a CPU copy, page-locked when CUDA is present); ``base_crc`` checks in the decoder catch a wrong assumption.
     ``compress``: ``False`` (default), ``True`` (zstd; needs ``zstandard``) or ``"auto"`` (zstd if installed).
+
+    A delta is never larger than a full packet (a tensor whose positions would cost more than its unchanged values
+    travels ``dense``), but when nearly every element changes it is not smaller either, and it still depends on the
+    receiver holding the exact base. :meth:`encode` says so: when the delta's payload is not smaller than a full
+    packet's, ``full_fallback=True`` sends a full packet (``base_version=None``: accepted whatever the receiver
+    holds) instead, and ``False`` (default) sends the delta and emits a ``RuntimeWarning``. Either case is counted
+    in :meth:`stats` (``not_smaller``, ``full_fallbacks``). Sizes compared are uncompressed payload bytes.
     """
 
     def __init__(
@@ -366,43 +369,94 @@ class DeltaEncoder:
         *,
         version: int = 0,
         compress: bool | str = False,
+        full_fallback: bool = False,
     ):
         if compress not in (False, True, "auto"):
             raise ArgumentError(f"compress: expected False, True or 'auto', got {compress!r}")
+        if not isinstance(full_fallback, bool):
+            raise ArgumentError(f"full_fallback: expected a bool, got {full_fallback!r}")
+        self.full_fallback = full_fallback
+        self._stats = {"deltas": 0, "fulls": 0, "not_smaller": 0, "full_fallbacks": 0}
         if compress is True:
             _zstd("compress=True")
         self.compression = "zstd" if compress is True or (compress == "auto" and _zstd_available()) else "none"
-        self.version = _check_version(version)
+        self.version = check_version(version)
         self._snap = {n: _pinned_clone(t) for n, t in _named(named_tensors, "named_tensors").items()}
         self._crc = {n: crc32_tensor(t) for n, t in self._snap.items()}
 
-    def full(self, named_tensors: Iterable[tuple[str, Tensor]] | Mapping[str, Tensor], version: int) -> DeltaPacket:
-        """A full packet (every tensor dense, ``base_version=None``) for ``version``; the snapshot becomes it."""
+    def stats(self) -> dict[str, int]:
+        """Counters since construction: ``deltas`` and ``fulls`` returned, ``not_smaller`` (deltas whose payload
+        was not smaller than a full packet's), ``full_fallbacks`` (of those, sent as a full packet instead)."""
+        return dict(self._stats)
+
+    @keyword_only(2, "version")
+    def full(
+        self,
+        named_tensors: Iterable[tuple[str, Tensor]] | Mapping[str, Tensor],
+        *,
+        version: int,
+        allow_rollback: bool = False,
+    ) -> DeltaPacket:
+        """A full packet (every tensor dense, ``base_version=None``) for ``version``; the snapshot becomes it.
+
+        ``version`` must be greater than the last encoded one (a decoder refuses an older full packet too);
+        ``allow_rollback=True`` allows going back on purpose.
+        """
+        version = check_version(version)
+        if version <= self.version and not allow_rollback:
+            raise ArgumentError(
+                f"version: expected > {self.version} (the last encoded version), got {version}; "
+                "pass allow_rollback=True to go back on purpose"
+            )
         named = _named(named_tensors, "named_tensors")
         _check_same_layout(self._snap, named, "named_tensors")
-        out = []
         for n, t in named.items():
-            snap = self._snap[n]
-            snap.copy_(t.detach())
-            self._crc[n] = crc32_tensor(snap)
-            out.append(DeltaTensor(n, snap.dtype, tuple(snap.shape), "dense", snap.numel(), _empty(), _u8(snap).clone(),
-                                   self._crc[n], None))
-        self.version = _check_version(version)
+            self._snap[n].copy_(t.detach())
+            self._crc[n] = crc32_tensor(self._snap[n])
+        self.version = version
+        self._stats["fulls"] += 1
+        return self._full_from_snapshot()
+
+    def _full_from_snapshot(self) -> DeltaPacket:
+        out = [
+            DeltaTensor(n, snap.dtype, tuple(snap.shape), "dense", snap.numel(), _empty(), _u8(snap).clone(),
+                        self._crc[n], None)
+            for n, snap in self._snap.items()
+        ]
         return DeltaPacket(self.version, None, out, self.compression)
 
-    def encode(self, named_tensors: Iterable[tuple[str, Tensor]] | Mapping[str, Tensor], version: int) -> DeltaPacket:
+    @keyword_only(2, "version")
+    def encode(
+        self, named_tensors: Iterable[tuple[str, Tensor]] | Mapping[str, Tensor], *, version: int
+    ) -> DeltaPacket:
         """Delta from the snapshot (``base_version = self.version``) to ``named_tensors`` as ``version``.
 
         ``version`` must be greater than the current one. Names, shapes and dtypes must equal the snapshot's.
-        The snapshot is updated in place (only the changed elements are written).
+        The snapshot is updated in place (only the changed elements are written). When the delta is not smaller
+        than a full packet, see the class docstring (``full_fallback``).
         """
-        version = _check_version(version)
+        version = check_version(version)
         if version <= self.version:
             raise ArgumentError(f"version: expected > {self.version} (the last encoded version), got {version}")
         named = _named(named_tensors, "named_tensors")
         _check_same_layout(self._snap, named, "named_tensors")
         out = [self._encode_one(n, t) for n, t in named.items()]
         base, self.version = self.version, version
+        delta_bytes = sum(_pad8(t.positions.numel()) + _pad8(t.values.numel()) for t in out)
+        full_bytes = sum(_pad8(t.numel * t.dtype.itemsize) for t in out)
+        if out and delta_bytes >= full_bytes:
+            self._stats["not_smaller"] += 1
+            if self.full_fallback:
+                self._stats["full_fallbacks"] += 1
+                self._stats["fulls"] += 1
+                return self._full_from_snapshot()
+            warnings.warn(
+                f"DeltaEncoder: the delta to version {version} carries {delta_bytes} payload bytes, not fewer than a "
+                f"full packet ({full_bytes}); DeltaEncoder(..., full_fallback=True) sends a full packet instead",
+                RuntimeWarning,
+                stacklevel=3,  # the caller of encode (through the keyword_only wrapper)
+            )
+        self._stats["deltas"] += 1
         return DeltaPacket(version, base, out, self.compression)
 
     def _encode_one(self, name: str, t: Tensor) -> DeltaTensor:
@@ -459,6 +513,10 @@ def _empty() -> Tensor:
     return torch.empty(0, dtype=torch.uint8)
 
 
+def _pad8(n: int) -> int:
+    return n + (-n) % 8
+
+
 class DeltaDecoder:
     """Applies :class:`DeltaPacket` s in place to ``named_tensors`` (e.g. ``model.state_dict()``), in chain order.
 
@@ -471,23 +529,35 @@ class DeltaDecoder:
         for n, t in self.tensors.items():
             if not t.is_contiguous():
                 raise ArgumentError(f"named_tensors[{n!r}]: expected a contiguous tensor (updated in place)")
-        self.version = _check_version(version)
+        self.version = check_version(version)
         self._crc: dict[str, int] = {}
 
-    def apply(self, packet: DeltaPacket, *, verify: bool = True) -> int:
+    def apply(self, packet: DeltaPacket, *, verify: bool = True, allow_rollback: bool = False) -> int:
         """Apply ``packet`` in place; returns the new version. Raises :class:`DeltaError`, weights unchanged, if:
 
         * it is a delta whose ``base_version`` is not ``self.version`` (out of order, replayed or skipped);
+        * it is a full packet whose ``version`` is not greater than ``self.version`` (an old full packet would roll
+          the weights back), unless ``allow_rollback=True``;
         * its tensors differ from ours in name, shape or dtype, or a record is malformed (encoding, counts,
           indices out of range or not strictly increasing, value sizes);
-        * a ``base_crc`` differs from the CRC of our current tensor (our state is not the delta's base);
+        * a ``base_crc`` differs from the CRC of our tensor (our state is not the delta's base);
         * ``verify`` and a tensor's CRC after writing differs from ``crc`` (the writes are undone).
 
-        A full packet is accepted at any point and restarts the chain at its ``version``.
-        ``verify=False`` skips the CRC passes over the tensors (faster; the packet's own checksums still hold).
+        A newer full packet is accepted at any point and restarts the chain at its ``version``.
+
+        ``verify=True`` (default) computes the base CRC from each tensor's *current contents*, so a local edit of
+        the weights since the last apply (or a wrong initial state) is refused, and checks every written tensor's
+        CRC afterwards. ``verify=False`` skips both passes over the tensors: the base is then checked against the
+        CRC this decoder recorded when it last wrote the tensor (it catches a packet meant for another base, not
+        edits made behind the decoder's back); the packet's own checksums still hold.
         """
         if not isinstance(packet, DeltaPacket):
             raise ArgumentError(f"packet: expected a DeltaPacket, got {type(packet).__name__}")
+        if packet.is_full and packet.version <= self.version and not allow_rollback:
+            raise DeltaError(
+                f"packet: full packet of version {packet.version} is not newer than the current version "
+                f"{self.version}; refused, weights unchanged (allow_rollback=True goes back on purpose)"
+            )
         if not packet.is_full and packet.base_version != self.version:
             raise DeltaError(
                 f"packet: base_version {packet.base_version} does not match the current version {self.version} "
@@ -552,9 +622,7 @@ class DeltaDecoder:
         if not full:
             if rec.base_crc is None:
                 raise DeltaError(f"{where}: a delta record must carry base_crc")
-            mine = self._crc.get(rec.name)
-            if mine is None and verify:
-                mine = self._crc[rec.name] = crc32_tensor(t)
+            mine = crc32_tensor(t) if verify else self._crc.get(rec.name)
             if mine is not None and mine != rec.base_crc:
                 raise DeltaError(
                     f"{where}: our tensor (CRC {mine:#010x}) is not this delta's base (CRC {rec.base_crc:#010x}); "

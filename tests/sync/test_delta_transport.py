@@ -20,7 +20,7 @@ def _walk(n_versions, *, size=4096, density=0.05, seed=0, full_every=None):
         for t in s.values():
             m = torch.rand(t.numel(), generator=g) < density
             t[m] = torch.randn(int(m.sum()), generator=g).to(t.dtype)
-        p = enc.full(s, v) if full_every and v % full_every == 0 else enc.encode(s, v)
+        p = enc.full(s, version=v) if full_every and v % full_every == 0 else enc.encode(s, version=v)
         yield p, {k: t.clone() for k, t in s.items()}
 
 
