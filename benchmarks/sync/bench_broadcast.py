@@ -106,7 +106,7 @@ def run(rank: int, port: int, mb: int, reps: int, buckets: list[int], threads: i
         if rank == 0:
             sender = WeightSender(g, bucket_bytes=bmb << 20)  # long-lived: its staging buffers persist across sends
             for suffix in ("", " no pool", " reuse"):
-                methods[f"bucketed {bmb} MB{suffix}"] = lambda s=sender: s.send(state.items(), 1)
+                methods[f"bucketed {bmb} MB{suffix}"] = lambda s=sender: s.send(state.items(), version=1)
         else:
             safe, nopool = WeightReceiver(g, expected=state), WeightReceiver(g, expected=state, pool_buffers=False)
             reuse = WeightReceiver(g, expected=state, reuse_buffers=True)

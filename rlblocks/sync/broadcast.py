@@ -41,6 +41,7 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import AllgatherOptions, BroadcastOptions
 
 from rlblocks.errors import ArgumentError, SyncError, SyncMismatchError
+from rlblocks.sync._args import check_version, keyword_only
 from rlblocks.sync.buckets import (
     Bucket,
     TensorMeta,
@@ -335,11 +336,12 @@ class WeightSender:
         """Free the two staging buffers (they are re-allocated at the next send)."""
         self._buffers = [None, None]
 
+    @keyword_only(2, "version")
     def send(
         self,
         named_tensors: Iterable[tuple[str, Tensor]] | Mapping[str, Tensor],
-        version: int,
         *,
+        version: int,
         manifest: Sequence[TensorMeta] | None = None,
     ) -> None:
         """Send every tensor to all other ranks as weight ``version``; returns once all receivers consumed them.
@@ -349,8 +351,7 @@ class WeightSender:
         dtype of every tensor, in order): each streamed tensor is then checked against it as it is packed.
         Raises :class:`SyncMismatchError` if a receiver refuses, :class:`SyncError` if a peer dies or times out.
         """
-        if not isinstance(version, int):
-            raise ArgumentError(f"version: expected an int, got {type(version).__name__}")
+        version = check_version(version)
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         if manifest is None:
             items = list(items)

@@ -108,7 +108,7 @@ def loop_sender(cfg, group, res):
         v += 1
         t0 = time.monotonic()
         try:
-            sender.send(state.items(), v)
+            sender.send(state.items(), version=v)
         except Exception as e:
             res["error"] = f"{type(e).__name__}: {e}"
             res["fail_after_s"] = time.monotonic() - t0

@@ -27,7 +27,7 @@ def test_streamed_send_into_load_state_dict(tiny_hf_dir):
 
     def sender(g):
         stream = ((n, t.clone()) for n, t in sd.items())  # a generator: tensors materialised one at a time
-        WeightSender(g, bucket_bytes=32 << 10).send(stream, 3, manifest=manifest)
+        WeightSender(g, bucket_bytes=32 << 10).send(stream, version=3, manifest=manifest)
 
     def receiver(g):
         version, it = WeightReceiver(g, expected=dst.state_dict()).receive()
@@ -46,7 +46,7 @@ def test_three_ranks_one_refuses_everyone_raises():
     wrong = {"a": torch.randn(10), "b": torch.randn(3, 4)}  # fp32 expected, bf16 sent
 
     def sender(g):
-        WeightSender(g).send(state, 1)
+        WeightSender(g).send(state, version=1)
 
     def receiver(expected):
         return lambda g: WeightReceiver(g, expected=expected).receive()
@@ -62,7 +62,7 @@ def test_sender_stream_breaking_manifest_fails_both_sides():
     manifest = [tensor_spec(n, t) for n, t in state.items()]
 
     def sender(g):
-        WeightSender(g).send([("a", state["a"]), ("b", torch.randn(5))], 1, manifest=manifest)
+        WeightSender(g).send([("a", state["a"]), ("b", torch.randn(5))], version=1, manifest=manifest)
 
     def receiver(g):
         return dict(WeightReceiver(g).receive()[1])
@@ -82,7 +82,7 @@ def test_receiver_without_expectation_gets_exact_bytes():
         v, it = WeightReceiver(g).receive()
         return v, {n: t.clone() for n, t in it}
 
-    res = run_ranks([lambda g: WeightSender(g, bucket_bytes=256).send(state.items(), 5), receiver])
+    res = run_ranks([lambda g: WeightSender(g, bucket_bytes=256).send(state.items(), version=5), receiver])
     v, got = res[1]
     assert v == 5 and got.keys() == state.keys()
     for n, t in state.items():
@@ -106,7 +106,7 @@ def test_reused_receive_buffers_streaming_consumer():
     def sender(g):
         s = WeightSender(g, bucket_bytes=512)
         for v, st in enumerate(states):
-            s.send(st, v)
+            s.send(st, version=v)
 
     def receiver(g):
         r = WeightReceiver(g, reuse_buffers=True)
