@@ -307,3 +307,17 @@ def test_positional_version_warns_keyword_does_not():
         assert enc.encode({"x": x}, version=3).version == 3
     with pytest.raises(ValueError, match="both positionally"):
         enc.encode({"x": x}, 4, version=4)
+
+
+@pytest.mark.gpu
+def test_cuda_snapshot_encodes_the_same_bytes_as_the_cpu_one():
+    g = torch.Generator().manual_seed(11)
+    s = _state(torch.bfloat16)
+    new = {k: v.clone() for k, v in s.items()}
+    _mutate(new, 0.03, g)
+    cpu = DeltaEncoder(s).encode(new, version=1).to_bytes()
+    gpu = DeltaEncoder({k: v.cuda() for k, v in s.items()}, device="cuda")
+    assert gpu.encode({k: v.cuda() for k, v in new.items()}, version=1).to_bytes() == cpu
+    r = {k: v.cuda() for k, v in s.items()}
+    DeltaDecoder(r).apply(DeltaPacket.from_bytes(cpu))
+    assert _same({k: v.cpu() for k, v in r.items()}, new)
