@@ -157,17 +157,32 @@ def tensor_spec(name: str, t: Tensor) -> TensorMeta:
     return TensorMeta(name, tuple(int(s) for s in t.shape), t.dtype, 0)
 
 
-def plan_buckets(specs: Iterable[TensorMeta], *, bucket_bytes: int) -> list[list[TensorMeta]]:
+def plan_buckets(
+    specs: Iterable[TensorMeta], *, bucket_bytes: int, direct_bytes: int | None = None
+) -> list[list[TensorMeta]]:
     """Deterministic bucket layout of ``specs`` (their offsets are ignored): one list of placed metas per bucket.
 
     Greedy in order; offsets aligned to :data:`ALIGN`; a tensor with ``nbytes > bucket_bytes`` gets its own bucket.
+
+    ``direct_bytes``: a tensor of at least this many bytes gets a bucket of its own *where it comes*, so that a
+    sender can transmit the tensor itself without packing it; the smaller tensors around it keep filling the
+    current shared bucket, which is emitted when the next one would overflow it (and at the end). Buckets are then
+    not in manifest order, but every tensor still appears exactly once, and the layout is still a pure function of
+    the specs and the two sizes (what a receiver derives from a manifest).
     """
-    if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise ArgumentError(f"bucket_bytes: expected a positive int, got {bucket_bytes!r}")
+    if direct_bytes is not None and (
+        isinstance(direct_bytes, bool) or not isinstance(direct_bytes, int) or direct_bytes <= 0
+    ):
+        raise ArgumentError(f"direct_bytes: expected a positive int or None, got {direct_bytes!r}")
     out: list[list[TensorMeta]] = []
     cur: list[TensorMeta] = []
     end = 0
     for s in specs:
+        if direct_bytes is not None and s.nbytes >= direct_bytes:
+            out.append([TensorMeta(s.name, s.shape, s.dtype, 0)])
+            continue
         start = _align(end)
         if cur and start + s.nbytes > bucket_bytes:
             out.append(cur)

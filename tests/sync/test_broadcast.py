@@ -121,3 +121,43 @@ def test_reused_receive_buffers_streaming_consumer():
     for i, ((v, got), st) in enumerate(zip(res[1], states)):
         assert v == i and got.keys() == st.keys()
         assert all(torch.equal(got[n], st[n]) for n in st)
+
+
+def test_direct_tensors_are_sent_without_packing_and_arrive_bit_exact(monkeypatch):
+    """direct_bytes: large contiguous tensors go out of their own memory (never through pack_into), a large
+    non-contiguous one is packed; small ones are packed around them; a streamed generator with a manifest works."""
+    import rlblocks.sync.broadcast as bc
+
+    g0 = torch.Generator().manual_seed(3)
+    state = {}
+    for i in range(6):
+        state[f"big{i}"] = torch.randn(300 + i, generator=g0)  # >= 1 KiB: direct
+        state[f"norm{i}"] = torch.randn(7, generator=g0).bfloat16()
+    state["big_t"] = torch.randn(20, 40, generator=g0).t()  # large but not contiguous
+    state["big0"].view(torch.int32)[0] = 0x7FC0BEEF
+    manifest = [tensor_spec(n, t) for n, t in state.items()]
+    packed: list[str] = []
+    real_pack = bc.pack_into
+
+    def recording_pack(buf, metas, tensors):
+        packed.extend(m.name for m in metas)
+        real_pack(buf, metas, tensors)
+
+    monkeypatch.setattr(bc, "pack_into", recording_pack)
+
+    def sender(g):
+        s = WeightSender(g, bucket_bytes=256, direct_bytes=1024)  # 4 norms share a bucket
+        s.send(((n, t) for n, t in state.items()), version=1, manifest=manifest)
+
+    def receiver_keep(g):
+        v, it = WeightReceiver(g, expected=state).receive()
+        return v, {n: t.clone() for n, t in it}
+
+    res = run_ranks([sender, receiver_keep])
+    assert res[0] is None, res[0]
+    v, got = res[1]
+    assert v == 1 and got.keys() == state.keys()
+    for n, t in state.items():
+        assert torch.equal(got[n].view(torch.uint8), t.contiguous().view(torch.uint8)), n
+    assert not [n for n in packed if n.startswith("big") and n != "big_t"]  # never copied
+    assert "big_t" in packed and all(f"norm{i}" in packed for i in range(6))

@@ -151,7 +151,7 @@ def test_weight_manifest_with_bad_dims_or_duplicates_is_refused():
     def manifest(tensors):
         return json.dumps({"magic": _MAGIC, "version": 1, "bucket_bytes": 64, "tensors": tensors}).encode()
 
-    assert _parse_manifest(manifest([["a", [2, 3], "float32"]]))[2][0].shape == (2, 3)
+    assert _parse_manifest(manifest([["a", [2, 3], "float32"]]))[3][0].shape == (2, 3)
     for tensors, match in (
         ([["a", [2.5], "float32"]], "got 2.5"),
         ([["a", [-2], "float32"]], "got -2"),
@@ -160,3 +160,20 @@ def test_weight_manifest_with_bad_dims_or_duplicates_is_refused():
         with pytest.raises(SyncMismatchError, match=match) as e:
             _parse_manifest(manifest(tensors))
         assert isinstance(e.value, WeightUpdateError)
+
+
+def test_direct_bytes_layout_puts_large_tensors_alone_where_they_come():
+    sizes = [("s0", 10), ("big1", 300), ("s1", 20), ("s2", 30), ("big2", 256), ("s3", 200), ("s4", 100)]
+    specs = [TensorMeta(n, (k,), torch.uint8) for n, k in sizes]
+    plan = plan_buckets(specs, bucket_bytes=256, direct_bytes=256)
+    assert [[(m.name, m.offset) for m in b] for b in plan] == [
+        [("big1", 0)],
+        [("big2", 0)],
+        [("s0", 0), ("s1", 64), ("s2", 128)],  # filled around the direct ones, emitted when s3 overflows it
+        [("s3", 0)],
+        [("s4", 0)],
+    ]
+    assert sorted(m.name for b in plan for m in b) == sorted(n for n, _ in sizes)
+    assert plan_buckets(specs, bucket_bytes=256) == plan_buckets(specs, bucket_bytes=256, direct_bytes=None)
+    with pytest.raises(ValueError, match="direct_bytes"):
+        plan_buckets(specs, bucket_bytes=256, direct_bytes=0)
