@@ -148,7 +148,7 @@ def _memview(t: Tensor) -> memoryview:
     """Zero-copy byte view of a contiguous CPU tensor (the caller keeps the tensor alive while it is used)."""
     flat = t.reshape(-1).view(torch.uint8)
     if _np is not None:  # cheaper than building a ctypes array type of this size
-        return memoryview(flat.numpy())
+        return memoryview(flat.detach().numpy())
     return memoryview((ctypes.c_char * flat.numel()).from_address(flat.data_ptr())).cast("B")
 
 
@@ -268,7 +268,10 @@ def changed_indices(
                     o_l = torch.gather(ow, 0, words).view(INT_VIEW[es])
                     n_l = torch.gather(nw, 0, words).view(INT_VIEW[es])
                     flat = nonzero_1d(torch.ne(o_l, n_l))  # position in [changed words x lanes]
-                    parts.append(torch.gather(words, 0, flat // lanes) * lanes + flat % lanes + lo)
+                    shift = lanes.bit_length() - 1  # lanes is 2, 4 or 8: shifts and masks, no integer division
+                    idx = torch.gather(words, 0, flat >> shift).bitwise_left_shift_(shift)
+                    idx.bitwise_or_(flat & (lanes - 1))
+                    parts.append(idx.add_(lo) if lo else idx)
         e_lo = max(lo, split)
         if hi > e_lo:  # tail (or unaligned tensors): element by element
             parts.append(nonzero_1d(torch.ne(oi[e_lo:hi], ni[e_lo:hi])) + e_lo)
@@ -293,3 +296,55 @@ def changed_indices(
         else:
             crc = combine_chunk_crcs([r[2] for r in res], nbytes, chunk_elems * es)
     return idx, vals.view(new.dtype), crc
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# many changes: one boolean mask instead of indices
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def sampled_density(old: Shaped[Tensor, " N"], new: Shaped[Tensor, " N"], *, samples: int = 4096) -> float:
+    """Fraction of changed elements among ``samples`` evenly spaced ones: a cheap predictor of the density that
+    only chooses between two exact code paths (it never affects what is encoded)."""
+    n = old.numel()
+    if n == 0:
+        return 0.0
+    step = max(1, n // samples)
+    oi, ni = int_view(old)[::step], int_view(new)[::step]
+    return float(torch.count_nonzero(torch.ne(oi, ni))) / oi.numel()
+
+
+def pack_bits(mask: Tensor) -> Tensor:
+    """One bit per element, LSB first (``ceil(n / 8)`` bytes): numpy's ``packbits`` when available."""
+    n = mask.numel()
+    if mask.device.type == "cpu" and _np is not None:
+        return torch.from_numpy(_np.packbits(mask.numpy(), bitorder="little"))
+    padded = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8, device=mask.device)
+    padded[:n] = mask
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
+    return (padded.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(bits: Tensor, n: int) -> Tensor:
+    """Inverse of :func:`pack_bits`: a bool mask of ``n`` elements (padding bits are the caller's to check)."""
+    if bits.device.type == "cpu" and _np is not None:
+        return torch.from_numpy(_np.unpackbits(bits.numpy(), count=n, bitorder="little").view(_np.bool_))
+    out = ((bits.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8, device=bits.device)) & 1).bool().reshape(-1)
+    return out[:n]
+
+
+def masked_take(t: Tensor, mask: Tensor) -> Tensor:
+    """``t[mask]`` for a flat tensor. On the CPU numpy's ``compress``: measured 8x ``masked_select`` and 4x
+    boolean indexing for a random half-set mask (both branch on every element)."""
+    if t.device.type == "cpu" and _np is not None:
+        return torch.from_numpy(_np.compress(mask.numpy(), t.detach().numpy()))
+    return t.masked_select(mask)
+
+
+def masked_put(t: Tensor, mask: Tensor, values: Tensor) -> None:
+    """``t[mask] = values`` in place for a flat tensor (values in order of the True entries): the index search of
+    :func:`nonzero_1d` then a scatter (measured 3x numpy's boolean assignment, 6x ``masked_scatter_``)."""
+    if t.device.type == "cpu":
+        t.scatter_(0, nonzero_1d(mask), values)
+    else:
+        t.masked_scatter_(mask, values)

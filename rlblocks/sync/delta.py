@@ -55,7 +55,18 @@ from torch import Tensor
 
 from rlblocks.errors import ArgumentError, DeltaError
 from rlblocks.sync._args import check_version, keyword_only
-from rlblocks.sync._bits import INT_VIEW, changed_indices, crc32_bytes, crc32_tensor, int_view
+from rlblocks.sync._bits import (
+    INT_VIEW,
+    changed_indices,
+    crc32_bytes,
+    crc32_tensor,
+    int_view,
+    masked_put,
+    masked_take,
+    pack_bits,
+    sampled_density,
+    unpack_bits,
+)
 from rlblocks.sync.buckets import dtype_from_name, dtype_name
 
 _ESC = 0xFFFF
@@ -94,12 +105,12 @@ def _snapshot(t: Tensor, device: torch.device | None) -> Tensor:
     return out
 
 
-def _encode_gap16(idx: Tensor, gaps: Tensor) -> Tensor:
-    wide = gaps >= _ESC
-    words = torch.where(wide, torch.full_like(gaps, _ESC), gaps).to(torch.int32)
-    out = words.view(torch.uint8).view(-1, 4)[:, :2].reshape(-1)
-    if bool(wide.any()):
-        out = torch.cat([out, gaps.index_select(0, wide.nonzero().squeeze(1)).view(torch.uint8)])
+def _encode_gap16(gaps: Tensor, nwide: int) -> Tensor:
+    # The int16 cast keeps the low 16 bits (two's complement), i.e. the uint16 word; gaps are >= 1 and clamped to
+    # the escape 0xFFFF, whose true value follows in the int64 list.
+    out = gaps.clamp(max=_ESC).to(torch.int16).view(torch.uint8)
+    if nwide:
+        out = torch.cat([out, gaps.index_select(0, (gaps >= _ESC).nonzero().squeeze(1)).view(torch.uint8)])
     return out
 
 
@@ -108,10 +119,13 @@ def _decode_gap16(pos: Tensor, k: int, nwide: int) -> Tensor:
         raise DeltaError(f"gap16 positions: expected {2 * k + 8 * nwide} bytes, got {pos.numel()}")
     words = pos[: 2 * k].clone().view(torch.int16).to(torch.int64) & 0xFFFF
     esc = words == _ESC
-    if int(esc.sum()) != nwide:
-        raise DeltaError(f"gap16 positions: expected {nwide} escapes, found {int(esc.sum())}")
+    found = int(torch.count_nonzero(esc))
+    if found != nwide:
+        raise DeltaError(f"gap16 positions: expected {nwide} escapes, found {found}")
     if nwide:
         words.index_copy_(0, esc.nonzero().squeeze(1), pos[2 * k :].clone().view(torch.int64))
+    if k and int(words.min()) < 1:  # every gap >= 1 <=> strictly increasing positions, the first one >= 0
+        raise DeltaError("gap16 positions: are not strictly increasing")
     return torch.cumsum(words, 0) - 1
 
 
@@ -123,16 +137,12 @@ def _encode_bitmap(idx: Tensor, n: int) -> Tensor:
 
 
 def _decode_bitmap(pos: Tensor, n: int) -> Tensor:
-    """Ascending indices of the set bits (only the non-zero bytes are expanded to bits)."""
+    """Boolean mask of the changed elements (padding bits must be clear)."""
     if pos.numel() != math.ceil(n / 8):
         raise DeltaError(f"bitmap positions: expected {math.ceil(n / 8)} bytes, got {pos.numel()}")
-    nz = pos.nonzero().squeeze(1)
-    bits = (pos.index_select(0, nz).unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1
-    rows, cols = bits.nonzero(as_tuple=True)
-    idx = nz.index_select(0, rows) * 8 + cols
-    if idx.numel() and int(idx[-1]) >= n:
+    if n % 8 and int(pos[-1]) >> (n % 8):
         raise DeltaError("bitmap positions: padding bits are set")
-    return idx
+    return unpack_bits(pos, n)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -462,6 +472,10 @@ class DeltaEncoder:
         new = new.contiguous()
         n, esize = snap.numel(), snap.element_size()
         base_crc = self._crc[name]
+        if 16 * sampled_density(_flat(snap), _flat(new)) > 1 and n >= 4096:
+            rec = self._encode_many(name, snap, new, base_crc)
+            if rec is not None:
+                return rec
         # One pass over old and new (int64 words, threaded chunks): changed indices, their new values, the
         # snapshot brought up to date, and the CRC of the new contents.
         idx, vals, crc = changed_indices(_flat(snap), _flat(new), update=True, with_crc=True)
@@ -469,7 +483,7 @@ class DeltaEncoder:
         if k == 0:
             return DeltaTensor(name, snap.dtype, tuple(snap.shape), "none", 0, _empty(), _empty(), base_crc, base_crc)
         gaps = torch.diff(idx, prepend=idx.new_full((1,), -1))
-        wide = int((gaps >= _ESC).sum())
+        wide = int(torch.count_nonzero(gaps >= _ESC))
         idx_enc = "idx32" if n <= 2**31 - 1 else "idx64"
         costs = {
             "gap16": 2 * k + 8 * wide,
@@ -485,7 +499,7 @@ class DeltaEncoder:
             if enc == "bitmap":
                 positions = _encode_bitmap(idx, n)
             elif enc == "gap16":
-                positions = _encode_gap16(idx, gaps)
+                positions = _encode_gap16(gaps, wide)
             elif enc == "idx32":
                 positions = idx.to(torch.int32).view(torch.uint8)
             else:
@@ -493,6 +507,30 @@ class DeltaEncoder:
         self._crc[name] = crc
         return DeltaTensor(name, snap.dtype, tuple(snap.shape), enc, k, positions.cpu(), values.cpu(), crc, base_crc,
                            wide if enc == "gap16" else 0)
+
+
+    def _encode_many(self, name: str, snap: Tensor, new: Tensor, base_crc: int) -> DeltaTensor | None:
+        """Many changes (a bitmap or dense record will win): one element mask instead of indices. Gives the same
+        record as the index path, or None when an index encoding could still win (the caller then takes that)."""
+        n, esize = snap.numel(), snap.element_size()
+        so, nw = int_view(snap), int_view(new)
+        mask = torch.ne(so, nw)
+        k = int(torch.count_nonzero(mask))
+        bitmap_cost = math.ceil(n / 8)
+        if 2 * k <= bitmap_cost:  # gap16 (2k + 8w) or idx32 (4k) may tie or win: their costs need the indices
+            return None
+        crc = crc32_tensor(new)
+        if (n - k) * esize < bitmap_cost:  # the same choice as min() over the costs (bitmap first on a tie)
+            so.copy_(nw)
+            self._crc[name] = crc
+            return DeltaTensor(name, snap.dtype, tuple(snap.shape), "dense", n, _empty(), _u8(snap).cpu().clone(),
+                               crc, base_crc)
+        values = masked_take(nw, mask).view(torch.uint8)
+        positions = pack_bits(mask)
+        so.copy_(nw)
+        self._crc[name] = crc
+        return DeltaTensor(name, snap.dtype, tuple(snap.shape), "bitmap", k, positions.cpu(), values.cpu(), crc,
+                           base_crc)
 
 
 def _flat(t: Tensor) -> Tensor:
@@ -572,9 +610,14 @@ class DeltaDecoder:
                     if not packet.is_full and verify:
                         undo.append((target, None, target.clone()))
                     target.copy_(vals)
+                elif rec.encoding == "bitmap":
+                    mask = idx.to(target.device)
+                    if verify:  # old values are kept only while a later CRC failure could need them
+                        undo.append((target, mask, masked_take(target, mask)))
+                    masked_put(target, mask, vals)
                 else:  # gather / scatter: the fastest CPU index kernels (indices validated distinct)
                     idx = idx.to(target.device)
-                    if verify:  # old values are kept only while a later CRC failure could need them
+                    if verify:
                         undo.append((target, idx, torch.gather(target, 0, idx)))
                     target.scatter_(0, idx, vals)
                 if verify and not packet.is_full:
@@ -588,6 +631,8 @@ class DeltaDecoder:
             for target, idx, old in reversed(undo):
                 if idx is None:
                     target.copy_(old)
+                elif idx.dtype == torch.bool:
+                    masked_put(target, idx, old)
                 else:
                     target.scatter_(0, idx, old)
             raise
@@ -636,12 +681,13 @@ class DeltaDecoder:
                 raise DeltaError(f"{where}: expected {w * k} index bytes, got {pos.numel()}")
             idx = pos.clone().view(torch.int32 if w == 4 else torch.int64).to(torch.int64)
         else:
-            idx = _decode_bitmap(pos, n)
-            if idx.numel() != k:
-                raise DeltaError(f"{where}: bitmap marks {idx.numel()} elements, count says {k}")
-            return rec, idx
+            mask = _decode_bitmap(pos, n)
+            marked = int(torch.count_nonzero(mask))
+            if marked != k:
+                raise DeltaError(f"{where}: bitmap marks {marked} elements, count says {k}")
+            return rec, mask
         if idx.numel() != k or (k and (int(idx[0]) < 0 or int(idx[-1]) >= n)):
             raise DeltaError(f"{where}: positions out of range [0, {n})")
-        if k > 1 and not bool((idx[1:] > idx[:-1]).all()):
+        if rec.encoding != "gap16" and k > 1 and not bool((idx[1:] > idx[:-1]).all()):  # gap16: checked on gaps
             raise DeltaError(f"{where}: positions are not strictly increasing")
         return rec, idx

@@ -305,7 +305,13 @@ def open_handoff(
     try:
         for b in message.buckets:
             if message.device == "cpu":
-                shm = _attach_segment(b.handle)
+                try:
+                    shm = _attach_segment(b.handle)
+                except FileNotFoundError as e:
+                    raise WeightUpdateError(
+                        f"message: shared-memory segment {b.handle!r} does not exist (already released, or the "
+                        "trainer process is gone)"
+                    ) from e
                 segments.append(shm)
                 if shm.size < b.nbytes:
                     raise WeightUpdateError(f"message: segment {b.handle} holds {shm.size} bytes, expected {b.nbytes}")

@@ -321,3 +321,48 @@ def test_cuda_snapshot_encodes_the_same_bytes_as_the_cpu_one():
     r = {k: v.cuda() for k, v in s.items()}
     DeltaDecoder(r).apply(DeltaPacket.from_bytes(cpu))
     assert _same({k: v.cpu() for k, v in r.items()}, new)
+
+
+def test_non_increasing_or_out_of_range_positions_refused_weights_unchanged():
+    """Records altered in memory (so no packet CRC is involved): each malformed position list is refused."""
+    n = 50_000
+    base = {"w": torch.zeros(n)}
+    new = {"w": torch.zeros(n)}
+    new["w"][[3, 10, 20]] = 1.0
+    for mutate, match in (
+        (lambda pos: pos.view(torch.int16).__setitem__(1, 0), "not strictly increasing"),  # second gap 0
+        (lambda pos: pos.view(torch.int16).__setitem__(2, -5536), "out of range"),  # gap 60000: past the end
+    ):
+        p = DeltaEncoder(base).encode(new, version=1)
+        rec = p.tensors[0]
+        assert rec.encoding == "gap16"
+        rec.positions = rec.positions.clone()
+        mutate(rec.positions)
+        r = {"w": torch.zeros(n)}
+        with pytest.raises(DeltaError, match=match):
+            DeltaDecoder(r).apply(p)
+        assert torch.equal(r["w"], base["w"])
+
+
+@pytest.mark.parametrize("density", [0.02, 0.07, 0.3, 0.9, 1.0])
+def test_mask_and_index_paths_encode_identical_packets(monkeypatch, density):
+    """The encoder picks an element-mask path when a sample says many elements changed; both paths must give the
+    same bytes (the sample only chooses how to compute, never what is sent)."""
+    import warnings
+
+    import rlblocks.sync.delta as delta
+
+    g = torch.Generator().manual_seed(5)
+    base = {"a": torch.randn(40_000, generator=g).bfloat16(), "b": torch.randn(9_999, generator=g)}
+    new = {k: v.clone() for k, v in base.items()}
+    _mutate(new, density, g)
+    out = []
+    for forced in (0.0, 1.0):
+        monkeypatch.setattr(delta, "sampled_density", lambda old, new, f=forced: f)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            out.append(DeltaEncoder(base).encode(new, version=1).to_bytes())
+    assert out[0] == out[1]
+    r = {k: v.clone() for k, v in base.items()}
+    DeltaDecoder(r).apply(DeltaPacket.from_bytes(out[1]))
+    assert _same(r, new)
