@@ -10,13 +10,16 @@ Compares, in one run (methods interleaved rep by rep, so that load changes on th
   raw fresh torch.empty      the raw single buffer, but the receiver allocates a fresh torch.empty buffer each
                              time (what a receiver that keeps the tensors pays with 4 KiB page faults)
   per-tensor                 one broadcast per tensor into the receiver's existing tensors (what naive weight sync does)
-  bucketed N MB              WeightSender.send / WeightReceiver.receive (safe default): manifest handshake, packing,
-                             one broadcast per bucket (pipelined), the receiver keeps every tensor (dict(it)) and
+  bucketed N MB              WeightSender.send / WeightReceiver.receive (defaults): manifest handshake, one
+                             broadcast per bucket (pipelined), tensors >= 1 MiB (gloo's DIRECT_BYTES) sent from
+                             their own memory,
+                             the small ones packed (double-buffered); the receiver keeps every tensor (dict(it)) and
                              drops them after the timed region; its buffer pool reuses them, faulted in, next time
-  ... no pool                the same with WeightReceiver(pool_buffers=False): new torch.empty memory per bucket
-                             (the safe default before the pool; pays first-touch page faults like raw fresh)
-  ... reuse                  the same with WeightReceiver(reuse_buffers=True) (recycled receive buffers; tensors only
-                             iterated, not kept: the consumer's own copy into its weights is not counted)
+  ... direct 4 MB            the same with WeightSender(direct_bytes=4 MiB)
+  ... all packed             WeightSender(direct_bytes=None): every tensor packed into the buckets (the layout and
+                             sender before direct sends)
+  ... reuse                  the default sender, WeightReceiver(reuse_buffers=True) (recycled receive buffers;
+                             tensors only iterated, not kept: the consumer's own copy is not counted)
 Each is timed on the sender from a barrier to the end of the transfer (plus a closing barrier for the raw
 methods, so that the receiver's page faults count), best of --reps (median also shown). Prints seconds, GB/s and
 the ratio to the raw single buffer and to the raw fresh torch.empty broadcast.
@@ -102,24 +105,27 @@ def run(rank: int, port: int, mb: int, reps: int, buckets: list[int], threads: i
         "raw fresh torch.empty": raw_fresh(lambda: torch.empty(nbytes, dtype=torch.uint8)),
         "per-tensor": per_tensor,
     }
+    variants = {"": "auto", " direct 4 MB": 4 << 20, " all packed": None}  # direct_bytes of the sender
     for bmb in buckets:
         if rank == 0:
-            sender = WeightSender(g, bucket_bytes=bmb << 20)  # long-lived: its staging buffers persist across sends
-            for suffix in ("", " no pool", " reuse"):
-                methods[f"bucketed {bmb} MB{suffix}"] = lambda s=sender: s.send(state.items(), 1)
+            senders = {suffix: WeightSender(g, bucket_bytes=bmb << 20, direct_bytes=direct)  # long-lived: staging
+                       for suffix, direct in variants.items()}  # buffers persist across sends
+            for suffix, sender in senders.items():
+                methods[f"bucketed {bmb} MB{suffix}"] = lambda s=sender: s.send(state.items(), version=1)
+            methods[f"bucketed {bmb} MB reuse"] = lambda s=senders[""]: s.send(state.items(), version=1)
         else:
-            safe, nopool = WeightReceiver(g, expected=state), WeightReceiver(g, expected=state, pool_buffers=False)
+            safe = WeightReceiver(g, expected=state)
             reuse = WeightReceiver(g, expected=state, reuse_buffers=True)
 
-            def keep_all(r):
-                return lambda: dict(r.receive()[1])  # every tensor kept: load_state_dict(dict(it)) / update_weights
+            def keep_all(r=safe):
+                return dict(r.receive()[1])  # every tensor kept: load_state_dict(dict(it)) / update_weights
 
             def stream(r=reuse):
                 for _ in r.receive()[1]:
                     pass
 
-            methods[f"bucketed {bmb} MB"] = keep_all(safe)
-            methods[f"bucketed {bmb} MB no pool"] = keep_all(nopool)
+            for suffix in variants:
+                methods[f"bucketed {bmb} MB{suffix}"] = keep_all
             methods[f"bucketed {bmb} MB reuse"] = stream
 
     times: dict[str, list[float]] = {name: [] for name in methods}
@@ -137,9 +143,9 @@ def run(rank: int, port: int, mb: int, reps: int, buckets: list[int], threads: i
         print(f"model {nbytes / 1e6:.0f} MB in {len(state)} tensors, gloo, 2 processes on one host", end="")
         print(f", {threads} thread(s) each")
         print(f"best of {reps} interleaved reps (median in brackets)")
-        print(f"{'method':<26}{'s':>8}{'(median)':>10}{'GB/s':>8}{'vs raw':>8}{'vs fresh':>10}")
+        print(f"{'method':<30}{'s':>8}{'(median)':>10}{'GB/s':>8}{'vs raw':>8}{'vs fresh':>10}")
         for name, t in best.items():
-            row = f"{name:<26}{t:8.3f}{f'({med[name]:.3f})':>10}{nbytes / t / 1e9:8.2f}"
+            row = f"{name:<30}{t:8.3f}{f'({med[name]:.3f})':>10}{nbytes / t / 1e9:8.2f}"
             print(f"{row}{raw_t / t:8.2f}{fresh_t / t:10.2f}")
 
 

@@ -1,4 +1,5 @@
-"""Moving weights from training to inference: buckets, broadcast across jobs, delta sync, LoRA sync, resharding.
+"""Moving weights from training to inference: buckets, broadcast across jobs, colocated shared-memory handoff,
+delta sync, LoRA sync, resharding.
 
 Names are imported lazily so that ``import rlblocks.sync`` stays light (no peft, megatron or transformers).
 ``rlblocks.sync.megatron`` is a submodule: ``from rlblocks.sync.megatron import hf_to_megatron``.
@@ -31,6 +32,10 @@ _LAZY = {
     "LoraSyncer": ".lora",
     "split_lora_message": ".lora",
     "full_tensors": ".fsdp",
+    "HandoffSender": ".handoff",
+    "HandoffMessage": ".handoff",
+    "open_handoff": ".handoff",
+    "update_from_handoff": ".handoff",
 }
 
 __all__ = list(_LAZY)

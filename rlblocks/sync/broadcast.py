@@ -16,8 +16,8 @@ Handshake (``WeightSender.send`` / ``WeightReceiver.receive``)
    posts a refusal reason in the store if it disagrees; then all ranks all-gather one status code each. Any
    refusal makes *every* rank raise :class:`SyncMismatchError` (the sender's message quotes the receivers' reasons)
    before a single weight byte moves.
-3. Both sides derive the same bucket layout from the manifest (:func:`~rlblocks.sync.buckets.plan_buckets`), so
-   only raw ``uint8`` buffers follow, one broadcast per bucket.
+3. Both sides derive the same bucket layout from the manifest (:func:`~rlblocks.sync.buckets.plan_buckets` with
+   its ``bucket_bytes`` and ``direct_bytes``), so only raw ``uint8`` buffers follow, one broadcast per bucket.
 4. After its last bucket each receiver all-gathers a final status, so ``send`` returns only once every receiver has
    consumed every tensor.
 
@@ -41,6 +41,7 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import AllgatherOptions, BroadcastOptions
 
 from rlblocks.errors import ArgumentError, SyncError, SyncMismatchError
+from rlblocks.sync._args import check_version, keyword_only
 from rlblocks.sync.buckets import (
     Bucket,
     TensorMeta,
@@ -220,20 +221,32 @@ def init_sync_group(
 _MAGIC = "rlblocks-weights-v1"
 
 
-def _manifest_bytes(version: int, bucket_bytes: int, specs: Sequence[TensorMeta]) -> bytes:
+def _manifest_bytes(version: int, bucket_bytes: int, direct_bytes: int | None, specs: Sequence[TensorMeta]) -> bytes:
     tensors = [[s.name, list(s.shape), dtype_name(s.dtype)] for s in specs]
     return json.dumps(
-        {"magic": _MAGIC, "version": version, "bucket_bytes": bucket_bytes, "tensors": tensors}, separators=(",", ":")
+        {"magic": _MAGIC, "version": version, "bucket_bytes": bucket_bytes, "direct_bytes": direct_bytes,
+         "tensors": tensors},
+        separators=(",", ":"),
     ).encode()
 
 
-def _parse_manifest(data: bytes) -> tuple[int, int, list[TensorMeta]]:
+def _parse_manifest(data: bytes) -> tuple[int, int, int | None, list[TensorMeta]]:
     try:
         d = json.loads(data.decode())
         if d.get("magic") != _MAGIC:
             raise ArgumentError(f"magic {d.get('magic')!r}")
-        specs = [TensorMeta(str(n), tuple(int(x) for x in s), dtype_from_name(dt), 0) for n, s, dt in d["tensors"]]
-        return int(d["version"]), int(d["bucket_bytes"]), specs
+        # TensorMeta refuses negative, fractional or non-int dimensions (no truncation by int()).
+        specs = [TensorMeta(n, s, dtype_from_name(dt), 0) for n, s, dt in d["tensors"]]
+        names = {s.name for s in specs}
+        if len(names) != len(specs):
+            raise ArgumentError("duplicate tensor names")
+        version, bucket_bytes, direct_bytes = d["version"], d["bucket_bytes"], d.get("direct_bytes")
+        for key, value in (("version", version), ("bucket_bytes", bucket_bytes), ("direct_bytes", direct_bytes)):
+            if key == "direct_bytes" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ArgumentError(f"{key} must be an int, got {value!r}")
+        return version, bucket_bytes, direct_bytes, specs
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise SyncMismatchError(f"manifest: not a valid weight manifest ({e})") from e
 
@@ -299,20 +312,44 @@ def _verdict(group: SyncGroup, seq: int, own_problem: str | None) -> None:
     )
 
 
+DIRECT_BYTES = {"gloo": 1 << 20, "nccl": 16 << 20}
+"""``direct_bytes="auto"`` of :class:`WeightSender` per backend: from this size a contiguous tensor is sent as it is.
+
+gloo (CPU): packing is a host memcpy that competes with the transfer threads for the same cores, and a 1 MiB
+message already amortises a collective's latency (measured: sending 2-4 MiB tensors directly beat packing them
+into 64 MB buckets, ``benchmarks/sync/bench_broadcast.py``). NCCL: packing is a device copy at HBM speed, far
+faster than any link, while a collective costs ~10-50 us, so only large tensors are worth a collective of their own.
+"""
+
+
 class WeightSender:
     """Bucketed full-weight broadcast from rank ``src`` of a :class:`SyncGroup` (see the module docstring).
 
     ``bucket_bytes`` trades memory for fewer collectives (per-tensor broadcasts were ~12x slower in the field).
-    The sender keeps two staging buffers of ``bucket_bytes`` (packing bucket ``i + 1`` overlaps the transfer of
-    bucket ``i``); :meth:`release_buffers` frees them.
+
+    Packing overlaps the wire: two staging buffers alternate, so bucket ``i + 1`` is packed while bucket ``i`` is
+    in flight (:meth:`release_buffers` frees them). A tensor of at least ``direct_bytes`` travels in a bucket of
+    its own (see :func:`~rlblocks.sync.buckets.plan_buckets`) and, when it is contiguous on the group's device, is
+    broadcast straight from its own memory: no packing copy at all. Large tensors are most of a model's bytes, so
+    the sender copies only the small ones (norms, biases), whose packed buckets are sent as they fill.
+    ``direct_bytes="auto"`` (default) takes :data:`DIRECT_BYTES` of the group's backend; ``None`` packs everything
+    (the greedy layout).
     """
 
-    def __init__(self, group: SyncGroup, src: int = 0, *, bucket_bytes: int = 512 << 20):
+    def __init__(
+        self,
+        group: SyncGroup,
+        src: int = 0,
+        *,
+        bucket_bytes: int = 512 << 20,
+        direct_bytes: int | str | None = "auto",
+    ):
         if group.rank != src:
             raise ArgumentError(f"src: this process is rank {group.rank}, a WeightSender must run on rank src={src}")
-        if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-            raise ArgumentError(f"bucket_bytes: expected a positive int, got {bucket_bytes!r}")
-        self.group, self.src, self.bucket_bytes = group, src, bucket_bytes
+        if direct_bytes == "auto":
+            direct_bytes = DIRECT_BYTES.get(group.backend_name, 1 << 20)
+        plan_buckets([], bucket_bytes=bucket_bytes, direct_bytes=direct_bytes)  # validates both sizes
+        self.group, self.src, self.bucket_bytes, self.direct_bytes = group, src, bucket_bytes, direct_bytes
         self._buffers: list[Tensor | None] = [None, None]
 
     def _buffer(self, slot: int, nbytes: int, cap: int) -> Tensor:
@@ -327,11 +364,12 @@ class WeightSender:
         """Free the two staging buffers (they are re-allocated at the next send)."""
         self._buffers = [None, None]
 
+    @keyword_only(2, "version")
     def send(
         self,
         named_tensors: Iterable[tuple[str, Tensor]] | Mapping[str, Tensor],
-        version: int,
         *,
+        version: int,
         manifest: Sequence[TensorMeta] | None = None,
     ) -> None:
         """Send every tensor to all other ranks as weight ``version``; returns once all receivers consumed them.
@@ -341,8 +379,7 @@ class WeightSender:
         dtype of every tensor, in order): each streamed tensor is then checked against it as it is packed.
         Raises :class:`SyncMismatchError` if a receiver refuses, :class:`SyncError` if a peer dies or times out.
         """
-        if not isinstance(version, int):
-            raise ArgumentError(f"version: expected an int, got {type(version).__name__}")
+        version = check_version(version)
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         if manifest is None:
             items = list(items)
@@ -354,40 +391,52 @@ class WeightSender:
             raise ArgumentError("named_tensors: duplicate names")
         g = self.group
         seq = g.next_seq()
-        g.broadcast_bytes(_manifest_bytes(version, self.bucket_bytes, specs), self.src)
+        g.broadcast_bytes(_manifest_bytes(version, self.bucket_bytes, self.direct_bytes, specs), self.src)
         _verdict(g, seq, None)
         it = iter(items)
-        plan = plan_buckets(specs, bucket_bytes=self.bucket_bytes)
-        cap = max((bucket_nbytes(m) for m in plan), default=0)
-        pending = None  # the bucket in flight: packing the next one overlaps its transfer
-        for i, metas in enumerate(plan):
-            tensors = []
-            for m in metas:
+        plan = plan_buckets(specs, bucket_bytes=self.bucket_bytes, direct_bytes=self.direct_bytes)
+        cap = max((bucket_nbytes(m) for m in plan if len(m) > 1), default=0)
+        stash: dict[str, Tensor] = {}  # small tensors read ahead of their (later) shared bucket
+        pos = 0
+
+        def take(m: TensorMeta) -> Tensor:
+            """The tensor of ``m``, reading the stream (checked against the manifest, in order) as far as needed."""
+            nonlocal pos
+            while m.name not in stash:
+                want = specs[pos]
                 try:
                     name, t = next(it)
                 except StopIteration:
                     g.abort()
-                    raise ArgumentError(f"named_tensors: ended before {m.name!r} of the manifest") from None
-                if name != m.name or tuple(t.shape) != m.shape or t.dtype != m.dtype:
+                    raise ArgumentError(f"named_tensors: ended before {want.name!r} of the manifest") from None
+                if name != want.name or tuple(t.shape) != want.shape or t.dtype != want.dtype:
                     g.abort()
                     raise ArgumentError(
-                        f"named_tensors: expected {m.name!r} {list(m.shape)} {dtype_name(m.dtype)} (manifest order), "
-                        f"got {name!r} {list(t.shape)} {t.dtype}; the group was aborted"
+                        f"named_tensors: expected {want.name!r} {list(want.shape)} {dtype_name(want.dtype)} "
+                        f"(manifest order), got {name!r} {list(t.shape)} {t.dtype}; the group was aborted"
                     )
-                tensors.append(t)
+                stash[name] = t
+                pos += 1
+            return stash.pop(m.name)
+
+        pending = None  # the bucket in flight: packing the next one overlaps its transfer
+        packed = 0
+        for i, metas in enumerate(plan):
+            tensors = [take(m) for m in metas]
             t0 = tensors[0] if len(tensors) == 1 else None
             if t0 is not None and t0.is_contiguous() and t0.device == g.device and t0.numel():
                 buf = t0.detach().reshape(-1).view(torch.uint8)  # a bucket of one tensor travels without a copy
             else:
-                buf = self._buffer(i % 2, bucket_nbytes(metas), cap)
+                buf = self._buffer(packed % 2, bucket_nbytes(metas), cap)
+                packed += 1
                 pack_into(buf, metas, tensors)
             del tensors, t0
             work = g.broadcast_async(buf, self.src)
             if pending is not None:
-                g.wait(pending, f"broadcast of bucket {i - 1} of version {version}")
-            pending = work
+                g.wait(pending[0], f"broadcast of bucket {i - 1} of version {version}")
+            pending = (work, buf)
         if pending is not None:
-            g.wait(pending, f"broadcast of the last bucket of version {version}")
+            g.wait(pending[0], f"broadcast of the last bucket of version {version}")
         if manifest is not None and next(it, None) is not None:
             g.abort()
             raise ArgumentError("named_tensors: more tensors than the manifest lists; the group was aborted")
@@ -537,16 +586,16 @@ class WeightReceiver:
         """
         g = self.group
         seq = g.next_seq()
-        version, bucket_bytes, specs = _parse_manifest(g.broadcast_bytes(None, self.src))
+        version, bucket_bytes, direct_bytes, specs = _parse_manifest(g.broadcast_bytes(None, self.src))
         problem = None
         if self.expected is not None:
             diffs = compare_specs(self.expected, specs)
             if diffs:
                 problem = f"manifest of version {version} does not match this receiver: " + "; ".join(diffs)
-        if bucket_bytes <= 0:
-            problem = f"manifest bucket_bytes must be positive, got {bucket_bytes}"
+        if bucket_bytes <= 0 or (direct_bytes is not None and direct_bytes <= 0):
+            problem = f"manifest bucket_bytes / direct_bytes must be positive, got {bucket_bytes} / {direct_bytes}"
         _verdict(g, seq, problem)
-        plan = plan_buckets(specs, bucket_bytes=bucket_bytes)
+        plan = plan_buckets(specs, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes)
         if self.pool is not None:  # idle blocks beyond this transfer's size go; blocks still in use are let go
             self.pool.trim(sum(bucket_nbytes(m) for m in plan))
 

@@ -21,6 +21,7 @@ round trip is bit-exact for every dtype (NaN payloads and -0.0 included).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -75,14 +76,36 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _dim(x: object, where: str) -> int:
+    """A dimension or offset read from metadata: a non-negative Python int (bools, floats and strings refused)."""
+    if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+        raise ArgumentError(f"{where}: expected a non-negative int, got {x!r}")
+    return x
+
+
 @dataclass(frozen=True)
 class TensorMeta:
-    """Where one tensor lives in a bucket: ``name``, ``shape``, ``dtype`` and byte ``offset`` in the buffer."""
+    """Where one tensor lives in a bucket: ``name``, ``shape``, ``dtype`` and byte ``offset`` in the buffer.
+
+    Checked on construction: ``name`` a string, every dimension and the offset non-negative ints (``2.0``, ``True``,
+    ``"3"`` and ``-1`` are refused rather than truncated or reinterpreted), ``dtype`` one with a wire name.
+    """
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     offset: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise ArgumentError(f"metadata: tensor name: expected a str, got {self.name!r}")
+        if not isinstance(self.shape, (tuple, list)):
+            raise ArgumentError(f"metadata[{self.name!r}].shape: expected a list of ints, got {self.shape!r}")
+        shape = tuple(_dim(s, f"metadata[{self.name!r}].shape") for s in self.shape)
+        object.__setattr__(self, "shape", shape)
+        _dim(self.offset, f"metadata[{self.name!r}].offset")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ArgumentError(f"metadata[{self.name!r}].dtype: expected a torch.dtype, got {self.dtype!r}")
 
     @property
     def numel(self) -> int:
@@ -97,10 +120,34 @@ class TensorMeta:
 
     @classmethod
     def from_dict(cls, d: dict) -> TensorMeta:
-        try:
-            return cls(str(d["name"]), tuple(int(s) for s in d["shape"]), dtype_from_name(d["dtype"]), int(d["offset"]))
-        except (KeyError, TypeError) as e:
-            raise ArgumentError(f"metadata: expected keys name, shape, dtype, offset, got {d!r}") from e
+        if not isinstance(d, dict) or not {"name", "shape", "dtype", "offset"} <= d.keys():
+            raise ArgumentError(f"metadata: expected keys name, shape, dtype, offset, got {d!r:.200}")
+        if not isinstance(d["dtype"], str):
+            raise ArgumentError(f"metadata[{d['name']!r}].dtype: expected a dtype name, got {d['dtype']!r}")
+        return cls(d["name"], d["shape"], dtype_from_name(d["dtype"]), d["offset"])
+
+
+def check_layout(metas: Sequence[TensorMeta], nbytes: int, *, where: str = "metadata") -> None:
+    """Refuse a bucket layout that cannot have come from :func:`plan_buckets`-style packing.
+
+    Names unique; each tensor's offset a multiple of its element size (so it can be viewed in place) and its bytes
+    inside ``[0, nbytes)``; no two tensors' byte ranges overlap (a write through one view would change another).
+    Empty tensors occupy no bytes and never overlap.
+    """
+    seen: set[str] = set()
+    spans = []
+    for m in metas:
+        if m.name in seen:
+            raise ArgumentError(f"{where}: duplicate tensor name {m.name!r}")
+        seen.add(m.name)
+        if m.offset % m.dtype.itemsize or m.offset + m.nbytes > nbytes:
+            raise ArgumentError(f"{where}: tensor {m.name!r} at offset {m.offset} does not fit a {nbytes}-byte buffer")
+        if m.nbytes:
+            spans.append((m.offset, m.offset + m.nbytes, m.name))
+    spans.sort()
+    for (_, end, a), (start, _, b) in itertools.pairwise(spans):  # an overlap always shows between neighbours
+        if start < end:
+            raise ArgumentError(f"{where}: tensors {a!r} and {b!r} overlap (bytes {start}..{end})")
 
 
 def tensor_spec(name: str, t: Tensor) -> TensorMeta:
@@ -110,17 +157,32 @@ def tensor_spec(name: str, t: Tensor) -> TensorMeta:
     return TensorMeta(name, tuple(int(s) for s in t.shape), t.dtype, 0)
 
 
-def plan_buckets(specs: Iterable[TensorMeta], *, bucket_bytes: int) -> list[list[TensorMeta]]:
+def plan_buckets(
+    specs: Iterable[TensorMeta], *, bucket_bytes: int, direct_bytes: int | None = None
+) -> list[list[TensorMeta]]:
     """Deterministic bucket layout of ``specs`` (their offsets are ignored): one list of placed metas per bucket.
 
     Greedy in order; offsets aligned to :data:`ALIGN`; a tensor with ``nbytes > bucket_bytes`` gets its own bucket.
+
+    ``direct_bytes``: a tensor of at least this many bytes gets a bucket of its own *where it comes*, so that a
+    sender can transmit the tensor itself without packing it; the smaller tensors around it keep filling the
+    current shared bucket, which is emitted when the next one would overflow it (and at the end). Buckets are then
+    not in manifest order, but every tensor still appears exactly once, and the layout is still a pure function of
+    the specs and the two sizes (what a receiver derives from a manifest).
     """
-    if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise ArgumentError(f"bucket_bytes: expected a positive int, got {bucket_bytes!r}")
+    if direct_bytes is not None and (
+        isinstance(direct_bytes, bool) or not isinstance(direct_bytes, int) or direct_bytes <= 0
+    ):
+        raise ArgumentError(f"direct_bytes: expected a positive int or None, got {direct_bytes!r}")
     out: list[list[TensorMeta]] = []
     cur: list[TensorMeta] = []
     end = 0
     for s in specs:
+        if direct_bytes is not None and s.nbytes >= direct_bytes:
+            out.append([TensorMeta(s.name, s.shape, s.dtype, 0)])
+            continue
         start = _align(end)
         if cur and start + s.nbytes > bucket_bytes:
             out.append(cur)
@@ -166,16 +228,17 @@ def metadata_to_bytes(metas: Sequence[TensorMeta], *, nbytes: int | None = None)
 
 
 def metadata_from_bytes(data: bytes) -> tuple[int, list[TensorMeta]]:
-    """Inverse of :func:`metadata_to_bytes`: ``(nbytes, metas)``; every tensor is checked to lie inside nbytes."""
+    """Inverse of :func:`metadata_to_bytes`: ``(nbytes, metas)``, checked by :func:`check_layout`."""
     try:
         d = json.loads(bytes(data).decode())
-        nbytes, items = int(d["nbytes"]), d["tensors"]
+        nbytes, items = d["nbytes"], d["tensors"]
     except (ValueError, KeyError, TypeError) as e:
         raise ArgumentError(f"metadata: not valid bucket metadata ({e})") from e
+    _dim(nbytes, "metadata.nbytes")
+    if not isinstance(items, list):
+        raise ArgumentError(f"metadata.tensors: expected a list, got {type(items).__name__}")
     metas = [TensorMeta.from_dict(x) for x in items]
-    for m in metas:
-        if m.offset < 0 or m.offset % m.dtype.itemsize or m.offset + m.nbytes > nbytes:
-            raise ArgumentError(f"metadata: tensor {m.name!r} at offset {m.offset} does not fit a {nbytes}-byte buffer")
+    check_layout(metas, nbytes)
     return nbytes, metas
 
 
@@ -241,8 +304,6 @@ def unpack_bucket(bucket: Bucket) -> Iterator[tuple[str, Tensor]]:
     buf = bucket.buffer
     if buf.dtype != torch.uint8 or buf.dim() != 1:
         raise ArgumentError(f"bucket.buffer: expected a 1-D uint8 tensor, got {buf.dtype} shape {list(buf.shape)}")
-    n = buf.numel()
+    check_layout(bucket.metas, buf.numel(), where="bucket.metas")
     for m in bucket.metas:
-        if m.offset < 0 or m.offset + m.nbytes > n or m.offset % m.dtype.itemsize:
-            raise ArgumentError(f"bucket.metas: tensor {m.name!r} at offset {m.offset} does not fit a {n}-byte buffer")
         yield m.name, buf[m.offset : m.offset + m.nbytes].view(m.dtype).view(m.shape)

@@ -29,6 +29,13 @@ Payload compression with zstd is optional (``zstandard`` package); everything wo
 ranges, value sizes, base checksums) before it writes anything, then writes in place and checks every touched
 tensor's new CRC; on a mismatch it restores the old values, so a refused packet leaves the weights unchanged.
 Byte order is the host's (little-endian on every supported platform).
+
+Speed: encoding and verified apply make a few passes over the model bytes and none per element in Python (see
+:mod:`rlblocks.sync._bits`): int64-word comparison with only the changed words examined lane by lane, the snapshot
+updated by scatter, CRC-32 by ISA-L when installed (the same checksum as zlib's), all in chunks on a thread pool
+(``RLBLOCKS_SYNC_THREADS``, default ``torch.get_num_threads()``). With an encoder snapshot on a GPU
+(``DeltaEncoder(..., device="cuda")``) the comparison runs there and only positions and values cross to the host;
+the CRCs are computed on the host from a chunked copy.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import json
 import math
 import struct
 import sys
-import zlib
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -47,9 +54,21 @@ from jaxtyping import UInt8
 from torch import Tensor
 
 from rlblocks.errors import ArgumentError, DeltaError
+from rlblocks.sync._args import check_version, keyword_only
+from rlblocks.sync._bits import (
+    INT_VIEW,
+    changed_indices,
+    crc32_bytes,
+    crc32_tensor,
+    int_view,
+    masked_put,
+    masked_take,
+    pack_bits,
+    sampled_density,
+    unpack_bits,
+)
 from rlblocks.sync.buckets import dtype_from_name, dtype_name
 
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _ESC = 0xFFFF
 _MAGIC = b"RLBD"
 _FORMAT = 1
@@ -66,30 +85,8 @@ if sys.byteorder != "little":  # pragma: no cover - every supported platform is 
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _int_view(t: Tensor) -> Tensor:
-    """Flat integer view of a contiguous tensor's bits (no copy)."""
-    try:
-        iv = _INT_VIEW[t.element_size()]
-    except KeyError:
-        raise ArgumentError(f"dtype: element size {t.element_size()} of {t.dtype} is not supported") from None
-    return t.reshape(-1).view(iv)
-
-
 def _u8(t: Tensor) -> Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def crc32_tensor(t: Tensor) -> int:
-    """CRC-32 (zlib) of ``t``'s bytes in memory order (copied to CPU first if it lives elsewhere)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return 0
-    buf = (ctypes.c_char * n).from_address(t.data_ptr())
-    return zlib.crc32(memoryview(buf)) & 0xFFFFFFFF
 
 
 def _to_cpu_u8_bytes(t: Tensor) -> bytes:
@@ -98,20 +95,22 @@ def _to_cpu_u8_bytes(t: Tensor) -> bytes:
     return ctypes.string_at(t.data_ptr(), n) if n else b""
 
 
-def _pinned_clone(t: Tensor) -> Tensor:
-    """CPU copy of ``t``; page-locked when CUDA is present so device-to-host copies are fast and asynchronous."""
+def _snapshot(t: Tensor, device: torch.device | None) -> Tensor:
+    """The encoder's copy of ``t``: on ``device`` if given, else on the CPU, page-locked when CUDA is present
+    (so device-to-host copies into it are fast and asynchronous)."""
+    if device is not None and device.type != "cpu":
+        return t.detach().to(device, copy=True).contiguous()
     out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
     out.copy_(t.detach())
     return out
 
 
-def _encode_gap16(idx: Tensor) -> Tensor:
-    gaps = torch.diff(idx, prepend=idx.new_full((1,), -1))
-    wide = gaps >= _ESC
-    words = torch.where(wide, torch.full_like(gaps, _ESC), gaps).to(torch.int32)
-    out = words.view(torch.uint8).view(-1, 4)[:, :2].reshape(-1)
-    if bool(wide.any()):
-        out = torch.cat([out, gaps[wide].contiguous().view(torch.uint8)])
+def _encode_gap16(gaps: Tensor, nwide: int) -> Tensor:
+    # The int16 cast keeps the low 16 bits (two's complement), i.e. the uint16 word; gaps are >= 1 and clamped to
+    # the escape 0xFFFF, whose true value follows in the int64 list.
+    out = gaps.clamp(max=_ESC).to(torch.int16).view(torch.uint8)
+    if nwide:
+        out = torch.cat([out, gaps.index_select(0, (gaps >= _ESC).nonzero().squeeze(1)).view(torch.uint8)])
     return out
 
 
@@ -120,29 +119,30 @@ def _decode_gap16(pos: Tensor, k: int, nwide: int) -> Tensor:
         raise DeltaError(f"gap16 positions: expected {2 * k + 8 * nwide} bytes, got {pos.numel()}")
     words = pos[: 2 * k].clone().view(torch.int16).to(torch.int64) & 0xFFFF
     esc = words == _ESC
-    if int(esc.sum()) != nwide:
-        raise DeltaError(f"gap16 positions: expected {nwide} escapes, found {int(esc.sum())}")
+    found = int(torch.count_nonzero(esc))
+    if found != nwide:
+        raise DeltaError(f"gap16 positions: expected {nwide} escapes, found {found}")
     if nwide:
-        words[esc] = pos[2 * k :].clone().view(torch.int64)
+        words.index_copy_(0, esc.nonzero().squeeze(1), pos[2 * k :].clone().view(torch.int64))
+    if k and int(words.min()) < 1:  # every gap >= 1 <=> strictly increasing positions, the first one >= 0
+        raise DeltaError("gap16 positions: are not strictly increasing")
     return torch.cumsum(words, 0) - 1
 
 
-def _encode_bitmap(mask: Tensor) -> Tensor:
-    n = mask.numel()
-    padded = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.uint8)
-    padded[:n] = mask
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-    return (padded.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
+def _encode_bitmap(idx: Tensor, n: int) -> Tensor:
+    """One bit per element (LSB first) from ascending indices; bits of one byte are distinct, so adding = or-ing."""
+    out = torch.zeros(math.ceil(n / 8), dtype=torch.int32, device=idx.device)
+    out.index_add_(0, idx >> 3, torch.bitwise_left_shift(1, idx & 7).to(torch.int32))
+    return out.to(torch.uint8)
 
 
 def _decode_bitmap(pos: Tensor, n: int) -> Tensor:
-    """Boolean mask of the changed elements."""
+    """Boolean mask of the changed elements (padding bits must be clear)."""
     if pos.numel() != math.ceil(n / 8):
         raise DeltaError(f"bitmap positions: expected {math.ceil(n / 8)} bytes, got {pos.numel()}")
-    bits = ((pos.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1).bool().reshape(-1)
-    if bool(bits[n:].any()):
+    if n % 8 and int(pos[-1]) >> (n % 8):
         raise DeltaError("bitmap positions: padding bits are set")
-    return bits[:n]
+    return unpack_bits(pos, n)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -241,7 +241,7 @@ class DeltaPacket:
         ).encode()
         header += b" " * ((-(len(header) + 10)) % 8)  # payload starts 8-byte aligned
         body = _MAGIC + struct.pack("<BBI", _FORMAT, flags, len(header)) + header + payload
-        return body + struct.pack("<I", zlib.crc32(body) & 0xFFFFFFFF)
+        return body + struct.pack("<I", crc32_bytes(body))
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> DeltaPacket:
@@ -249,8 +249,8 @@ class DeltaPacket:
         data = bytes(data)
         if len(data) < 14:
             raise DeltaError(f"packet: {len(data)} bytes is shorter than the smallest packet")
-        body, (crc,) = data[:-4], struct.unpack("<I", data[-4:])
-        if zlib.crc32(body) & 0xFFFFFFFF != crc:
+        body, (crc,) = memoryview(data)[:-4], struct.unpack("<I", data[-4:])  # a view: no copy of the body
+        if crc32_bytes(body) != crc:
             raise DeltaError("packet: checksum mismatch (corrupted or truncated bytes); refused")
         if body[:4] != _MAGIC:
             raise DeltaError(f"packet: bad magic {body[:4]!r}")
@@ -258,7 +258,7 @@ class DeltaPacket:
         if fmt != _FORMAT:
             raise DeltaError(f"packet: format {fmt} is not supported (expected {_FORMAT})")
         try:
-            h = json.loads(body[10 : 10 + hlen].decode())
+            h = json.loads(bytes(body[10 : 10 + hlen]).decode())
             raw = body[10 + hlen :]
             if flags & _FLAG_ZSTD:
                 raw = _zstd("a zstd-compressed packet").ZstdDecompressor().decompress(
@@ -327,7 +327,7 @@ def _named(named_tensors: Iterable[tuple[str, Tensor]] | Mapping[str, Tensor], a
     for name, t in items:
         if not isinstance(t, Tensor):
             raise ArgumentError(f"{arg}[{name!r}]: expected a torch.Tensor, got {type(t).__name__}")
-        if t.element_size() not in _INT_VIEW:
+        if t.element_size() not in INT_VIEW:
             raise ArgumentError(f"{arg}[{name!r}]: dtype {t.dtype} has an unsupported element size")
         if name in out:
             raise ArgumentError(f"{arg}: duplicate name {name!r}")
@@ -346,18 +346,22 @@ def _check_same_layout(ref: Mapping[str, Tensor], got: Mapping[str, Tensor], arg
             raise ArgumentError(f"{arg}[{n!r}]: expected {list(r.shape)} {r.dtype}, got {list(t.shape)} {t.dtype}")
 
 
-def _check_version(version: object, arg: str = "version") -> int:
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise ArgumentError(f"{arg}: expected an int, got {type(version).__name__}")
-    return version
-
-
 class DeltaEncoder:
     """Keeps the last-sent state and turns new weights into :class:`DeltaPacket` s.
 
     ``DeltaEncoder(named_tensors, version=0)`` snapshots the state the receiver is assumed to hold as ``version``
     (a CPU copy, page-locked when CUDA is present); ``base_crc`` checks in the decoder catch a wrong assumption.
     ``compress``: ``False`` (default), ``True`` (zstd; needs ``zstandard``) or ``"auto"`` (zstd if installed).
+
+    A delta is never larger than a full packet (a tensor whose positions would cost more than its unchanged values
+    travels ``dense``), but when nearly every element changes it is not smaller either, and it still depends on the
+    receiver holding the exact base. :meth:`encode` says so: when the delta's payload is not smaller than a full
+    packet's, ``full_fallback=True`` sends a full packet (``base_version=None``: accepted whatever the receiver
+    holds) instead, and ``False`` (default) sends the delta and emits a ``RuntimeWarning``. Either case is counted
+    in :meth:`stats` (``not_smaller``, ``full_fallbacks``). Sizes compared are uncompressed payload bytes.
+
+    ``device``: where the snapshot lives (default: CPU, page-locked when CUDA is present). ``device="cuda"`` keeps
+    it on the GPU (one more model copy in GPU memory) so that the comparison runs there.
     """
 
     def __init__(
@@ -366,97 +370,179 @@ class DeltaEncoder:
         *,
         version: int = 0,
         compress: bool | str = False,
+        full_fallback: bool = False,
+        device: torch.device | str | None = None,
     ):
         if compress not in (False, True, "auto"):
             raise ArgumentError(f"compress: expected False, True or 'auto', got {compress!r}")
+        if not isinstance(full_fallback, bool):
+            raise ArgumentError(f"full_fallback: expected a bool, got {full_fallback!r}")
+        self.full_fallback = full_fallback
+        self._stats = {"deltas": 0, "fulls": 0, "not_smaller": 0, "full_fallbacks": 0}
         if compress is True:
             _zstd("compress=True")
         self.compression = "zstd" if compress is True or (compress == "auto" and _zstd_available()) else "none"
-        self.version = _check_version(version)
-        self._snap = {n: _pinned_clone(t) for n, t in _named(named_tensors, "named_tensors").items()}
+        self.version = check_version(version)
+        self.device = None if device is None else torch.device(device)
+        self._snap = {n: _snapshot(t, self.device) for n, t in _named(named_tensors, "named_tensors").items()}
         self._crc = {n: crc32_tensor(t) for n, t in self._snap.items()}
 
-    def full(self, named_tensors: Iterable[tuple[str, Tensor]] | Mapping[str, Tensor], version: int) -> DeltaPacket:
-        """A full packet (every tensor dense, ``base_version=None``) for ``version``; the snapshot becomes it."""
+    def stats(self) -> dict[str, int]:
+        """Counters since construction: ``deltas`` and ``fulls`` returned, ``not_smaller`` (deltas whose payload
+        was not smaller than a full packet's), ``full_fallbacks`` (of those, sent as a full packet instead)."""
+        return dict(self._stats)
+
+    @keyword_only(2, "version")
+    def full(
+        self,
+        named_tensors: Iterable[tuple[str, Tensor]] | Mapping[str, Tensor],
+        *,
+        version: int,
+        allow_rollback: bool = False,
+    ) -> DeltaPacket:
+        """A full packet (every tensor dense, ``base_version=None``) for ``version``; the snapshot becomes it.
+
+        ``version`` must be greater than the last encoded one (a decoder refuses an older full packet too);
+        ``allow_rollback=True`` allows going back on purpose.
+        """
+        version = check_version(version)
+        if version <= self.version and not allow_rollback:
+            raise ArgumentError(
+                f"version: expected > {self.version} (the last encoded version), got {version}; "
+                "pass allow_rollback=True to go back on purpose"
+            )
         named = _named(named_tensors, "named_tensors")
         _check_same_layout(self._snap, named, "named_tensors")
-        out = []
         for n, t in named.items():
-            snap = self._snap[n]
-            snap.copy_(t.detach())
-            self._crc[n] = crc32_tensor(snap)
-            out.append(DeltaTensor(n, snap.dtype, tuple(snap.shape), "dense", snap.numel(), _empty(), _u8(snap).clone(),
-                                   self._crc[n], None))
-        self.version = _check_version(version)
+            self._snap[n].copy_(t.detach())
+            self._crc[n] = crc32_tensor(self._snap[n])
+        self.version = version
+        self._stats["fulls"] += 1
+        return self._full_from_snapshot()
+
+    def _full_from_snapshot(self) -> DeltaPacket:
+        out = [
+            DeltaTensor(n, snap.dtype, tuple(snap.shape), "dense", snap.numel(), _empty(), _u8(snap).cpu().clone(),
+                        self._crc[n], None)
+            for n, snap in self._snap.items()
+        ]
         return DeltaPacket(self.version, None, out, self.compression)
 
-    def encode(self, named_tensors: Iterable[tuple[str, Tensor]] | Mapping[str, Tensor], version: int) -> DeltaPacket:
+    @keyword_only(2, "version")
+    def encode(
+        self, named_tensors: Iterable[tuple[str, Tensor]] | Mapping[str, Tensor], *, version: int
+    ) -> DeltaPacket:
         """Delta from the snapshot (``base_version = self.version``) to ``named_tensors`` as ``version``.
 
         ``version`` must be greater than the current one. Names, shapes and dtypes must equal the snapshot's.
-        The snapshot is updated in place (only the changed elements are written).
+        The snapshot is updated in place (only the changed elements are written). When the delta is not smaller
+        than a full packet, see the class docstring (``full_fallback``).
         """
-        version = _check_version(version)
+        version = check_version(version)
         if version <= self.version:
             raise ArgumentError(f"version: expected > {self.version} (the last encoded version), got {version}")
         named = _named(named_tensors, "named_tensors")
         _check_same_layout(self._snap, named, "named_tensors")
         out = [self._encode_one(n, t) for n, t in named.items()]
         base, self.version = self.version, version
+        delta_bytes = sum(_pad8(t.positions.numel()) + _pad8(t.values.numel()) for t in out)
+        full_bytes = sum(_pad8(t.numel * t.dtype.itemsize) for t in out)
+        if out and delta_bytes >= full_bytes:
+            self._stats["not_smaller"] += 1
+            if self.full_fallback:
+                self._stats["full_fallbacks"] += 1
+                self._stats["fulls"] += 1
+                return self._full_from_snapshot()
+            warnings.warn(
+                f"DeltaEncoder: the delta to version {version} carries {delta_bytes} payload bytes, not fewer than a "
+                f"full packet ({full_bytes}); DeltaEncoder(..., full_fallback=True) sends a full packet instead",
+                RuntimeWarning,
+                stacklevel=3,  # the caller of encode (through the keyword_only wrapper)
+            )
+        self._stats["deltas"] += 1
         return DeltaPacket(version, base, out, self.compression)
 
     def _encode_one(self, name: str, t: Tensor) -> DeltaTensor:
         snap = self._snap[name]
         new = t.detach()
-        if new.device.type != "cpu":
-            staged = torch.empty_like(snap)
-            staged.copy_(new, non_blocking=False)
+        if new.device != snap.device:  # e.g. CUDA weights, CPU snapshot: one copy into page-locked memory
+            staged = torch.empty_like(snap, pin_memory=snap.is_pinned())
+            staged.copy_(new)
             new = staged
         new = new.contiguous()
-        old_i, new_i = _int_view(snap), _int_view(new)
-        n, esize = new_i.numel(), new.element_size()
+        n, esize = snap.numel(), snap.element_size()
         base_crc = self._crc[name]
-        mask = old_i != new_i
-        k = int(mask.sum())
+        if 16 * sampled_density(_flat(snap), _flat(new)) > 1 and n >= 4096:
+            rec = self._encode_many(name, snap, new, base_crc)
+            if rec is not None:
+                return rec
+        # One pass over old and new (int64 words, threaded chunks): changed indices, their new values, the
+        # snapshot brought up to date, and the CRC of the new contents.
+        idx, vals, crc = changed_indices(_flat(snap), _flat(new), update=True, with_crc=True)
+        k = idx.numel()
         if k == 0:
             return DeltaTensor(name, snap.dtype, tuple(snap.shape), "none", 0, _empty(), _empty(), base_crc, base_crc)
-        bitmap_cost = math.ceil(n / 8)
-        idx, wide = None, 0
-        if 2 * k < bitmap_cost:  # only then can an index encoding beat the bitmap: find the indices
-            idx = mask.nonzero().squeeze(1)
-            wide = int((torch.diff(idx, prepend=idx.new_full((1,), -1)) >= _ESC).sum())
+        gaps = torch.diff(idx, prepend=idx.new_full((1,), -1))
+        wide = int(torch.count_nonzero(gaps >= _ESC))
         idx_enc = "idx32" if n <= 2**31 - 1 else "idx64"
         costs = {
-            "gap16": 2 * k + 8 * wide if idx is not None else math.inf,
-            idx_enc: (4 if idx_enc == "idx32" else 8) * k if idx is not None else math.inf,
-            "bitmap": bitmap_cost,
+            "gap16": 2 * k + 8 * wide,
+            idx_enc: (4 if idx_enc == "idx32" else 8) * k,
+            "bitmap": math.ceil(n / 8),
             "dense": (n - k) * esize,
         }
         enc = min(costs, key=costs.__getitem__)
         if enc == "dense":
-            old_i.copy_(new_i)
             values, positions, k = _u8(snap).clone(), _empty(), n
-        elif enc == "bitmap":
-            values = new_i.masked_select(mask).view(torch.uint8)
-            old_i.copy_(new_i)  # cheaper than a masked write when many elements changed
-            positions = _encode_bitmap(mask)
         else:
-            vals = new_i[idx]
-            old_i[idx] = vals
-            values = vals.view(torch.uint8)
-            if enc == "gap16":
-                positions = _encode_gap16(idx)
+            values = vals.reshape(-1).view(torch.uint8)
+            if enc == "bitmap":
+                positions = _encode_bitmap(idx, n)
+            elif enc == "gap16":
+                positions = _encode_gap16(gaps, wide)
             elif enc == "idx32":
                 positions = idx.to(torch.int32).view(torch.uint8)
             else:
                 positions = idx.view(torch.uint8)
-        self._crc[name] = crc32_tensor(snap)
-        return DeltaTensor(name, snap.dtype, tuple(snap.shape), enc, k, positions, values, self._crc[name], base_crc,
+        self._crc[name] = crc
+        return DeltaTensor(name, snap.dtype, tuple(snap.shape), enc, k, positions.cpu(), values.cpu(), crc, base_crc,
                            wide if enc == "gap16" else 0)
+
+
+    def _encode_many(self, name: str, snap: Tensor, new: Tensor, base_crc: int) -> DeltaTensor | None:
+        """Many changes (a bitmap or dense record will win): one element mask instead of indices. Gives the same
+        record as the index path, or None when an index encoding could still win (the caller then takes that)."""
+        n, esize = snap.numel(), snap.element_size()
+        so, nw = int_view(snap), int_view(new)
+        mask = torch.ne(so, nw)
+        k = int(torch.count_nonzero(mask))
+        bitmap_cost = math.ceil(n / 8)
+        if 2 * k <= bitmap_cost:  # gap16 (2k + 8w) or idx32 (4k) may tie or win: their costs need the indices
+            return None
+        crc = crc32_tensor(new)
+        if (n - k) * esize < bitmap_cost:  # the same choice as min() over the costs (bitmap first on a tie)
+            so.copy_(nw)
+            self._crc[name] = crc
+            return DeltaTensor(name, snap.dtype, tuple(snap.shape), "dense", n, _empty(), _u8(snap).cpu().clone(),
+                               crc, base_crc)
+        values = masked_take(nw, mask).view(torch.uint8)
+        positions = pack_bits(mask)
+        so.copy_(nw)
+        self._crc[name] = crc
+        return DeltaTensor(name, snap.dtype, tuple(snap.shape), "bitmap", k, positions.cpu(), values.cpu(), crc,
+                           base_crc)
+
+
+def _flat(t: Tensor) -> Tensor:
+    return t.reshape(-1)
 
 
 def _empty() -> Tensor:
     return torch.empty(0, dtype=torch.uint8)
+
+
+def _pad8(n: int) -> int:
+    return n + (-n) % 8
 
 
 class DeltaDecoder:
@@ -471,23 +557,35 @@ class DeltaDecoder:
         for n, t in self.tensors.items():
             if not t.is_contiguous():
                 raise ArgumentError(f"named_tensors[{n!r}]: expected a contiguous tensor (updated in place)")
-        self.version = _check_version(version)
+        self.version = check_version(version)
         self._crc: dict[str, int] = {}
 
-    def apply(self, packet: DeltaPacket, *, verify: bool = True) -> int:
+    def apply(self, packet: DeltaPacket, *, verify: bool = True, allow_rollback: bool = False) -> int:
         """Apply ``packet`` in place; returns the new version. Raises :class:`DeltaError`, weights unchanged, if:
 
         * it is a delta whose ``base_version`` is not ``self.version`` (out of order, replayed or skipped);
+        * it is a full packet whose ``version`` is not greater than ``self.version`` (an old full packet would roll
+          the weights back), unless ``allow_rollback=True``;
         * its tensors differ from ours in name, shape or dtype, or a record is malformed (encoding, counts,
           indices out of range or not strictly increasing, value sizes);
-        * a ``base_crc`` differs from the CRC of our current tensor (our state is not the delta's base);
+        * a ``base_crc`` differs from the CRC of our tensor (our state is not the delta's base);
         * ``verify`` and a tensor's CRC after writing differs from ``crc`` (the writes are undone).
 
-        A full packet is accepted at any point and restarts the chain at its ``version``.
-        ``verify=False`` skips the CRC passes over the tensors (faster; the packet's own checksums still hold).
+        A newer full packet is accepted at any point and restarts the chain at its ``version``.
+
+        ``verify=True`` (default) computes the base CRC from each tensor's *current contents*, so a local edit of
+        the weights since the last apply (or a wrong initial state) is refused, and checks every written tensor's
+        CRC afterwards. ``verify=False`` skips both passes over the tensors: the base is then checked against the
+        CRC this decoder recorded when it last wrote the tensor (it catches a packet meant for another base, not
+        edits made behind the decoder's back); the packet's own checksums still hold.
         """
         if not isinstance(packet, DeltaPacket):
             raise ArgumentError(f"packet: expected a DeltaPacket, got {type(packet).__name__}")
+        if packet.is_full and packet.version <= self.version and not allow_rollback:
+            raise DeltaError(
+                f"packet: full packet of version {packet.version} is not newer than the current version "
+                f"{self.version}; refused, weights unchanged (allow_rollback=True goes back on purpose)"
+            )
         if not packet.is_full and packet.base_version != self.version:
             raise DeltaError(
                 f"packet: base_version {packet.base_version} does not match the current version {self.version} "
@@ -504,7 +602,9 @@ class DeltaDecoder:
         undo: list[tuple[Tensor, Tensor | None, Tensor]] = []
         try:
             for rec, idx in plans:
-                target = _int_view(self.tensors[rec.name])
+                if rec.encoding == "none":
+                    continue
+                target = int_view(self.tensors[rec.name])
                 vals = rec.values.clone().view(target.dtype).to(target.device)
                 if rec.encoding == "dense":
                     if not packet.is_full and verify:
@@ -513,14 +613,14 @@ class DeltaDecoder:
                 elif rec.encoding == "bitmap":
                     mask = idx.to(target.device)
                     if verify:  # old values are kept only while a later CRC failure could need them
-                        undo.append((target, mask, target.masked_select(mask)))
-                    target.masked_scatter_(mask, vals)
-                elif rec.encoding != "none":
+                        undo.append((target, mask, masked_take(target, mask)))
+                    masked_put(target, mask, vals)
+                else:  # gather / scatter: the fastest CPU index kernels (indices validated distinct)
                     idx = idx.to(target.device)
                     if verify:
-                        undo.append((target, idx, target[idx].clone()))
-                    target[idx] = vals
-                if verify and rec.encoding != "none" and not packet.is_full:
+                        undo.append((target, idx, torch.gather(target, 0, idx)))
+                    target.scatter_(0, idx, vals)
+                if verify and not packet.is_full:
                     got = crc32_tensor(self.tensors[rec.name])
                     if got != rec.crc:
                         raise DeltaError(
@@ -532,9 +632,9 @@ class DeltaDecoder:
                 if idx is None:
                     target.copy_(old)
                 elif idx.dtype == torch.bool:
-                    target.masked_scatter_(idx, old)
+                    masked_put(target, idx, old)
                 else:
-                    target[idx] = old
+                    target.scatter_(0, idx, old)
             raise
         for rec, _ in plans:
             self._crc[rec.name] = rec.crc
@@ -552,9 +652,7 @@ class DeltaDecoder:
         if not full:
             if rec.base_crc is None:
                 raise DeltaError(f"{where}: a delta record must carry base_crc")
-            mine = self._crc.get(rec.name)
-            if mine is None and verify:
-                mine = self._crc[rec.name] = crc32_tensor(t)
+            mine = crc32_tensor(t) if verify else self._crc.get(rec.name)
             if mine is not None and mine != rec.base_crc:
                 raise DeltaError(
                     f"{where}: our tensor (CRC {mine:#010x}) is not this delta's base (CRC {rec.base_crc:#010x}); "
@@ -584,12 +682,12 @@ class DeltaDecoder:
             idx = pos.clone().view(torch.int32 if w == 4 else torch.int64).to(torch.int64)
         else:
             mask = _decode_bitmap(pos, n)
-            marked = int(mask.sum())
+            marked = int(torch.count_nonzero(mask))
             if marked != k:
                 raise DeltaError(f"{where}: bitmap marks {marked} elements, count says {k}")
             return rec, mask
         if idx.numel() != k or (k and (int(idx[0]) < 0 or int(idx[-1]) >= n)):
             raise DeltaError(f"{where}: positions out of range [0, {n})")
-        if k > 1 and not bool((idx[1:] > idx[:-1]).all()):
+        if rec.encoding != "gap16" and k > 1 and not bool((idx[1:] > idx[:-1]).all()):  # gap16: checked on gaps
             raise DeltaError(f"{where}: positions are not strictly increasing")
         return rec, idx

@@ -7,9 +7,18 @@ Directory layout (``DirectoryTransport(root)``)::
 
 A version is written under ``root/.tmp-v000042-<pid>-<random>/`` (files flushed and fsync-ed) and then published
 by a single ``os.rename`` to ``root/v000042``; a directory rename is atomic on POSIX filesystems, so a reader
-either sees no ``v000042`` or a complete one. Garbage collection renames old versions to a hidden name before
-deleting them, so readers never list a half-deleted version; a reader that loses a race with GC simply gets
-``None`` / the next candidate. The packet's own CRC guards against anything else (e.g. a torn network copy).
+either sees no ``v000042`` or a complete one. Two writers of one version: the rename of the second one fails
+because the first one's directory is not empty, and it gets a :class:`~rlblocks.errors.DeltaError` saying so.
+Garbage collection renames old versions to a hidden name before deleting them, so readers never list a
+half-deleted version; a reader that loses a race with GC simply gets ``None`` / the next candidate.
+
+Damaged versions. ``meta.json`` only saves reading a whole packet to learn its ``base_version``; the packet's own
+header says the same, and its CRC-32 guards every byte. So a reader that meets an unreadable ``meta.json`` reads
+the packet instead, and a packet that fails its checksum (truncated, torn network copy) or disagrees with its
+directory name or meta is *damaged*: :meth:`DirectoryTransport.next` skips it for the next best candidate (a newer
+full packet), counts it (:meth:`DirectoryTransport.stats`) and warns once per version. Only when a damaged
+version could be the next one and nothing else is applicable does it raise :class:`DeltaError` (recover by
+publishing a full packet), rather than returning ``None`` as if nothing had been published.
 """
 
 from __future__ import annotations
@@ -20,13 +29,16 @@ import re
 import secrets
 import shutil
 import time
+import warnings
 from pathlib import Path
 
-from rlblocks.errors import ArgumentError
+from rlblocks.errors import ArgumentError, DeltaError
+from rlblocks.sync._args import check_version, keyword_only
 from rlblocks.sync.broadcast import SyncGroup
 from rlblocks.sync.delta import DeltaPacket
 
 _VDIR = re.compile(r"^v(\d{6,})$")
+_UNKNOWN = object()  # base version of a damaged entry whose meta and packet are both unreadable
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
@@ -34,6 +46,12 @@ def _fsync_write(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _check_current(current_version: object) -> int | None:
+    if current_version is None:
+        return None
+    return check_version(current_version, "current_version")
 
 
 class DirectoryTransport:
@@ -44,17 +62,21 @@ class DirectoryTransport:
     """
 
     def __init__(self, root: str | os.PathLike, *, keep: int = 4):
-        if not isinstance(keep, int) or keep < 1:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ArgumentError(f"keep: expected an int >= 1, got {keep!r}")
         self.root = Path(root)
         self.keep = keep
         self.root.mkdir(parents=True, exist_ok=True)
+        self._damaged: dict[int, str] = {}
+        self._stats = {"published": 0, "damaged_skipped": 0}
 
     # ---- writer -------------------------------------------------------------------------------------------
-    def publish(self, packet: DeltaPacket) -> Path:
+    def publish(self, packet: DeltaPacket, *, allow_rollback: bool = False) -> Path:
         """Atomically publish ``packet`` as ``v{version:06d}/``; then garbage-collect beyond ``keep``.
 
-        Refuses (ValueError) a version that already exists: a published version is immutable.
+        Refuses (:class:`DeltaError`) a version that already exists, whether it was there before or another
+        writer published it while this one was writing: a published version is immutable. Refuses a version
+        that is not newer than the newest published one unless ``allow_rollback=True``.
         """
         if not isinstance(packet, DeltaPacket):
             raise ArgumentError(f"packet: expected a DeltaPacket, got {type(packet).__name__}")
@@ -62,7 +84,13 @@ class DirectoryTransport:
             raise ArgumentError(f"packet.version: expected >= 0, got {packet.version}")
         final = self.root / f"v{packet.version:06d}"
         if final.exists():
-            raise ArgumentError(f"packet.version: {final} is already published")
+            raise DeltaError(f"packet.version: {final} is already published (published versions are immutable)")
+        published = self.versions()
+        if published and packet.version <= published[-1] and not allow_rollback:
+            raise DeltaError(
+                f"packet.version: {packet.version} is not newer than the newest published version {published[-1]} "
+                f"in {self.root}; pass allow_rollback=True to go back on purpose"
+            )
         data = packet.to_bytes()
         tmp = self.root / f".tmp-{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
         tmp.mkdir()
@@ -70,7 +98,15 @@ class DirectoryTransport:
             _fsync_write(tmp / "packet.bin", data)
             meta = {"version": packet.version, "base_version": packet.base_version, "nbytes": len(data)}
             _fsync_write(tmp / "meta.json", json.dumps(meta).encode())
-            os.rename(tmp, final)
+            try:
+                os.rename(tmp, final)
+            except OSError as e:
+                if final.exists():  # the rename failed because another writer's directory is already there
+                    raise DeltaError(
+                        f"packet.version: {final} was published by another writer while this one was writing; "
+                        "two writers must not publish the same version"
+                    ) from e
+                raise
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -79,6 +115,7 @@ class DirectoryTransport:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+        self._stats["published"] += 1
         self.gc()
         return final
 
@@ -105,66 +142,155 @@ class DirectoryTransport:
                 out.append(int(m.group(1)))
         return sorted(out)
 
-    def meta(self, version: int) -> dict | None:
-        """``{"version", "base_version", "nbytes"}`` of a published version; None if absent (or collected)."""
+    def stats(self) -> dict[str, int]:
+        """Counters of this object: ``published`` versions, ``damaged_skipped`` (damaged versions passed over)."""
+        return dict(self._stats)
+
+    @property
+    def damaged(self) -> dict[int, str]:
+        """Damaged versions this reader has met, with the reason (see the module docstring)."""
+        return dict(self._damaged)
+
+    @keyword_only(1, "version")
+    def meta(self, *, version: int) -> dict | None:
+        """``{"version", "base_version", "nbytes"}`` of a published version; None if absent (or collected).
+
+        Raises :class:`DeltaError` if ``meta.json`` is unreadable or inconsistent with the directory name.
+        """
+        version = check_version(version)
         try:
-            return json.loads((self.root / f"v{version:06d}" / "meta.json").read_bytes())
+            raw = (self.root / f"v{version:06d}" / "meta.json").read_bytes()
         except FileNotFoundError:
             return None
+        try:
+            m = json.loads(raw)
+            base = m["base_version"]
+            ok = m["version"] == version and (base is None or (isinstance(base, int) and base < version))
+        except (ValueError, KeyError, TypeError) as e:
+            raise DeltaError(f"v{version:06d}/meta.json is not valid ({e})") from e
+        if not ok:
+            raise DeltaError(f"v{version:06d}/meta.json does not describe version {version}: {m!r:.200}")
+        return m
 
-    def read(self, version: int) -> DeltaPacket | None:
-        """The packet of ``version`` (checksum-verified), or None if it is not (or no longer) published."""
+    @keyword_only(1, "version")
+    def read(self, *, version: int) -> DeltaPacket | None:
+        """The packet of ``version`` (checksum-verified), or None if it is not (or no longer) published.
+
+        Raises :class:`DeltaError` if the bytes fail the checksum or the packet is not the one its directory names.
+        """
+        version = check_version(version)
         try:
             data = (self.root / f"v{version:06d}" / "packet.bin").read_bytes()
         except FileNotFoundError:
             return None
-        return DeltaPacket.from_bytes(data)
+        p = DeltaPacket.from_bytes(data)
+        if p.version != version:
+            raise DeltaError(f"v{version:06d}/packet.bin holds version {p.version}")
+        return p
 
+    def _note_damaged(self, version: int, reason: str) -> None:
+        self._stats["damaged_skipped"] += 1
+        if version not in self._damaged:
+            warnings.warn(f"DirectoryTransport: v{version:06d} in {self.root} is damaged and skipped: {reason}",
+                          RuntimeWarning, stacklevel=3)
+        self._damaged[version] = reason
+
+    def _base(self, version: int) -> object:
+        """``base_version`` of a published version (None: full), ``_UNKNOWN`` if damaged, or False if gone."""
+        try:
+            m = self.meta(version=version)
+            return False if m is None else m["base_version"]
+        except DeltaError as meta_error:
+            try:  # the packet's own header says the same; its checksum vouches for it
+                p = self.read(version=version)
+            except DeltaError as e:
+                self._note_damaged(version, f"{meta_error}; {e}")
+                return _UNKNOWN
+            return False if p is None else p.base_version
+
+    def _packet(self, version: int, base: object) -> DeltaPacket | None:
+        """The packet of ``version`` if it is intact and has ``base``; None if gone or damaged (noted)."""
+        try:
+            p = self.read(version=version)
+        except DeltaError as e:
+            self._note_damaged(version, str(e))
+            return None
+        if p is not None and p.base_version != base:
+            self._note_damaged(version, f"meta.json says base_version {base}, the packet {p.base_version}")
+            return None
+        return p
+
+    @keyword_only(1, "full")
     def latest(self, *, full: bool = False) -> DeltaPacket | None:
-        """The newest published packet (``full=True``: the newest full one), or None."""
+        """The newest intact published packet (``full=True``: the newest full one), or None."""
         for v in reversed(self.versions()):
-            m = self.meta(v)
-            if m is None or (full and m["base_version"] is not None):
+            base = self._base(v)
+            if base is False or base is _UNKNOWN or (full and base is not None):
                 continue
-            p = self.read(v)
+            p = self._packet(v, base)
             if p is not None:
                 return p
         return None
 
-    def next(self, current: int | None) -> DeltaPacket | None:
-        """What a decoder at version ``current`` should apply next, or None if nothing newer is published.
+    @keyword_only(1, "current_version")
+    def next(self, *, current_version: int | None) -> DeltaPacket | None:
+        """What a decoder at ``current_version`` should apply next, or None if nothing newer is published.
 
-        The delta whose ``base_version == current`` if published; otherwise the newest full packet newer than
-        ``current`` (the reader fell behind GC or never had a version: ``current=None``); otherwise None.
+        The delta whose ``base_version == current_version`` if published and intact; otherwise the newest intact
+        full packet newer than ``current_version`` (the reader fell behind GC, met a damaged version, or never had
+        a version: ``current_version=None``); otherwise None. Raises :class:`DeltaError` when a damaged version
+        newer than ``current_version`` may have been the next one and nothing else applies.
         """
-        vs = self.versions()
+        current = _check_current(current_version)
+        bases = {}  # version -> base_version (None: full) or _UNKNOWN; versions collected meanwhile left out
+        for v in self.versions():
+            if current is None or v > current:
+                base = self._base(v)
+                if base is not False:
+                    bases[v] = base
+        blocked = {v for v, base in bases.items() if base is _UNKNOWN}
         if current is not None:
-            for v in vs:
-                if v > current:
-                    m = self.meta(v)
-                    if m is not None and m["base_version"] == current:
-                        p = self.read(v)
-                        if p is not None:
-                            return p
-        for v in reversed(vs):
-            if current is not None and v <= current:
-                break
-            m = self.meta(v)
-            if m is not None and m["base_version"] is None:
-                p = self.read(v)
+            for v, base in bases.items():  # ascending
+                if isinstance(base, int) and base == current:
+                    p = self._packet(v, base)
+                    if p is not None:
+                        return p
+                    blocked.add(v)
+        for v in sorted(bases, reverse=True):
+            if bases[v] is None:
+                p = self._packet(v, None)
                 if p is not None:
                     return p
+                blocked.add(v)
+        if blocked:
+            reasons = "; ".join(f"v{v:06d}: {self._damaged.get(v, 'damaged')}" for v in sorted(blocked))
+            raise DeltaError(
+                f"no intact packet follows version {current} in {self.root}: {reasons}. "
+                "Publish a full packet (DeltaEncoder.full) to let readers recover"
+            )
         return None
 
-    def wait_next(self, current: int | None, *, timeout: float, poll: float = 0.05) -> DeltaPacket:
-        """Poll :meth:`next` until a packet appears; raises TimeoutError after ``timeout`` seconds."""
+    @keyword_only(1, "current_version")
+    def wait_next(self, *, current_version: int | None, timeout: float, poll: float = 0.05) -> DeltaPacket:
+        """Poll :meth:`next` until a packet appears.
+
+        A damaged version that blocks the chain does not end the wait: the writer may still publish a full packet.
+        After ``timeout`` seconds raises the last :class:`DeltaError` if damage was what blocked, else
+        ``TimeoutError``.
+        """
         deadline = time.monotonic() + timeout
         while True:
-            p = self.next(current)
+            err = None
+            try:
+                p = self.next(current_version=current_version)
+            except DeltaError as e:
+                p, err = None, e
             if p is not None:
                 return p
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no packet after version {current} in {self.root} within {timeout} s")
+                if err is not None:
+                    raise err
+                raise TimeoutError(f"no packet after version {current_version} in {self.root} within {timeout} s")
             time.sleep(poll)
 
 
@@ -179,15 +305,26 @@ class GroupDeltaTransport:
         if not 0 <= src < group.world_size:
             raise ArgumentError(f"src: expected a rank in [0, {group.world_size}), got {src}")
         self.group, self.src = group, src
+        self.last_version: int | None = None
 
-    def send(self, packet: DeltaPacket) -> int:
-        """Broadcast ``packet``; returns its wire size in bytes."""
+    def send(self, packet: DeltaPacket, *, allow_rollback: bool = False) -> int:
+        """Broadcast ``packet``; returns its wire size in bytes.
+
+        Refuses (:class:`DeltaError`, nothing sent) a version not newer than the last one sent, unless
+        ``allow_rollback=True``.
+        """
         if self.group.rank != self.src:
             raise ArgumentError(f"src: only rank {self.src} sends; this is rank {self.group.rank}")
         if not isinstance(packet, DeltaPacket):
             raise ArgumentError(f"packet: expected a DeltaPacket, got {type(packet).__name__}")
+        if self.last_version is not None and packet.version <= self.last_version and not allow_rollback:
+            raise DeltaError(
+                f"packet.version: {packet.version} is not newer than the last version sent ({self.last_version}); "
+                "pass allow_rollback=True to go back on purpose"
+            )
         data = packet.to_bytes()
         self.group.broadcast_bytes(data, self.src)
+        self.last_version = packet.version
         return len(data)
 
     def receive(self) -> DeltaPacket:

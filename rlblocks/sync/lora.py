@@ -26,6 +26,7 @@ peft itself is imported only inside the functions that need a peft model.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import re
@@ -37,7 +38,9 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from rlblocks._deprecate import warn_renamed
 from rlblocks.errors import ArgumentError
+from rlblocks.sync._args import check_version, keyword_only
 
 PEFT_PREFIX = "base_model.model."
 CONFIG_TENSOR = "__rlblocks_lora__"
@@ -135,9 +138,9 @@ def merge_lora(
     """Yield the base weights with every LoRA pair merged in (``W + s * B @ A``, see the module docstring).
 
     ``base_named_tensors`` may use plain HF names or peft's ``.base_layer.`` names (normalised to HF names).
-    Tensors without an adapter pass through unchanged (same object). Raises ValueError when an A has no B (or the
-    reverse), a shape does not fit, or, at the end of the iteration, when an adapter matched no base tensor
-    (nothing is silently dropped). Input tensors are not modified.
+    Tensors without an adapter pass through unchanged (same object). Raises ArgumentError (a ValueError) when an
+    A has no B (or the reverse), a shape does not fit, or, at the end of the iteration, when an adapter matched no
+    base tensor (nothing is silently dropped). Input tensors are not modified.
     """
     try:
         tensors, config = lora_state["tensors"], lora_state["config"]
@@ -197,7 +200,15 @@ def split_lora_message(named_tensors: Iterable[tuple[str, Tensor]] | Mapping[str
     base, adapters, meta = {}, {}, None
     for name, t in items:
         if name == CONFIG_TENSOR:
-            meta = json.loads(bytes(t.cpu().tolist()).decode())
+            try:
+                meta = json.loads(bytes(t.cpu().tolist()).decode())
+                if meta["kind"] not in ("base+adapter", "adapter"):
+                    raise ValueError(f"kind {meta['kind']!r}")
+                missing = [k for k in ("version", "base_version", "config", "adapter_name") if k not in meta]
+                if missing:
+                    raise KeyError(missing)
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+                raise ArgumentError(f"named_tensors[{CONFIG_TENSOR!r}]: not a LoraSyncer config ({e!r})") from e
         elif name.startswith(PEFT_PREFIX) and _PAIR.match(name):
             adapters[name] = t.clone()
         else:
@@ -210,23 +221,63 @@ def split_lora_message(named_tensors: Iterable[tuple[str, Tensor]] | Mapping[str
     return base, {"tensors": adapters, "config": meta["config"], "adapter_name": meta["adapter_name"]}, info
 
 
-class LoraSyncer:
-    """Decides what a LoRA run sends: the base weights once, then only the adapters.
+def _send_style(send: Callable[..., Any]) -> tuple[bool, bool]:
+    """How to call ``send``: (``version`` by keyword, ``partial=`` accepted), read from its signature."""
+    try:
+        params = inspect.signature(send).parameters
+    except (TypeError, ValueError):  # no signature (some builtins): the project's convention
+        return True, False
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    by_kw = var_kw or ("version" in params and params["version"].kind in kinds)
+    partial = "partial" in params and params["partial"].kind in kinds
+    return by_kw, partial
 
-    ``send(named_tensors, version)`` is any transport, e.g. ``WeightSender(group).send``. Every message carries the
-    adapter tensors plus a ``uint8`` tensor named :data:`CONFIG_TENSOR` (JSON: LoRA config, kind, versions); the
-    first one (and the first after :meth:`reset`) also carries the base weights under HF names. Receivers use
-    :func:`split_lora_message`. ``keep`` is how many recent adapter versions are tracked in :attr:`live_versions`
-    (set it to ``max_staleness + 1`` so a rollout can finish under the adapter it started with).
-    The base is assumed frozen (LoRA training); call :meth:`reset` if it changes.
+
+def _is_async(send: Callable[..., Any]) -> bool:
+    # a callable object with ``async def __call__`` too
+    return inspect.iscoroutinefunction(send) or inspect.iscoroutinefunction(type(send).__call__)
+
+
+class LoraSyncer:
+    """Decides what a LoRA run sends: the base weights once, then only the adapters (or merged weights).
+
+    ``send(named_tensors, *, version)`` is any transport with the project's weight-update signature:
+    ``WeightSender(group).send``, or an engine's ``update_weights`` (``async def``: use :meth:`async_sync`).
+
+    Two message kinds, chosen by ``merge``:
+
+    * ``merge=False`` (adapter messages, for receivers that merge or load LoRA themselves): every message carries
+      the adapter tensors plus a ``uint8`` tensor named :data:`CONFIG_TENSOR` (JSON: LoRA config, kind, versions);
+      the first one (and the first after :meth:`reset`) also carries the base weights under HF names. Receivers
+      use :func:`split_lora_message`.
+    * ``merge=True`` (for an engine that loads plain HF weights): the trainer merges, ``W + s * B @ A``
+      (:func:`merge_lora`), and sends HF names only. The first message carries every base weight; later ones only
+      the merged weights of modules with an adapter, passed with ``partial=True`` when ``send`` accepts a
+      ``partial`` keyword (an engine that refuses partial updates by default), else every weight again.
+    * ``merge=None`` (default): ``True`` when ``send`` is named ``update_weights`` (an engine's loader, which takes
+      plain HF weights), ``False`` otherwise.
+
+    ``keep`` is how many recent adapter versions are tracked in :attr:`live_versions` (set it to
+    ``max_staleness + 1`` so a rollout can finish under the adapter it started with). The base is assumed frozen
+    (LoRA training); call :meth:`reset` if it changes. Bookkeeping (:attr:`live_versions`, :attr:`sent_bytes`)
+    changes only once ``send`` has returned (been awaited) without raising.
     """
 
-    def __init__(self, send: Callable[[Iterable[tuple[str, Tensor]], int], Any], *, keep: int = 2):
+    def __init__(self, send: Callable[..., Any], *, keep: int = 2, merge: bool | None = None):
         if not callable(send):
-            raise ArgumentError(f"send: expected a callable (named_tensors, version), got {type(send).__name__}")
-        if not isinstance(keep, int) or keep < 1:
+            raise ArgumentError(f"send: expected a callable (named_tensors, *, version), got {type(send).__name__}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ArgumentError(f"keep: expected an int >= 1, got {keep!r}")
+        if merge not in (None, True, False):
+            raise ArgumentError(f"merge: expected None, True or False, got {merge!r}")
         self.send = send
+        self.merge = getattr(send, "__name__", None) == "update_weights" if merge is None else merge
+        self._by_keyword, self._partial = _send_style(send)
+        if not self._by_keyword:
+            warn_renamed("a LoraSyncer send function taking `version` positionally",
+                         "`send(named_tensors, *, version)`")
+        self.is_async = _is_async(send)
         self.base_version: int | None = None
         self.live_versions: deque[int] = deque(maxlen=keep)
         self.sent_bytes: list[int] = []
@@ -236,27 +287,71 @@ class LoraSyncer:
         self.base_version = None
         self.live_versions.clear()
 
-    def sync(self, peft_model: Any, version: int, adapter_name: str = "default") -> str:
-        """Send ``version``: ``"base+adapter"`` the first time, ``"adapter"`` afterwards; returns the kind sent."""
-        if not isinstance(version, int):
-            raise ArgumentError(f"version: expected an int, got {type(version).__name__}")
+    def _message(self, peft_model: Any, version: int, adapter_name: str) -> tuple[str, list, dict]:
+        version = check_version(version)
         if self.live_versions and version <= self.live_versions[-1]:
             raise ArgumentError(f"version: expected > {self.live_versions[-1]} (the last synced), got {version}")
         state = lora_state(peft_model, adapter_name)
-        kind = "base+adapter" if self.base_version is None else "adapter"
-        base_version = version if self.base_version is None else self.base_version
-        meta = {
-            "kind": kind,
-            "version": version,
-            "base_version": base_version,
-            "config": state["config"],
-            "adapter_name": adapter_name,
-        }
-        named: list[tuple[str, Tensor]] = list(base_state(peft_model)) if kind == "base+adapter" else []
-        named += list(state["tensors"].items())
-        named.append((CONFIG_TENSOR, _config_tensor(meta)))
-        self.send(named, version)
+        first = self.base_version is None
+        kind = "base+adapter" if first else "adapter"
+        kwargs: dict[str, Any] = {}
+        if self.merge:
+            base = list(base_state(peft_model))
+            merged = list(merge_lora(base, state))
+            if first or not self._partial:
+                named = merged
+            else:  # merge_lora passes a tensor without an adapter through as the same object
+                named = [(n, m) for (n, m), (_, b) in zip(merged, base) if m is not b]
+                kwargs["partial"] = True
+        else:
+            meta = {
+                "kind": kind,
+                "version": version,
+                "base_version": version if first else self.base_version,
+                "config": state["config"],
+                "adapter_name": adapter_name,
+            }
+            named = list(base_state(peft_model)) if first else []
+            named += list(state["tensors"].items())
+            named.append((CONFIG_TENSOR, _config_tensor(meta)))
+        return kind, named, kwargs
+
+    def _call(self, named: list, version: int, kwargs: dict) -> Any:
+        if self._by_keyword:
+            return self.send(named, version=version, **kwargs)
+        return self.send(named, version, **kwargs)
+
+    def _done(self, kind: str, named: list, version: int) -> str:
         self.sent_bytes.append(sum(t.numel() * t.element_size() for _, t in named))
-        self.base_version = base_version
+        if self.base_version is None:
+            self.base_version = version
         self.live_versions.append(version)
         return kind
+
+    @keyword_only(2, "version", "adapter_name")
+    def sync(self, peft_model: Any, *, version: int, adapter_name: str = "default") -> str:
+        """Send ``version``: ``"base+adapter"`` the first time, ``"adapter"`` afterwards; returns the kind sent.
+
+        For a ``send`` that is ``async def`` (an engine's ``update_weights``) use ``await`` :meth:`async_sync`;
+        here it is refused before anything is sent.
+        """
+        if self.is_async:
+            raise ArgumentError("send: is async (e.g. engine.update_weights); use `await syncer.async_sync(...)`")
+        kind, named, kwargs = self._message(peft_model, version, adapter_name)
+        out = self._call(named, version, kwargs)
+        if inspect.isawaitable(out):  # a sync wrapper around a coroutine function: nothing has run yet
+            if inspect.iscoroutine(out):
+                out.close()
+            raise ArgumentError("send: returned an awaitable, nothing was sent; use `await syncer.async_sync(...)`")
+        return self._done(kind, named, version)
+
+    async def async_sync(self, peft_model: Any, *, version: int, adapter_name: str = "default") -> str:
+        """:meth:`sync` for an async ``send`` such as ``engine.update_weights`` (a plain ``send`` works too).
+
+        Returns once ``send`` has finished (the engine has loaded the weights); the kind sent.
+        """
+        kind, named, kwargs = self._message(peft_model, version, adapter_name)
+        out = self._call(named, version, kwargs)
+        if inspect.isawaitable(out):
+            await out
+        return self._done(kind, named, version)

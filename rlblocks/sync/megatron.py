@@ -21,9 +21,9 @@ heads, ``q = nq // ng`` query heads per group, ``d`` head dim, ``h`` hidden, ``f
   embedding; the last holds ``decoder.final_layernorm`` and ``output_layer``. Stages split the layers evenly unless
   ``pp_layers`` gives the count per stage. For interleaved (virtual) pipelines pass ``pp_size = pp * vpp`` and
   ``pp_rank = chunk * pp + rank``: virtual stages are ordered that way.
-* ``*._extra_state`` entries of megatron state dicts are skipped; every other name must be known or a ``ValueError``
-  is raised; nothing is dropped silently (HF tensors belonging to other pipeline stages are read and skipped, which
-  is the point of a stage).
+* ``*._extra_state`` entries of megatron state dicts are skipped; every other name must be known or an
+  :class:`~rlblocks.errors.ArgumentError` (a ``ValueError``) is raised; nothing is dropped silently (HF tensors
+  belonging to other pipeline stages are read and skipped, which is the point of a stage).
 
 Rotary embeddings need no permutation: HF Llama/Qwen2 and megatron-core (``rotary_interleaved=False``) both rotate
 halves. ``hf_config`` is a ``transformers`` config or a dict with ``model_type`` (``llama`` / ``qwen2``),
@@ -44,7 +44,7 @@ import torch
 from jaxtyping import Shaped
 from torch import Tensor
 
-from rlblocks.errors import ArgumentError
+from rlblocks.errors import ArgumentError, SyncMismatchError
 
 __all__ = ["GPTDims", "gpt_dims", "hf_to_megatron", "megatron_to_hf", "megatron_to_hf_streaming"]
 
@@ -254,7 +254,7 @@ def hf_to_megatron(
     Conventions: see the module docstring. ``padded_vocab_size`` (default ``vocab_size``) must be a multiple of
     ``tp_size``; the embedding / output rows ``vocab_size..padded_vocab_size`` are zeros. With tied embeddings,
     ``lm_head.weight`` is optional; if given it must equal ``model.embed_tokens.weight`` bit for bit.
-    HF tensors of layers outside this stage are validated and skipped. Raises ``ValueError`` for an unknown or
+    HF tensors of layers outside this stage are validated and skipped. Raises ``ArgumentError`` for an unknown or
     duplicated name, a wrong shape, or (at the end) a missing tensor that this stage needs.
     """
     dims = gpt_dims(hf_config)
@@ -498,9 +498,9 @@ def megatron_to_hf(
     Vocabulary rows beyond ``vocab_size`` (megatron padding) are trimmed. With tied embeddings, a last stage
     that is not the first yields its ``output_layer.weight`` copy as ``lm_head.weight``.
 
-    Raises ``ValueError`` when ranks hold different names, a name is unknown or on the wrong stage, a shard
-    shape is wrong, replicated tensors (norms, row-parallel biases) differ between ranks, or a needed tensor is
-    missing.
+    Raises ``ArgumentError`` (a ``ValueError``) when ranks hold different names, a name is unknown or on the wrong
+    stage, a shard shape is wrong, replicated tensors (norms, row-parallel biases) differ between ranks, or a
+    needed tensor is missing.
     """
     dims = gpt_dims(hf_config)
     if not isinstance(per_rank, Sequence) or isinstance(per_rank, Mapping) or not per_rank:
@@ -550,8 +550,9 @@ def megatron_to_hf_streaming(
     tensors (e.g. ``model.state_dict().items()``; ``._extra_state`` entries skipped) in the same order and gets the
     same full HF tensors as :func:`megatron_to_hf` over all ranks' state dicts. Per tensor, a small int64
     header (crc32 of the name, shard shape) is all-gathered first, and one more marks the end of the stream, so
-    ranks that disagree on names, shapes or the number of tensors all get a ``ValueError`` instead of a hang or
-    garbage; then the shard is all-gathered (replicated tensors need no gather and are taken from the local rank).
+    ranks that disagree on names, shapes or the number of tensors all get a
+    :class:`~rlblocks.errors.SyncMismatchError` (a ``ValueError`` through ``WeightUpdateError``) instead of a hang
+    or garbage; then the shard is all-gathered (replicated tensors need no gather and are taken from the local rank).
     Extra memory: one full parameter. Tensors must be on the device the group's backend uses
     (CPU for gloo, CUDA for NCCL).
     """
@@ -570,8 +571,8 @@ def megatron_to_hf_streaming(
         for r, hr in enumerate(headers):
             if not torch.equal(hr, header):
                 other = "reached the end of its tensors" if hr[0] == 0 else "sent a different name or shape"
-                raise ArgumentError(f"named_local_tensors: TP rank {r} {other} than this rank's {what} "
-                                 f"(header {hr.tolist()} vs {header.tolist()})")
+                raise SyncMismatchError(f"named_local_tensors: TP rank {r} {other} than this rank's {what} "
+                                        f"(header {hr.tolist()} vs {header.tolist()})")
 
     for name, t in named_local_tensors:
         if name.endswith(_EXTRA):

@@ -74,7 +74,7 @@ def session_trainer(cfg, group, res):
         for t in sd.values():
             m = torch.rand_like(t) < 0.03
             t[m] += 0.5
-        res["wire"].append(tr.send(enc.encode(sd, v)))
+        res["wire"].append(tr.send(enc.encode(sd, version=v)))
     res["full_bytes"] = sum(t.numel() * t.element_size() for t in sd.values())
     res["delta_crc"] = crcs(sd)
 
@@ -108,7 +108,7 @@ def loop_sender(cfg, group, res):
         v += 1
         t0 = time.monotonic()
         try:
-            sender.send(state.items(), v)
+            sender.send(state.items(), version=v)
         except Exception as e:
             res["error"] = f"{type(e).__name__}: {e}"
             res["fail_after_s"] = time.monotonic() - t0

@@ -27,7 +27,7 @@ def test_streamed_send_into_load_state_dict(tiny_hf_dir):
 
     def sender(g):
         stream = ((n, t.clone()) for n, t in sd.items())  # a generator: tensors materialised one at a time
-        WeightSender(g, bucket_bytes=32 << 10).send(stream, 3, manifest=manifest)
+        WeightSender(g, bucket_bytes=32 << 10).send(stream, version=3, manifest=manifest)
 
     def receiver(g):
         version, it = WeightReceiver(g, expected=dst.state_dict()).receive()
@@ -46,7 +46,7 @@ def test_three_ranks_one_refuses_everyone_raises():
     wrong = {"a": torch.randn(10), "b": torch.randn(3, 4)}  # fp32 expected, bf16 sent
 
     def sender(g):
-        WeightSender(g).send(state, 1)
+        WeightSender(g).send(state, version=1)
 
     def receiver(expected):
         return lambda g: WeightReceiver(g, expected=expected).receive()
@@ -62,7 +62,7 @@ def test_sender_stream_breaking_manifest_fails_both_sides():
     manifest = [tensor_spec(n, t) for n, t in state.items()]
 
     def sender(g):
-        WeightSender(g).send([("a", state["a"]), ("b", torch.randn(5))], 1, manifest=manifest)
+        WeightSender(g).send([("a", state["a"]), ("b", torch.randn(5))], version=1, manifest=manifest)
 
     def receiver(g):
         return dict(WeightReceiver(g).receive()[1])
@@ -82,7 +82,7 @@ def test_receiver_without_expectation_gets_exact_bytes():
         v, it = WeightReceiver(g).receive()
         return v, {n: t.clone() for n, t in it}
 
-    res = run_ranks([lambda g: WeightSender(g, bucket_bytes=256).send(state.items(), 5), receiver])
+    res = run_ranks([lambda g: WeightSender(g, bucket_bytes=256).send(state.items(), version=5), receiver])
     v, got = res[1]
     assert v == 5 and got.keys() == state.keys()
     for n, t in state.items():
@@ -106,7 +106,7 @@ def test_reused_receive_buffers_streaming_consumer():
     def sender(g):
         s = WeightSender(g, bucket_bytes=512)
         for v, st in enumerate(states):
-            s.send(st, v)
+            s.send(st, version=v)
 
     def receiver(g):
         r = WeightReceiver(g, reuse_buffers=True)
@@ -121,3 +121,43 @@ def test_reused_receive_buffers_streaming_consumer():
     for i, ((v, got), st) in enumerate(zip(res[1], states)):
         assert v == i and got.keys() == st.keys()
         assert all(torch.equal(got[n], st[n]) for n in st)
+
+
+def test_direct_tensors_are_sent_without_packing_and_arrive_bit_exact(monkeypatch):
+    """direct_bytes: large contiguous tensors go out of their own memory (never through pack_into), a large
+    non-contiguous one is packed; small ones are packed around them; a streamed generator with a manifest works."""
+    import rlblocks.sync.broadcast as bc
+
+    g0 = torch.Generator().manual_seed(3)
+    state = {}
+    for i in range(6):
+        state[f"big{i}"] = torch.randn(300 + i, generator=g0)  # >= 1 KiB: direct
+        state[f"norm{i}"] = torch.randn(7, generator=g0).bfloat16()
+    state["big_t"] = torch.randn(20, 40, generator=g0).t()  # large but not contiguous
+    state["big0"].view(torch.int32)[0] = 0x7FC0BEEF
+    manifest = [tensor_spec(n, t) for n, t in state.items()]
+    packed: list[str] = []
+    real_pack = bc.pack_into
+
+    def recording_pack(buf, metas, tensors):
+        packed.extend(m.name for m in metas)
+        real_pack(buf, metas, tensors)
+
+    monkeypatch.setattr(bc, "pack_into", recording_pack)
+
+    def sender(g):
+        s = WeightSender(g, bucket_bytes=256, direct_bytes=1024)  # 4 norms share a bucket
+        s.send(((n, t) for n, t in state.items()), version=1, manifest=manifest)
+
+    def receiver_keep(g):
+        v, it = WeightReceiver(g, expected=state).receive()
+        return v, {n: t.clone() for n, t in it}
+
+    res = run_ranks([sender, receiver_keep])
+    assert res[0] is None, res[0]
+    v, got = res[1]
+    assert v == 1 and got.keys() == state.keys()
+    for n, t in state.items():
+        assert torch.equal(got[n].view(torch.uint8), t.contiguous().view(torch.uint8)), n
+    assert not [n for n in packed if n.startswith("big") and n != "big_t"]  # never copied
+    assert "big_t" in packed and all(f"norm{i}" in packed for i in range(6))

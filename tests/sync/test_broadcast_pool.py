@@ -71,7 +71,7 @@ def test_default_receiver_tensors_stay_valid_and_exact_across_receives():
     def sender(g):
         s = WeightSender(g, bucket_bytes=512)
         for v, st in enumerate(states):
-            s.send(st, v)
+            s.send(st, version=v)
 
     def receiver(g):
         r = WeightReceiver(g, expected=states[0])
@@ -107,7 +107,7 @@ def test_streaming_consumer_recycles_within_one_receive():
     state = states[0]
 
     def sender(g):
-        WeightSender(g, bucket_bytes=512).send(state, 4)
+        WeightSender(g, bucket_bytes=512).send(state, version=4)
 
     def receiver(g):
         r = WeightReceiver(g)
@@ -135,8 +135,8 @@ def test_pool_off_and_release():
 
     def sender(g):
         s = WeightSender(g, bucket_bytes=1024)
-        s.send(state, 1)
-        s.send(state, 2)
+        s.send(state, version=1)
+        s.send(state, version=2)
 
     def receiver(g):
         r = WeightReceiver(g, pool_buffers=False)

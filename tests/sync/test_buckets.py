@@ -91,3 +91,89 @@ def test_bad_input_is_refused():
         Bucket.from_metadata(b.metadata_bytes(), torch.zeros(3, dtype=torch.uint8))
     with pytest.raises(ValueError, match="does not fit"):
         list(unpack_bucket(Bucket(torch.zeros(8, dtype=torch.uint8), b.metas)))
+
+
+def _meta_bytes(tensors, nbytes=64) -> bytes:
+    import json
+
+    return json.dumps({"nbytes": nbytes, "tensors": tensors}).encode()
+
+
+@pytest.mark.parametrize(
+    ("tensors", "match"),
+    [
+        ([{"name": "a", "shape": [-1, 4], "dtype": "float32", "offset": 0}], "non-negative int, got -1"),
+        ([{"name": "a", "shape": [2.5], "dtype": "float32", "offset": 0}], "non-negative int, got 2.5"),
+        ([{"name": "a", "shape": [2.0], "dtype": "float32", "offset": 0}], "non-negative int, got 2.0"),
+        ([{"name": "a", "shape": ["4"], "dtype": "float32", "offset": 0}], "non-negative int, got '4'"),
+        ([{"name": "a", "shape": [True], "dtype": "float32", "offset": 0}], "non-negative int, got True"),
+        ([{"name": "a", "shape": [4], "dtype": "float32", "offset": 8.0}], "offset: expected a non-negative int"),
+        ([{"name": "a", "shape": [4], "dtype": "float32", "offset": -4}], "offset: expected a non-negative int"),
+        ([{"name": 3, "shape": [4], "dtype": "float32", "offset": 0}], "name: expected a str"),
+        (
+            [{"name": "a", "shape": [4], "dtype": "float32", "offset": 0},
+             {"name": "b", "shape": [4], "dtype": "float32", "offset": 8}],
+            "'a' and 'b' overlap",
+        ),
+        (
+            [{"name": "a", "shape": [2], "dtype": "float32", "offset": 0},
+             {"name": "a", "shape": [2], "dtype": "float32", "offset": 8}],
+            "duplicate tensor name 'a'",
+        ),
+    ],
+)
+def test_metadata_with_bad_dims_overlaps_or_duplicates_is_refused(tensors, match):
+    with pytest.raises(ValueError, match=match):
+        metadata_from_bytes(_meta_bytes(tensors))
+
+
+def test_bucket_views_refuse_overlapping_or_duplicate_metas():
+    buf = torch.zeros(64, dtype=torch.uint8)
+    overlap = [TensorMeta("a", (4,), torch.float32, 0), TensorMeta("b", (4,), torch.float32, 4)]
+    with pytest.raises(ValueError, match="overlap"):
+        list(unpack_bucket(Bucket(buf, overlap)))
+    dup = [TensorMeta("a", (2,), torch.float32, 0), TensorMeta("a", (2,), torch.float32, 8)]
+    with pytest.raises(ValueError, match="duplicate"):
+        list(unpack_bucket(Bucket(buf, dup)))
+    with pytest.raises(ValueError, match="non-negative int"):
+        TensorMeta("a", (-3,), torch.float32, 0)
+    # Empty tensors take no bytes: two of them at the same offset are fine (plan_buckets produces that).
+    empty = [TensorMeta("e1", (0, 4), torch.float32, 0), TensorMeta("e2", (0,), torch.float32, 0)]
+    assert [n for n, _ in unpack_bucket(Bucket(buf, empty))] == ["e1", "e2"]
+
+
+def test_weight_manifest_with_bad_dims_or_duplicates_is_refused():
+    import json
+
+    from rlblocks.errors import SyncMismatchError, WeightUpdateError
+    from rlblocks.sync.broadcast import _MAGIC, _parse_manifest
+
+    def manifest(tensors):
+        return json.dumps({"magic": _MAGIC, "version": 1, "bucket_bytes": 64, "tensors": tensors}).encode()
+
+    assert _parse_manifest(manifest([["a", [2, 3], "float32"]]))[3][0].shape == (2, 3)
+    for tensors, match in (
+        ([["a", [2.5], "float32"]], "got 2.5"),
+        ([["a", [-2], "float32"]], "got -2"),
+        ([["a", [2], "float32"], ["a", [2], "float32"]], "duplicate"),
+    ):
+        with pytest.raises(SyncMismatchError, match=match) as e:
+            _parse_manifest(manifest(tensors))
+        assert isinstance(e.value, WeightUpdateError)
+
+
+def test_direct_bytes_layout_puts_large_tensors_alone_where_they_come():
+    sizes = [("s0", 10), ("big1", 300), ("s1", 20), ("s2", 30), ("big2", 256), ("s3", 200), ("s4", 100)]
+    specs = [TensorMeta(n, (k,), torch.uint8) for n, k in sizes]
+    plan = plan_buckets(specs, bucket_bytes=256, direct_bytes=256)
+    assert [[(m.name, m.offset) for m in b] for b in plan] == [
+        [("big1", 0)],
+        [("big2", 0)],
+        [("s0", 0), ("s1", 64), ("s2", 128)],  # filled around the direct ones, emitted when s3 overflows it
+        [("s3", 0)],
+        [("s4", 0)],
+    ]
+    assert sorted(m.name for b in plan for m in b) == sorted(n for n, _ in sizes)
+    assert plan_buckets(specs, bucket_bytes=256) == plan_buckets(specs, bucket_bytes=256, direct_bytes=None)
+    with pytest.raises(ValueError, match="direct_bytes"):
+        plan_buckets(specs, bucket_bytes=256, direct_bytes=0)

@@ -87,7 +87,7 @@ def test_lora_syncer_sends_base_once_then_adapters():
                     if "lora_" in n:
                         p.add_(0.1 * torch.randn_like(p))
             merged_refs.append(_peft_merged(pm))
-            kinds.append(syncer.sync(pm, v))
+            kinds.append(syncer.sync(pm, version=v))
         return kinds, syncer.sent_bytes, list(syncer.live_versions)
 
     def rollout(g):
@@ -110,3 +110,111 @@ def test_lora_syncer_sends_base_once_then_adapters():
         assert merged.keys() == ref.keys()
         for n in ref:
             torch.testing.assert_close(merged[n], ref[n], atol=1e-6, rtol=0, msg=n)
+
+
+def _train_step(pm, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def test_lora_syncer_into_a_torch_engine_update_weights():
+    """LoraSyncer(engine.update_weights): merged HF weights, awaited; the engine holds exactly our merge, which
+    matches peft's own merge_and_unload, and the engine's version follows."""
+    import asyncio
+
+    from transformers import LlamaForCausalLM
+
+    from rlblocks.errors import ArgumentError
+    from rlblocks.rollout import GenerationRequest, SamplingParams, TorchEngine
+
+    pm = _peft_model(seed=2)
+    engine_model = LlamaForCausalLM(pm.get_base_model().config)  # other random weights, same layout
+    engine = TorchEngine(engine_model)
+    syncer = LoraSyncer(engine.update_weights, keep=2)
+    assert syncer.merge and syncer.is_async
+
+    async def run():
+        out = []
+        for v in (1, 2):
+            _train_step(pm, v)
+            kind = await syncer.async_sync(pm, version=v)
+            ours = dict(merge_lora(base_state(pm), lora_state(pm)))
+            held = {n: t.clone() for n, t in engine.model.state_dict().items()}
+            exact = all(torch.equal(held[n], t) for n, t in ours.items())
+            req = GenerationRequest(f"r{v}", [1, 5, 7], SamplingParams(temperature=0.0, max_new_tokens=3))
+            gen = await engine.generate(req)
+            out.append((kind, engine.version, exact, _peft_merged(pm), held, gen.output_versions))
+        with pytest.raises(ArgumentError, match="async_sync"):
+            syncer.sync(pm, version=3)  # an async send cannot run from sync(): refused, nothing sent
+        return out
+
+    got = asyncio.run(run())
+    assert [k for k, *_ in got] == ["base+adapter", "adapter"]
+    for v, (_, version, exact, ref, held, versions) in enumerate(got, start=1):
+        assert version == v and exact and versions == [v] * 3
+        for n, t in ref.items():
+            torch.testing.assert_close(held[n], t, atol=1e-6, rtol=0, msg=n)
+    assert engine.version == 2 and list(syncer.live_versions) == [1, 2]
+
+
+def test_merged_updates_after_the_first_are_partial_when_send_accepts_it():
+    pm = _peft_model(seed=3)
+    calls = []
+
+    async def update_weights(named_tensors, *, version, partial=False):
+        calls.append(([n for n, _ in named_tensors], version, partial))
+
+    import asyncio
+
+    syncer = LoraSyncer(update_weights)
+    for v in (1, 2):
+        _train_step(pm, v)
+        asyncio.run(syncer.async_sync(pm, version=v))
+    base_names = [n for n, _ in base_state(pm)]
+    (first, v1, p1), (second, v2, p2) = calls
+    assert first == base_names and (v1, p1) == (1, False)
+    targets = ("q_proj", "v_proj", "down_proj", "embed_tokens")
+    assert second == [n for n in base_names if any(t in n for t in targets)] and (v2, p2) == (2, True)
+    assert syncer.sent_bytes[1] < syncer.sent_bytes[0]
+
+
+def test_lora_syncer_positional_version_and_legacy_send_warn():
+    import warnings
+
+    pm = _peft_model(seed=4)
+    got = []
+    with pytest.warns(DeprecationWarning, match="positionally"):
+        legacy = LoraSyncer(lambda named, v: got.append(v))  # an old send taking version positionally
+    with pytest.warns(DeprecationWarning, match="version="):
+        assert legacy.sync(pm, 1) == "base+adapter"
+    syncer = LoraSyncer(lambda named, *, version: got.append(version))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert syncer.sync(pm, version=5) == "base+adapter"
+    assert got == [1, 5]
+    with pytest.raises(ValueError, match="expected > 5"):
+        syncer.sync(pm, version=5)
+
+
+def test_weight_sender_positional_version_warns():
+    state = {"a": torch.randn(10)}
+
+    def sender(g):
+        s = WeightSender(g)
+        with pytest.warns(DeprecationWarning, match="version="):
+            s.send(state, 1)
+        return "ok"
+
+    res = run_ranks([sender, lambda g: dict(WeightReceiver(g).receive()[1])])
+    assert res[0] == "ok" and torch.equal(res[1]["a"], state["a"])
+
+
+def test_split_lora_message_refuses_a_bad_config_tensor():
+    from rlblocks.sync.lora import CONFIG_TENSOR
+
+    bad = torch.tensor(list(b'{"kind": "adapter"'), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="not a LoraSyncer config"):
+        split_lora_message([(CONFIG_TENSOR, bad)])

@@ -1,0 +1,350 @@
+"""Bit-level kernels of delta sync, written to run at memory speed: CRC-32, changed-element search, parallel chunks.
+
+CRC-32
+------
+The checksum is zlib's CRC-32 (polynomial 0xEDB88320 reflected, init and final xor 0xFFFFFFFF), so packets stay
+readable by anything that speaks zlib. The stdlib ``zlib.crc32`` computes it at ~2.5 GB/s on one core; ISA-L's
+(``isal`` package, ``isal_zlib.crc32``, PCLMUL-folded) gives the same values at ~9 GB/s and is used when
+installed. Large buffers are split into chunks whose CRCs are computed in parallel threads (both release the GIL)
+and joined with :func:`crc32_combine`, which is zlib's ``crc32_combine`` algorithm (multiplying by ``x^(8 * len2)``
+modulo the polynomial, by squaring a GF(2) operator), written here because the stdlib does not expose it.
+
+Changed elements
+----------------
+:func:`changed_indices` finds the elements whose bit patterns differ in two tensors of the same dtype without a
+per-element pass in Python and without a full-length boolean mask per element: both tensors are viewed as int64
+words (4 bf16 or 2 fp32 elements per word), the words are compared (one vectorised pass reading both tensors),
+only the changed words are gathered, and their lanes are compared in a second, small pass. The work is split into
+chunks run on a thread pool (torch kernels release the GIL), each chunk also computing the CRC of its part of the
+new tensor while it is still in cache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import zlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import torch
+from jaxtyping import Int64, Shaped
+from torch import Tensor
+
+try:  # optional: faster index search (see nonzero_1d); torch alone works too
+    import numpy as _np
+except ImportError:  # pragma: no cover
+    _np = None
+
+try:  # ISA-L: the same CRC-32, ~4x faster than zlib 1.2/1.3 on x86 with PCLMUL
+    from isal.isal_zlib import crc32 as _crc32_bytes
+except ImportError:  # pragma: no cover - exercised where isal is not installed
+    _crc32_bytes = zlib.crc32
+
+CRC_BACKEND = "isal" if _crc32_bytes is not zlib.crc32 else "zlib"
+"""Which implementation :func:`crc32_bytes` uses (the values are identical)."""
+
+CHUNK_BYTES = 8 << 20
+"""Bytes of one tensor processed per task: large enough to amortise ~10 torch calls, small enough for caches."""
+
+_POLY = 0xEDB88320
+T = TypeVar("T")
+_POOL: ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
+
+
+def num_threads() -> int:
+    """Worker threads for chunked work: ``RLBLOCKS_SYNC_THREADS`` if set, else ``torch.get_num_threads()``."""
+    env = os.environ.get("RLBLOCKS_SYNC_THREADS")
+    return max(1, int(env)) if env else max(1, torch.get_num_threads())
+
+
+def parallel_map(fn: Callable[[int], T], n: int, *, threads: int | None = None) -> list[T]:
+    """``[fn(i) for i in range(n)]``, run on a shared thread pool when ``n > 1`` and more than one thread is wanted.
+
+    Results are in index order. An exception in any task is raised here (after every task has finished, so no
+    task is still writing into a caller's tensor when the caller handles the error).
+    """
+    global _POOL, _POOL_SIZE
+    threads = num_threads() if threads is None else threads
+    if n <= 1 or threads <= 1:
+        return [fn(i) for i in range(n)]
+    if _POOL is None or _POOL_SIZE != threads:
+        if _POOL is not None:
+            _POOL.shutdown(wait=False)
+        # Each worker runs its torch kernels single-threaded (torch.set_num_threads is per thread under OpenMP):
+        # the chunks are the parallelism, and an intra-op parallel region inside a chunk would wait on a core
+        # that another worker (or another process) holds.
+        _POOL = ThreadPoolExecutor(threads, thread_name_prefix="rlblocks-sync", initializer=torch.set_num_threads,
+                                   initargs=(1,))
+        _POOL_SIZE = threads
+    futures = [_POOL.submit(fn, i) for i in range(n)]
+    errors = [f.exception() for f in futures]
+    for e in errors:
+        if e is not None:
+            raise e
+    return [f.result() for f in futures]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CRC-32
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def crc32_bytes(data: bytes | bytearray | memoryview, value: int = 0) -> int:
+    """zlib's CRC-32 of ``data`` (continuing from ``value``), with the fastest installed implementation."""
+    return _crc32_bytes(data, value) & 0xFFFFFFFF
+
+
+def _gf2_times(mat: list[int], vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _gf2_square(mat: list[int]) -> list[int]:
+    return [_gf2_times(mat, mat[n]) for n in range(32)]
+
+
+_POW2: list[list[int]] = []  # _POW2[k]: the operator advancing a CRC register over 2**k zero bytes
+
+
+def _zero_bytes_operators(k: int) -> list[list[int]]:
+    if not _POW2:
+        op = [_POLY] + [1 << i for i in range(31)]  # one zero bit (reflected polynomial)
+        for _ in range(3):
+            op = _gf2_square(op)  # 2, 4, 8 zero bits
+        _POW2.append(op)
+    while len(_POW2) <= k:
+        _POW2.append(_gf2_square(_POW2[-1]))
+    return _POW2
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of ``A + B`` from ``crc1 = crc32(A)``, ``crc2 = crc32(B)`` and ``len2 = len(B)`` (as zlib's).
+
+    ``crc1`` is advanced over ``len2`` zero bytes, then xor-ed with ``crc2`` (CRC-32 is affine over GF(2), and
+    the init/final xors cancel). Advancing uses the 32x32 GF(2) operators for ``2**k`` zero bytes (built once by
+    squaring the one-zero-bit operator), one per set bit of ``len2``: at most ~40 matrix-vector products.
+    """
+    if len2 <= 0:
+        return crc1
+    ops = _zero_bytes_operators(len2.bit_length())
+    k = 0
+    while len2:
+        if len2 & 1:
+            crc1 = _gf2_times(ops[k], crc1)
+        len2 >>= 1
+        k += 1
+    return (crc1 ^ crc2) & 0xFFFFFFFF
+
+
+def _memview(t: Tensor) -> memoryview:
+    """Zero-copy byte view of a contiguous CPU tensor (the caller keeps the tensor alive while it is used)."""
+    flat = t.reshape(-1).view(torch.uint8)
+    if _np is not None:  # cheaper than building a ctypes array type of this size
+        return memoryview(flat.detach().numpy())
+    return memoryview((ctypes.c_char * flat.numel()).from_address(flat.data_ptr())).cast("B")
+
+
+def crc32_tensor(t: Tensor, *, threads: int | None = None) -> int:
+    """CRC-32 of ``t``'s bytes in memory order (``zlib.crc32`` of the same bytes).
+
+    CPU tensors are read in place (chunks of :data:`CHUNK_BYTES` in parallel, combined with
+    :func:`crc32_combine`); other devices are copied to the host first, chunk by chunk through a page-locked
+    buffer, so that host memory holds one chunk, not a copy of the tensor.
+    """
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return 0
+    flat = t.reshape(-1).view(torch.uint8)
+    if flat.device.type != "cpu":
+        staging = torch.empty(min(nbytes, CHUNK_BYTES), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        crc = 0
+        for lo in range(0, nbytes, CHUNK_BYTES):
+            part = staging[: min(CHUNK_BYTES, nbytes - lo)]
+            part.copy_(flat[lo : lo + part.numel()])
+            crc = crc32_bytes(_memview(part), crc)
+        return crc
+    mv = _memview(flat)
+    n_chunks = -(-nbytes // CHUNK_BYTES)
+    if n_chunks == 1:
+        return crc32_bytes(mv)
+    crcs = parallel_map(lambda i: crc32_bytes(mv[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES]), n_chunks, threads=threads)
+    return combine_chunk_crcs(crcs, nbytes, CHUNK_BYTES)
+
+
+def combine_chunk_crcs(crcs: Sequence[int], nbytes: int, chunk_bytes: int) -> int:
+    """CRC-32 of a buffer of ``nbytes`` from the CRCs of its consecutive ``chunk_bytes`` chunks (last one shorter)."""
+    crc = crcs[0]
+    for i, c in enumerate(crcs[1:], start=1):
+        crc = crc32_combine(crc, c, min(chunk_bytes, nbytes - i * chunk_bytes))
+    return crc
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# changed elements
+# ----------------------------------------------------------------------------------------------------------------
+
+INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def int_view(t: Tensor) -> Tensor:
+    """Flat integer view of a contiguous tensor's bits, same element size (no copy)."""
+    return t.reshape(-1).view(INT_VIEW[t.element_size()])
+
+
+def nonzero_1d(mask: Tensor) -> Tensor:
+    """Ascending int64 indices of the True entries of a 1-D bool tensor.
+
+    On the CPU numpy's ``flatnonzero`` is used when numpy is installed: measured 4-6x faster than
+    ``torch.nonzero`` here (11 vs 70 ms for 4M entries), and the index search is the slowest step of a delta.
+    """
+    if mask.device.type == "cpu" and _np is not None:
+        return torch.from_numpy(_np.flatnonzero(mask.numpy()))
+    return mask.nonzero().squeeze(1)
+
+
+def _word_split(old: Tensor, new: Tensor) -> int:
+    """Number of leading elements that can be compared as int64 words (0 when the pointers are not 8-aligned)."""
+    es = old.element_size()
+    if old.data_ptr() % 8 or new.data_ptr() % 8:
+        return 0
+    return (old.numel() * es // 8) * 8 // es
+
+
+def changed_indices(
+    old: Shaped[Tensor, " N"],
+    new: Shaped[Tensor, " N"],
+    *,
+    update: bool = False,
+    with_crc: bool = False,
+    threads: int | None = None,
+) -> tuple[Int64[Tensor, " K"], Shaped[Tensor, " K"], int | None]:
+    """Positions where the bit patterns of two flat contiguous tensors (same dtype, same device) differ.
+
+    Returns ``(idx, values, crc)``: ``idx`` ascending int64 element indices, ``values = new[idx]`` (the new bit
+    patterns, dtype of ``new``), and, with ``with_crc`` (CPU only), the CRC-32 of ``new``'s bytes (else None).
+    ``update=True`` also writes the changed elements into ``old`` (``old[idx] = values``: afterwards ``old`` equals
+    ``new`` bit for bit).
+
+    Comparison is of integer views, so NaN payloads, -0.0 vs +0.0 and subnormals count as changes. Elements are
+    compared as int64 words first; only the changed words' lanes are compared element by element. CPU work is
+    split in chunks of :data:`CHUNK_BYTES` over a thread pool; on other devices the same torch calls run on the
+    device, one chunk after another.
+    """
+    if old.dtype != new.dtype or old.shape != new.shape or old.dim() != 1:
+        raise ValueError(f"changed_indices: expected two flat tensors of one dtype, got {old.shape} {new.shape}")
+    es = old.element_size()
+    n = old.numel()
+    oi, ni = old.view(INT_VIEW[es]), new.view(INT_VIEW[es])
+    split = _word_split(old, new)
+    lanes = 8 // es
+    cpu = old.device.type == "cpu"
+    chunk_elems = max(lanes, CHUNK_BYTES // es // lanes * lanes)
+    n_chunks = max(1, -(-n // chunk_elems))
+    nbytes = n * es
+
+    def one(c: int) -> tuple[Tensor, Tensor, int | None]:
+        lo, hi = c * chunk_elems, min(n, (c + 1) * chunk_elems)
+        parts = []
+        w_hi = min(hi, split)
+        if w_hi > lo:  # word part: [lo, w_hi) compared 8 bytes at a time
+            ow = oi[lo:w_hi].view(torch.int64)
+            nw = ni[lo:w_hi].view(torch.int64)
+            words = nonzero_1d(torch.ne(ow, nw))
+            if words.numel():
+                if lanes == 1:
+                    parts.append(words + lo)
+                else:  # only the changed words, lane by lane
+                    o_l = torch.gather(ow, 0, words).view(INT_VIEW[es])
+                    n_l = torch.gather(nw, 0, words).view(INT_VIEW[es])
+                    flat = nonzero_1d(torch.ne(o_l, n_l))  # position in [changed words x lanes]
+                    shift = lanes.bit_length() - 1  # lanes is 2, 4 or 8: shifts and masks, no integer division
+                    idx = torch.gather(words, 0, flat >> shift).bitwise_left_shift_(shift)
+                    idx.bitwise_or_(flat & (lanes - 1))
+                    parts.append(idx.add_(lo) if lo else idx)
+        e_lo = max(lo, split)
+        if hi > e_lo:  # tail (or unaligned tensors): element by element
+            parts.append(nonzero_1d(torch.ne(oi[e_lo:hi], ni[e_lo:hi])) + e_lo)
+        idx = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else oi.new_empty(0, dtype=torch.int64)
+        vals = torch.gather(ni, 0, idx)
+        if update and idx.numel():
+            oi.scatter_(0, idx, vals)  # indices are distinct: scatter is exact (and the fastest write here)
+        crc = None
+        if with_crc and cpu and hi > lo:
+            crc = crc32_bytes(_memview(new[lo:hi]))
+        return idx, vals, crc
+
+    res = parallel_map(one, n_chunks, threads=threads if cpu else 1)
+    idx = torch.cat([r[0] for r in res]) if len(res) > 1 else res[0][0]
+    vals = torch.cat([r[1] for r in res]) if len(res) > 1 else res[0][1]
+    crc = None
+    if with_crc:
+        if not cpu:
+            crc = crc32_tensor(new)
+        elif nbytes == 0:
+            crc = 0
+        else:
+            crc = combine_chunk_crcs([r[2] for r in res], nbytes, chunk_elems * es)
+    return idx, vals.view(new.dtype), crc
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# many changes: one boolean mask instead of indices
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def sampled_density(old: Shaped[Tensor, " N"], new: Shaped[Tensor, " N"], *, samples: int = 4096) -> float:
+    """Fraction of changed elements among ``samples`` evenly spaced ones: a cheap predictor of the density that
+    only chooses between two exact code paths (it never affects what is encoded)."""
+    n = old.numel()
+    if n == 0:
+        return 0.0
+    step = max(1, n // samples)
+    oi, ni = int_view(old)[::step], int_view(new)[::step]
+    return float(torch.count_nonzero(torch.ne(oi, ni))) / oi.numel()
+
+
+def pack_bits(mask: Tensor) -> Tensor:
+    """One bit per element, LSB first (``ceil(n / 8)`` bytes): numpy's ``packbits`` when available."""
+    n = mask.numel()
+    if mask.device.type == "cpu" and _np is not None:
+        return torch.from_numpy(_np.packbits(mask.numpy(), bitorder="little"))
+    padded = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8, device=mask.device)
+    padded[:n] = mask
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
+    return (padded.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(bits: Tensor, n: int) -> Tensor:
+    """Inverse of :func:`pack_bits`: a bool mask of ``n`` elements (padding bits are the caller's to check)."""
+    if bits.device.type == "cpu" and _np is not None:
+        return torch.from_numpy(_np.unpackbits(bits.numpy(), count=n, bitorder="little").view(_np.bool_))
+    out = ((bits.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8, device=bits.device)) & 1).bool().reshape(-1)
+    return out[:n]
+
+
+def masked_take(t: Tensor, mask: Tensor) -> Tensor:
+    """``t[mask]`` for a flat tensor. On the CPU numpy's ``compress``: measured 8x ``masked_select`` and 4x
+    boolean indexing for a random half-set mask (both branch on every element)."""
+    if t.device.type == "cpu" and _np is not None:
+        return torch.from_numpy(_np.compress(mask.numpy(), t.detach().numpy()))
+    return t.masked_select(mask)
+
+
+def masked_put(t: Tensor, mask: Tensor, values: Tensor) -> None:
+    """``t[mask] = values`` in place for a flat tensor (values in order of the True entries): the index search of
+    :func:`nonzero_1d` then a scatter (measured 3x numpy's boolean assignment, 6x ``masked_scatter_``)."""
+    if t.device.type == "cpu":
+        t.scatter_(0, nonzero_1d(mask), values)
+    else:
+        t.masked_scatter_(mask, values)
