@@ -660,7 +660,9 @@ async def run_episode(
         sampling: per-turn sampling (``max_new_tokens`` is the per-turn budget; ``stop_token_ids`` defaults to
             the tokenizer's EOS, which should be the chat template's end-of-turn token). Give each episode of a
             group its own ``seed`` (or none): equal seeds sample equal episodes.
-        max_turns: most model turns. max_total_tokens: most tokens in the sequence the engine extends.
+        max_turns: most model turns. max_total_tokens: most tokens in the sequence the engine extends (default:
+            the engine's ``max_model_len`` when it has one, so a long episode ends with ``"max_tokens"`` instead of
+            a refused request).
         session_id: sent with every request (default: a fresh uuid); ``group_id`` is stored on the trajectory.
         env_timeout: seconds for each ``reset``/``step`` (None: no limit).
         on_mismatch: what to do when an observation's rendering does not extend the trajectory exactly
@@ -677,6 +679,9 @@ async def run_episode(
         raise ArgumentError(f"max_total_tokens: expected >= 2 or None, got {max_total_tokens}")
     if on_mismatch not in ("raise", "branch"):
         raise ArgumentError(f"on_mismatch: expected 'raise' or 'branch', got {on_mismatch!r}")
+    if max_total_tokens is None:
+        limit = getattr(engine, "max_model_len", None)
+        max_total_tokens = int(limit) if isinstance(limit, int) and not isinstance(limit, bool) else None
     sampling = SamplingParams() if sampling is None else sampling
     if not sampling.stop_token_ids:
         if tokenizer.eos_token_id is None:
