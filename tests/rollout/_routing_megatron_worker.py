@@ -281,12 +281,12 @@ def task_hf_engine_megatron_trainer() -> None:
     trainer (fp32, the same bf16-rounded weights) scores the samples with and without the engine's routing."""
     import asyncio
 
-    import test_routing as hf_tests
+    from _routing_models import tiny_moe
 
     from rlblocks.rollout import GenerationRequest, SamplingParams, TorchEngine, build_batch
     from rlblocks.rollout.routing import RoutingRecorder, pad_routing
 
-    hf = hf_tests.tiny_moe("mixtral", layers=LAYERS, gate_std=0.1, expert_scale=3.0, sharpen=1.0)
+    hf = tiny_moe("mixtral", layers=LAYERS, gate_std=0.1, expert_scale=3.0, sharpen=1.0)
     mg = build(ffn=hf.config.intermediate_size, head_dim=hf.config.head_dim,
                rope_base=int(hf.config.rope_parameters["rope_theta"]), eps=hf.config.rms_norm_eps)
     mixtral_to_megatron(hf, mg)
