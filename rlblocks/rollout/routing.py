@@ -678,9 +678,10 @@ def replay_routing(model: nn.Module, routed_experts: Int[Tensor, "B L layers top
 
     - ``routed_experts``: any integer dtype; ``[B, L, layers, top_k]`` for an input ``[B, L]`` (e.g.
       :func:`pad_routing` for ``RolloutBatch.input_ids``), or ``[tokens, layers, top_k]`` for one row (``B = 1``).
-      ``layers`` is one entry per MoE layer, or one per decoder layer (vLLM's layout). A row of ``-1`` means no
-      record: that token keeps the live router's choice (padding, the last sampled token). Checked on entry (a
-      few host syncs): ids in ``[0, num_experts)`` or whole ``-1`` rows, no expert twice in a row.
+      ``layers`` is one entry per MoE layer, or one per decoder layer (vLLM's layout; also the one to use on a
+      megatron pipeline stage, whose routers know their global layer numbers). A row of ``-1`` means no record:
+      that token keeps the live router's choice (padding, the last sampled token). Checked on entry (a few host
+      syncs): ids in ``[0, num_experts)`` or whole ``-1`` rows, no expert twice in a row.
     - The gate weights are recomputed from the live router logits over the forced experts with the model's own
       rule (table in the module docstring), so gradients reach the router weights; forcing the experts the
       router picks anyway reproduces its gate weights bit for bit.
