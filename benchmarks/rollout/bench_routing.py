@@ -6,14 +6,17 @@
 Measures
 --------
 1. recording, per forward: one decode step ``[batch, 1]`` with and without a ``RoutingRecorder`` around it and a
-   ``take()`` after it (what an engine does every step), mean of 50 steps, median of ``--reps``;
+   ``take()`` after it (what an engine does every step), mean of 50 steps, median of ``--reps``; and the
+   recorder's own cost per step measured alone (entering and leaving the context, taking one step's rows);
 2. recording, end to end: TorchEngine output tokens/s at 1 and 8 concurrent requests, with and without a recorder
    around the engine's forwards (noisy on a shared machine: prefer 1. for the hooks' cost);
 3. replay: the wall time of a training forward + backward over ``[batch, seq]`` tokens, with and without
    ``replay_routing`` (the routing recorded by a plain forward); median of ``--reps``;
 4. record size: bytes per token of the compact record (uint8/uint16) against int64 indices.
 
-Ratios are printed as ``with / without``; both sides run interleaved in the same process.
+Ratios are printed as ``with / without``; both sides run interleaved in the same process. 1. and 3. time the CPU
+time of this process (``time.process_time``, one torch thread), which a shared machine disturbs less than wall
+time; 2. is wall time.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def engine_tokens_per_s(model, concurrency: int, new_tokens: int, record: bool) 
 
 
 def decode_step_seconds(model, ids, recorder) -> float:
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     with torch.inference_mode():
         for _ in range(50):
             if recorder is None:
@@ -70,18 +73,18 @@ def decode_step_seconds(model, ids, recorder) -> float:
                 with recorder:
                     model(ids)
                 recorder.take()
-    return (time.perf_counter() - t0) / 50
+    return (time.process_time() - t0) / 50
 
 
 def train_step_seconds(model, ids, routed) -> float:
     model.zero_grad(set_to_none=True)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     if routed is None:
         model(ids).logits.float().logsumexp(-1).mean().backward()
     else:
         with replay_routing(model, routed):
             model(ids).logits.float().logsumexp(-1).mean().backward()
-    return time.perf_counter() - t0
+    return time.process_time() - t0
 
 
 def main() -> None:
@@ -107,15 +110,31 @@ def main() -> None:
         for record in (False, True):
             times[record].append(decode_step_seconds(model, step, recorder if record else None))
     off, on = statistics.median(times[False]), statistics.median(times[True])
-    print(f"recording, one forward [{args.batch}, 1] + take(): {off * 1e3:.2f} ms without, {on * 1e3:.2f} ms with "
-          f"-> ratio {on / off:.3f}")
+    print(f"recording, one forward [{args.batch}, 1] + take(), CPU time: {off * 1e3:.2f} ms without, "
+          f"{on * 1e3:.2f} ms with -> ratio {on / off:.3f}")
+    per_layer = [torch.zeros(args.batch, args.top_k, dtype=torch.long) for _ in range(args.layers)]
+
+    def recorder_only() -> float:
+        t0 = time.process_time()
+        for _ in range(200):
+            with recorder:
+                pass
+            for rows, r in zip(recorder._records, per_layer):  # what the hooks append during one forward
+                rows.append(r)
+            recorder.take()
+        return (time.process_time() - t0) / 200
+
+    alone = statistics.median(recorder_only() for _ in range(args.reps))
+    print(f"recorder alone per step (enter + exit + take), CPU time: {alone * 1e6:.0f} us = "
+          f"{alone / off:.1%} of one forward")
     for conc in (1, 8):
         rates = {False: [], True: []}
         for _ in range(args.reps):
             for record in (False, True):
                 rates[record].append(engine_tokens_per_s(model, conc, args.new_tokens, record))
         off, on = statistics.median(rates[False]), statistics.median(rates[True])
-        print(f"recording, {conc} concurrent: {off:.0f} tokens/s without, {on:.0f} with -> ratio {on / off:.3f}")
+        print(f"recording, TorchEngine, {conc} concurrent (wall): {off:.0f} tokens/s without, {on:.0f} with "
+              f"-> ratio {on / off:.3f}")
 
     ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     recorder = RoutingRecorder(model)
@@ -129,8 +148,8 @@ def main() -> None:
         for replay in (False, True):
             times[replay].append(train_step_seconds(model, ids, routed if replay else None))
     off, on = statistics.median(times[False]), statistics.median(times[True])
-    print(f"replay, forward+backward [{args.batch}, {args.seq}]: {off * 1e3:.1f} ms without, {on * 1e3:.1f} ms "
-          f"with -> ratio {on / off:.3f}")
+    print(f"replay, forward+backward [{args.batch}, {args.seq}], CPU time: {off * 1e3:.1f} ms without, "
+          f"{on * 1e3:.1f} ms with -> ratio {on / off:.3f}")
     per_token = args.layers * args.top_k * torch.empty((), dtype=routing_dtype(args.experts)).element_size()
     print(f"record: {per_token} bytes/token ({routing_dtype(args.experts)}) vs {args.layers * args.top_k * 8} as int64")
 
