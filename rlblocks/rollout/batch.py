@@ -16,6 +16,8 @@ Layout (every tensor right-padded):
   - ``turn_ids``: the turn index of each token for multi-turn trajectories (``None`` for single-turn batches).
 
 - Per row: ``group_ids [B]`` (rows of one prompt share an id) and ``rewards [B]`` when given.
+- ``routed_experts [B, L, layers, top_k]`` (MoE routing replay, when the generations carry records): aligned with
+  ``input_ids``, ``-1`` where there is no record; pass it to ``rlblocks.rollout.routing.replay_routing``.
 
 With a causal LM, ``rlblocks.kernels.causal_lm_logprobs(model, batch.input_ids, batch.prompt_lens,
 batch.response_mask)`` gives the ``[B, T]`` trainer log-probs aligned with ``rollout_logp``.
@@ -33,6 +35,7 @@ from torch import Tensor
 
 from rlblocks.errors import ArgumentError
 
+from .routing import pad_routing
 from .types import Generation
 
 __all__ = ["RolloutBatch", "build_batch"]
@@ -53,6 +56,7 @@ class RolloutBatch:
     group_ids: Int[Tensor, " B"] | None = None
     rewards: Float[Tensor, " B"] | None = None
     turn_ids: Int[Tensor, "B T"] | None = None
+    routed_experts: Int[Tensor, "B L layers top_k"] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -158,6 +162,11 @@ def build_batch(
         rollout_logp[i, :k] = torch.tensor(g.output_logprobs[:k], dtype=torch.float32)
         versions[i, :k] = torch.tensor(g.output_versions[:k], dtype=torch.long)
 
+    records = [getattr(g, "routed_experts", None) for g in generations]
+    routed = None
+    if any(r is not None for r in records):  # positions beyond a row's kept tokens are not in the batch
+        kept = [None if r is None else r[: len(g.prompt_ids) + k] for r, g, k in zip(records, generations, lengths)]
+        routed = pad_routing(kept, seq_len=l_max)
     batch = RolloutBatch(
         input_ids=input_ids,
         attention_mask=attention,
@@ -169,5 +178,6 @@ def build_batch(
         versions=versions,
         group_ids=torch.tensor(gids if gids is not None else [0] * n, dtype=torch.long),
         rewards=None if rews is None else torch.tensor([float(r) for r in rews], dtype=torch.float32),
+        routed_experts=routed,
     )
     return batch if device is None else batch.to(device)

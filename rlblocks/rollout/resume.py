@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from rlblocks.errors import ArgumentError
 
+from .routing import concat_routing
 from .types import Generation, GenerationRequest, RolloutEngine
 
 __all__ = ["ResumableResult", "resumable_generate"]
@@ -95,6 +96,7 @@ async def resumable_generate(
     out_ids: list[int] = []
     out_lps: list[float] = []
     out_vers: list[int] = []
+    routing: list = []  # each call's routed_experts (from position 0); merged first-record-wins
     submissions = 0
     resubmitted = 0
     backoff = poll_interval
@@ -119,6 +121,8 @@ async def resumable_generate(
         out_ids += gen.output_ids
         out_lps += gen.output_logprobs
         out_vers += gen.output_versions
+        if gen.routed_experts is not None:
+            routing.append(gen.routed_experts)
         if gen.finish_reason != "abort":
             reason = gen.finish_reason
             break
@@ -141,4 +145,5 @@ async def resumable_generate(
         loss_mask=[not s for s in stale] if mask_stale else [True] * len(stale),
         num_submissions=submissions,
         resubmitted_tokens=resubmitted,
+        routed_experts=concat_routing(routing) if routing else None,
     )

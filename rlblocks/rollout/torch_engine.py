@@ -82,6 +82,7 @@ from rlblocks.errors import ArgumentError, EngineError
 
 from ._common import InFlightCount, Lifecycle, StatsView
 from ._weights import WeightLayout, check_version
+from .routing import RoutingRecorder
 from .types import Generation, GenerationRequest
 
 __all__ = ["EngineStats", "TorchEngine", "processed_logprobs"]
@@ -160,6 +161,7 @@ class _Seq:
     output_versions: list[int] = field(default_factory=list)
     kv: KV | None = None  # own KV of tokens[:n_cached] when not a row of the decode batch; [1, H, n_cached, D]
     n_cached: int = 0
+    routed: list[Tensor] = field(default_factory=list)  # record_routing: rows of the positions fed, in order
     done: bool = False
 
     @property
@@ -232,6 +234,9 @@ class TorchEngine:
         max_model_len: longest prompt + output (default ``config.max_position_embeddings``); a generation reaching
             it ends with ``"length"``.
         version: initial weight version.
+        record_routing: MoE models: record the experts each fed position was routed to
+            (``Generation.routed_experts``, see :mod:`rlblocks.rollout.routing`); kept with the prefix cache;
+            a re-prefill from position 0 (after a weight update) records every position again.
     """
 
     def __init__(
@@ -243,6 +248,7 @@ class TorchEngine:
         max_batch_size: int = 256,
         max_model_len: int | None = None,
         version: int = 0,
+        record_routing: bool = False,
     ) -> None:
         if max_batch_size < 1:
             raise ArgumentError(f"max_batch_size: expected >= 1, got {max_batch_size}")
@@ -268,9 +274,10 @@ class TorchEngine:
         self._stats = EngineStats()
         self._state = Lifecycle("TorchEngine")
         self._discarded: list[tuple[torch.nn.Parameter, torch.Size, torch.dtype]] = []  # level-2 sleep
+        self._routing = RoutingRecorder(model) if record_routing else None
         self._seqs: dict[str, _Seq] = {}  # every request in flight, in submission order
         self._batch: _Batch | None = None  # the decode batch (batched mode)
-        self._prefix: OrderedDict[tuple[int, ...], tuple[KV, int]] = OrderedDict()
+        self._prefix: OrderedDict[tuple[int, ...], tuple[KV, int, Tensor | None]] = OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._lock: asyncio.Lock | None = None
@@ -579,14 +586,15 @@ class TorchEngine:
         if not self._prefix:
             return
         best = None
-        for key, (_kv, ver) in self._prefix.items():
+        for key, (_kv, ver, _routed) in self._prefix.items():
             n = len(key)
             if ver == self._version and n < len(seq.tokens) and (best is None or n > len(best)):
                 if tuple(seq.tokens[:n]) == key:
                     best = key
         if best is not None:
-            kv, _ = self._prefix.pop(best)
+            kv, _, routed = self._prefix.pop(best)
             seq.kv, seq.n_cached = kv, len(best)
+            seq.routed = [] if routed is None else [routed]
             self._stats.prefix_cache_hits += 1
             self._stats.prefix_cache_reused_tokens += len(best)
 
@@ -594,7 +602,8 @@ class TorchEngine:
         if self.prefix_cache_size == 0 or kv is None or n_cached == 0:
             return
         key = tuple(seq.tokens[:n_cached])
-        self._prefix[key] = ([(k.clone(), v.clone()) for k, v in kv], self._version)  # own memory, not a batch view
+        routed = torch.cat(seq.routed)[:n_cached] if self._routing is not None and seq.routed else None
+        self._prefix[key] = ([(k.clone(), v.clone()) for k, v in kv], self._version, routed)  # own memory
         self._prefix.move_to_end(key)
         while len(self._prefix) > self.prefix_cache_size:
             self._prefix.popitem(last=False)
@@ -639,19 +648,34 @@ class TorchEngine:
                     seq.output_logprobs,
                     seq.output_versions,
                     finish_reason=reason,
+                    routed_experts=None if self._routing is None else self._routing_record(seq),
                 )
             )
+
+    def _routing_record(self, seq: _Seq) -> Tensor:
+        spec = self._routing.spec
+        return torch.cat(seq.routed) if seq.routed else torch.empty((0, spec.num_layers, spec.top_k), dtype=spec.dtype)
 
     def _drop_rows(self, batch: _Batch) -> _Batch | None:
         return self._select_rows(batch, [s for s in batch.seqs if not s.done])
 
     # ------------------------------------------------------------------ compute (worker thread)
-    def _forward(self, input_ids: Tensor, kv: KV | None, attention_mask: Tensor, position_ids: Tensor):
+    def _forward(
+        self, input_ids: Tensor, kv: KV | None, attention_mask: Tensor, position_ids: Tensor, seqs: list[_Seq],
+        restart: bool = False,
+    ):
         cache = _make_cache(kv)
         kwargs: dict[str, Any] = {self._cache_arg: cache, "use_cache": True}
         if self._supports_logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        with self._routing if self._routing is not None else contextlib.nullcontext():
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        if self._routing is not None:  # row b of this forward: the routing of seqs[b]'s fed positions
+            rows = self._routing.take().view(*input_ids.shape, self._routing.spec.num_layers, -1)
+            for b, seq in enumerate(seqs):
+                if restart:  # a prefill from position 0 (e.g. after a weight update) replaces the old rows
+                    seq.routed = []
+                seq.routed.append(rows[b])
         self._stats.forwards += 1
         # A Cache is updated in place by the forward: read the keys and values from the object we passed rather
         # than from the output, whose field is also being renamed (``past_key_values`` -> ``cache``).
@@ -678,7 +702,7 @@ class TorchEngine:
                 for layer in range(len(group[0].kv))
             ]
         self._stats.prefill_tokens += len(group) * m
-        return self._forward(ids, kv, mask, pos)
+        return self._forward(ids, kv, mask, pos, group, restart=n_cached == 0)
 
     def _compute_invariant(self, live: list[_Seq]) -> list[tuple[_Seq, int, float] | None]:
         """One forward per sequence, one token each: tokens[n_cached] is fed; sample if it was the last one."""
@@ -764,7 +788,7 @@ class TorchEngine:
                 mask[b, :p] = 0
         pos = torch.tensor([[width - p] for p in batch.pads], device=dev)
         self._stats.decode_tokens += n
-        return self._forward(ids, list(zip(batch.keys, batch.values)), mask, pos)
+        return self._forward(ids, list(zip(batch.keys, batch.values)), mask, pos, batch.seqs)
 
     def _sample(self, seqs: list[_Seq], logits: Float[Tensor, "B V"]) -> list[tuple[_Seq, int, float]]:
         """Pick one token per row (greedy argmax or inverse-CDF draw from the processed distribution)."""

@@ -114,6 +114,9 @@ class Generation:
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason = "length"
+    # MoE routing replay: uint8/uint16 [positions, MoE layers, top_k], row j = sequence position j of
+    # prompt_ids + output_ids (len(prompt) + len(output) - 1 rows once finished); see rlblocks.rollout.routing.
+    routed_experts: Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.output_ids)
@@ -124,6 +127,16 @@ class Generation:
             )
         if self.finish_reason not in FINISH_REASONS:
             raise ArgumentError(f"finish_reason: expected one of {FINISH_REASONS}, got {self.finish_reason!r}")
+        r = self.routed_experts
+        if r is not None and not (
+            isinstance(r, Tensor) and r.dim() == 3 and r.dtype in (torch.uint8, torch.uint16)
+            and r.shape[0] <= len(self.prompt_ids) + n
+        ):
+            got = list(r.shape) if isinstance(r, Tensor) else type(r).__name__
+            raise ArgumentError(
+                f"routed_experts: expected a uint8/uint16 tensor [<= {len(self.prompt_ids) + n}, layers, top_k], "
+                f"got {got}"
+            )
 
     @property
     def num_output_tokens(self) -> int:
