@@ -23,8 +23,6 @@ import triton.language as tl
 
 from rlblocks.kernels._common import interpret_mode
 
-NEG_INF = float("-inf")
-
 
 @triton.jit
 def dot_tile(
@@ -53,7 +51,7 @@ def max_shift(m, z):
     the factor ``exp(m_old − shift)`` that rescales sums taken relative to the old max."""
     m_new = tl.maximum(m, tl.max(z, axis=1))
     # Still −inf: nothing but masked entries so far. Shift by 0 instead, so no exponent sees −inf − (−inf).
-    m_use = tl.where(m_new == NEG_INF, 0.0, m_new)
+    m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
     return m_new, m_use, tl.exp(m - m_use)
 
 
@@ -76,7 +74,7 @@ def log_mix(lp, lq, log_beta, log_1mb):
     x = lp + log_beta
     y = lq + log_1mb
     mx = tl.maximum(x, y)
-    mx_use = tl.where(mx == NEG_INF, 0.0, mx)
+    mx_use = tl.where(mx == -float("inf"), 0.0, mx)
     return mx_use + tl.log(tl.exp(x - mx_use) + tl.exp(y - mx_use))
 
 
