@@ -2,8 +2,9 @@
 
 Run: ``.venv/bin/pytest benchmarks/kernels -q --benchmark-group-by=param:case,param:mode,param:entropy``.
 Each benchmark is one (provider, mode, entropy) at a small shape; ``extra_info`` records the nominal FLOPs
-(2·T·H·V forward, 6·T·H·V backward) and the max |logp − fp64 reference|. The sweep with p20/p50/p80, TF/s,
-memory and CSV/JSON output is ``python -m rlblocks.kernels.bench``.
+(``MODEL_FLOPS``: 2·T·H·V forward, 4·T·H·V backward, 6·T·H·V both) and the max error against float64 (of logp,
+or of the loss for the fused providers). The sweep with p20/p50/p80, TF/s, memory and CSV/JSON output is
+``python -m rlblocks.kernels.bench``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlblocks.kernels.bench import FLOP_FACTOR, IGNORE, Skip, _loss, _naive, make_provider
+from rlblocks.kernels.bench import IGNORE, MODEL_FLOPS, PROVIDER_MODES, Skip, _loss, _naive, make_provider
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
@@ -37,30 +38,33 @@ def _sync():
 
 @pytest.mark.parametrize("entropy", [False, True])
 @pytest.mark.parametrize("mode", ["fwd", "full", "nograd", "bwd"])
-@pytest.mark.parametrize("provider", ["naive", "compiled_chunked", "liger", "rlblocks"])
+@pytest.mark.parametrize("provider", ["naive", "compiled_chunked", "liger", "liger_sum", "rlblocks",
+                                      "rlblocks_fused"])
 def test_linear_logprobs(benchmark, case, provider, mode, entropy):
     name, h, w, y, c = case
     t, hd, v = CASES[name]
+    if mode not in PROVIDER_MODES.get(provider, (mode,)):
+        pytest.skip(f"{provider}: the gradient is formed in the forward; mode {mode} does not apply")
     try:
         fn = make_provider(provider, 0.7, entropy, DEVICE, v)
     except Skip as e:
         pytest.skip(str(e))
 
     def fwd():
-        return fn(h, w, y)
+        return fn(h, w, y, c, c)
 
     def full():
-        _loss(*fn(h, w, y), c, c).backward()
+        _loss(provider, *fn(h, w, y, c, c), c, c).backward()
         _sync()
 
     def nograd():
         with torch.no_grad():
-            fn(h, w, y)
+            fn(h, w, y, c, c)
         _sync()
 
     def bwd_setup():
         h.grad = w.grad = None
-        return (_loss(*fn(h, w, y), c, c),), {}
+        return (_loss(provider, *fn(h, w, y, c, c), c, c),), {}
 
     def bwd(loss):
         loss.backward()
@@ -73,10 +77,15 @@ def test_linear_logprobs(benchmark, case, provider, mode, entropy):
         run = {"fwd": fwd, "full": full, "nograd": nograd}[mode]
         benchmark.pedantic(run, rounds=10, iterations=1, warmup_rounds=1)
     with torch.no_grad():
-        lp = fn(h, w, y)[0]
-        ref = _naive(h.double(), w.double(), y, 0.7, False)[0]
-    err = float((lp.double() - ref).abs().max())
+        ref_lp = _naive(h.double(), w.double(), y, 0.7, False)[0]
+        if provider in ("liger_sum", "rlblocks_fused"):  # their output is the loss
+            cc = -torch.ones_like(c) if provider == "liger_sum" else c
+            got = fn(h, w, y, cc, torch.zeros_like(c))[0].reshape(1)
+            ref = (ref_lp * cc.double()).sum().reshape(1)
+        else:
+            got, ref = fn(h, w, y, c, c)[0], ref_lp
+    err = float((got.double() - ref).abs().max())
     benchmark.extra_info.update(
-        {"T": t, "H": hd, "V": v, "flops": FLOP_FACTOR[mode] * t * hd * v, "max_err_logp_vs_fp64": err}
+        {"T": t, "H": hd, "V": v, "flops": MODEL_FLOPS[mode] * t * hd * v, "max_err_vs_fp64": err}
     )
     assert err < (1e-4 if DTYPE == torch.float32 else 5e-2)

@@ -10,6 +10,11 @@ autograd.Function, its chunked torch path and the public wrapper):
 - ``vocab_kl(student_logits, teacher_logits, kind=...)``: per-token forward / reverse KL or JSD over the vocabulary.
 - ``linear_vocab_kl(student_hidden, student_weight, teacher_hidden, teacher_weight, ...)``: the same from hidden
   states without materialising either logits tensor.
+- ``causal_lm_logprobs(model, input_ids, prompt_lens, response_mask, ...)`` (``hf.py``): per-token log-probs of an
+  HF causal LM aligned with ``rlblocks.rollout.RolloutBatch``, through ``linear_token_logprobs``.
+
+Shared pieces: ``_common.py`` (host-side checks, chunk sizes, merging partial softmax stats, the backward's
+vocab-chunk loop) and ``_tiles.py`` (Triton tile helpers and autotune configs).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ _LAZY = {
     "linear_token_logprobs": ".linear_logprobs",
     "vocab_kl": ".kl",
     "linear_vocab_kl": ".linear_kl",
+    "causal_lm_logprobs": ".hf",
 }
 
 __all__ = list(_LAZY)

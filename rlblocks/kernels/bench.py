@@ -6,34 +6,44 @@ Providers (all compute per-token ``logp`` and optionally the entropy of ``softma
 - ``compiled_chunked``: the same math on row chunks, each chunk ``torch.compile``d and wrapped in activation
   checkpointing so the backward recomputes it (the best plain-PyTorch answer).
 - ``liger``: liger-kernel's ``LigerFusedLinearCrossEntropyFunction`` with ``reduction="none"`` (``logp = −CE``,
-  temperature folded into the hidden states); no entropy, CUDA only (its kernels are Triton GPU kernels).
+  temperature folded into the hidden states; liger >= 0.8.2: older versions give wrong gradients with "none"). It
+  defers the gradient to the backward and recomputes the logits there. No entropy; CUDA only.
+- ``liger_sum``: the same with ``reduction="sum"``, where liger forms the gradient in the forward (one pass over
+  the logits, 6·N·H·V executed FLOPs); the loss is ``−Σ logp`` (coefficient 1 per token). Mode ``full`` only.
 - ``rlblocks``: ``rlblocks.kernels.linear_token_logprobs`` (Triton on CUDA, chunked torch on CPU).
+- ``rlblocks_fused``: ``rlblocks.kernels.linear_token_logprobs_loss`` with the per-token coefficients known up front:
+  the logits gradient is formed in the forward (6·N·H·V). Modes ``full`` and ``nograd``.
 
 Modes: ``fwd`` (forward with autograd recording), ``bwd`` (backward only; forward run untimed first), ``full``
 (forward + backward), ``nograd`` (forward under ``torch.no_grad``: the old/ref log-prob case).
 
 Reported per row: p20/p50/p80 wall time over ``--samples`` samples interleaved across providers (provider order
-rotates per sample); TF/s with the FLOP convention ``fwd = nograd = 2·T·H·V``, ``bwd = 6·T·H·V`` (recompute +
-two gradient GEMMs), ``full = 8·T·H·V`` — the same nominal count for every provider, so TF/s is comparable
-effective throughput; % of peak (CUDA: ``--peak-tflops``, default 989.4 = H100/H200 dense bf16; CPU: the best
-fp32 GEMM rate measured in the same run, since a CPU has no published bf16 peak); peak memory above the inputs
-(CUDA: ``torch.cuda.max_memory_allocated``; CPU: the peak of the running sum of the torch allocator's
-alloc/free events recorded by ``torch.profiler(profile_memory=True)`` — memory that MKL/oneDNN allocate
-internally is not seen); max abs error against a float64 reference computed in row chunks (logp, entropy,
-grad hidden, grad weight). CSV and JSON (with machine and versions) go to ``--out``.
+rotates per sample); TF/s against the model FLOP count ``fwd = nograd = 2·N·H·V``, ``bwd = 4·N·H·V``,
+``full = 6·N·H·V`` (the same for every provider), and % of peak from it (CUDA: ``--peak-tflops``, default 989.4 =
+H100/H200 dense bf16; CPU: the best fp32 GEMM rate measured in the same run); a second TF/s against the FLOPs the
+provider actually executes (a recomputing backward executes 6·N·H·V, so ``full`` is 8·N·H·V for ``rlblocks``,
+``liger`` and ``compiled_chunked``); peak memory above the inputs, in MiB and as a multiple of the bf16 logits
+``N·V·2`` bytes (CUDA: ``torch.cuda.max_memory_allocated``; CPU: the peak of the running sum of the torch
+allocator's alloc/free events recorded by ``torch.profiler(profile_memory=True)`` — memory that MKL/oneDNN allocate
+internally is not seen); max abs error against a float64 reference (logp, entropy, grad hidden, grad weight) on
+the first ``--err-rows`` rows (a sub-batch run through the same provider). Rows are appended to
+``--out/kernels_<suite>.csv`` as they are measured; the JSON with machine and versions is written at the end, and
+the last lines printed are a summary table (also: ``--table-from FILE.csv``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
+import math
 import os
 import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -41,10 +51,22 @@ from torch import Tensor
 
 from rlblocks.errors import ArgumentError
 
-PROVIDERS = ("naive", "compiled_chunked", "liger", "rlblocks")
+PROVIDERS = ("naive", "compiled_chunked", "liger", "liger_sum", "rlblocks", "rlblocks_fused")
 MODES = ("fwd", "bwd", "full", "nograd")
-FLOP_FACTOR = {"fwd": 2, "nograd": 2, "bwd": 6, "full": 8}
+MODEL_FLOPS = {"fwd": 2, "nograd": 2, "bwd": 4, "full": 6}  # × N·H·V: what the math needs, once
+# × N·H·V actually executed: a recomputing backward redoes the logits GEMM; a forward that forms the gradient does
+# all three GEMMs up front.
+EXECUTED_FLOPS = {
+    "naive": {"fwd": 2, "nograd": 2, "bwd": 4, "full": 6},
+    "compiled_chunked": {"fwd": 2, "nograd": 2, "bwd": 6, "full": 8},
+    "liger": {"fwd": 2, "nograd": 2, "bwd": 6, "full": 8},
+    "liger_sum": {"full": 6},
+    "rlblocks": {"fwd": 2, "nograd": 2, "bwd": 6, "full": 8},
+    "rlblocks_fused": {"full": 6, "nograd": 2},
+}
+PROVIDER_MODES = {"liger_sum": ("full",), "rlblocks_fused": ("full", "nograd")}
 IGNORE = -100
+PEAK_BF16 = 989.4
 
 
 @dataclass
@@ -58,25 +80,33 @@ class Case:
     providers: tuple[str, ...] = PROVIDERS
 
 
+_GPU_P = ("naive", "liger", "liger_sum", "rlblocks", "rlblocks_fused")
 SUITES: dict[str, list[Case]] = {
     # scaled-down CPU set: finishes in a few minutes on 2 cores
-    "cpu": [Case(256, 128, 8192), Case(512, 64, 16384)],
-    # the CPU performance goal of the issue: fwd+bwd, fp32
-    "goal": [Case(4096, 512, 32768, modes=("full",), entropy=(False,), providers=("naive", "rlblocks"))],
-    # one H200 in a few minutes (gpu_check.sh); real vocabularies and hidden sizes
-    "gpu": [
-        Case(8192, 4096, 131072, "bfloat16"),
-        Case(4096, 896, 151936, "bfloat16", modes=("full", "nograd"), providers=("naive", "liger", "rlblocks")),
-        Case(2048, 8192, 128256, "bfloat16", modes=("full", "nograd"), providers=("naive", "liger", "rlblocks")),
-        Case(16384, 4096, 32000, "bfloat16", modes=("full",), providers=("naive", "liger", "rlblocks")),
+    "cpu": [Case(256, 128, 8192, providers=("naive", "compiled_chunked", "rlblocks", "rlblocks_fused")),
+            Case(512, 64, 16384, providers=("naive", "compiled_chunked", "rlblocks", "rlblocks_fused"))],
+    # the CPU goal case: fwd+bwd, fp32
+    "goal": [Case(4096, 512, 32768, modes=("full",), entropy=(False,), providers=("naive", "rlblocks",
+                                                                                   "rlblocks_fused"))],
+    # the H200 goal case, run first by gpu_check.sh: forward and full
+    "gpu-goal": [Case(8192, 4096, 131072, "bfloat16", modes=("fwd", "full"), entropy=(False,), providers=_GPU_P)],
+    # the rest of the one-H200 check: no-grad and entropy at the goal shape, then other real vocabularies
+    "gpu-more": [
+        Case(8192, 4096, 131072, "bfloat16", modes=("nograd", "full"), entropy=(True,),
+             providers=("naive", "rlblocks", "rlblocks_fused")),
+        Case(4096, 896, 151936, "bfloat16", modes=("full", "nograd"), entropy=(False,), providers=_GPU_P),
+        Case(16384, 4096, 32000, "bfloat16", modes=("full",), entropy=(False,), providers=_GPU_P),
+        Case(2048, 8192, 128256, "bfloat16", modes=("full",), entropy=(False,), providers=_GPU_P),
     ],
-    # the full sweep of the issue (GPU; long)
+    # the full sweep (GPU; long)
     "gpu-full": [
         Case(t, h, v, "bfloat16")
         for v in (32000, 128256, 151936)
         for h in (896, 4096, 8192)
         for t in (1024, 8192, 32768)
     ],
+    # seconds on CPU: every provider and mode once, to check that the script itself runs (gpu_check.sh --validate)
+    "validate": [Case(48, 32, 320, providers=("naive", "liger", "liger_sum", "rlblocks", "rlblocks_fused"))],
 }
 
 
@@ -102,7 +132,7 @@ def _make_compiled_chunked(temperature: float, entropy: bool, chunk_rows: int):
 
     chunk_fn = torch.compile(lambda hc, w, yc: _naive(hc, w, yc, temperature, entropy), dynamic=False)
 
-    def run(h, w, y):
+    def run(h, w, y, c1=None, c2=None):
         lps, ents = [], []
         for r0 in range(0, h.shape[0], chunk_rows):
             args = (h[r0 : r0 + chunk_rows], w, y[r0 : r0 + chunk_rows])
@@ -117,42 +147,77 @@ def _make_compiled_chunked(temperature: float, entropy: bool, chunk_rows: int):
     return run
 
 
-def _make_liger(temperature: float, entropy: bool, device: torch.device):
+def _make_liger(temperature: float, entropy: bool, device: torch.device, reduction: str):
     if entropy:
         raise Skip("liger: fused linear cross-entropy has no entropy output")
     if device.type != "cuda":
         raise Skip("liger: its fused linear cross-entropy runs Triton GPU kernels; no CUDA device here")
     try:
+        from importlib import metadata
+
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+        version = metadata.version("liger-kernel")
     except Exception as e:
         raise Skip(f"liger: import failed ({type(e).__name__}: {e})") from e
+    parts = tuple(int(x) for x in version.split(".")[:3] if x.isdigit())
+    if reduction == "none" and parts < (0, 8, 2):
+        raise Skip(f"liger: {version} < 0.8.2 computes wrong gradients with reduction='none'")
 
-    def run(h, w, y):
-        out = LigerFusedLinearCrossEntropyFunction.apply(h / temperature, w, y, None, None, IGNORE, 0.0, 0.0, "none")
+    def run(h, w, y, c1=None, c2=None):
+        out = LigerFusedLinearCrossEntropyFunction.apply(h / temperature, w, y, None, None, IGNORE, 0.0, 0.0,
+                                                         reduction)  # fmt: skip
         loss = out[0] if isinstance(out, tuple) else out
+        if reduction == "sum":
+            return loss.float(), None  # −Σ logp: the loss itself
         return -loss.float(), None
 
     return run
 
 
 def make_provider(name: str, temperature: float, entropy: bool, device: torch.device, V: int) -> Callable:
+    """``run(h, w, y, c1, c2) -> (out, ent)``: ``out`` is logp per token, except for the fused providers, whose
+    ``out`` is the scalar loss ``Σ c1·logp + Σ c2·entropy`` (``liger_sum``: ``−Σ logp``)."""
     if name == "naive":
-        return lambda h, w, y: _naive(h, w, y, temperature, entropy)
+        return lambda h, w, y, c1=None, c2=None: _naive(h, w, y, temperature, entropy)
     if name == "compiled_chunked":
+        if device.type == "cpu" and not _has_cpp_compiler():
+            raise Skip("compiled_chunked: torch.compile on CPU needs a C++ compiler")
         from rlblocks.kernels._common import rows_per_chunk
 
         return _make_compiled_chunked(temperature, entropy, rows_per_chunk(V))
     if name == "liger":
-        return _make_liger(temperature, entropy, device)
+        return _make_liger(temperature, entropy, device, "none")
+    if name == "liger_sum":
+        return _make_liger(temperature, entropy, device, "sum")
     if name == "rlblocks":
         from rlblocks.kernels import linear_token_logprobs
 
-        def run(h, w, y):
+        def run(h, w, y, c1=None, c2=None):
             out = linear_token_logprobs(h, w, y, temperature=temperature, return_entropy=entropy)
             return (out[0], out[1]) if entropy else (out, None)
 
         return run
+    if name == "rlblocks_fused":
+        from rlblocks.kernels import linear_token_logprobs_loss
+
+        def run(h, w, y, c1, c2):
+            res = linear_token_logprobs_loss(h, w, y, c1, entropy_coef=c2 if entropy else None,
+                                             temperature=temperature)  # fmt: skip
+            return res.loss, None
+
+        return run
     raise ArgumentError(f"provider: unknown {name!r}")
+
+
+def _has_cpp_compiler() -> bool:
+    import shutil
+
+    return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+
+
+def _is_fused(name: str) -> bool:
+    return name in ("liger_sum", "rlblocks_fused")
 
 
 # ------------------------------------------------------------------------------------------------------ measuring
@@ -161,12 +226,14 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _loss(lp, ent, c1, c2):
-    loss = (lp * c1).sum()
+def _loss(name, out, ent, c1, c2):
+    if _is_fused(name):
+        return out
+    loss = (out * c1).sum()
     return loss + (ent * c2).sum() if ent is not None else loss
 
 
-def _once(fn, mode, h, w, y, c1, c2) -> float:
+def _once(name, fn, mode, h, w, y, c1, c2) -> float:
     """Run one sample of ``mode``; return its wall time in seconds (only the timed part)."""
     device = h.device
     h.grad = None
@@ -175,11 +242,11 @@ def _once(fn, mode, h, w, y, c1, c2) -> float:
         _sync(device)
         t0 = time.perf_counter()
         with torch.no_grad():
-            fn(h, w, y)
+            fn(h, w, y, c1, c2)
         _sync(device)
         return time.perf_counter() - t0
     if mode == "bwd":
-        loss = _loss(*fn(h, w, y), c1, c2)
+        loss = _loss(name, *fn(h, w, y, c1, c2), c1, c2)
         _sync(device)
         t0 = time.perf_counter()
         loss.backward()
@@ -187,17 +254,37 @@ def _once(fn, mode, h, w, y, c1, c2) -> float:
         return time.perf_counter() - t0
     _sync(device)
     t0 = time.perf_counter()
-    out = fn(h, w, y)
+    out = fn(h, w, y, c1, c2)
     if mode == "full":
-        _loss(*out, c1, c2).backward()
+        _loss(name, *out, c1, c2).backward()
     _sync(device)
     return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def _quiet_fds():
+    """Silence fds 1 and 2 (the profiler's C++ side prints ``USDT ... profiler_start`` lines there)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, null):
+            os.close(fd)
 
 
 def _cpu_peak_bytes(run: Callable[[], Any]) -> int:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_fds(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     events.sort(key=lambda e: e.start_ns())
@@ -208,8 +295,8 @@ def _cpu_peak_bytes(run: Callable[[], Any]) -> int:
     return peak
 
 
-def _peak_mem(fn, mode, h, w, y, c1, c2) -> tuple[float, str]:
-    """Peak bytes above what is live before the mode's work starts (inputs only; for bwd: incl. its forward)."""
+def _peak_mem(name, fn, mode, h, w, y, c1, c2) -> float:
+    """Peak MiB above what is live before the mode's work starts (inputs only; for bwd: incl. its forward)."""
     device = h.device
     h.grad = None
     w.grad = None
@@ -217,11 +304,11 @@ def _peak_mem(fn, mode, h, w, y, c1, c2) -> tuple[float, str]:
     def run():
         if mode == "nograd":
             with torch.no_grad():
-                fn(h, w, y)
+                fn(h, w, y, c1, c2)
         elif mode == "fwd":
-            fn(h, w, y)
+            fn(h, w, y, c1, c2)
         else:
-            _loss(*fn(h, w, y), c1, c2).backward()
+            _loss(name, *fn(h, w, y, c1, c2), c1, c2).backward()
 
     if device.type == "cuda":
         _sync(device)
@@ -229,21 +316,29 @@ def _peak_mem(fn, mode, h, w, y, c1, c2) -> tuple[float, str]:
         base = torch.cuda.memory_allocated(device)
         run()
         _sync(device)
-        return (torch.cuda.max_memory_allocated(device) - base) / 2**20, "torch.cuda.max_memory_allocated"
-    return _cpu_peak_bytes(run) / 2**20, "torch.profiler allocator events (CPU)"
+        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    return _cpu_peak_bytes(run) / 2**20
 
 
-def _reference(h, w, y, c1, c2, temperature, entropy, chunk=512):
-    """float64 logp / entropy / grads, materialising the logits of ``chunk`` rows at a time (plain autograd)."""
+def _coefs(name, c1, c2):
+    """The per-token coefficients a provider's loss uses (``liger_sum``: −1 per token, i.e. loss = Σ CE)."""
+    if name == "liger_sum":
+        return -torch.ones_like(c1), torch.zeros_like(c2)
+    return c1, c2
+
+
+def _reference(h, w, y, c1, c2, temperature, entropy, chunk=256):
+    """float64 logp / entropy / grads of ``Σ c1·logp + Σ c2·entropy``, materialising ``chunk`` rows of logits at a
+    time (plain autograd)."""
     w64 = w.detach().double().requires_grad_()
     lps, ents, ghs = [], [], []
     for r0 in range(0, h.shape[0], chunk):
         hc = h.detach()[r0 : r0 + chunk].double().requires_grad_()
         lp, ent = _naive(hc, w64, y[r0 : r0 + chunk], temperature, entropy)
-        lp = lp.double() if lp.dtype != torch.float64 else lp
-        cc1 = c1[r0 : r0 + chunk].double()
-        cc2 = c2[r0 : r0 + chunk].double()
-        _loss(lp, ent, cc1, cc2).backward()
+        loss = (lp * c1[r0 : r0 + chunk].double()).sum()
+        if ent is not None:
+            loss = loss + (ent * c2[r0 : r0 + chunk].double()).sum()
+        loss.backward()
         lps.append(lp.detach())
         ents.append(ent.detach() if ent is not None else None)
         ghs.append(hc.grad)
@@ -255,21 +350,28 @@ def _reference(h, w, y, c1, c2, temperature, entropy, chunk=512):
     }
 
 
-def _errors(fn, h, w, y, c1, c2, ref) -> dict[str, float]:
-    h.grad = None
-    w.grad = None
-    lp, ent = fn(h, w, y)
-    _loss(lp, ent, c1, c2).backward()
+def _errors(name, fn, h, w, y, c1, c2, temperature, entropy) -> dict[str, float]:
+    """Max abs errors of one run of the provider on ``(h, w, y)`` against the float64 reference."""
+    c1, c2 = _coefs(name, c1, c2)
+    ref = _reference(h, w, y, c1, c2, temperature, entropy)
+    hh = h.detach().clone().requires_grad_()
+    ww = w.detach().clone().requires_grad_()
+    out, ent = fn(hh, ww, y, c1, c2)
+    _loss(name, out, ent, c1, c2).backward()
 
     def err(a, b):
         return float((a.double() - b.to(a.device)).abs().max()) if a is not None and b is not None else float("nan")
 
-    return {
-        "err_logp": err(lp.detach(), ref["logp"]),
-        "err_entropy": err(ent.detach() if ent is not None else None, ref["entropy"]),
-        "err_grad_hidden": err(h.grad, ref["grad_hidden"]),
-        "err_grad_weight": err(w.grad, ref["grad_weight"]),
-    }
+    res = {"err_grad_hidden": err(hh.grad, ref["grad_hidden"]), "err_grad_weight": err(ww.grad, ref["grad_weight"])}
+    if _is_fused(name):
+        want = (ref["logp"] * c1.double()).sum()
+        if ent is None and entropy and ref["entropy"] is not None:
+            want = want + (ref["entropy"] * c2.double()).sum()
+        res["err_loss"] = err(out.detach().reshape(1), want.reshape(1))
+    else:
+        res["err_logp"] = err(out.detach(), ref["logp"])
+        res["err_entropy"] = err(ent.detach() if ent is not None else None, ref["entropy"])
+    return res
 
 
 def _gemm_peak_tflops(device, dtype) -> float:
@@ -333,8 +435,23 @@ class Row:
     p80_ms: float = float("nan")
     tflops_p50: float = float("nan")
     pct_peak: float = float("nan")
+    executed_nhv: float = float("nan")
+    tflops_executed: float = float("nan")
     peak_mem_mb: float = float("nan")
+    mem_vs_bf16_logits: float = float("nan")
+    err_rows: int = 0
     errors: dict[str, float] = field(default_factory=dict)
+
+
+ERR_KEYS = ("err_logp", "err_entropy", "err_loss", "err_grad_hidden", "err_grad_weight")
+CSV_FIELDS = [f.name for f in fields(Row) if f.name != "errors"] + list(ERR_KEYS)
+
+
+def _flat(r: Row) -> dict[str, Any]:
+    d = {k: v for k, v in r.__dict__.items() if k != "errors"}
+    for k in ERR_KEYS:
+        d[k] = r.errors.get(k, float("nan"))
+    return d
 
 
 def _pct(xs, q):
@@ -342,62 +459,126 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-def run_case(suite, case: Case, device, samples, temperature, peak_tflops, log) -> list[Row]:
-    dtype = getattr(torch, case.dtype)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    h = torch.randn(case.T, case.H, generator=g).to(device=device, dtype=dtype).requires_grad_()
-    w = (torch.randn(case.V, case.H, generator=g) / case.H**0.5 * 2).to(device=device, dtype=dtype).requires_grad_()
-    y = torch.randint(0, case.V, (case.T,), generator=g)
-    y[torch.rand(case.T, generator=g) < 0.2] = IGNORE
-    y = y.to(device)
-    c1 = torch.randn(case.T, generator=g).to(device) / case.T
-    c2 = torch.randn(case.T, generator=g).to(device) / case.T
-    rows: list[Row] = []
-    for entropy in case.entropy:
-        ref = None
-        if case.T * case.V <= 2**31:
-            ref = _reference(h, w, y, c1, c2, temperature, entropy)
-        fns: dict[str, Callable] = {}
-        for name in case.providers:
-            try:
-                fns[name] = make_provider(name, temperature, entropy, device, case.V)
-            except Skip as e:
-                log(f"  skip {name}: {e}")
-                for mode in case.modes:
-                    rows.append(Row(suite, name, case.T, case.H, case.V, case.dtype, mode, entropy, temperature,
-                                    status=f"skipped: {e}"))
-        errs: dict[str, dict[str, float]] = {}
-        for name, fn in list(fns.items()):
-            try:
-                for _ in range(2):  # warm-up (compilation, autotuning)
-                    _once(fn, "full", h, w, y, c1, c2)
-                    _once(fn, "nograd", h, w, y, c1, c2)
-                errs[name] = _errors(fn, h, w, y, c1, c2, ref) if ref is not None else {}
-            except Exception as e:
-                log(f"  skip {name}: failed on this machine ({type(e).__name__}: {str(e)[:200]})")
-                del fns[name]
-                for mode in case.modes:
-                    rows.append(Row(suite, name, case.T, case.H, case.V, case.dtype, mode, entropy, temperature,
-                                    status=f"skipped: failed ({type(e).__name__})"))
-        for mode in case.modes:
-            times: dict[str, list[float]] = {n: [] for n in fns}
-            names = list(fns)
-            for i in range(samples):
-                k = i % len(names) if names else 0
-                for name in names[k:] + names[:k]:  # rotate the order: no provider always runs first
-                    times[name].append(_once(fns[name], mode, h, w, y, c1, c2))
-            flops = FLOP_FACTOR[mode] * case.T * case.H * case.V
-            for name in names:
-                mem, _method = _peak_mem(fns[name], mode, h, w, y, c1, c2)
-                ts = times[name]
-                p50 = _pct(ts, 0.5)
-                row = Row(suite, name, case.T, case.H, case.V, case.dtype, mode, entropy, temperature,
-                          samples=len(ts), p20_ms=_pct(ts, 0.2) * 1e3, p50_ms=p50 * 1e3, p80_ms=_pct(ts, 0.8) * 1e3,
-                          tflops_p50=flops / p50 / 1e12, peak_mem_mb=mem, errors=errs.get(name, {}))
-                row.pct_peak = 100 * row.tflops_p50 / peak_tflops
-                rows.append(row)
-            _print_mode(rows, case, mode, entropy, log)
-    return rows
+class Sweep:
+    """Runs cases; every finished row is appended to the CSV at once (a later crash or timeout loses nothing)."""
+
+    def __init__(self, suite, out_dir, device, samples, temperature, peak, err_rows, deadline, log):
+        self.suite, self.device, self.samples, self.temperature = suite, device, samples, temperature
+        self.peak, self.err_rows, self.deadline, self.log = peak, err_rows, deadline, log
+        os.makedirs(out_dir, exist_ok=True)
+        self.csv_path = os.path.join(out_dir, f"kernels_{suite}.csv")
+        with open(self.csv_path, "w", newline="") as f:
+            csv.DictWriter(f, fieldnames=CSV_FIELDS).writeheader()
+        self.rows: list[Row] = []
+
+    def emit(self, rows: list[Row]) -> None:
+        self.rows.extend(rows)
+        with open(self.csv_path, "a", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+            for r in rows:
+                wr.writerow(_flat(r))
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+    def run_case(self, case: Case) -> None:
+        dev = self.device
+        dtype = getattr(torch, case.dtype)
+        g = torch.Generator(device="cpu").manual_seed(0)
+        h = torch.randn(case.T, case.H, generator=g).to(device=dev, dtype=dtype).requires_grad_()
+        w = (torch.randn(case.V, case.H, generator=g) / case.H**0.5 * 2).to(device=dev, dtype=dtype).requires_grad_()
+        y = torch.randint(0, case.V, (case.T,), generator=g)
+        y[torch.rand(case.T, generator=g) < 0.2] = IGNORE
+        y = y.to(dev)
+        c1 = (torch.randn(case.T, generator=g) / case.T).to(dev)
+        c2 = (torch.randn(case.T, generator=g) / case.T).to(dev)
+        n_err = min(case.T, self.err_rows)
+        bf16_logits_mb = case.T * case.V * 2 / 2**20
+
+        def row(name, mode, entropy, **kw):
+            return Row(self.suite, name, case.T, case.H, case.V, case.dtype, mode, entropy, self.temperature, **kw)
+
+        for entropy in case.entropy:
+            fns: dict[str, Callable] = {}
+            pending: list[Row] = []
+            for name in case.providers:
+                try:
+                    fns[name] = make_provider(name, self.temperature, entropy, dev, case.V)
+                except Skip as e:
+                    self.log(f"  skip {name}: {e}")
+                    pending += [row(name, m, entropy, status=f"skipped: {e}") for m in case.modes]
+                except Exception as e:  # a provider that cannot even be built must not stop the others
+                    self.log(f"  skip {name}: failed to build ({type(e).__name__}: {str(e)[:200]})")
+                    pending += [row(name, m, entropy, status=f"failed: {type(e).__name__}: {str(e)[:120]}")
+                                for m in case.modes]  # fmt: skip
+            errs: dict[str, dict[str, float]] = {}
+            for name, fn in list(fns.items()):
+                if self.out_of_time():
+                    break
+                try:
+                    for _ in range(2):  # warm-up (compilation, autotuning)
+                        for mode in ("full", "nograd"):
+                            if mode in PROVIDER_MODES.get(name, MODES):
+                                _once(name, fn, mode, h, w, y, c1, c2)
+                    errs[name] = _errors(name, fn, h[:n_err], w, y[:n_err], c1[:n_err], c2[:n_err],
+                                         self.temperature, entropy)  # fmt: skip
+                except Exception as e:  # one provider failing must not stop the others
+                    self.log(f"  skip {name}: failed on this machine ({type(e).__name__}: {str(e)[:300]})")
+                    del fns[name]
+                    pending += [row(name, m, entropy, status=f"failed: {type(e).__name__}: {str(e)[:120]}")
+                                for m in case.modes]  # fmt: skip
+                    _free(dev)
+            if pending:
+                self.emit(pending)
+            for mode in case.modes:
+                names = [n for n in fns if mode in PROVIDER_MODES.get(n, MODES)]
+                rows = [row(n, mode, entropy, status="n/a: the gradient is formed in the forward")
+                        for n in fns if n not in names]  # fmt: skip
+                if self.out_of_time():
+                    self.emit(rows + [row(n, mode, entropy, status="skipped: time budget") for n in names])
+                    continue
+                times: dict[str, list[float]] = {n: [] for n in names}
+                failed: dict[str, str] = {}
+                for i in range(self.samples):
+                    k = i % len(names) if names else 0
+                    for name in names[k:] + names[:k]:  # rotate the order: no provider always runs first
+                        if name in failed:
+                            continue
+                        try:
+                            times[name].append(_once(name, fns[name], mode, h, w, y, c1, c2))
+                        except Exception as e:
+                            failed[name] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+                            _free(dev)
+                for name in names:
+                    if name in failed or not times[name]:
+                        rows.append(row(name, mode, entropy, status=failed.get(name, "failed: no sample")))
+                        continue
+                    try:
+                        mem = _peak_mem(name, fns[name], mode, h, w, y, c1, c2)
+                    except Exception as e:
+                        self.log(f"  {name}: memory measurement failed ({type(e).__name__})")
+                        mem = float("nan")
+                        _free(dev)
+                    ts = times[name]
+                    p50 = _pct(ts, 0.5)
+                    nhv = case.T * case.H * case.V
+                    ex = EXECUTED_FLOPS[name].get(mode, float("nan"))
+                    r = row(name, mode, entropy, samples=len(ts), p20_ms=_pct(ts, 0.2) * 1e3, p50_ms=p50 * 1e3,
+                            p80_ms=_pct(ts, 0.8) * 1e3, tflops_p50=MODEL_FLOPS[mode] * nhv / p50 / 1e12,
+                            executed_nhv=ex, tflops_executed=ex * nhv / p50 / 1e12, peak_mem_mb=mem,
+                            mem_vs_bf16_logits=mem / bf16_logits_mb, err_rows=n_err, errors=errs.get(name, {}))
+                    r.pct_peak = 100 * r.tflops_p50 / self.peak
+                    rows.append(r)
+                self.emit(rows)
+                _print_mode(self.rows, case, mode, entropy, self.log)
+
+
+def _free(device):
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _print_mode(rows, case, mode, entropy, log):
@@ -411,42 +592,67 @@ def _print_mode(rows, case, mode, entropy, log):
         ratio = ""
         if base is not None:
             ratio = f"  time x{r.p50_ms / base.p50_ms:5.2f}  mem x{r.peak_mem_mb / max(base.peak_mem_mb, 1e-9):5.3f}"
-        err = r.errors.get("err_logp", float("nan"))
+        err = max((v for v in r.errors.values() if v == v), default=float("nan"))
         log(f"  {r.provider:17s} p20/p50/p80 {r.p20_ms:9.2f} {r.p50_ms:9.2f} {r.p80_ms:9.2f} ms  "
-            f"{r.tflops_p50:7.3f} TF/s ({r.pct_peak:5.1f}%)  mem {r.peak_mem_mb:9.1f} MiB  err {err:.2e}{ratio}")
+            f"{r.tflops_p50:7.3f} TF/s ({r.pct_peak:5.1f}%)  exec {r.tflops_executed:7.3f} TF/s  "
+            f"mem {r.peak_mem_mb:9.1f} MiB ({r.mem_vs_bf16_logits:5.3f}x bf16 logits)  max err {err:.2e}{ratio}")
 
 
-def write_results(out_dir, suite, rows, meta):
-    os.makedirs(out_dir, exist_ok=True)
-    flat = []
+def summary_table(rows: list[dict[str, Any]], peak: float) -> list[str]:
+    """The short table printed last: one line per measured row."""
+    out = [f"{'case':24s} {'mode':6s} {'ent':3s} {'provider':15s} {'p50 ms':>9s} {'TF/s':>7s} {'%peak':>6s} "
+           f"{'exec NHV':>8s} {'exec TF/s':>9s} {'mem/bf16 logits':>15s} {'max err fp64':>12s}"]
     for r in rows:
-        d = {k: v for k, v in r.__dict__.items() if k != "errors"}
-        for k in ("err_logp", "err_entropy", "err_grad_hidden", "err_grad_weight"):
-            d[k] = r.errors.get(k, float("nan"))
-        flat.append(d)
-    csv_path = os.path.join(out_dir, f"kernels_{suite}.csv")
-    with open(csv_path, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(flat[0]))
-        wr.writeheader()
-        wr.writerows(flat)
-    json_path = os.path.join(out_dir, f"kernels_{suite}.json")
-    with open(json_path, "w") as f:
-        json.dump({**meta, "rows": flat}, f, indent=1, default=str)
-    return csv_path, json_path
+        case = f"T{r['T']} H{r['H']} V{r['V']} {str(r['dtype']).replace('float', 'f').replace('bfloat', 'bf')}"
+        ent = "yes" if str(r["entropy"]) in ("True", "true", "1") else "no"
+        if r["status"] != "ok":
+            out.append(f"{case:24s} {r['mode']:6s} {ent:3s} {r['provider']:15s} {str(r['status'])[:70]}")
+            continue
+        errs = [float(r[k]) for k in ERR_KEYS if k in r and r[k] not in ("", None) and not math.isnan(float(r[k]))]
+        err = f"{max(errs):.1e}" if errs else "n/a"
+        out.append(f"{case:24s} {r['mode']:6s} {ent:3s} {r['provider']:15s} {float(r['p50_ms']):9.2f} "
+                   f"{float(r['tflops_p50']):7.2f} {float(r['pct_peak']):6.1f} "
+                   f"{float(r['executed_nhv']):8.0f} {float(r['tflops_executed']):9.2f} "
+                   f"{float(r['mem_vs_bf16_logits']):15.3f} {err:>12s}")  # fmt: skip
+    out.append(f"TF/s and %peak count 2NHV forward, 6NHV forward+backward (peak {peak:.1f} TF/s on CUDA; on CPU the "
+               "run's best fp32 GEMM); 'exec' counts the FLOPs each provider executes (recomputing backward: 8NHV)")
+    return out
+
+
+def table_from_csv(paths: list[str], peak: float) -> list[str]:
+    rows: list[dict[str, Any]] = []
+    for p in paths:
+        if os.path.exists(p):
+            with open(p, newline="") as f:
+                rows += list(csv.DictReader(f))
+    if not rows:
+        return [f"no result rows in {', '.join(paths)}"]
+    return summary_table(rows, peak)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--suite", choices=sorted(SUITES), default="cpu" if not torch.cuda.is_available() else "gpu")
+    p.add_argument("--suite", choices=sorted(SUITES), default="cpu" if not torch.cuda.is_available() else "gpu-goal")
     p.add_argument("--samples", type=int, default=30, help="interleaved samples per (case, mode, entropy, provider)")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--providers", default=None, help="comma list to restrict providers")
     p.add_argument("--modes", default=None, help="comma list to restrict modes")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak used for %% of peak")
+    p.add_argument("--err-rows", type=int, default=None,
+                   help="rows of the float64 error check (default: all on CPU, 64 on CUDA)")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="start no new measurement after this many seconds (rows already written stay)")
     p.add_argument("--out", default="runs/bench_kernels")
+    p.add_argument("--table-from", nargs="+", default=None, metavar="CSV",
+                   help="only print the summary table of result CSVs and exit")
     args = p.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     log = lambda s: print(s, flush=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.table_from:
+        peak = args.peak_tflops or PEAK_BF16
+        for line in table_from_csv(args.table_from, peak):
+            log(line)
+        return []
     cases = SUITES[args.suite]
     if args.providers:
         keep = tuple(args.providers.split(","))
@@ -457,31 +663,44 @@ def main(argv=None):
     if args.peak_tflops is not None:
         peak, peak_src = args.peak_tflops, "--peak-tflops"
     elif device.type == "cuda":
-        peak, peak_src = 989.4, "H100/H200 SXM dense bf16 (989.4 TF/s)"
+        peak, peak_src = PEAK_BF16, f"H100/H200 SXM dense bf16 ({PEAK_BF16} TF/s)"
     else:
         peak = _gemm_peak_tflops(device, torch.float32)
         peak_src = f"best fp32 GEMM measured in this run ({peak:.3f} TF/s; a CPU has no published bf16 peak)"
+    err_rows = args.err_rows if args.err_rows is not None else (64 if device.type == "cuda" else 1 << 30)
     meta = {
         "suite": args.suite,
         "machine": machine_info(device),
-        "flop_convention": "fwd = nograd = 2*T*H*V, bwd = 6*T*H*V, full = 8*T*H*V (same nominal count for every "
-        "provider); T counts all tokens including ignored ones",
+        "flop_convention": "TF/s: fwd = nograd = 2*N*H*V, bwd = 4*N*H*V, full = 6*N*H*V for every provider; "
+        "exec TF/s: the FLOPs the provider executes (executed_nhv x N*H*V); N counts all tokens incl. ignored",
         "peak_tflops": peak,
         "peak_source": peak_src,
         "memory_method": "CUDA: max_memory_allocated - allocated before; CPU: peak running sum of torch.profiler "
-        "allocator events (profile_memory=True); both above the live inputs",
+        "allocator events (profile_memory=True); both above the live inputs; mem_vs_bf16_logits = peak / (N*V*2 B)",
         "timing": f"wall clock (perf_counter, CUDA-synchronised), {args.samples} samples interleaved across "
         "providers with rotating order, after 2 warm-up runs",
+        "errors": f"max abs error vs float64 on the first {err_rows} rows (a sub-batch through the same provider)",
         "labels": f"20% ignored (-100), temperature {args.temperature:.2f}",
     }
     log(json.dumps(meta["machine"]))
     log(f"peak: {peak_src}")
-    rows: list[Row] = []
+    deadline = None if args.time_budget_s is None else time.monotonic() + args.time_budget_s
+    sweep = Sweep(args.suite, args.out, device, args.samples, args.temperature, peak, err_rows, deadline, log)
     for case in cases:
-        rows += run_case(args.suite, case, device, args.samples, args.temperature, peak, log)
-    csv_path, json_path = write_results(args.out, args.suite, rows, meta)
-    log(f"wrote {csv_path} and {json_path}")
-    return rows
+        try:
+            sweep.run_case(case)
+        except Exception as e:  # e.g. out of memory while building the inputs: record it, go on with the next case
+            log(f"case T={case.T} H={case.H} V={case.V} failed: {type(e).__name__}: {str(e)[:300]}")
+            sweep.emit([Row(args.suite, "all", case.T, case.H, case.V, case.dtype, "all", False, args.temperature,
+                            status=f"failed: {type(e).__name__}: {str(e)[:120]}")])  # fmt: skip
+            _free(device)
+    json_path = os.path.join(args.out, f"kernels_{args.suite}.json")
+    with open(json_path, "w") as f:
+        json.dump({**meta, "rows": [_flat(r) for r in sweep.rows]}, f, indent=1, default=str)
+    log(f"wrote {sweep.csv_path} and {json_path}")
+    for line in summary_table([_flat(r) for r in sweep.rows], peak):
+        log(line)
+    return sweep.rows
 
 
 if __name__ == "__main__":

@@ -27,8 +27,9 @@ from rlblocks.errors import ArgumentError
 from rlblocks.kernels._common import (
     check_float_input,
     check_labels,
+    check_same_device,
     check_temperature,
-    interpret_mode,
+    device_guard,
     resolve_backend,
     rows_per_chunk,
     triton_available,
@@ -40,20 +41,47 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    def _configs():
-        if interpret_mode():
-            return [triton.Config({"BLOCK_V": 128}, num_warps=4)]
-        return [triton.Config({"BLOCK_V": bv}, num_warps=w) for bv, w in ((2048, 8), (4096, 8), (8192, 16))]
+    from rlblocks.kernels._tiles import log_mix, max_shift, row_configs
 
     @triton.jit
-    def _log_mix(lp, lq, log_beta, log_1mb):
-        # log(β·p + (1−β)·q) from log p and log q, stable.
-        x = lp + log_beta
-        y = lq + log_1mb
-        mx = tl.maximum(x, y)
-        return mx + tl.log(tl.exp(x - mx) + tl.exp(y - mx))
+    def kl_online_update(ms, ss, mt, st, a, zs, zt, KIND: tl.constexpr):
+        """Running per-row (max, Σexp) of the student ``zs`` and teacher ``zt`` tiles [rows, cols] (``−inf`` =
+        masked entry), and for forward/reverse the cross term ``Σ exp(z_t − m_t)(z_t − z_s)`` /
+        ``Σ exp(z_s − m_s)(z_s − z_t)``; a term whose weight is 0 is 0 (no 0·(−inf) or 0·NaN from −inf − −inf)."""
+        ms_new, ms_use, al_s = max_shift(ms, zs)
+        mt_new, mt_use, al_t = max_shift(mt, zt)
+        es = tl.exp(zs - ms_use[:, None])
+        et = tl.exp(zt - mt_use[:, None])
+        if KIND == 0:
+            a = al_t * a + tl.sum(tl.where(et > 0, et * (zt - zs), 0.0), axis=1)
+        if KIND == 1:
+            a = al_s * a + tl.sum(tl.where(es > 0, es * (zs - zt), 0.0), axis=1)
+        ss = al_s * ss + tl.sum(es, axis=1)
+        st = al_t * st + tl.sum(et, axis=1)
+        return ms_new, ss, mt_new, st, a
 
-    @triton.autotune(configs=_configs(), key=["V", "KIND"])
+    @triton.jit
+    def jsd_terms(lq, lp, log_beta, log_1mb):
+        """Per-entry ``q·(log q − log m)`` and ``p·(log p − log m)`` of the JSD, 0 where the weight is 0."""
+        lm = log_mix(lp, lq, log_beta, log_1mb)
+        tq = tl.where(lq > -float("inf"), tl.exp(lq) * (lq - lm), 0.0)
+        tp = tl.where(lp > -float("inf"), tl.exp(lp) * (lp - lm), 0.0)
+        return tq, tp
+
+    @triton.jit
+    def kl_grad(lq, lp, aux, beta, log_beta, log_1mb, KIND: tl.constexpr):
+        """∂KL/∂z_s per entry (before the upstream grad and 1/T): forward q − p, reverse q·(log q − log p − KL),
+        jsd (1−β)·q·(log(q/m) − KL(q‖m)); 0 where q = 0."""
+        q = tl.exp(lq)
+        if KIND == 0:
+            gz = q - tl.exp(lp)
+        elif KIND == 1:
+            gz = tl.where(q > 0, q * (lq - lp - aux), 0.0)
+        else:
+            gz = tl.where(q > 0, (1.0 - beta) * q * (lq - log_mix(lp, lq, log_beta, log_1mb) - aux), 0.0)
+        return gz
+
+    @triton.autotune(configs=row_configs(), key=["V", "KIND"])
     @triton.jit
     def _vocab_kl_fwd_kernel(
         s_ptr, t_ptr, valid_ptr, kl_ptr, lse_s_ptr, lse_t_ptr, aux_ptr,
@@ -61,63 +89,51 @@ if triton_available():
         KIND: tl.constexpr, BLOCK_V: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
+        one = tl.arange(0, 1)
         valid = tl.load(valid_ptr + row) != 0
         v_read = tl.where(valid, V, 0)
-        ms = -float("inf")
-        mt = -float("inf")
-        ss = 0.0
-        st = 0.0
-        a = 0.0
+        ms = tl.full([1], -float("inf"), tl.float32)
+        mt = tl.full([1], -float("inf"), tl.float32)
+        ss = tl.zeros([1], tl.float32)
+        st = tl.zeros([1], tl.float32)
+        a = tl.zeros([1], tl.float32)
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
             in_v = cols < V
-            zs0 = tl.load(s_ptr + row * stride_s + cols, mask=cols < v_read, other=0.0).to(tl.float32) * inv_temp
-            zt0 = tl.load(t_ptr + row * stride_t + cols, mask=cols < v_read, other=0.0).to(tl.float32) * inv_temp
-            zs = tl.where(in_v, zs0, -float("inf"))
-            zt = tl.where(in_v, zt0, -float("inf"))
-            ms_new = tl.maximum(ms, tl.max(zs, axis=0))
-            mt_new = tl.maximum(mt, tl.max(zt, axis=0))
-            al_s = tl.exp(ms - ms_new)
-            al_t = tl.exp(mt - mt_new)
-            es = tl.exp(zs - ms_new)
-            et = tl.exp(zt - mt_new)
-            if KIND == 0:
-                a = al_t * a + tl.sum(et * (zt0 - zs0), axis=0)
-            if KIND == 1:
-                a = al_s * a + tl.sum(es * (zs0 - zt0), axis=0)
-            ss = al_s * ss + tl.sum(es, axis=0)
-            st = al_t * st + tl.sum(et, axis=0)
-            ms = ms_new
-            mt = mt_new
+            zs = tl.load(s_ptr + row * stride_s + cols, mask=cols < v_read, other=0.0).to(tl.float32) * inv_temp
+            zt = tl.load(t_ptr + row * stride_t + cols, mask=cols < v_read, other=0.0).to(tl.float32) * inv_temp
+            zs = tl.where(in_v, zs, -float("inf"))[None, :]
+            zt = tl.where(in_v, zt, -float("inf"))[None, :]
+            ms, ss, mt, st, a = kl_online_update(ms, ss, mt, st, a, zs, zt, KIND)
         lse_s = ms + tl.log(ss)
         lse_t = mt + tl.log(st)
-        aux = 0.0
+        aux = tl.zeros([1], tl.float32)
         if KIND == 0:
             kl = a / st + lse_s - lse_t
         elif KIND == 1:
             kl = a / ss + lse_t - lse_s
             aux = kl
         else:
-            kqm = 0.0
-            kpm = 0.0
+            kqm = tl.zeros([1], tl.float32)
+            kpm = tl.zeros([1], tl.float32)
             for v0 in range(0, V, BLOCK_V):
                 cols = v0 + tl.arange(0, BLOCK_V)
                 in_v = cols < V
                 zs0 = tl.load(s_ptr + row * stride_s + cols, mask=cols < v_read, other=0.0).to(tl.float32)
                 zt0 = tl.load(t_ptr + row * stride_t + cols, mask=cols < v_read, other=0.0).to(tl.float32)
-                lq = zs0 * inv_temp - lse_s
-                lp = zt0 * inv_temp - lse_t
-                lm = _log_mix(lp, lq, log_beta, log_1mb)
-                kqm += tl.sum(tl.where(in_v, tl.exp(lq) * (lq - lm), 0.0), axis=0)
-                kpm += tl.sum(tl.where(in_v, tl.exp(lp) * (lp - lm), 0.0), axis=0)
+                lq = tl.where(in_v, zs0 * inv_temp, -float("inf"))[None, :] - lse_s[:, None]
+                lp = tl.where(in_v, zt0 * inv_temp, -float("inf"))[None, :] - lse_t[:, None]
+                tq, tp = jsd_terms(lq, lp, log_beta, log_1mb)
+                kqm += tl.sum(tq, axis=1)
+                kpm += tl.sum(tp, axis=1)
             kl = beta * kpm + (1.0 - beta) * kqm
             aux = kqm
-        tl.store(kl_ptr + row, tl.where(valid, kl, 0.0))
-        tl.store(lse_s_ptr + row, lse_s)
-        tl.store(lse_t_ptr + row, lse_t)
-        tl.store(aux_ptr + row, aux)
+        tl.store(kl_ptr + row + one, tl.where(valid, kl, 0.0))
+        tl.store(lse_s_ptr + row + one, lse_s)
+        tl.store(lse_t_ptr + row + one, lse_t)
+        tl.store(aux_ptr + row + one, aux)
 
-    @triton.autotune(configs=_configs(), key=["V", "KIND"])
+    @triton.autotune(configs=row_configs(), key=["V", "KIND"])
     @triton.jit
     def _vocab_kl_bwd_kernel(
         s_ptr, t_ptr, valid_ptr, lse_s_ptr, lse_t_ptr, aux_ptr, g_ptr, gs_ptr,
@@ -136,17 +152,15 @@ if triton_available():
             in_v = cols < V
             zs0 = tl.load(s_ptr + row * stride_s + cols, mask=cols < v_read, other=0.0).to(tl.float32)
             zt0 = tl.load(t_ptr + row * stride_t + cols, mask=cols < v_read, other=0.0).to(tl.float32)
-            lq = zs0 * inv_temp - lse_s
-            lp = zt0 * inv_temp - lse_t
-            q = tl.exp(lq)
-            if KIND == 0:
-                gz = q - tl.exp(lp)
-            elif KIND == 1:
-                gz = q * (lq - lp - aux)
-            else:
-                gz = (1.0 - beta) * q * (lq - _log_mix(lp, lq, log_beta, log_1mb) - aux)
+            gz = kl_grad(zs0 * inv_temp - lse_s, zt0 * inv_temp - lse_t, aux, beta, log_beta, log_1mb, KIND)
             gz = tl.where(valid, gz * g, 0.0)
             tl.store(gs_ptr + row * stride_gs + cols, gz.to(gs_ptr.dtype.element_ty), mask=in_v)
+
+
+def _xdiff(w: Tensor, x: Tensor, y: Tensor) -> Tensor:
+    """``Σ_j w_j·(x_j − y_j)`` per row, with the terms of weight 0 left out (so ``−inf`` log-probs there, where
+    ``x − y`` is ``−inf`` or NaN, add nothing). A weight > 0 against ``y = −inf`` gives ``+inf``, the true value."""
+    return torch.where(w > 0, w * (x - y), 0.0).sum(dim=1)
 
 
 def _chunk_terms(zs, zt, kind, beta):
@@ -162,8 +176,7 @@ def _chunk_terms(zs, zt, kind, beta):
 def _fwd_torch(s, t, valid, inv_temp, kind, beta):
     n, v = s.shape
     kl, lse_s, lse_t, aux = (torch.zeros(n, dtype=torch.float32, device=s.device) for _ in range(4))
-    step = rows_per_chunk(v, multiple=8) // 2
-    step = max(step, 8)
+    step = max(rows_per_chunk(v, multiple=8) // 2, 8)
     for r0 in range(0, n, step):
         sl = slice(r0, r0 + step)
         vc = valid[sl].unsqueeze(1)
@@ -173,13 +186,13 @@ def _fwd_torch(s, t, valid, inv_temp, kind, beta):
         lse_t[sl] = torch.logsumexp(zt, dim=1)
         lq, lp, lm = _chunk_terms(zs, zt, kind, beta)
         if kind == 0:
-            val = torch.linalg.vecdot(lp.exp(), lp - lq)
+            val = _xdiff(lp.exp(), lp, lq)
         elif kind == 1:
-            val = torch.linalg.vecdot(lq.exp(), lq - lp)
+            val = _xdiff(lq.exp(), lq, lp)
             aux[sl] = val
         else:
-            kqm = torch.linalg.vecdot(lq.exp(), lq - lm)
-            kpm = torch.linalg.vecdot(lp.exp(), lp - lm)
+            kqm = _xdiff(lq.exp(), lq, lm)
+            kpm = _xdiff(lp.exp(), lp, lm)
             val = beta * kpm + (1.0 - beta) * kqm
             aux[sl] = kqm
         kl[sl] = torch.where(valid[sl], val, 0.0)
@@ -199,13 +212,28 @@ def _bwd_torch(s, t, valid, lse_s, lse_t, aux, g, inv_temp, kind, beta):
         if kind == 0:
             gz = q.sub_(lp.exp_())
         elif kind == 1:
-            gz = lq.sub_(lp).sub_(aux[sl].unsqueeze(1)).mul_(q)
+            gz = torch.where(q > 0, q * (lq - lp - aux[sl].unsqueeze(1)), 0.0)
         else:
             lm = torch.logaddexp(lp + math.log(beta), lq + math.log1p(-beta))
-            gz = lq.sub_(lm).sub_(aux[sl].unsqueeze(1)).mul_(q).mul_(1.0 - beta)
+            gz = torch.where(q > 0, q * (lq - lm - aux[sl].unsqueeze(1)), 0.0).mul_(1.0 - beta)
         gc = torch.where(valid[sl], g[sl].float(), 0.0) * inv_temp
         gs[sl] = torch.where(vc, gz.mul_(gc.unsqueeze(1)), 0.0)
     return gs
+
+
+def _forward(student, teacher, valid, kind, beta, inv_temp, backend):
+    n, v = student.shape
+    if backend == "triton" and n > 0:
+        kl, lse_s, lse_t, aux = (torch.empty(n, dtype=torch.float32, device=student.device) for _ in range(4))
+        lb = math.log(beta) if kind == 2 else 0.0
+        l1b = math.log1p(-beta) if kind == 2 else 0.0
+        with device_guard(student):
+            _vocab_kl_fwd_kernel[(n,)](
+                student, teacher, valid.to(torch.int8), kl, lse_s, lse_t, aux,
+                v, student.stride(0), teacher.stride(0), inv_temp, beta, lb, l1b, KIND=kind,
+            )  # fmt: skip
+        return kl, lse_s, lse_t, aux
+    return _fwd_torch(student, teacher, valid, inv_temp, kind, beta)
 
 
 class VocabKLFunction(torch.autograd.Function):
@@ -214,17 +242,7 @@ class VocabKLFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student, teacher, valid, kind, beta, temperature, backend):
         inv_temp = 1.0 / temperature
-        n, v = student.shape
-        if backend == "triton" and n > 0:
-            kl, lse_s, lse_t, aux = (torch.empty(n, dtype=torch.float32, device=student.device) for _ in range(4))
-            lb = math.log(beta) if kind == 2 else 0.0
-            l1b = math.log1p(-beta) if kind == 2 else 0.0
-            _vocab_kl_fwd_kernel[(n,)](
-                student, teacher, valid.to(torch.int8), kl, lse_s, lse_t, aux,
-                v, student.stride(0), teacher.stride(0), inv_temp, beta, lb, l1b, KIND=kind,
-            )  # fmt: skip
-        else:
-            kl, lse_s, lse_t, aux = _fwd_torch(student, teacher, valid, inv_temp, kind, beta)
+        kl, lse_s, lse_t, aux = _forward(student, teacher, valid, kind, beta, inv_temp, backend)
         ctx.save_for_backward(student, teacher, valid, lse_s, lse_t, aux)
         ctx.cfg = (inv_temp, kind, beta, backend)
         return kl
@@ -240,10 +258,11 @@ class VocabKLFunction(torch.autograd.Function):
             gs = torch.empty_like(student)
             lb = math.log(beta) if kind == 2 else 0.0
             l1b = math.log1p(-beta) if kind == 2 else 0.0
-            _vocab_kl_bwd_kernel[(n,)](
-                student, teacher, valid.to(torch.int8), lse_s, lse_t, aux, g.float().contiguous(), gs,
-                v, student.stride(0), teacher.stride(0), gs.stride(0), inv_temp, beta, lb, l1b, KIND=kind,
-            )  # fmt: skip
+            with device_guard(student):
+                _vocab_kl_bwd_kernel[(n,)](
+                    student, teacher, valid.to(torch.int8), lse_s, lse_t, aux, g.float().contiguous(), gs,
+                    v, student.stride(0), teacher.stride(0), gs.stride(0), inv_temp, beta, lb, l1b, KIND=kind,
+                )  # fmt: skip
         else:
             gs = _bwd_torch(student, teacher, valid, lse_s, lse_t, aux, g, inv_temp, kind, beta)
         return gs, None, None, None, None, None, None
@@ -294,7 +313,10 @@ def vocab_kl(
     See the module docstring for the three ``kind`` formulas (``forward`` = KL(teacher ‖ student),
     ``reverse`` = KL(student ‖ teacher), ``jsd`` = β-weighted JSD). Both logits are divided by ``temperature``.
     Positions where ``labels == ignore_index`` (if ``labels`` is given) or ``mask`` is false (if given) give 0 and
-    no gradient; their logits are never read into a sum. Differentiable w.r.t. ``student_logits`` only; the teacher
+    no gradient; their logits are never read into a sum. ``−inf`` logits (a masked vocabulary entry, e.g. a shared
+    sampling mask) are valid: an entry with probability 0 contributes nothing, so the result is finite whenever
+    the divergence is (it is ``+inf`` only when one side puts mass where the other has none, e.g. forward KL with a
+    teacher entry > 0 at a ``−inf`` student logit). Differentiable w.r.t. ``student_logits`` only; the teacher
     is a constant (a ``teacher_logits`` that requires grad is rejected rather than silently detached).
     Inputs fp32/bf16/fp16, math in fp32.
 
@@ -311,6 +333,7 @@ def vocab_kl(
     if teacher_logits.requires_grad:
         raise ArgumentError("teacher_logits: requires grad, but vocab_kl is differentiable only w.r.t. the student; "
                          "pass teacher_logits.detach()")
+    check_same_device(student_logits=student_logits, teacher_logits=teacher_logits, labels=labels, mask=mask)
     k = check_kind_beta(kind, beta)
     temperature = check_temperature(temperature)
     v = student_logits.shape[-1]
@@ -321,5 +344,8 @@ def vocab_kl(
     t = teacher_logits.reshape(-1, v)
     s = s if s.stride(-1) == 1 else s.contiguous()
     t = t if t.stride(-1) == 1 else t.contiguous()
-    kl = VocabKLFunction.apply(s, t, valid, k, float(beta), temperature, backend)
+    if torch.is_grad_enabled() and s.requires_grad:
+        kl = VocabKLFunction.apply(s, t, valid, k, float(beta), temperature, backend)
+    else:
+        kl = _forward(s, t, valid, k, float(beta), 1.0 / temperature, backend)[0]
     return kl.reshape(lead)

@@ -22,11 +22,15 @@ from torch import Tensor
 
 from rlblocks._validate import shape_str
 from rlblocks.errors import ArgumentError
-from rlblocks.kernels import _common
 from rlblocks.kernels._common import (
     check_float_input,
+    check_same_device,
     check_temperature,
+    contract_grad_chunks,
+    device_guard,
+    grad_scale,
     interpret_mode,
+    num_splits,
     resolve_backend,
     rows_per_chunk,
     triton_available,
@@ -41,24 +45,13 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from rlblocks.kernels._tiles import dot_tile
+    from rlblocks.kernels._tiles import dot_tile, keep_one_fp32_config, tile_configs
+    from rlblocks.kernels.kl import jsd_terms, kl_grad, kl_online_update
 
-    def _configs():
-        if interpret_mode():
-            return [triton.Config({"BLOCK_N": 16, "BLOCK_V": 64, "BLOCK_K": 32}, num_warps=4)]
-        return [
-            triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-            for bn, bv, bk, w, st in ((128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 3))
-        ]
-
-    @triton.jit
-    def _log_mix(lp, lq, log_beta, log_1mb):
-        x = lp + log_beta
-        y = lq + log_1mb
-        mx = tl.maximum(x, y)
-        return mx + tl.log(tl.exp(x - mx) + tl.exp(y - mx))
-
-    @triton.autotune(configs=_configs(), key=["V", "HS", "HT", "KIND", "PASS"])  # not N (varies per step)
+    @triton.autotune(  # not N in the key (varies per step)
+        configs=tile_configs("kl"), key=["V", "HS", "HT", "KIND", "PASS"],
+        prune_configs_by={"early_config_prune": keep_one_fp32_config("hs_ptr")},
+    )  # fmt: skip
     @triton.jit
     def _linear_kl_fwd_kernel(
         hs_ptr, ws_ptr, ht_ptr, wt_ptr, ms_ptr, ss_ptr, mt_ptr, st_ptr, a_ptr, lse_s_ptr, lse_t_ptr,
@@ -89,33 +82,18 @@ if triton_available():
             cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
             col_ok = cols < V
             cols64 = cols.to(tl.int64)
-            zs0 = dot_tile(hs_ptr, ws_ptr, rows64, row_ok, cols64, col_ok, HS, stride_hs, stride_ws,
-                           UPCAST, PREC_S, BLOCK_N, BLOCK_V, BLOCK_K) * inv_temp
-            zt0 = dot_tile(ht_ptr, wt_ptr, rows64, row_ok, cols64, col_ok, HT, stride_ht, stride_wt,
-                           UPCAST, PREC_T, BLOCK_N, BLOCK_V, BLOCK_K) * inv_temp
+            zs = dot_tile(hs_ptr, ws_ptr, rows64, row_ok, cols64, col_ok, HS, stride_hs, stride_ws,
+                          UPCAST, PREC_S, BLOCK_N, BLOCK_V, BLOCK_K) * inv_temp
+            zt = dot_tile(ht_ptr, wt_ptr, rows64, row_ok, cols64, col_ok, HT, stride_ht, stride_wt,
+                          UPCAST, PREC_T, BLOCK_N, BLOCK_V, BLOCK_K) * inv_temp
+            zs = tl.where(col_ok[None, :], zs, -float("inf"))
+            zt = tl.where(col_ok[None, :], zt, -float("inf"))
             if PASS == 1:
-                zs = tl.where(col_ok[None, :], zs0, -float("inf"))
-                zt = tl.where(col_ok[None, :], zt0, -float("inf"))
-                ms_new = tl.maximum(ms, tl.max(zs, axis=1))
-                mt_new = tl.maximum(mt, tl.max(zt, axis=1))
-                al_s = tl.exp(ms - ms_new)
-                al_t = tl.exp(mt - mt_new)
-                es = tl.exp(zs - ms_new[:, None])
-                et = tl.exp(zt - mt_new[:, None])
-                if KIND == 0:
-                    a = al_t * a + tl.sum(et * (zt0 - zs0), axis=1)
-                if KIND == 1:
-                    a = al_s * a + tl.sum(es * (zs0 - zt0), axis=1)
-                ss = al_s * ss + tl.sum(es, axis=1)
-                st = al_t * st + tl.sum(et, axis=1)
-                ms = ms_new
-                mt = mt_new
+                ms, ss, mt, st, a = kl_online_update(ms, ss, mt, st, a, zs, zt, KIND)
             else:
-                lq = zs0 - lse_s[:, None]
-                lp = zt0 - lse_t[:, None]
-                lm = _log_mix(lp, lq, log_beta, log_1mb)
-                ss += tl.sum(tl.where(col_ok[None, :], tl.exp(lq) * (lq - lm), 0.0), axis=1)
-                st += tl.sum(tl.where(col_ok[None, :], tl.exp(lp) * (lp - lm), 0.0), axis=1)
+                tq, tp = jsd_terms(zs - lse_s[:, None], zt - lse_t[:, None], log_beta, log_1mb)
+                ss += tl.sum(tq, axis=1)
+                st += tl.sum(tp, axis=1)
         out = pid_s * N + rows64
         tl.store(ss_ptr + out, ss, mask=row_ok)
         tl.store(st_ptr + out, st, mask=row_ok)
@@ -124,10 +102,13 @@ if triton_available():
             tl.store(mt_ptr + out, mt, mask=row_ok)
             tl.store(a_ptr + out, a, mask=row_ok)
 
-    @triton.autotune(configs=_configs(), key=["HS", "HT", "KIND"])
+    @triton.autotune(
+        configs=tile_configs("kl"), key=["HS", "HT", "KIND"],
+        prune_configs_by={"early_config_prune": keep_one_fp32_config("hs_ptr")},
+    )  # fmt: skip
     @triton.jit
     def _linear_kl_bwd_kernel(
-        hs_ptr, ws_ptr, ht_ptr, wt_ptr, lse_s_ptr, lse_t_ptr, aux_ptr, g_ptr, gz_ptr,
+        hs_ptr, ws_ptr, ht_ptr, wt_ptr, lse_s_ptr, lse_t_ptr, aux_ptr, g_ptr, scale_ptr, gz_ptr,
         N, VC, HS, HT, v_start, stride_hs, stride_ws, stride_ht, stride_wt, stride_gz,
         inv_temp, beta, log_beta, log_1mb,
         KIND: tl.constexpr, UPCAST: tl.constexpr, PREC_S: tl.constexpr, PREC_T: tl.constexpr,
@@ -148,40 +129,26 @@ if triton_available():
         lse_s = tl.load(lse_s_ptr + rows64, mask=row_ok, other=0.0)
         lse_t = tl.load(lse_t_ptr + rows64, mask=row_ok, other=0.0)
         aux = tl.load(aux_ptr + rows64, mask=row_ok, other=0.0)
-        g = tl.load(g_ptr + rows64, mask=row_ok, other=0.0) * inv_temp
-        lq = zs - lse_s[:, None]
-        lp = zt - lse_t[:, None]
-        q = tl.exp(lq)
-        if KIND == 0:
-            gz = q - tl.exp(lp)
-        elif KIND == 1:
-            gz = q * (lq - lp - aux[:, None])
-        else:
-            gz = (1.0 - beta) * q * (lq - _log_mix(lp, lq, log_beta, log_1mb) - aux[:, None])
+        g = tl.load(g_ptr + rows64, mask=row_ok, other=0.0) * (inv_temp * tl.load(scale_ptr))
+        gz = kl_grad(zs - lse_s[:, None], zt - lse_t[:, None], aux[:, None], beta, log_beta, log_1mb, KIND)
         gz = gz * g[:, None]
         tl.store(gz_ptr + rows64[:, None] * stride_gz + lc[None, :], gz.to(gz_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _num_splits(n: int, v: int, device: torch.device) -> int:
-    if interpret_mode() or device.type != "cuda":
-        return min(2, max(1, -(-v // 64)))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(-(-2 * sms // max(1, -(-n // 128))), -(-v // 256)))
-
-
 def _fwd_triton(hs, ws, ht, wt, kind, beta, inv_temp):
     n, v = hs.shape[0], ws.shape[0]
-    splits = _num_splits(n, v, hs.device)
+    splits = num_splits(n, v, hs.device)
     ms, ss, mt, st, a = (torch.empty(splits, n, dtype=torch.float32, device=hs.device) for _ in range(5))
     lb, l1b = (math.log(beta), math.log1p(-beta)) if kind == 2 else (0.0, 0.0)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)
     common = dict(UPCAST=interpret_mode(), PREC_S=triton_dot_precision(hs.dtype), PREC_T=triton_dot_precision(ht.dtype))
-    _linear_kl_fwd_kernel[grid](  # pass 1 reads no lse: ms stands in (Triton is never handed an empty tensor)
-        hs, ws, ht, wt, ms, ss, mt, st, a, ms, ms, n, v, hs.shape[1], ht.shape[1],
-        hs.stride(0), ws.stride(0), ht.stride(0), wt.stride(0), inv_temp, splits, lb, l1b,
-        KIND=kind, PASS=1, **common,
-    )  # fmt: skip
+    with device_guard(hs):
+        _linear_kl_fwd_kernel[grid](  # pass 1 reads no lse: ms stands in (Triton is never handed an empty tensor)
+            hs, ws, ht, wt, ms, ss, mt, st, a, ms, ms, n, v, hs.shape[1], ht.shape[1],
+            hs.stride(0), ws.stride(0), ht.stride(0), wt.stride(0), inv_temp, splits, lb, l1b,
+            KIND=kind, PASS=1, **common,
+        )  # fmt: skip
     m_s = ms.amax(0)
     m_t = mt.amax(0)
     w_s = torch.exp(ms - m_s)
@@ -195,11 +162,12 @@ def _fwd_triton(hs, ws, ht, wt, kind, beta, inv_temp):
         kl = (w_s * a).sum(0) / (w_s * ss).sum(0) + lse_t - lse_s
         aux = kl
     else:
-        _linear_kl_fwd_kernel[grid](
-            hs, ws, ht, wt, ms, ss, mt, st, a, lse_s, lse_t, n, v, hs.shape[1], ht.shape[1],
-            hs.stride(0), ws.stride(0), ht.stride(0), wt.stride(0), inv_temp, splits, lb, l1b,
-            KIND=kind, PASS=2, **common,
-        )  # fmt: skip
+        with device_guard(hs):
+            _linear_kl_fwd_kernel[grid](
+                hs, ws, ht, wt, ms, ss, mt, st, a, lse_s, lse_t, n, v, hs.shape[1], ht.shape[1],
+                hs.stride(0), ws.stride(0), ht.stride(0), wt.stride(0), inv_temp, splits, lb, l1b,
+                KIND=kind, PASS=2, **common,
+            )  # fmt: skip
         kqm, kpm = ss.sum(0), st.sum(0)
         kl = beta * kpm + (1.0 - beta) * kqm
         aux = kqm
@@ -207,32 +175,23 @@ def _fwd_triton(hs, ws, ht, wt, kind, beta, inv_temp):
 
 
 def _bwd_triton(hs, ws, ht, wt, lse_s, lse_t, aux, g, kind, beta, inv_temp, need_h, need_w):
-    n, v = hs.shape[0], ws.shape[0]
-    elt = hs.element_size()
-    vc = _common.TRITON_GRAD_CHUNK_BYTES // max(1, n * elt)
-    vc = min(v, max(128, (vc // 128) * 128))
-    gbuf = torch.empty(n, vc, dtype=hs.dtype, device=hs.device)
-    gh = torch.zeros(n, hs.shape[1], dtype=torch.float32, device=hs.device) if need_h else None
-    gw = torch.empty_like(ws) if need_w else None
+    n = hs.shape[0]
     lb, l1b = (math.log(beta), math.log1p(-beta)) if kind == 2 else (0.0, 0.0)
-    for c0 in range(0, v, vc):
-        c = min(vc, v - c0)
-        gz = gbuf[:, :c]
-        grid = lambda meta, c=c: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(c, meta["BLOCK_V"]))
-        _linear_kl_bwd_kernel[grid](
-            hs, ws, ht, wt, lse_s, lse_t, aux, g, gz, n, c, hs.shape[1], ht.shape[1], c0,
-            hs.stride(0), ws.stride(0), ht.stride(0), wt.stride(0), gz.stride(0), inv_temp, beta, lb, l1b,
-            KIND=kind, UPCAST=interpret_mode(), PREC_S=triton_dot_precision(hs.dtype),
-            PREC_T=triton_dot_precision(ht.dtype),
-        )  # fmt: skip
-        if need_w:
-            torch.mm(gz.t(), hs, out=gw[c0 : c0 + c])
-        if need_h:
-            if gh.dtype == gz.dtype:
-                gh.addmm_(gz, ws[c0 : c0 + c])
-            else:
-                gh += torch.mm(gz, ws[c0 : c0 + c]).float()
-    return gh, gw
+    # |∂KL/∂z_s| is |q − p| ≤ 1 (forward) or q·|log q/p − KL| (reverse, jsd), a q-weighted log-ratio: 2^8 of
+    # headroom keeps log-ratios up to ~250 inside fp16 after scaling.
+    scale = grad_scale(g, hs.dtype, target=2.0**6)
+
+    def fill(gz, c0, c):
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(c, meta["BLOCK_V"]))
+        with device_guard(hs):
+            _linear_kl_bwd_kernel[grid](
+                hs, ws, ht, wt, lse_s, lse_t, aux, g, scale, gz, n, c, hs.shape[1], ht.shape[1], c0,
+                hs.stride(0), ws.stride(0), ht.stride(0), wt.stride(0), gz.stride(0), inv_temp, beta, lb, l1b,
+                KIND=kind, UPCAST=interpret_mode(), PREC_S=triton_dot_precision(hs.dtype),
+                PREC_T=triton_dot_precision(ht.dtype),
+            )  # fmt: skip
+
+    return contract_grad_chunks(hs, ws, fill, need_h, need_w, scale=scale)
 
 
 def _logits_chunk(h, w32, sl, inv_temp):
@@ -271,19 +230,23 @@ def _bwd_torch(hs, ws, ht, wt, valid, lse_s, lse_t, aux, g, kind, beta, inv_temp
     return gh, gw
 
 
+def _forward(hs, ws, ht, wt, valid, kind, beta, inv_temp, backend):
+    hs0 = zero_ignored_rows(hs, valid)
+    ht0 = zero_ignored_rows(ht, valid)
+    if backend == "triton" and hs.shape[0] > 0:
+        kl, lse_s, lse_t, aux = _fwd_triton(hs0, ws, ht0, wt, kind, beta, inv_temp)
+    else:
+        kl, lse_s, lse_t, aux = _fwd_torch(hs0, ws, ht0, wt, valid, kind, beta, inv_temp)
+    return torch.where(valid, kl, 0.0), (hs0, ht0, lse_s, lse_t, aux)
+
+
 class LinearVocabKLFunction(torch.autograd.Function):
     """autograd.Function over 2-D student/teacher hidden states, both LM heads and a flat bool ``valid [N]``."""
 
     @staticmethod
     def forward(ctx, hs, ws, ht, wt, valid, kind, beta, temperature, backend):
         inv_temp = 1.0 / temperature
-        hs0 = zero_ignored_rows(hs, valid)
-        ht0 = zero_ignored_rows(ht, valid)
-        if backend == "triton" and hs.shape[0] > 0:
-            kl, lse_s, lse_t, aux = _fwd_triton(hs0, ws, ht0, wt, kind, beta, inv_temp)
-        else:
-            kl, lse_s, lse_t, aux = _fwd_torch(hs0, ws, ht0, wt, valid, kind, beta, inv_temp)
-        kl = torch.where(valid, kl, 0.0)
+        kl, (hs0, ht0, lse_s, lse_t, aux) = _forward(hs, ws, ht, wt, valid, kind, beta, inv_temp, backend)
         ctx.save_for_backward(hs0, ws, ht0, wt, valid, lse_s, lse_t, aux)
         ctx.cfg = (inv_temp, kind, beta, backend)
         return kl
@@ -358,6 +321,8 @@ def linear_vocab_kl(
         if x.requires_grad:
             raise ArgumentError(f"{name}: requires grad, but linear_vocab_kl is differentiable only w.r.t. the "
                              f"student; pass {name}.detach()")
+    check_same_device(student_hidden=student_hidden, student_weight=student_weight, teacher_hidden=teacher_hidden,
+                      teacher_weight=teacher_weight, labels=labels, mask=mask)
     k = check_kind_beta(kind, beta)
     temperature = check_temperature(temperature)
     valid = valid_rows(lead, v, labels, ignore_index, mask, "student_hidden", student_hidden.device)
@@ -365,5 +330,8 @@ def linear_vocab_kl(
     hs = student_hidden.reshape(-1, hs_dim)
     ht = teacher_hidden.reshape(-1, ht_dim)
     hs, ht, ws, wt = (x if x.stride(-1) == 1 else x.contiguous() for x in (hs, ht, student_weight, teacher_weight))
-    kl = LinearVocabKLFunction.apply(hs, ws, ht, wt, valid, k, float(beta), temperature, backend)
+    if torch.is_grad_enabled() and (hs.requires_grad or ws.requires_grad):
+        kl = LinearVocabKLFunction.apply(hs, ws, ht, wt, valid, k, float(beta), temperature, backend)
+    else:
+        kl = _forward(hs, ws, ht, wt, valid, k, float(beta), 1.0 / temperature, backend)[0]
     return kl.reshape(lead)

@@ -28,19 +28,25 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from rlblocks._validate import shape_str
 from rlblocks.errors import ArgumentError
-from rlblocks.kernels import _common
 from rlblocks.kernels._common import (
     allreduce_stats,
+    apply_mask,
     check_float_input,
     check_labels,
+    check_same_device,
     check_temperature,
+    cols_per_block,
+    contract_grad_chunks,
+    device_guard,
+    grad_scale,
     interpret_mode,
     merge_partials,
+    num_splits,
     resolve_backend,
     rows_per_chunk,
     shard_offset,
@@ -53,22 +59,12 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from rlblocks.kernels._tiles import dot_tile
+    from rlblocks.kernels._tiles import dot_tile, keep_one_fp32_config, online_update, tile_configs
 
-    def _fwd_configs():
-        if interpret_mode():
-            return [triton.Config({"BLOCK_N": 16, "BLOCK_V": 64, "BLOCK_K": 32}, num_warps=4)]
-        return [
-            triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-            for bn, bv, bk, w, st in (
-                (128, 128, 64, 8, 3),
-                (128, 256, 64, 8, 3),
-                (64, 256, 64, 8, 4),
-                (128, 128, 32, 4, 4),
-            )
-        ]
-
-    @triton.autotune(configs=_fwd_configs(), key=["V", "H", "HAS_ENT"])  # not N: it changes every RL step
+    @triton.autotune(  # not N in the key: it changes every RL step
+        configs=tile_configs("fwd"), key=["V", "H", "HAS_ENT"],
+        prune_configs_by={"early_config_prune": keep_one_fp32_config("h_ptr")},
+    )  # fmt: skip
     @triton.jit
     def _linear_logprobs_fwd_kernel(
         h_ptr, w_ptr, yl_ptr, m_ptr, s_ptr, a_ptr, zy_ptr,
@@ -99,16 +95,8 @@ if triton_available():
             acc = dot_tile(h_ptr, w_ptr, rows64, row_ok, cols64, col_ok, H, stride_hn, stride_wv,
                            UPCAST, PREC, BLOCK_N, BLOCK_V, BLOCK_K)
             z = tl.where(col_ok[None, :], acc * inv_temp, -float("inf"))
-            m_new = tl.maximum(m, tl.max(z, axis=1))
-            alpha = tl.exp(m - m_new)
-            e = tl.exp(z - m_new[:, None])
-            if HAS_ENT:
-                dm = tl.where(s > 0, m - m_new, 0.0)
-                d = tl.where(col_ok[None, :], z - m_new[:, None], 0.0)
-                a = alpha * (a + dm * s) + tl.sum(e * d, axis=1)
-            s = alpha * s + tl.sum(e, axis=1)
             zy += tl.sum(tl.where(cols[None, :] == yl[:, None], z, 0.0), axis=1)
-            m = m_new
+            m, s, a = online_update(m, s, a, z, HAS_ENT)
         out = pid_s * N + rows64
         tl.store(m_ptr + out, m, mask=row_ok)
         tl.store(s_ptr + out, s, mask=row_ok)
@@ -116,24 +104,19 @@ if triton_available():
         if HAS_ENT:
             tl.store(a_ptr + out, a, mask=row_ok)
 
-    def _bwd_configs():
-        if interpret_mode():
-            return [triton.Config({"BLOCK_N": 16, "BLOCK_V": 64, "BLOCK_K": 32}, num_warps=4)]
-        return [
-            triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-            for bn, bv, bk, w, st in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4))
-        ]
-
-    @triton.autotune(configs=_bwd_configs(), key=["H", "HAS_ENT"])
+    @triton.autotune(
+        configs=tile_configs("bwd"), key=["H", "HAS_ENT"],
+        prune_configs_by={"early_config_prune": keep_one_fp32_config("h_ptr")},
+    )  # fmt: skip
     @triton.jit
     def _linear_logprobs_bwd_kernel(
-        h_ptr, w_ptr, yl_ptr, lse_ptr, ent_ptr, g_ptr, k_ptr, gz_ptr,
+        h_ptr, w_ptr, yl_ptr, lse_ptr, ent_ptr, g_ptr, k_ptr, scale_ptr, gz_ptr,
         N, VC, H, v_start, stride_hn, stride_wv, stride_gz, inv_temp,
         HAS_ENT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # Recompute one [BLOCK_N, BLOCK_V] logits tile of the vocab chunk [v_start, v_start + VC) and write
-        # (∂/∂z)/T for it; the host contracts the chunk with cuBLAS into grad_hidden and grad_weight.
+        # scale·(∂/∂z)/T for it; the host contracts the chunk with cuBLAS into grad_hidden and grad_weight.
         pid_n = tl.program_id(0)
         pid_v = tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -156,43 +139,42 @@ if triton_available():
         else:
             gz = -g[:, None] * p
         gz += tl.where(cols64[None, :] == yl[:, None], g[:, None], 0.0)
-        gz = gz * inv_temp
+        gz = gz * (inv_temp * tl.load(scale_ptr))
         tl.store(gz_ptr + rows64[:, None] * stride_gz + lc[None, :], gz.to(gz_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
-
-
-def _num_splits(n: int, v: int, device: torch.device) -> int:
-    """Vocabulary splits so that the forward grid has about two programs per SM (row blocks × splits)."""
-    if interpret_mode() or device.type != "cuda":
-        return min(2, max(1, -(-v // 64)))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    row_blocks = max(1, -(-n // 128))
-    return max(1, min(-(-2 * sms // row_blocks), -(-v // 256)))
 
 
 def _fwd_stats_triton(h, w, yl, inv_temp, has_ent):
     n, hdim = h.shape
     v = w.shape[0]
-    splits = _num_splits(n, v, h.device)
+    splits = num_splits(n, v, h.device)
     m, s, a, zy = (torch.empty(splits, n, dtype=torch.float32, device=h.device) for _ in range(4))
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)
-    _linear_logprobs_fwd_kernel[grid](
-        h, w, yl, m, s, a, zy, n, v, hdim, h.stride(0), w.stride(0), inv_temp, splits,
-        HAS_ENT=has_ent, UPCAST=interpret_mode(), PREC=triton_dot_precision(h.dtype),
-    )  # fmt: skip
+    with device_guard(h):
+        _linear_logprobs_fwd_kernel[grid](
+            h, w, yl, m, s, a, zy, n, v, hdim, h.stride(0), w.stride(0), inv_temp, splits,
+            HAS_ENT=has_ent, UPCAST=interpret_mode(), PREC=triton_dot_precision(h.dtype),
+        )  # fmt: skip
     mm, ss, aa = merge_partials(m, s, a if has_ent else None)
     return mm, ss, aa, zy.sum(dim=0)
 
 
+def _torch_rows(n: int, v: int) -> int:
+    """Rows per chunk of the torch path: the chunk budget, and at most half the rows, so the extra memory stays
+    below half of the fp32 logits even for small problems."""
+    return max(1, min(rows_per_chunk(v), max(8, -(-n // 2))))
+
+
 def _fwd_stats_torch(h, w, idx, owns, inv_temp, has_ent):
+    # One [rows, V] fp32 buffer: logits, shifted in place; exp(z − m) exists only one column block at a time.
     n = h.shape[0]
     v = w.shape[0]
     w32 = w.float()
     m, s, zy = (torch.empty(n, dtype=torch.float32, device=h.device) for _ in range(3))
     a = torch.empty(n, dtype=torch.float32, device=h.device) if has_ent else None
-    step = min(rows_per_chunk(v), max(n, 1))
-    zbuf = torch.empty(step, v, dtype=torch.float32, device=h.device)
-    ebuf = torch.empty_like(zbuf) if has_ent else None
+    step = _torch_rows(n, v)
+    zbuf = torch.empty(min(step, n), v, dtype=torch.float32, device=h.device)
+    col = cols_per_block(min(step, n)) if has_ent else v
     for r0 in range(0, n, step):
         sl = slice(r0, min(r0 + step, n))
         c = sl.stop - sl.start
@@ -201,42 +183,37 @@ def _fwd_stats_torch(h, w, idx, owns, inv_temp, has_ent):
         mc = z.amax(dim=1)
         z.sub_(mc.unsqueeze(1))
         m[sl] = mc
-        if has_ent:
-            e = torch.exp(z, out=ebuf[:c])
-            s[sl] = e.sum(dim=1)
-            a[sl] = torch.linalg.vecdot(e, z)
-        else:
+        if not has_ent:
             s[sl] = z.exp_().sum(dim=1)
+            continue
+        sc = torch.zeros(c, dtype=torch.float32, device=h.device)
+        ac = torch.zeros(c, dtype=torch.float32, device=h.device)
+        for j in range(0, v, col):
+            zb = z[:, j : j + col]
+            e = torch.exp(zb)
+            sc += e.sum(dim=1)
+            ac += torch.linalg.vecdot(e, zb)
+        s[sl] = sc
+        a[sl] = ac
     return m, s, a, zy
 
 
 def _bwd_triton(h, w, yl, lse, ent, g, k, inv_temp, need_h, need_w):
-    n, hdim = h.shape
-    v = w.shape[0]
-    gz_dtype = h.dtype
-    elt = torch.empty((), dtype=gz_dtype).element_size()
-    vc = _common.TRITON_GRAD_CHUNK_BYTES // max(1, n * elt)
-    vc = min(v, max(128, (vc // 128) * 128))
-    gbuf = torch.empty(n, vc, dtype=gz_dtype, device=h.device)
-    gh = torch.zeros(n, hdim, dtype=torch.float32, device=h.device) if need_h else None
-    gw = torch.empty_like(w) if need_w else None
+    # |∂/∂z_j| ≤ |g| + |k|·(1/e + H) per row (p·|log p| ≤ 1/e, Σ p = 1): the bound the fp16 scale is taken from.
+    bound = g.abs() if k is None else g.abs() + k.abs() * (0.5 + ent.clamp_min(0))
+    scale = grad_scale(bound, h.dtype)
     kk = k if k is not None else g
-    for c0 in range(0, v, vc):
-        c = min(vc, v - c0)
-        gz = gbuf[:, :c]
-        grid = lambda meta, c=c: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(c, meta["BLOCK_V"]))
-        _linear_logprobs_bwd_kernel[grid](
-            h, w, yl, lse, ent, g, kk, gz, n, c, hdim, c0, h.stride(0), w.stride(0), gz.stride(0), inv_temp,
-            HAS_ENT=k is not None, UPCAST=interpret_mode(), PREC=triton_dot_precision(h.dtype),
-        )  # fmt: skip
-        if need_w:
-            torch.mm(gz.t(), h, out=gw[c0 : c0 + c])
-        if need_h:
-            if gh.dtype == gz.dtype:
-                gh.addmm_(gz, w[c0 : c0 + c])
-            else:
-                gh += torch.mm(gz, w[c0 : c0 + c]).float()
-    return gh, gw
+
+    def fill(gz, c0, c):
+        grid = lambda meta: (triton.cdiv(h.shape[0], meta["BLOCK_N"]), triton.cdiv(c, meta["BLOCK_V"]))
+        with device_guard(h):
+            _linear_logprobs_bwd_kernel[grid](
+                h, w, yl, lse, ent, g, kk, scale, gz, h.shape[0], c, h.shape[1], c0, h.stride(0), w.stride(0),
+                gz.stride(0), inv_temp, HAS_ENT=k is not None, UPCAST=interpret_mode(),
+                PREC=triton_dot_precision(h.dtype),
+            )  # fmt: skip
+
+    return contract_grad_chunks(h, w, fill, need_h, need_w, scale=scale)
 
 
 def _bwd_torch(h, w, idx, owns, lse, ent, g, k, inv_temp, need_h, need_w):
@@ -245,7 +222,7 @@ def _bwd_torch(h, w, idx, owns, lse, ent, g, k, inv_temp, need_h, need_w):
     w32 = w.float()
     gh = torch.empty(n, hdim, dtype=torch.float32, device=h.device) if need_h else None
     gw = torch.zeros(v, hdim, dtype=torch.float32, device=h.device) if need_w else None
-    step = min(rows_per_chunk(v), max(n, 1))
+    step = _torch_rows(n, v)
     zbuf = torch.empty(step, v, dtype=torch.float32, device=h.device)
     pbuf = torch.empty_like(zbuf) if k is not None else None
     for r0 in range(0, n, step):
@@ -276,48 +253,57 @@ def _bwd_torch(h, w, idx, owns, lse, ent, g, k, inv_temp, need_h, need_w):
     return gh, gw
 
 
+def _forward(h, w, y, inv_temp, ignore_index, has_ent, backend, group):
+    """Stats pass shared by the autograd forward and the no-grad path: per-row ``(lse, logp, entropy)`` and what
+    the backward needs (``h0``: hidden with ignored rows zeroed; the label's local index and owner mask)."""
+    v_local = w.shape[0]
+    v_off, _ = shard_offset(v_local, group)
+    valid = y != ignore_index
+    y_loc = y - v_off
+    owns = valid & (y_loc >= 0) & (y_loc < v_local)
+    idx = torch.where(owns, y_loc, 0)
+    h0 = zero_ignored_rows(h, valid)
+    if backend == "triton" and h.shape[0] > 0:
+        yl = torch.where(owns, y_loc, -1)
+        m, s, a, zy = _fwd_stats_triton(h0, w, yl, inv_temp, has_ent)
+    else:
+        yl = None
+        m, s, a, zy = _fwd_stats_torch(h0, w, idx, owns, inv_temp, has_ent)
+    if group is not None:
+        m, s, a, extra = allreduce_stats(m, s, a, zy.unsqueeze(0), group)
+        zy = extra[0]
+    log_s = torch.log(s)
+    lse = m + log_s
+    lp = torch.where(valid, zy - lse, 0.0)
+    if has_ent:
+        ent = torch.where(valid, log_s - a / s, 0.0)
+    else:
+        ent = torch.zeros(0, dtype=torch.float32, device=h.device)
+    return lp, ent, (h0, valid, idx, owns, lse, yl)
+
+
 class LinearTokenLogprobsFunction(torch.autograd.Function):
     """autograd.Function over ``hidden [N, H]``, ``weight [V_local, H]`` and flat ``labels [N]``; returns
     ``(logp, entropy)`` (entropy empty when not requested)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, ignore_index, return_entropy, backend, group):
+    def forward(ctx, hidden, weight, labels, temperature, ignore_index, return_entropy, backend, group, reduce_gh):
         inv_temp = 1.0 / temperature
-        v_local = weight.shape[0]
-        v_off, _ = shard_offset(v_local, group)
-        valid = labels != ignore_index
-        y_loc = labels - v_off
-        owns = valid & (y_loc >= 0) & (y_loc < v_local)
-        idx = torch.where(owns, y_loc, 0)
-        h0 = zero_ignored_rows(hidden, valid)
-        if backend == "triton" and hidden.shape[0] > 0:
-            yl = torch.where(owns, y_loc, -1)
-            m, s, a, zy = _fwd_stats_triton(h0, weight, yl, inv_temp, return_entropy)
-        else:
-            yl = None
-            m, s, a, zy = _fwd_stats_torch(h0, weight, idx, owns, inv_temp, return_entropy)
-        if group is not None:
-            m, s, a, extra = allreduce_stats(m, s, a, zy.unsqueeze(0), group)
-            zy = extra[0]
-        log_s = torch.log(s)
-        lse = m + log_s
-        lp = torch.where(valid, zy - lse, 0.0)
-        if return_entropy:
-            ent = torch.where(valid, log_s - a / s, 0.0)
-        else:
-            ent = torch.zeros(0, dtype=torch.float32, device=hidden.device)
+        lp, ent, (h0, valid, idx, owns, lse, yl) = _forward(
+            hidden, weight, labels, inv_temp, ignore_index, return_entropy, backend, group
+        )
         ctx.save_for_backward(h0, weight, valid, idx, owns, lse, ent, yl)
-        ctx.cfg = (inv_temp, return_entropy, backend, group)
+        ctx.cfg = (inv_temp, return_entropy, backend, group, reduce_gh)
         ctx.set_materialize_grads(False)
         return lp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         h0, weight, valid, idx, owns, lse, ent, yl = ctx.saved_tensors
-        inv_temp, has_ent, backend, group = ctx.cfg
+        inv_temp, has_ent, backend, group, reduce_gh = ctx.cfg
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_h or need_w) or (g_lp is None and g_ent is None):
-            return (None,) * 8
+            return (None,) * 9
         n = h0.shape[0]
         zero = torch.zeros((), dtype=torch.float32, device=h0.device)
         g = torch.where(valid, g_lp.float(), zero) if g_lp is not None else zero.expand(n).clone()
@@ -327,52 +313,17 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
             gh, gw = _bwd_triton(h0, weight, yl, lse, ent_used, g, k, inv_temp, need_h, need_w)
         else:
             gh, gw = _bwd_torch(h0, weight, idx, owns, lse, ent_used, g, k, inv_temp, need_h, need_w)
-        if need_h and group is not None:
+        if need_h and group is not None and reduce_gh:
             import torch.distributed as dist
 
             dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=group)
         gh = gh.to(h0.dtype) if need_h else None
         gw = gw.to(weight.dtype) if need_w else None
-        return gh, gw, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None
 
 
-def linear_token_logprobs(
-    hidden: Float[Tensor, "*batch H"],
-    weight: Float[Tensor, "V H"],
-    labels: Int[Tensor, "*batch"],
-    *,
-    temperature: float = 1.0,
-    ignore_index: int = -100,
-    return_entropy: bool = False,
-    process_group: Any = None,
-    backend: str | None = None,
-) -> Float[Tensor, "*batch"] | tuple[Float[Tensor, "*batch"], Float[Tensor, "*batch"]]:
-    """Per-token label log-prob (and entropy) of ``hidden @ weight.T`` without materialising the logits, in fp32.
-
-    Formula: ``z = (hidden @ weightᵀ) / temperature`` (fp32 accumulation); ``logp = z[label] − logsumexp(z)``;
-    ``entropy = logsumexp(z) − Σ softmax(z)·z`` (natural log). Same outputs as
-    ``token_logprobs(hidden @ weight.T, labels, ...)``.
-
-    Ignored positions (``labels == ignore_index``) give 0 for both outputs and no gradient; their hidden rows are
-    replaced by 0 before any product (NaN/inf there cannot leak). Differentiable w.r.t. ``hidden`` and ``weight``
-    (also through the entropy); the backward recomputes the logits blockwise. Extra memory is one chunk of logits
-    (torch path: ~64 MiB of fp32 rows, plus an fp32 copy of ``weight`` when it is bf16/fp16; Triton: a
-    ``[N, vocab-chunk]`` gradient block of ≤ 256 MiB) and O(N) fp32 stats, never ``[N, V]``.
-
-    Args:
-        hidden: ``[..., H]`` hidden states (fp32/bf16/fp16).
-        weight: ``[V, H]`` LM head (same dtype as ``hidden``); with ``process_group``, this rank's ``[V/world, H]``
-            contiguous vocabulary shard.
-        labels: ``[...]`` global token ids in ``[0, V)`` (``V`` = full vocabulary) or ``ignore_index``.
-        temperature: > 0; logits are divided by it.
-        return_entropy: also return the per-token entropy.
-        process_group: a ``torch.distributed`` group over which ``weight`` is vocab-sharded (see module docstring).
-        backend: ``None``/``"auto"`` (Triton on CUDA, torch otherwise), ``"triton"`` or ``"torch"``.
-
-    Raises ``ValueError`` naming the argument for non-floating inputs, mismatched dtypes, a ``weight`` whose
-    second dimension is not ``hidden.shape[-1]``, a labels shape other than ``hidden.shape[:-1]``, or a label out of
-    range (one host sync; skipped under ``torch.compile``).
-    """
+def _prepare(hidden, weight, labels, mask, temperature, ignore_index, backend, process_group):
+    """Checks shared by the public wrappers; returns flat ``(h, w, y)``, the temperature and the backend."""
     check_float_input("hidden", hidden)
     check_float_input("weight", weight)
     if hidden.dim() < 1:
@@ -382,18 +333,81 @@ def linear_token_logprobs(
                          f"got {shape_str(weight)}")
     if weight.dtype != hidden.dtype:
         raise ArgumentError(f"weight: expected the dtype of hidden ({hidden.dtype}), got {weight.dtype}")
+    check_same_device(hidden=hidden, weight=weight, labels=labels, mask=mask)
     temperature = check_temperature(temperature)
     _, v_full = shard_offset(weight.shape[0], process_group)
-    y = check_labels(labels, hidden.shape[:-1], v_full, ignore_index, like="hidden")
+    lead = hidden.shape[:-1]
+    y = check_labels(labels, lead, v_full, ignore_index, like="hidden")
+    y = apply_mask(y, mask, lead, ignore_index, like="labels")
     backend = resolve_backend(backend, hidden, weight)
     h = hidden.reshape(-1, hidden.shape[-1])
     if h.stride(-1) != 1:
         h = h.contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
-    lp, ent = LinearTokenLogprobsFunction.apply(
-        h, w, y, temperature, int(ignore_index), bool(return_entropy), backend, process_group
+    return h, w, y, temperature, backend
+
+
+def linear_token_logprobs(
+    hidden: Float[Tensor, "*batch H"],
+    weight: Float[Tensor, "V H"],
+    labels: Int[Tensor, "*batch"],
+    *,
+    mask: Bool[Tensor, "*batch"] | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    process_group: Any = None,
+    allreduce_grad_hidden: bool = True,
+    backend: str | None = None,
+) -> Float[Tensor, "*batch"] | tuple[Float[Tensor, "*batch"], Float[Tensor, "*batch"]]:
+    """Per-token label log-prob (and entropy) of ``hidden @ weight.T`` without materialising the logits, in fp32.
+
+    Formula: ``z = (hidden @ weightᵀ) / temperature`` (fp32 accumulation); ``logp = z[label] − logsumexp(z)``;
+    ``entropy = logsumexp(z) − Σ softmax(z)·z`` (natural log). Same outputs as
+    ``token_logprobs(hidden @ weight.T, labels, ...)``.
+
+    Masked positions (``mask`` false, or ``labels == ignore_index``) give 0 for both outputs and no gradient;
+    their hidden rows are replaced by 0 before any product (NaN/inf there cannot leak). Differentiable w.r.t.
+    ``hidden`` and ``weight`` (also through the entropy); the backward recomputes the logits blockwise. Extra
+    memory is one chunk of logits (torch path: ≤ ~64 MiB of fp32 rows and at most half the rows, plus an fp32 copy
+    of ``weight`` when it is bf16/fp16; Triton: a ``[N, vocab-chunk]`` gradient block of ≤ 256 MiB, and an fp32
+    ``[N, H]`` grad-hidden accumulator) and O(N) fp32 stats, never ``[N, V]``. Without grad (``torch.no_grad``
+    or inputs that do not require grad) nothing is kept for a backward.
+
+    Args:
+        hidden: ``[..., H]`` hidden states (fp32/bf16/fp16).
+        weight: ``[V, H]`` LM head (same dtype as ``hidden``); with ``process_group``, this rank's ``[V/world, H]``
+            contiguous vocabulary shard.
+        labels: ``[...]`` global token ids in ``[0, V)`` (``V`` = full vocabulary) or ``ignore_index``.
+        mask: optional ``[...]`` bool (or 0/1) mask of the positions to compute; false acts as ``ignore_index``.
+        temperature: > 0; logits are divided by it.
+        return_entropy: also return the per-token entropy.
+        process_group: a ``torch.distributed`` group over which ``weight`` is vocab-sharded (megatron-core's
+            vocab-parallel output layer: equal contiguous shards, rank r holds rows ``[r·V_local, (r+1)·V_local)``);
+            ``hidden`` is replicated and the outputs are the unsharded values on every rank.
+        allreduce_grad_hidden: with ``process_group``, each rank's ``grad_hidden`` covers only its vocabulary
+            shard, and by default the op all-reduces (SUM) it over the group, so ``hidden.grad`` is complete.
+            Pass ``False`` when ``hidden`` already went through megatron's ``copy_to_tensor_model_parallel_region``
+            (the input of a ``ColumnParallelLinear``): that region's backward performs the same all-reduce, and doing
+            it here too would count every shard ``world`` times. ``grad_weight`` always stays local to the shard.
+        backend: ``None``/``"auto"`` (Triton on CUDA, torch otherwise), ``"triton"`` or ``"torch"``.
+
+    Raises ``ValueError`` (``ArgumentError``) naming the argument for non-floating inputs, mismatched dtypes or
+    devices, a ``weight`` whose second dimension is not ``hidden.shape[-1]``, a labels/mask shape other than
+    ``hidden.shape[:-1]``, or a label out of range (one host sync; skipped under ``torch.compile``).
+    """
+    h, w, y, temperature, backend = _prepare(
+        hidden, weight, labels, mask, temperature, ignore_index, backend, process_group
     )
     lead = hidden.shape[:-1]
+    if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
+        lp, ent = LinearTokenLogprobsFunction.apply(
+            h, w, y, temperature, int(ignore_index), bool(return_entropy), backend, process_group,
+            bool(allreduce_grad_hidden),
+        )  # fmt: skip
+    else:
+        lp, ent, _ = _forward(h, w, y, 1.0 / temperature, int(ignore_index), bool(return_entropy), backend,
+                              process_group)  # fmt: skip
     if return_entropy:
         return lp.reshape(lead), ent.reshape(lead)
     return lp.reshape(lead)

@@ -5,6 +5,8 @@ and optionally the entropy ``H = logsumexp(z) − Σ_j softmax(z)_j·z_j``. Noth
 backward except the input logits themselves; the softmax is recomputed blockwise from them and the per-row
 ``logsumexp`` and entropy saved by the forward.
 
+``−inf`` logits are valid (probability 0; every ``0·(−inf)`` is guarded).
+
 Gradients (``g`` = upstream grad of logp, ``k`` = upstream grad of the entropy, ``p = softmax(z)``):
 ``∂/∂z_j = g·(δ_jy − p_j) − k·p_j·(log p_j + H)`` and ``∂/∂logits = (∂/∂z) / T``.
 """
@@ -12,15 +14,18 @@ Gradients (``g`` = upstream grad of logp, ``k`` = upstream grad of the entropy, 
 from __future__ import annotations
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from rlblocks.errors import ArgumentError
 from rlblocks.kernels._common import (
+    apply_mask,
     check_float_input,
     check_labels,
+    check_same_device,
     check_temperature,
-    interpret_mode,
+    cols_per_block,
+    device_guard,
     resolve_backend,
     rows_per_chunk,
     triton_available,
@@ -30,50 +35,41 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    def _configs():
-        if interpret_mode():
-            return [triton.Config({"BLOCK_V": 128}, num_warps=4)]
-        return [triton.Config({"BLOCK_V": bv}, num_warps=w) for bv, w in ((2048, 8), (4096, 8), (8192, 16))]
+    from rlblocks.kernels._tiles import online_update, row_configs
 
-    @triton.autotune(configs=_configs(), key=["V", "HAS_ENT"])
+    @triton.autotune(configs=row_configs(), key=["V", "HAS_ENT"])
     @triton.jit
     def _token_logprobs_fwd_kernel(
         x_ptr, y_ptr, lp_ptr, ent_ptr, lse_ptr,
         V, stride_x, inv_temp, ignore_index,
         HAS_ENT: tl.constexpr, BLOCK_V: tl.constexpr,
     ):  # fmt: skip
-        # One program per row; one pass over the vocabulary with an online max / Σexp / Σexp·(z−m).
+        # One program per row; one pass over the vocabulary with the online (m, s, a) of _tiles.online_update on a
+        # [1, BLOCK_V] tile (−inf logits are masked entries: probability 0).
         row = tl.program_id(0).to(tl.int64)
+        one = tl.arange(0, 1)
         y = tl.load(y_ptr + row)
         valid = y != ignore_index
         v_read = tl.where(valid, V, 0)  # ignored rows read nothing (a scalar-bool mask is not portable)
-        m = -float("inf")
-        s = 0.0
-        a = 0.0
-        zy = 0.0
+        m = tl.full([1], -float("inf"), tl.float32)
+        s = tl.zeros([1], tl.float32)
+        a = tl.zeros([1], tl.float32)
+        zy = tl.zeros([1], tl.float32)
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
             in_v = cols < V
             z = tl.load(x_ptr + row * stride_x + cols, mask=cols < v_read, other=0.0).to(tl.float32) * inv_temp
-            z = tl.where(in_v, z, -float("inf"))
-            m_new = tl.maximum(m, tl.max(z, axis=0))
-            alpha = tl.exp(m - m_new)
-            e = tl.exp(z - m_new)
-            if HAS_ENT:
-                dm = tl.where(s > 0, m - m_new, 0.0)
-                d = tl.where(in_v, z - m_new, 0.0)
-                a = alpha * (a + dm * s) + tl.sum(e * d, axis=0)
-            s = alpha * s + tl.sum(e, axis=0)
-            zy += tl.sum(tl.where(cols == y, z, 0.0), axis=0)
-            m = m_new
+            z = tl.where(in_v, z, -float("inf"))[None, :]
+            zy += tl.sum(tl.where(cols[None, :] == y, z, 0.0), axis=1)
+            m, s, a = online_update(m, s, a, z, HAS_ENT)
         log_s = tl.log(s)
         lse = m + log_s
-        tl.store(lse_ptr + row, lse)
-        tl.store(lp_ptr + row, tl.where(valid, zy - lse, 0.0))
+        tl.store(lse_ptr + row + one, lse)
+        tl.store(lp_ptr + row + one, tl.where(valid, zy - lse, 0.0))
         if HAS_ENT:
-            tl.store(ent_ptr + row, tl.where(valid, log_s - a / s, 0.0))
+            tl.store(ent_ptr + row + one, tl.where(valid, log_s - a / s, 0.0))
 
-    @triton.autotune(configs=_configs(), key=["V", "HAS_ENT"])
+    @triton.autotune(configs=row_configs(), key=["V", "HAS_ENT"])
     @triton.jit
     def _token_logprobs_bwd_kernel(
         x_ptr, y_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, gx_ptr,
@@ -96,7 +92,7 @@ if triton_available():
             lp = z - lse
             p = tl.exp(lp)
             if HAS_ENT:
-                gz = p * (-g - k * (lp + ent))
+                gz = tl.where(p > 0, p * (-g - k * (lp + ent)), 0.0)  # p = 0 (a −inf logit): no 0·(−inf)
             else:
                 gz = -g * p
             gz += tl.where(cols == y, g, 0.0)
@@ -105,11 +101,15 @@ if triton_available():
 
 
 def _fwd_torch(x, y, valid, inv_temp, has_ent):
+    # One fp32 [rows, V] copy per chunk, shifted in place; exp(z − m) exists one column block at a time. −inf
+    # logits are clamped to the most negative finite float after their exp (0) is taken, so e·z has no 0·(−inf).
     n, v = x.shape
     lp = torch.zeros(n, dtype=torch.float32, device=x.device)
     ent = torch.zeros(n if has_ent else 0, dtype=torch.float32, device=x.device)
     lse = torch.empty(n, dtype=torch.float32, device=x.device)
     step = rows_per_chunk(v)
+    col = cols_per_block(min(step, max(n, 1)))
+    lowest = torch.finfo(torch.float32).min
     for r0 in range(0, n, step):
         sl = slice(r0, r0 + step)
         vc = valid[sl]
@@ -117,13 +117,18 @@ def _fwd_torch(x, y, valid, inv_temp, has_ent):
         zy = z.gather(1, torch.where(vc, y[sl], 0).unsqueeze(1)).squeeze(1)
         m = z.amax(dim=1)
         z.sub_(m.unsqueeze(1))
-        e = torch.exp(z)
-        s = e.sum(dim=1)
+        s = torch.zeros_like(m)
+        a = torch.zeros_like(m)
+        for j in range(0, v, col):
+            zb = z[:, j : j + col]
+            e = torch.exp(zb)
+            s += e.sum(dim=1)
+            if has_ent:
+                a += torch.linalg.vecdot(e, zb.clamp_(min=lowest))
         log_s = torch.log(s)
         lse[sl] = m + log_s
         lp[sl] = torch.where(vc, zy - m - log_s, 0.0)
         if has_ent:
-            a = torch.linalg.vecdot(e, z)
             ent[sl] = torch.where(vc, log_s - a / s, 0.0)
     return lp, ent, lse
 
@@ -140,12 +145,30 @@ def _bwd_torch(x, y, valid, lse, ent, g, k, inv_temp):
         if k is not None:
             kc = torch.where(vc, k[sl], 0.0)
             p = torch.exp(lp)
+            # Where p = 0 (a −inf logit, or an underflow) the clamp keeps (log p + H)·k finite, so the product with
+            # p is 0 instead of 0·(−inf); wherever p > 0, log p > −104 and the clamp changes nothing.
+            lp.clamp_(min=-1e4)
             gz = lp.add_(ent[sl].unsqueeze(1)).mul_(-kc.unsqueeze(1)).sub_(gc.unsqueeze(1)).mul_(p)
         else:
             gz = lp.exp_().mul_(-gc.unsqueeze(1))
         gz.scatter_add_(1, torch.where(vc, y[sl], 0).unsqueeze(1), gc.unsqueeze(1))
         gx[sl] = gz.mul_(inv_temp)
     return gx
+
+
+def _forward(logits, labels, inv_temp, ignore_index, has_ent, backend):
+    n, v = logits.shape
+    if backend == "triton" and n > 0:
+        lp = torch.empty(n, dtype=torch.float32, device=logits.device)
+        ent = torch.empty(n if has_ent else 0, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        with device_guard(logits):
+            _token_logprobs_fwd_kernel[(n,)](  # never hand Triton an empty tensor: lse stands in when unused
+                logits, labels, lp, ent if has_ent else lse, lse, v, logits.stride(0), inv_temp, ignore_index,
+                HAS_ENT=has_ent,
+            )  # fmt: skip
+        return lp, ent, lse
+    return _fwd_torch(logits, labels, labels != ignore_index, inv_temp, has_ent)
 
 
 class TokenLogprobsFunction(torch.autograd.Function):
@@ -155,18 +178,7 @@ class TokenLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, temperature, ignore_index, return_entropy, backend):
         inv_temp = 1.0 / temperature
-        valid = labels != ignore_index
-        n, v = logits.shape
-        if backend == "triton" and n > 0:
-            lp = torch.empty(n, dtype=torch.float32, device=logits.device)
-            ent = torch.empty(n if return_entropy else 0, dtype=torch.float32, device=logits.device)
-            lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-            _token_logprobs_fwd_kernel[(n,)](  # never hand Triton an empty tensor: lse stands in when unused
-                logits, labels, lp, ent if return_entropy else lse, lse, v, logits.stride(0), inv_temp, ignore_index,
-                HAS_ENT=return_entropy,
-            )  # fmt: skip
-        else:
-            lp, ent, lse = _fwd_torch(logits, labels, valid, inv_temp, return_entropy)
+        lp, ent, lse = _forward(logits, labels, inv_temp, ignore_index, return_entropy, backend)
         ctx.save_for_backward(logits, labels, lse, ent)
         ctx.cfg = (inv_temp, ignore_index, return_entropy, backend)
         ctx.mark_non_differentiable(lse)
@@ -185,10 +197,11 @@ class TokenLogprobsFunction(torch.autograd.Function):
         if backend == "triton" and n > 0:
             gx = torch.empty_like(logits)
             kk = k if k is not None else g
-            _token_logprobs_bwd_kernel[(n,)](
-                logits, labels, lse, ent if k is not None else lse, g.contiguous(), kk.contiguous(), gx,
-                v, logits.stride(0), gx.stride(0), inv_temp, ignore_index, HAS_ENT=k is not None,
-            )  # fmt: skip
+            with device_guard(logits):
+                _token_logprobs_bwd_kernel[(n,)](
+                    logits, labels, lse, ent if k is not None else lse, g.contiguous(), kk.contiguous(), gx,
+                    v, logits.stride(0), gx.stride(0), inv_temp, ignore_index, HAS_ENT=k is not None,
+                )  # fmt: skip
         else:
             gx = _bwd_torch(logits, labels, labels != ignore_index, lse, ent, g, k, inv_temp)
         return gx, None, None, None, None, None
@@ -198,6 +211,7 @@ def token_logprobs(
     logits: Float[Tensor, "*batch V"],
     labels: Int[Tensor, "*batch"],
     *,
+    mask: Bool[Tensor, "*batch"] | None = None,
     temperature: float = 1.0,
     ignore_index: int = -100,
     return_entropy: bool = False,
@@ -208,13 +222,17 @@ def token_logprobs(
     Formula: ``z = logits / temperature``; ``logp = z[label] − logsumexp(z)``; ``entropy = logsumexp(z) − Σ p·z``
     with ``p = softmax(z)`` (natural log). Inputs fp32/bf16/fp16, all math in fp32.
 
-    Ignored positions (``labels == ignore_index``) give 0 for both outputs and no gradient; their logits are never
-    read into a sum. Differentiable w.r.t. ``logits``, through both outputs. Memory: the backward keeps only the
+    Masked positions (``mask`` false, or ``labels == ignore_index``) give 0 for both outputs and no gradient; their
+    logits are never read into a sum. ``−inf`` logits (masked vocabulary entries, e.g. a top-k / top-p sampling
+    mask) are valid: they have probability 0 and contribute nothing (a label at a ``−inf`` logit has
+    ``logp = −inf``); a row whose logits are all ``−inf`` has no distribution and gives NaN.
+    Differentiable w.r.t. ``logits``, through both outputs. Memory: the backward keeps only the
     logits and two fp32 numbers per row; the torch path works on row chunks of about 64 MiB of fp32.
 
     Args:
         logits: ``[..., V]`` floating logits.
         labels: ``[...]`` integer token ids in ``[0, V)`` or ``ignore_index``.
+        mask: optional ``[...]`` bool (or 0/1) mask of the positions to compute; false acts as ``ignore_index``.
         temperature: the sampling temperature (> 0); logits are divided by it.
         return_entropy: also return the per-token entropy.
         backend: ``None``/``"auto"`` (Triton on CUDA, torch otherwise), ``"triton"`` or ``"torch"``.
@@ -228,13 +246,18 @@ def token_logprobs(
         raise ArgumentError(f"logits: expected shape [..., V] with V > 0, got {list(logits.shape)}")
     temperature = check_temperature(temperature)
     v = logits.shape[-1]
-    y = check_labels(labels, logits.shape[:-1], v, ignore_index, like="logits")
+    check_same_device(logits=logits, labels=labels, mask=mask)
+    lead = logits.shape[:-1]
+    y = check_labels(labels, lead, v, ignore_index, like="logits")
+    y = apply_mask(y, mask, lead, ignore_index, like="labels")
     backend = resolve_backend(backend, logits)
     x = logits.reshape(-1, v)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    lp, ent, _ = TokenLogprobsFunction.apply(x, y, temperature, int(ignore_index), bool(return_entropy), backend)
-    lead = logits.shape[:-1]
+    if torch.is_grad_enabled() and x.requires_grad:
+        lp, ent, _ = TokenLogprobsFunction.apply(x, y, temperature, int(ignore_index), bool(return_entropy), backend)
+    else:
+        lp, ent, _ = _forward(x, y, 1.0 / temperature, int(ignore_index), bool(return_entropy), backend)
     if return_entropy:
         return lp.reshape(lead), ent.reshape(lead)
     return lp.reshape(lead)

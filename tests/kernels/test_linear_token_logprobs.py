@@ -131,3 +131,50 @@ def test_torch_path_never_materialises_n_by_v(ref, small_chunks, entropy):
     assert mode.largest <= max(vocab * hdim, 8 * vocab), mode.largest
     assert mode.largest <= n * vocab // 16
     assert max(t.numel() for t in saved) <= vocab * hdim
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=NEEDS_TRITON)])
+def test_mask_like_every_block(ref, backend):
+    """mask=False positions: logp 0, entropy 0, no gradient, and NaN/inf in their hidden rows never leak; the
+    rest equals the float64 reference (mask and ignore_index combine)."""
+    n, hdim, vocab = (37, 24, 300) if backend == "triton" else (120, 32, 1001)
+    hidden, weight, labels = _case(ref, (n,), hdim, vocab, seed=6)
+    g = torch.Generator().manual_seed(6)
+    mask = torch.rand(n, generator=g) > 0.3
+    mask[0] = False
+    hidden[~mask & (labels != ref.IGNORE)] = float("inf")  # masked rows hold garbage too
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = linear_token_logprobs(h, w, labels, mask=mask, temperature=0.9, return_entropy=True, backend=backend)
+    keep = mask & (labels != ref.IGNORE)
+    y_ref = torch.where(keep, labels, ref.IGNORE)
+    hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    want_lp, want_ent = ref.linear(hr, wr, y_ref, 0.9)
+    c = torch.randn(n, generator=g, dtype=torch.float64)
+    ((lp.double() + ent.double()) * c).sum().backward()
+    ((want_lp + want_ent) * c).sum().backward()
+    ref.assert_close(lp, want_lp, 1e-5, "logp")
+    ref.assert_close(ent, want_ent, 1e-5, "entropy")
+    assert (lp[~keep] == 0).all() and (ent[~keep] == 0).all()
+    assert torch.isfinite(h.grad).all() and (h.grad[~keep] == 0).all()
+    ref.assert_close(h.grad, hr.grad, 1e-5, "grad hidden")
+    ref.assert_close(w.grad, wr.grad, 1e-5, "grad weight")
+    # an int 0/1 mask means the same; a mask of another shape is refused, naming the argument
+    lp01 = linear_token_logprobs(hidden, weight, labels, mask=mask.int(), temperature=0.9, backend=backend)
+    assert torch.equal(lp01, lp.detach())
+    with pytest.raises(ValueError, match=r"mask: expected the shape of labels"):
+        linear_token_logprobs(hidden, weight, labels, mask=mask[:-1], backend=backend)
+
+
+def test_token_logprobs_mask(ref):
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 50, 70, generator=g)
+    labels = ref.make_labels((6, 50), 70, seed=7)
+    mask = torch.rand(6, 50, generator=g) > 0.5
+    logits[~mask] = float("nan")
+    x = logits.clone().requires_grad_()
+    lp, ent = token_logprobs(x, labels, mask=mask, return_entropy=True)
+    (lp.sum() + ent.sum()).backward()
+    want_lp, want_ent = ref.token_logprobs(logits, torch.where(mask, labels, ref.IGNORE))
+    ref.assert_close(lp, want_lp, 1e-5, "logp")
+    ref.assert_close(ent, want_ent, 1e-5, "entropy")
+    assert torch.isfinite(x.grad).all() and (x.grad[~mask] == 0).all()

@@ -33,11 +33,11 @@ def _case(backend, rank, n, hdim, vocab, entropy):
     c1, c2 = torch.randn(n, generator=g), torch.randn(n, generator=g)
     shard = vocab // WORLD
 
-    def run(w_full_or_shard, group):
+    def run(w_full_or_shard, group, reduce=True):
         h = hidden.clone().requires_grad_()
         w = w_full_or_shard.clone().requires_grad_()
         out = linear_token_logprobs(h, w, labels, temperature=0.8, return_entropy=entropy,
-                                    process_group=group, backend=backend)
+                                    process_group=group, allreduce_grad_hidden=reduce, backend=backend)
         lp, ent = out if entropy else (out, None)
         loss = (lp * c1).sum() + ((ent * c2).sum() if entropy else 0)
         loss.backward()
@@ -51,6 +51,14 @@ def _case(backend, rank, n, hdim, vocab, entropy):
         _check(f"{tag} entropy", ent.detach(), ent_ref.detach(), 1e-5)
     _check(f"{tag} grad hidden", gh, gh_ref, 1e-5)
     _check(f"{tag} grad weight shard", gw, gw_ref[rank * shard : (rank + 1) * shard], 1e-5)
+    # A caller whose hidden state went through megatron's copy-to-TP region (its backward all-reduces) passes
+    # allreduce_grad_hidden=False: each rank then returns its shard's contribution, and their SUM is the gradient.
+    _, _, gh_local, _ = run(weight[rank * shard : (rank + 1) * shard], dist.group.WORLD, reduce=False)
+    if (gh_local - gh_ref).abs().max() < 1e-3:
+        raise AssertionError(f"{tag} allreduce_grad_hidden=False still returned the reduced gradient")
+    summed = gh_local.clone()
+    dist.all_reduce(summed)
+    _check(f"{tag} grad hidden, reduced by the caller", summed, gh_ref, 1e-5)
 
 
 def _worker(rank, init_file, backends):

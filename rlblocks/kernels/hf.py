@@ -1,0 +1,166 @@
+"""Per-token log-probs (and entropy) of a Hugging Face causal LM, aligned with ``rlblocks.rollout.RolloutBatch``.
+
+``causal_lm_logprobs(model, input_ids, prompt_lens, response_mask)`` runs the model's decoder body (every layer and
+the final norm, not the LM head), takes the hidden state that predicts each response token and calls
+``linear_token_logprobs`` with the LM head's weight, so the ``[B, L, V]`` logits are never materialised. The label
+shift and the slicing are done here:
+
+- response position ``t`` of row ``b`` is the token at sequence position ``P_b + t`` (``P_b = prompt_lens[b]``),
+- it is predicted from the hidden state at sequence position ``P_b + t − 1``,
+
+which is the layout of ``RolloutBatch`` (``input_ids [B, L]`` right-padded, response-aligned ``[B, T]`` tensors), so
+``logp`` lines up with ``batch.rollout_logp`` element by element.
+
+Nothing here imports transformers: the model is used through ``get_output_embeddings()`` and its decoder body
+(``get_decoder()``, else the ``base_model_prefix`` attribute; a PEFT model is unwrapped with ``get_base_model()``
+first, its adapters stay active).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor, nn
+
+from rlblocks._validate import as_bool_mask, check_ndim, check_tensor, shape_str
+from rlblocks.errors import ArgumentError
+from rlblocks.kernels._common import check_temperature
+from rlblocks.kernels.linear_logprobs import linear_token_logprobs
+
+
+def _decoder_body(model: nn.Module) -> nn.Module:
+    get_decoder = getattr(model, "get_decoder", None)
+    if callable(get_decoder):
+        body = get_decoder()
+        if body is not None and body is not model:
+            return body
+    prefix = getattr(model, "base_model_prefix", None)
+    body = getattr(model, prefix, None) if isinstance(prefix, str) else None
+    if not isinstance(body, nn.Module) or body is model:
+        raise ArgumentError(
+            f"model: expected an HF causal LM whose decoder body is reachable through get_decoder() or its "
+            f"base_model_prefix attribute, got {type(model).__name__}"
+        )
+    return body
+
+
+def _head_temperature(model: nn.Module, temperature: float) -> float:
+    """The temperature that makes ``hidden @ Wᵀ / T_eff`` equal the model's own ``logits / temperature``.
+
+    Some architectures scale the head's output: Cohere multiplies by ``config.logit_scale`` and Granite divides by
+    ``config.logits_scaling``; both fold into the temperature. Soft-capped logits (Gemma 2/3's
+    ``final_logit_softcapping``) are not a linear function of the hidden state and are refused."""
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "final_logit_softcapping", None) is not None:
+        raise ArgumentError(
+            "model: config.final_logit_softcapping is set (tanh soft-capped logits are not hidden @ Wᵀ); "
+            "causal_lm_logprobs supports LM heads whose logits are a linear function of the hidden state"
+        )
+    scale = getattr(cfg, "logit_scale", None)
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale != 1:
+        temperature = temperature / float(scale)
+    div = getattr(cfg, "logits_scaling", None)
+    if isinstance(div, (int, float)) and not isinstance(div, bool) and div != 1:
+        temperature = temperature * float(div)
+    return temperature
+
+
+def causal_lm_logprobs(
+    model: nn.Module,
+    input_ids: Int[Tensor, "B L"],
+    prompt_lens: Int[Tensor, " B"],
+    response_mask: Bool[Tensor, "B T"],
+    *,
+    attention_mask: Bool[Tensor, "B L"] | None = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    backend: str | None = None,
+    validate: bool = True,
+    **model_kwargs: Any,
+) -> Float[Tensor, "B T"] | tuple[Float[Tensor, "B T"], Float[Tensor, "B T"]]:
+    """Trainer log-probs ``logp [B, T]`` (and entropy) of the response tokens of an HF causal LM.
+
+    Formula: with ``h = decoder(input_ids)`` (``[B, L, H]``, after the final norm) and ``W`` the LM head,
+    ``logp[b, t] = log softmax(h[b, P_b + t − 1] @ Wᵀ / temperature)[input_ids[b, P_b + t]]`` and
+    ``entropy[b, t]`` the entropy of that softmax (natural log), computed by ``linear_token_logprobs`` in fp32
+    without materialising the logits. Positions where ``response_mask`` is false give 0 and no gradient.
+    Differentiable w.r.t. every parameter of the model (decoder and LM head).
+
+    Args:
+        model: an HF causal LM (``LlamaForCausalLM``-like, or a PEFT model around one). Its LM head must be a
+            bias-free linear layer (``get_output_embeddings()``); tied embeddings are fine.
+        input_ids: ``[B, L]`` prompt then response of each row, right-padded (``RolloutBatch.input_ids``).
+        prompt_lens: ``[B]`` prompt length of each row (>= 1: the first response token is predicted from the
+            last prompt token).
+        response_mask: ``[B, T]`` true on the response tokens to score (``RolloutBatch.response_mask`` or
+            ``loss_mask``); every true position needs ``prompt_lens[b] + t < L``.
+        attention_mask: optional ``[B, L]`` mask passed to the model (right padding needs none: a causal model's
+            positions before the padding do not see it).
+        temperature: > 0, the sampling temperature (logits are divided by it, as the engines do).
+        return_entropy: also return the per-token entropy.
+        backend: ``linear_token_logprobs``'s backend (``None`` = Triton on CUDA, chunked torch elsewhere).
+        validate: check the positions against ``L`` (one host sync; skipped under ``torch.compile``).
+        **model_kwargs: passed to the decoder body (e.g. ``position_ids`` for packed rows).
+
+    Raises ``ArgumentError`` (a ``ValueError``) naming the argument for wrong shapes or dtypes, a prompt length
+    < 1, a response position past ``L``, an LM head with a bias, or soft-capped logits.
+    """
+    check_ndim("input_ids", input_ids, 2, "[B, L]")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise ArgumentError(f"input_ids: expected an integer tensor, got dtype {input_ids.dtype}")
+    b, seq_len = input_ids.shape
+    check_tensor("prompt_lens", prompt_lens)
+    if prompt_lens.dtype.is_floating_point or prompt_lens.dtype == torch.bool or prompt_lens.shape != (b,):
+        raise ArgumentError(f"prompt_lens: expected an integer tensor of shape [{b}], got {prompt_lens.dtype} "
+                            f"{shape_str(prompt_lens)}")
+    check_ndim("response_mask", response_mask, 2, "[B, T]")
+    if response_mask.shape[0] != b:
+        raise ArgumentError(f"response_mask: expected shape [{b}, T] (B of input_ids), got {shape_str(response_mask)}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ArgumentError(f"attention_mask: expected the shape of input_ids {shape_str(input_ids)}, "
+                            f"got {shape_str(attention_mask)}")
+    temperature = check_temperature(temperature)
+    if callable(getattr(model, "get_base_model", None)):  # PEFT: the wrapped transformers model, adapters active
+        model = model.get_base_model()
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        raise ArgumentError(f"model: expected get_output_embeddings() to return a linear LM head, got {head!r:.80}")
+    if getattr(head, "bias", None) is not None:
+        raise ArgumentError("model: the LM head has a bias; causal_lm_logprobs supports bias-free heads only")
+    temp_eff = _head_temperature(model, temperature)
+
+    device = input_ids.device
+    t_len = response_mask.shape[1]
+    keep = as_bool_mask(response_mask, response_mask, name="response_mask", like_name="response_mask").to(device)
+    starts = prompt_lens.to(device=device, dtype=torch.long)
+    pos = starts.unsqueeze(1) + torch.arange(t_len, device=device).unsqueeze(0)  # sequence position of each token
+    if validate and not torch.compiler.is_compiling():
+        if bool((starts < 1).any()):
+            raise ArgumentError(f"prompt_lens: expected values >= 1 (a response token is predicted from the "
+                                f"previous position), got {int(starts.min())}")
+        bad = keep & (pos >= seq_len)
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0, 0])
+            raise ArgumentError(
+                f"response_mask: row {row} marks a response token at sequence position {int(pos[bad][0])}, past "
+                f"input_ids' length L={seq_len} (prompt_lens[{row}]={int(starts[row])})"
+            )
+    body = _decoder_body(model)
+    out = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_kwargs)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    if hidden.dim() != 3 or hidden.shape[:2] != (b, seq_len):
+        raise ArgumentError(f"model: expected the decoder body to return hidden states [{b}, {seq_len}, H], "
+                            f"got {shape_str(hidden)}")
+    # Clamped gathers: positions outside the sequence belong to masked-out slots, which give 0 and no gradient.
+    src = (pos - 1).clamp(0, seq_len - 1)
+    tgt = pos.clamp(0, seq_len - 1)
+    h_sel = hidden.gather(1, src.unsqueeze(-1).expand(b, t_len, hidden.shape[-1]))
+    labels = input_ids.gather(1, tgt)
+    keep = keep & (pos < seq_len)
+    if weight.dtype != h_sel.dtype:
+        h_sel = h_sel.to(weight.dtype)
+    return linear_token_logprobs(h_sel, weight, labels, mask=keep, temperature=temp_eff,
+                                 return_entropy=return_entropy, backend=backend)  # fmt: skip

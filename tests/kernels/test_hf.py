@@ -1,0 +1,120 @@
+"""causal_lm_logprobs on a tiny local HF Llama vs the model's own logits.log_softmax in float64."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rlblocks.kernels import causal_lm_logprobs
+
+transformers = pytest.importorskip("transformers")
+
+TEMP = 0.8
+# (prompt, response) token ids of three rows of different lengths (ids 4.. are the tiny tokenizer's characters)
+ROWS = [([5, 9, 12], [20, 21, 22, 23]), ([7, 8, 9, 10, 11], [30, 31]), ([6, 40], [41, 42, 43, 44, 45, 46])]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from tests.conftest import build_tiny_hf_dir
+
+    path = build_tiny_hf_dir(tmp_path_factory.mktemp("tiny_llama_kernels"))
+    model = transformers.LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    return model, copy.deepcopy(model).double()
+
+
+def _reference(model64, rows, temperature):
+    """Per row, unpadded: the model's own logits in float64 → log_softmax → the log-prob of each response token
+    (predicted from the previous position) and the entropy there."""
+    out = []
+    for prompt, resp in rows:
+        seq = torch.tensor([prompt + resp])
+        lsm = torch.log_softmax(model64(seq).logits[0] / temperature, dim=-1)
+        p = len(prompt)
+        idx = torch.arange(p - 1, p - 1 + len(resp))
+        lp = lsm[idx, torch.tensor(resp)]
+        ent = -(lsm[idx].exp() * lsm[idx]).sum(-1)
+        out.append((lp, ent))
+    return out
+
+
+def _batch(rows, pad=0):
+    t = max(len(r) for _, r in rows)
+    seq_len = max(len(p) + len(r) for p, r in rows)
+    ids = torch.full((len(rows), seq_len), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), t, dtype=torch.bool)
+    for i, (p, r) in enumerate(rows):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        mask[i, : len(r)] = True
+    return ids, torch.tensor([len(p) for p, _ in rows]), mask
+
+
+def test_matches_model_log_softmax_fp64(models):
+    model, model64 = models
+    ids, plens, mask = _batch(ROWS)
+    with torch.no_grad():
+        lp, ent = causal_lm_logprobs(model, ids, plens, mask, temperature=TEMP, return_entropy=True)
+        want = _reference(model64, ROWS, TEMP)
+    assert lp.shape == mask.shape and lp.dtype == torch.float32
+    for i, (w_lp, w_ent) in enumerate(want):
+        n = len(ROWS[i][1])
+        torch.testing.assert_close(lp[i, :n].double(), w_lp, atol=2e-5, rtol=0)
+        torch.testing.assert_close(ent[i, :n].double(), w_ent, atol=2e-5, rtol=0)
+        assert (lp[i, n:] == 0).all() and (ent[i, n:] == 0).all()
+
+
+def test_gradients_match_fp64(models):
+    model, model64 = models
+    model = copy.deepcopy(model)
+    m64 = copy.deepcopy(model64)
+    ids, plens, mask = _batch(ROWS)
+    c = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    lp = causal_lm_logprobs(model, ids, plens, mask, temperature=TEMP)
+    (lp.double() * c).sum().backward()
+    ref = 0.0
+    for i, (w_lp, _) in enumerate(_reference(m64, ROWS, TEMP)):
+        ref = ref + (w_lp * c[i, : len(w_lp)]).sum()
+    ref.backward()
+    for name in ("lm_head.weight", "model.layers.1.self_attn.q_proj.weight", "model.embed_tokens.weight"):
+        got = dict(model.named_parameters())[name].grad.double()
+        want = dict(m64.named_parameters())[name].grad
+        err = (got - want).abs().max().item()
+        assert err <= 1e-4 * max(1.0, want.abs().max().item()), (name, err)
+
+
+def test_aligned_with_rollout_batch(models):
+    """Generations whose rollout_logp are the fp64 model's own log-probs: build_batch, then causal_lm_logprobs on
+    the batch tensors gives the same numbers position by position."""
+    from rlblocks.rollout import build_batch
+    from rlblocks.rollout.types import Generation
+
+    model, model64 = models
+    with torch.no_grad():
+        want = _reference(model64, ROWS, 1.0)
+    gens = [
+        Generation(f"r{i}", p, list(r), [float(x) for x in want[i][0]], [3] * len(r))
+        for i, (p, r) in enumerate(ROWS)
+    ]
+    batch = build_batch(gens, pad_id=0)
+    with torch.no_grad():
+        lp = causal_lm_logprobs(model, batch.input_ids, batch.prompt_lens, batch.response_mask,
+                                attention_mask=batch.attention_mask)  # fmt: skip
+    torch.testing.assert_close(lp, batch.rollout_logp, atol=2e-5, rtol=0)
+    assert (lp[~batch.response_mask] == 0).all()
+
+
+def test_bad_input(models):
+    model, _ = models
+    ids, plens, mask = _batch(ROWS)
+    with pytest.raises(ValueError, match=r"prompt_lens: expected values >= 1"):
+        causal_lm_logprobs(model, ids, torch.tensor([0, 5, 2]), mask)
+    with pytest.raises(ValueError, match=r"response_mask: row 1 .* past input_ids' length"):
+        causal_lm_logprobs(model, ids, torch.tensor([3, 8, 2]), mask)
+    with pytest.raises(ValueError, match=r"prompt_lens: expected an integer tensor of shape \[3\]"):
+        causal_lm_logprobs(model, ids, plens.float(), mask)
+    with pytest.raises(ValueError, match=r"response_mask: expected shape \[3, T\]"):
+        causal_lm_logprobs(model, ids, plens, mask[:2])
+    with pytest.raises(ValueError, match=r"temperature"):
+        causal_lm_logprobs(model, ids, plens, mask, temperature=0.0)
