@@ -7,6 +7,8 @@ Sub-packages (import the one you need; none is imported here, so ``import rlbloc
 - ``rlblocks.rollout`` rollout engines with interrupt/resume and per-token policy versions
 - ``rlblocks.sync``    weight movement: buckets, broadcast, delta, LoRA, resharding
 - ``rlblocks.sched``   staleness-bounded admission and queue, partial rollouts, dynamic sampling, packing
+- ``rlblocks.reward``  verifiers and reward models as bounded async services
+- ``rlblocks.sandbox`` untrusted code in a separate, limited process
 
 Every exception raised on purpose derives from ``rlblocks.RLBlocksError`` (see ``rlblocks.errors``).
 """

@@ -16,7 +16,7 @@ class                      also a                              raised when
 ``SyncError``              ``RuntimeError``                    a collective of a sync group failed (dead or
                                                                silent peer, timeout)
 ``SyncMismatchError``      ``SyncError``, ``WeightUpdateError`` sender and receivers disagree on what to move
-``DeltaError``             ``ValueError``                      a delta packet was refused
+``DeltaError``             ``WeightUpdateError``               a delta packet was refused
 ``QueueFull``              ``queue.Full``                      a bounded queue is at capacity
 ``QueueClosed``            ``RuntimeError``                    ``put`` on a closed queue
 ``InsufficientGroupsError``  ``RuntimeError``                  dynamic sampling could not fill its target
@@ -68,8 +68,9 @@ class SyncMismatchError(SyncError, WeightUpdateError):
     """Sender and receiver disagree on the tensors to move (names, shapes or dtypes); nothing was moved."""
 
 
-class DeltaError(RLBlocksError, ValueError):
-    """A delta packet was refused (wrong chain position, corrupted bytes, checksum or layout mismatch)."""
+class DeltaError(WeightUpdateError):
+    """A delta packet was refused (wrong chain position, corrupted bytes, checksum or layout mismatch): a refused
+    weight update, so also a :class:`WeightUpdateError`."""
 
 
 class QueueFull(RLBlocksError, _stdlib_queue.Full):

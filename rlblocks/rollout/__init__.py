@@ -39,13 +39,25 @@ _LAZY = {
     "Gateway": ".gateway",
     "HERMES_TEMPLATE": ".chat_templates",
     "LLAMA3_TEMPLATE": ".chat_templates",
+    # MoE routing replay (R3): record the engine's experts, force them in the training forward
+    "RoutingRecorder": ".routing",
+    "concat_routing": ".routing",
+    "pad_routing": ".routing",
+    "replay_routing": ".routing",
+    "response_routing": ".routing",
+    "route_flip_fraction": ".routing",
 }
 
 __all__ = [
     "FinishReason",
+    "Generation",
+    "GenerationRequest",
     "RolloutBatch",
+    "RolloutEngine",
+    "SamplingParams",
     "build_batch",
-    "Generation", "GenerationRequest", "RolloutEngine", "SamplingParams", *_LAZY]
+    *_LAZY,
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -17,7 +17,7 @@ def test_every_error_derives_from_the_base_and_its_builtin():
         errors.EngineError: RuntimeError,
         errors.SyncError: RuntimeError,
         errors.SyncMismatchError: ValueError,  # a refused update: also a WeightUpdateError
-        errors.DeltaError: ValueError,
+        errors.DeltaError: errors.WeightUpdateError,
         errors.QueueFull: queue.Full,
         errors.QueueClosed: RuntimeError,
         errors.InsufficientGroupsError: RuntimeError,
