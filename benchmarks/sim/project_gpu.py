@@ -71,7 +71,11 @@ def main() -> None:
     rows = []
     for name, sched, w in runs:
         t0 = time.perf_counter()
-        res = simulate(hw, w, sched, rollout_devices=args.rollout, train_devices=args.train)
+        try:
+            res = simulate(hw, w, sched, rollout_devices=args.rollout, train_devices=args.train)
+        except RuntimeError as e:  # a schedule that cannot make progress is a result too
+            print(f"  {name}: {e}", flush=True)
+            continue
         rows.append((name, res))
         print(f"  simulated {name} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     colo = rows[0][1].steady_tokens_per_s

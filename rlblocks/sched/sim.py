@@ -410,7 +410,7 @@ def gpu_like(
     - ``peak_flops`` 989 TFLOP/s dense BF16, ``hbm_bytes_per_s`` 3.35 TB/s, ``memory_bytes`` 80 GB: NVIDIA's H100 SXM
       datasheet (the H800 AReaL ran on has the same compute and memory, lower NVLink bandwidth).
     - Decode is memory-bound while ``weights / bandwidth > 2·params·b / flops``: with these numbers up to
-      ``b ≈ (flops·eff_c) / (2·bytes_per_param·bandwidth·eff_b)`` ≈ 105 sequences for bf16, and reading each
+      ``b ≈ bytes_per_param·flops·eff_c / (2·bandwidth·eff_b)`` ≈ 211 sequences for bf16, and reading each
       sequence's KV cache (``2·layers·kv_heads·head_dim·2`` bytes per token: 57 KB for Qwen2.5-7B) keeps long-context
       decode memory-bound at any batch size — the roofline argument of Williams et al. (2009) applied to decoding as
       in Pope et al., "Efficiently Scaling Transformer Inference" (2022).
@@ -423,8 +423,8 @@ def gpu_like(
     - ``max_batch`` 256 and ``gpu_memory_utilization`` 0.9: vLLM's ``max_num_seqs`` and memory defaults; KV capacity
       = ``utilization · memory · devices − weights`` minus 5 % for activations, divided by the KV bytes per token.
     - Weight sync: NCCL broadcast at ``network_bytes_per_s`` 25 GB/s effective (one 200–400 Gb/s InfiniBand link)
-      plus ``sync_latency_s`` 2 s to pause, load, flush caches and resume (ASSUMPTION; AReaL reports updates of a
-      few seconds). Colocated: an in-device copy at HBM speed plus 0.5 s.
+      plus ``sync_latency_s`` 2 s to pause, load, flush caches and resume (ASSUMPTIONS: measure your own).
+      Colocated: an in-device copy at HBM speed plus 0.5 s.
     """
     m = ModelSpec.preset(model) if isinstance(model, str) else model
     tp = check_int("devices_per_engine", devices_per_engine, minimum=1)
@@ -948,7 +948,7 @@ class _Sim:
         if sched.mode == "async":
             conc = sched.max_concurrent if sched.max_concurrent is not None else (eta + 1) * self.B
             self.ctrl = StalenessController(batch_size=self.B, max_staleness=eta, max_concurrent=conc)
-            self.refund = 0
+            self._freed = False
             self.batch: list[_Group] = []
             self.trainer_phase = "wait"  # wait | train | sync
         elif sched.dynamic_sampling and sched.partial_rollout:
@@ -1189,14 +1189,7 @@ class _Sim:
     # ------------------------------------------------------------------ bounded-async loop
     def _admit(self) -> None:
         v = self.engines[0].version
-        while True:
-            if self.ctrl.try_submit(v):
-                pass
-            elif self.refund > 0:  # a slot given back by the trainer (its group was stale there)
-                self.refund -= 1
-                self.ctrl.on_submit()
-            else:
-                break
+        while self.ctrl.try_submit(v):
             if self.sampler is not None:
                 self.sampler.on_submit()
             self._dispatch(self._new_group())
@@ -1222,7 +1215,8 @@ class _Sim:
     def _on_stale(self, gid: int, version: int) -> None:
         self._drop(self.groups[gid], "stale")
         if self.ctrl is not None:
-            self.refund += 1  # its admission slot goes back to the rollout side (as the cookbook's refund)
+            self.ctrl.on_discard()  # accepted, then dropped: its slot is free again
+            self._freed = True
 
     def _trainer_try(self) -> None:
         if self.trainer_phase != "wait" or self.done:
@@ -1231,7 +1225,8 @@ class _Sim:
         for gid in got:
             self.groups[gid].state = "batch"
         self.batch += [self.groups[i] for i in got]
-        if self.refund:
+        if self._freed:  # stale groups were dropped: their admission slots are free
+            self._freed = False
             self._admit()
         if len(self.batch) < self.B:
             return
@@ -1338,6 +1333,12 @@ def simulate(
     check_int("train_devices", train_devices, minimum=0 if schedule.mode == "sync-colocated" else 1)
     sim = _Sim(hardware, workload, schedule, rollout_devices, train_devices)
     sim.run()
+    if not sim.done:
+        states = Counter(g.state for g in sim.groups)
+        raise RuntimeError(
+            f"the simulated loop stalled after {sim.step} of {schedule.steps} steps: nothing left to run "
+            f"(groups by state {dict(states)}; controller {sim.ctrl.stats() if sim.ctrl else None})"
+        )
     return sim.result()
 
 

@@ -185,6 +185,19 @@ def test_conservation_generated_equals_trained_plus_dropped_plus_left(mode, sche
         assert res.samples["trained"] == 6 * work.batch_groups * work.group_size
 
 
+def test_stale_drops_beyond_the_slack_do_not_stall_the_loop():
+    """Long tails with partial rollout at η = 1: more groups are found stale at consumption than the (η + 1)·B
+    slots ahead of training. Each drop gives its admission slot back (StalenessController.on_discard), so the loop
+    keeps going; had the slots stayed used, admission would have stopped for good and the run stalled."""
+    work = lognormal_work()
+    res = simulate(hand_hw(kv_capacity_tokens=50_000), work, Schedule(mode="async", max_staleness=1, steps=20),
+                   rollout_devices=1, train_devices=1)
+    stale_groups = res.controller["rejected"]
+    assert stale_groups * work.group_size == res.dropped_by_reason["stale"]
+    assert stale_groups > 2 * work.batch_groups
+    assert res.steps == 20 and res.samples["trained"] == 20 * work.batch_groups * work.group_size
+
+
 def test_partial_rollout_resumes_and_restart_discards():
     """A weight update interrupts long samples: with partial rollout their tokens are kept (re-prefilled), without
     it they are discarded and regenerated, which costs decode work."""
