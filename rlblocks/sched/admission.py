@@ -42,8 +42,9 @@ class StalenessController:
 
     Counters (cumulative, per rank): ``submitted``, ``running``, ``accepted``, ``rejected``, with the invariant
     ``submitted == accepted + rejected + running`` — every submitted rollout is either still running or has
-    been accepted or rejected exactly once. :meth:`on_accept` / :meth:`on_reject` with nothing running raise
-    ``ValueError`` rather than drive ``running`` negative.
+    been accepted or rejected exactly once (an accepted rollout discarded later, e.g. found stale by the
+    :class:`StalenessQueue`, moves to ``rejected`` with :meth:`on_discard`). :meth:`on_accept` /
+    :meth:`on_reject` with nothing running raise ``ValueError`` rather than drive ``running`` negative.
 
     Every method takes one internal lock, so a controller may be shared by threads. Use :meth:`try_submit`
     (atomic check-and-reserve) from concurrent submitters; :meth:`capacity` followed by :meth:`on_submit` is
@@ -138,6 +139,23 @@ class StalenessController:
     def on_reject(self, n: int = 1) -> None:
         """``n`` running rollouts were discarded (filtered, failed, aborted for good); their slots are freed."""
         self._finish(n, "reject")
+
+    def on_discard(self, n: int = 1) -> None:
+        """``n`` rollouts that were ACCEPTED were discarded afterwards (found stale when the batch was taken, or
+        lost before training): ``accepted -= n; rejected += n``, which frees their slots.
+
+        Without this, a rollout dropped at consumption stays counted in ``accepted`` although it will never be
+        trained: every such drop permanently uses one of the ``(eta + 1) * B`` slots ahead of training, and once
+        ``(eta + 1) * B`` have accumulated, capacity stays 0 forever (the loop stalls waiting for samples nobody
+        may generate). Giving the slot back by submitting outside ``capacity()`` has the same flaw, because the
+        replacement is accepted in turn.
+        """
+        n = _check_int("n", n, minimum=1)
+        with self._lock:
+            if n > self._accepted:
+                raise ArgumentError(f"n: cannot discard {n} accepted rollout(s), only {self._accepted} accepted")
+            self._accepted -= n
+            self._rejected += n
 
     def stats(self) -> dict[str, int]:
         """Counters snapshot (plain ints): ``submitted``, ``running``, ``accepted``, ``rejected`` (cumulative, this

@@ -308,6 +308,11 @@ class Hardware:
 
     ``sync`` is the disaggregated weight push (trainer to engines over the network); ``sync_colocated`` the
     in-place update of a colocated engine. ``kv_capacity_tokens`` and ``max_batch`` are per engine.
+
+    ``host_contention`` ``c`` models devices that share one host, like processes on a small CPU box that also runs
+    other people's work: while ``n`` devices are busy at once, each progresses at ``1 / (1 + c·(n − 1))`` of its
+    speed alone (processor sharing: with ``L`` other runnable processes saturating the cores, ``c = 1 / (1 + L)``).
+    The costs are those of ONE busy device. ``c = 0`` (the default, and right for GPUs): devices are independent.
     """
 
     name: str
@@ -320,10 +325,12 @@ class Hardware:
     kv_capacity_tokens: int
     max_batch: int
     devices_per_engine: int = 1
+    host_contention: float = 0.0
     notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _nonneg("weight_bytes", self.weight_bytes)
+        _nonneg("host_contention", self.host_contention)
         check_int("kv_capacity_tokens", self.kv_capacity_tokens, minimum=1)
         check_int("max_batch", self.max_batch, minimum=1)
         check_int("devices_per_engine", self.devices_per_engine, minimum=1)
@@ -403,7 +410,7 @@ def gpu_like(
     - ``peak_flops`` 989 TFLOP/s dense BF16, ``hbm_bytes_per_s`` 3.35 TB/s, ``memory_bytes`` 80 GB: NVIDIA's H100 SXM
       datasheet (the H800 AReaL ran on has the same compute and memory, lower NVLink bandwidth).
     - Decode is memory-bound while ``weights / bandwidth > 2·params·b / flops``: with these numbers up to
-      ``b ≈ (flops·eff_c) / (2·bytes_per_param·bandwidth·eff_b)`` ≈ 105 sequences for bf16, and reading each
+      ``b ≈ bytes_per_param·flops·eff_c / (2·bandwidth·eff_b)`` ≈ 211 sequences for bf16, and reading each
       sequence's KV cache (``2·layers·kv_heads·head_dim·2`` bytes per token: 57 KB for Qwen2.5-7B) keeps long-context
       decode memory-bound at any batch size — the roofline argument of Williams et al. (2009) applied to decoding as
       in Pope et al., "Efficiently Scaling Transformer Inference" (2022).
@@ -416,8 +423,8 @@ def gpu_like(
     - ``max_batch`` 256 and ``gpu_memory_utilization`` 0.9: vLLM's ``max_num_seqs`` and memory defaults; KV capacity
       = ``utilization · memory · devices − weights`` minus 5 % for activations, divided by the KV bytes per token.
     - Weight sync: NCCL broadcast at ``network_bytes_per_s`` 25 GB/s effective (one 200–400 Gb/s InfiniBand link)
-      plus ``sync_latency_s`` 2 s to pause, load, flush caches and resume (ASSUMPTION; AReaL reports updates of a
-      few seconds). Colocated: an in-device copy at HBM speed plus 0.5 s.
+      plus ``sync_latency_s`` 2 s to pause, load, flush caches and resume (ASSUMPTIONS: measure your own).
+      Colocated: an in-device copy at HBM speed plus 0.5 s.
     """
     m = ModelSpec.preset(model) if isinstance(model, str) else model
     tp = check_int("devices_per_engine", devices_per_engine, minimum=1)
@@ -640,13 +647,34 @@ class _Engine:
         self.finish_heap: list[tuple[int, int]] = []  # (end_step, join_id)
         self.S = 0  # sum over active of (prompt + join_gen - join_steps): context = S + b·steps
         self.waiting: deque[_Sample] = deque()
-        self.phase = "idle"  # idle | decode | prefill | paused
+        self._phase = "idle"  # idle | decode | prefill | paused
+        self._busy_since: float | None = None  # (work clock) start of the current busy interval
+        self.weight = hw.devices_per_engine  # devices of the host this engine keeps busy
         self.seg: tuple[float, int, int, int] | None = None  # decode segment: (t0, b, c0, k)
         self.prefilling: list[_Sample] = []
         self.token = 0  # invalidates scheduled events
         self.join_counter = itertools.count()
-        self.busy = self.compute = self.batch_time = 0.0
+        self.busy = self.compute = self.batch_time = 0.0  # busy: real seconds; compute, batch_time: work clock
+        self.busy_work = 0.0
         self.prefill_tokens = self.decode_tokens = self.preemptions = 0
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        busy = value in ("decode", "prefill")
+        if busy != (self._busy_since is not None):
+            if busy:
+                self._busy_since = self.sim.now
+                self._busy_real_since = self.sim.real_now()
+            else:
+                self.busy_work += self.sim.now - self._busy_since
+                self.busy += self.sim.real_now() - self._busy_real_since
+                self._busy_since = None
+            self.sim.busy_change(self.weight if busy else -self.weight)
+        self._phase = value
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -718,7 +746,6 @@ class _Engine:
     def _end_decode(self, now: float, k: int) -> None:
         t0, b, c0, _ = self.seg
         dt, comp = self.dc.run_s(b, c0, k)
-        self.busy += dt
         self.compute += comp
         self.batch_time += dt * b
         self.decode_tokens += b * k
@@ -782,7 +809,6 @@ class _Engine:
                 s.state = _PREFILL
             self.prefilling = admit
             dt = self.pc.seconds(contexts)
-            self.busy += dt
             self.compute += dt
             self.prefill_tokens += sum(contexts)
             self.phase = "prefill"
@@ -809,14 +835,10 @@ class _Engine:
             done = self._steps_by(now - t0, b, c0, k, finish_partial=False)
             ran, _ = self.dc.run_s(b, c0, done)
             self.seg = (t0, b, c0, done)
-            self._end_decode(now, done)
-            wasted = now - (t0 + ran)
-            self.busy += wasted  # the abandoned step kept the device busy
-            self.sim.wasted_s += wasted
+            self._end_decode(now, done)  # the device stays busy until now: the abandoned step was computed
+            self.sim.wasted_s += now - (t0 + ran)
         elif self.phase == "prefill":
-            undone = self._prefill_end - now
-            self.busy -= undone
-            self.compute -= undone
+            self.compute -= self._prefill_end - now
             for s in reversed(self.prefilling):
                 s.state = _WAITING
                 self.waiting.appendleft(s)
@@ -856,7 +878,6 @@ class _Engine:
             self.seg = (t0, b, c0, done)
             self._end_decode(now, done)
             self.sim.wasted_s += now - self.t
-            self.busy += now - self.t
             self.t = now
         for s in samples:
             if s.state == _ACTIVE:
@@ -878,7 +899,13 @@ class _Sim:
     def __init__(self, hw: Hardware, work: Workload, sched: Schedule, rollout_devices: int, train_devices: int,
                  ) -> None:
         self.hw, self.work, self.sched = hw, work, sched
+        # Two clocks. ``now`` is work time: a busy device does one second of its work per second of it, so every
+        # cost composes exactly. Real time runs 1 + c·(n − 1) times faster while n devices are busy (shared host,
+        # see Hardware.host_contention); every reported time is real. With c = 0 the two are the same.
         self.now = 0.0
+        self._contention = hw.host_contention
+        self._n_busy = 0
+        self._real = self._last = 0.0
         self._events: list[tuple[float, int, Callable, tuple]] = []
         self._seq = itertools.count()
         colocated = sched.mode == "sync-colocated"
@@ -895,7 +922,9 @@ class _Sim:
         self.step_end: list[float] = []
         self.trained_tokens_per_step: list[int] = []
         self.age_hist: Counter[int] = Counter()
-        self.train_busy = self.sync_busy = 0.0
+        self._train_since: float | None = None
+        self._train_phase = "train"
+        self._train_real = {"train": 0.0, "sync": 0.0}
         self.tokens_discarded = 0
         self.wasted_s = 0.0
         self.dropped: Counter[str] = Counter()
@@ -919,7 +948,7 @@ class _Sim:
         if sched.mode == "async":
             conc = sched.max_concurrent if sched.max_concurrent is not None else (eta + 1) * self.B
             self.ctrl = StalenessController(batch_size=self.B, max_staleness=eta, max_concurrent=conc)
-            self.refund = 0
+            self._freed = False
             self.batch: list[_Group] = []
             self.trainer_phase = "wait"  # wait | train | sync
         elif sched.dynamic_sampling and sched.partial_rollout:
@@ -927,6 +956,27 @@ class _Sim:
             # one version (a group aborted twice is dropped rather than trained two versions off-policy).
             self.buffer = PartialRolloutBuffer(group_size=self.K, max_staleness=max(1, eta),
                                                on_drop=self._on_buffer_drop)
+
+    # ------------------------------------------------------------------ clocks
+    def real_now(self) -> float:
+        return self._real + (self.now - self._last) * (1.0 + self._contention * max(0, self._n_busy - 1))
+
+    def busy_change(self, delta: int) -> None:
+        """A device (``delta`` > 0) became busy or (< 0) idle at ``now``."""
+        self._real = self.real_now()
+        self._last = self.now
+        self._n_busy += delta
+
+    def _trainer(self, busy: bool, phase: str = "") -> None:
+        """The training pool starts (``phase`` "train" or "sync") or stops working."""
+        rn = self.real_now()
+        if self._train_since is not None:
+            self._train_real[self._train_phase] += rn - self._train_since
+            self._train_since = None
+            self.busy_change(-self.train_pool)
+        if busy:
+            self.busy_change(self.train_pool)
+            self._train_since, self._train_phase = self.real_now(), phase
 
     # ------------------------------------------------------------------ event loop
     def at(self, when: float, fn: Callable, *args: Any) -> None:
@@ -1116,18 +1166,19 @@ class _Sim:
         got = self.queue.get_batch(len(self.batch), current_version=self.step, timeout=0)
         batch = [self.groups[i] for i in got]
         dt = self._train_seconds(batch)
-        self.train_busy += dt
+        self._trainer(True, "train")
         self.at(self.now + dt, self._sync_after_train, batch)
 
     def _sync_after_train(self, batch: list[_Group]) -> None:
         self._record_training(batch)
         dt = self._sync_seconds()
-        self.sync_busy += dt
+        self._trainer(True, "sync")
         self.at(self.now + dt, self._sync_after_push)
 
     def _sync_after_push(self) -> None:
+        self._trainer(False)
         self.step += 1
-        self.step_end.append(self.now)
+        self.step_end.append(self.real_now())
         for e in self.engines:
             e.version = self.step
         if self.step >= self.sched.steps:
@@ -1138,14 +1189,7 @@ class _Sim:
     # ------------------------------------------------------------------ bounded-async loop
     def _admit(self) -> None:
         v = self.engines[0].version
-        while True:
-            if self.ctrl.try_submit(v):
-                pass
-            elif self.refund > 0:  # a slot given back by the trainer (its group was stale there)
-                self.refund -= 1
-                self.ctrl.on_submit()
-            else:
-                break
+        while self.ctrl.try_submit(v):
             if self.sampler is not None:
                 self.sampler.on_submit()
             self._dispatch(self._new_group())
@@ -1171,7 +1215,8 @@ class _Sim:
     def _on_stale(self, gid: int, version: int) -> None:
         self._drop(self.groups[gid], "stale")
         if self.ctrl is not None:
-            self.refund += 1  # its admission slot goes back to the rollout side (as the cookbook's refund)
+            self.ctrl.on_discard()  # accepted, then dropped: its slot is free again
+            self._freed = True
 
     def _trainer_try(self) -> None:
         if self.trainer_phase != "wait" or self.done:
@@ -1180,28 +1225,30 @@ class _Sim:
         for gid in got:
             self.groups[gid].state = "batch"
         self.batch += [self.groups[i] for i in got]
-        if self.refund:
+        if self._freed:  # stale groups were dropped: their admission slots are free
+            self._freed = False
             self._admit()
         if len(self.batch) < self.B:
             return
         batch, self.batch = self.batch, []
         dt = self._train_seconds(batch)
-        self.train_busy += dt
+        self._trainer(True, "train")
         self.trainer_phase = "train"
         self.at(self.now + dt, self._async_after_train, batch)
 
     def _async_after_train(self, batch: list[_Group]) -> None:
         self._record_training(batch)
         dt = self._sync_seconds()
-        self.sync_busy += dt
+        self._trainer(True, "sync")
         self.trainer_phase = "sync"
         for e in self.engines:
             e.pause()
         self.at(self.now + dt, self._async_after_push)
 
     def _async_after_push(self) -> None:
+        self._trainer(False)
         self.step += 1
-        self.step_end.append(self.now)
+        self.step_end.append(self.real_now())
         for e in self.engines:
             e.swap_weights(self.step, partial=self.sched.partial_rollout)
         if self.step >= self.sched.steps:
@@ -1216,21 +1263,32 @@ class _Sim:
     # ------------------------------------------------------------------ result
     def result(self) -> SimResult:
         sched = self.sched
-        wall = self.step_end[-1] if self.step_end else self.now
+        wall = self.step_end[-1] if self.step_end else self.real_now()
         trained = sum(self.trained_tokens_per_step)
         w = sched.warmup_steps
         t0 = self.step_end[w - 1] if w > 0 else 0.0
         steady = sum(self.trained_tokens_per_step[w:]) / (wall - t0) if wall > t0 else 0.0
         n_eng = len(self.engines)
-        busy = sum(min(e.busy, wall) for e in self.engines) / (n_eng * wall) if wall else 0.0
-        comp = sum(e.compute for e in self.engines) / (n_eng * wall) if wall else 0.0
-        batch = sum(e.batch_time for e in self.engines) / max(1e-12, sum(e.busy for e in self.engines))
-        util = {"rollout_busy": busy, "rollout_compute": comp, "rollout_mean_batch": batch,
-                "train_busy": self.train_busy / wall if wall else 0.0,
-                "sync": self.sync_busy / wall if wall else 0.0}
+        busy = comp = busy_work = batch_time = 0.0
+        for e in self.engines:
+            b, bw = e.busy, e.busy_work
+            if e._busy_since is not None:  # still working when the last step ended
+                b += self.real_now() - e._busy_real_since
+                bw += self.now - e._busy_since
+            busy += b
+            busy_work += bw
+            comp += e.compute * (b / bw) if bw > 0 else 0.0
+            batch_time += e.batch_time
+        train_real = dict(self._train_real)
+        if self._train_since is not None:
+            train_real[self._train_phase] += self.real_now() - self._train_since
+        util = {"rollout_busy": busy / (n_eng * wall) if wall else 0.0,
+                "rollout_compute": comp / (n_eng * wall) if wall else 0.0,
+                "rollout_mean_batch": batch_time / busy_work if busy_work else 0.0,
+                "train_busy": train_real["train"] / wall if wall else 0.0,
+                "sync": train_real["sync"] / wall if wall else 0.0}
         if sched.mode == "sync-colocated":  # one pool: it generates, then it trains
-            util["train_busy"] = self.train_busy / wall if wall else 0.0
-            util["pool_busy"] = busy + util["train_busy"]
+            util["pool_busy"] = util["rollout_busy"] + util["train_busy"]
         trained_samples = sum(1 for g in self.groups if g.state == "trained" for s in g.samples if s.finished_once)
         dropped = sum(self.dropped.values())
         left = sum(1 for g in self.groups if g.state not in ("trained", "dropped") for s in g.samples
@@ -1275,6 +1333,12 @@ def simulate(
     check_int("train_devices", train_devices, minimum=0 if schedule.mode == "sync-colocated" else 1)
     sim = _Sim(hardware, workload, schedule, rollout_devices, train_devices)
     sim.run()
+    if not sim.done:
+        states = Counter(g.state for g in sim.groups)
+        raise RuntimeError(
+            f"the simulated loop stalled after {sim.step} of {schedule.steps} steps: nothing left to run "
+            f"(groups by state {dict(states)}; controller {sim.ctrl.stats() if sim.ctrl else None})"
+        )
     return sim.result()
 
 
@@ -1292,10 +1356,15 @@ def _size(args: argparse.Namespace) -> None:
     work = Workload(lengths=lengths, prompt_lengths=Lengths.fixed(args.prompt_len), batch_groups=args.batch,
                     group_size=args.group_size, zero_variance_p=args.zero_variance_p, seed=args.seed)
     total = args.devices
-    step = hw.devices_per_engine
-    splits = [r for r in range(step, total, step) if total - r >= 1]
+    tp = hw.devices_per_engine
     if args.splits:
         splits = [int(x) for x in args.splits.split(",")]
+    else:  # eighths of the devices, rounded to whole engines
+        splits = sorted({max(tp, min(total - 1, round(total * i / 8 / tp) * tp)) for i in range(1, 8)})
+    for r in splits:
+        if not 0 < r < total or r % tp:
+            raise ArgumentError(f"splits: expected rollout device counts in (0, {total}) that are multiples of "
+                                f"--tp={tp}, got {r}")
     etas = [int(x) for x in args.etas.split(",")]
     print(f"{hw.name}; {total} devices; B={args.batch} groups × K={args.group_size}; lengths {lengths.describe()}; "
           f"{args.steps} steps ({args.warmup} warm-up)", flush=True)
@@ -1343,7 +1412,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="a Hardware JSON (e.g. written by benchmarks/sim/measure_cpu_costs.py)")
     ap.add_argument("--tp", type=int, default=1, help="devices per rollout engine (tensor parallel)")
     ap.add_argument("--devices", type=int, default=128, help="total devices to split between rollout and training")
-    ap.add_argument("--splits", default="", help="rollout device counts to try (default: every multiple of --tp)")
+    ap.add_argument("--splits", default="", help="rollout device counts to try (default: eighths of --devices)")
     ap.add_argument("--etas", default="0,1,2,4", help="staleness bounds to try")
     ap.add_argument("--both-partial", action="store_true", help="also try without partial rollout")
     ap.add_argument("--dynamic-sampling", action="store_true", help="filter zero-variance groups (max_rounds 4)")

@@ -132,3 +132,26 @@ def test_stats_is_a_plain_dict_snapshot():
                  "max_staleness": 1, "dp_size": 2}
     ctl.on_accept(1)
     assert s["running"] == 1 and ctl.stats()["running"] == 0  # a snapshot, not a live view
+
+
+def test_on_discard_frees_the_slot_of_an_accepted_rollout():
+    """A rollout accepted, then found stale at consumption, must give its slot back. Otherwise (or when the slot
+    is given back by submitting outside capacity(), since the replacement is accepted in turn) every stale drop
+    uses up one of the (eta + 1) * B slots for good, and after that many drops capacity stays 0: a stall."""
+    B, eta = 4, 1
+    ctl = StalenessController(batch_size=B, max_staleness=eta, max_concurrent=100)
+    assert ctl.try_submit(0, (eta + 1) * B)
+    ctl.on_accept((eta + 1) * B)
+    assert ctl.capacity(0) == 0
+    ctl.on_discard(3)  # three of them were too old when the trainer took its batch
+    assert (ctl.accepted, ctl.rejected, ctl.capacity(0)) == (5, 3, 3)
+    assert ctl.submitted == ctl.accepted + ctl.rejected + ctl.running
+    # the same drops accounted as "resubmit outside capacity" leave capacity at 0 once the replacements finish
+    leaky = StalenessController(batch_size=B, max_staleness=eta, max_concurrent=100)
+    leaky.try_submit(0, (eta + 1) * B)
+    leaky.on_accept((eta + 1) * B)
+    leaky.on_submit(3)
+    leaky.on_accept(3)
+    assert leaky.capacity(1) == (eta + 2) * B - 11 == 1  # one version later only 1 slot where 4 fresh are needed
+    with pytest.raises(ValueError, match="n: cannot discard 6"):
+        ctl.on_discard(6)

@@ -85,6 +85,33 @@ def test_sync_colocated_uses_every_device_for_both_phases():
     assert res.step_end_s == [pytest.approx(gen + train + 0.03, rel=1e-12)]
 
 
+def test_shared_host_contention_slows_only_concurrent_work():
+    """With host_contention c, work done while n devices are busy takes 1 + c·(n − 1) times longer (real time)."""
+    work = Workload(lengths=Lengths.cycle([3, 5]), prompt_lengths=Lengths.fixed(2), batch_groups=2, group_size=1)
+    c = 0.5
+    one = 0.02 + 5e-4 * 2
+    short = one + step_cost(1, 3) + step_cost(1, 4)
+    long = short + step_cost(1, 5) + step_cost(1, 6)
+    train = 0.1 + 1e-3 * 12 / 2
+    colo = simulate(hand_hw(host_contention=c), work, Schedule(mode="sync-colocated", steps=1, warmup_steps=0),
+                    rollout_devices=1, train_devices=1)
+    # both engines busy until the short one ends, then one; training and the push keep both devices busy
+    assert colo.step_end_s == [pytest.approx((1 + c) * short + (long - short) + (1 + c) * (train + 0.03), rel=1e-12)]
+    # one device busy at a time: nothing changes
+    plain = simulate(hand_hw(), work, Schedule(mode="sync-disaggregated", steps=2, warmup_steps=0),
+                     rollout_devices=1, train_devices=1)
+    shared = simulate(hand_hw(host_contention=c), work, Schedule(mode="sync-disaggregated", steps=2, warmup_steps=0),
+                      rollout_devices=1, train_devices=1)
+    assert shared.step_end_s == plain.step_end_s
+    # overlapping rollout and training (async) pays for the overlap
+    w = lognormal_work()
+    fast = simulate(hand_hw(), w, Schedule(mode="async", max_staleness=1, steps=4), rollout_devices=1, train_devices=1)
+    slow = simulate(hand_hw(host_contention=c), w, Schedule(mode="async", max_staleness=1, steps=4),
+                    rollout_devices=1, train_devices=1)
+    assert fast.wall_s < slow.wall_s < (1 + c) * fast.wall_s
+    assert slow.utilisation["rollout_busy"] <= 1.0 and slow.utilisation["train_busy"] <= 1.0
+
+
 def lognormal_work(**kw) -> Workload:
     base = dict(lengths=Lengths.lognormal(40, 400, maximum=600), prompt_lengths=Lengths.lognormal(20, 60, maximum=80),
                 batch_groups=12, group_size=4, seed=3)
@@ -156,6 +183,19 @@ def test_conservation_generated_equals_trained_plus_dropped_plus_left(mode, sche
     if mode == "async":  # trained tokens are never older than η
         assert max(res.staleness_histogram) <= sched_kw["max_staleness"]
         assert res.samples["trained"] == 6 * work.batch_groups * work.group_size
+
+
+def test_stale_drops_beyond_the_slack_do_not_stall_the_loop():
+    """Long tails with partial rollout at η = 1: more groups are found stale at consumption than the (η + 1)·B
+    slots ahead of training. Each drop gives its admission slot back (StalenessController.on_discard), so the loop
+    keeps going; had the slots stayed used, admission would have stopped for good and the run stalled."""
+    work = lognormal_work()
+    res = simulate(hand_hw(kv_capacity_tokens=50_000), work, Schedule(mode="async", max_staleness=1, steps=20),
+                   rollout_devices=1, train_devices=1)
+    stale_groups = res.controller["rejected"]
+    assert stale_groups * work.group_size == res.dropped_by_reason["stale"]
+    assert stale_groups > 2 * work.batch_groups
+    assert res.steps == 20 and res.samples["trained"] == 20 * work.batch_groups * work.group_size
 
 
 def test_partial_rollout_resumes_and_restart_discards():
