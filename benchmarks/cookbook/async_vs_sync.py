@@ -47,9 +47,11 @@ def main() -> None:
     ap.add_argument("--model", default="", help="HF checkpoint dir (default: the cached warm start)")
     ap.add_argument("--runs-dir", default="runs/bench")
     args = ap.parse_args()
-    common = ["--steps", str(args.steps), "--length-tail", str(args.median_len), "--prompts-per-step",
-              str(args.prompts_per_step), "--group-size", str(args.group_size),
-              "--runs-dir", args.runs_dir, "--time-limit", "0", "--eval-every",
+    # one optimizer update per batch in both loops (the async demo defaults to 2 epochs × 2 mini-batches), so the
+    # ratio compares the loops' scheduling, not different amounts of training work
+    common = ["--ppo-epochs", "1", "--mini-batches", "1", "--steps", str(args.steps), "--length-tail",
+              str(args.median_len), "--prompts-per-step", str(args.prompts_per_step), "--group-size",
+              str(args.group_size), "--runs-dir", args.runs_dir, "--time-limit", "0", "--eval-every",
               str(args.steps), "--quiet", *(["--model", args.model] if args.model else [])]
     results = {}
     run([sys.executable, str(ROOT / "cookbook" / "grpo_sync.py"), "--name", "sync", *common])
