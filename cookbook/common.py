@@ -1,61 +1,80 @@
-"""Pieces both cookbook loops share: flags from a dataclass, the policy's log-prob module, batch tensors, the GRPO
-loss step (advantages, policy loss, mismatch correction, KL, globally normalised aggregation) and run files.
+"""Plumbing both cookbook loops share: flags from a dataclass, the policy's log-prob module, batch tensors, the
+policy-loss flags, engines, collectives and run files. The RL math itself (advantages, π_old, PPO epochs ×
+mini-batches, loss, correction, KL, aggregation) is written out in each loop file's ``grpo_step``.
 
-Everything here composes rlblocks blocks; nothing re-implements one.
+Everything here composes rlblocks blocks; nothing re-implements one. Lines a user changes for a real model or task
+are marked ``REAL MODEL:`` in place.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import math
 import os
+import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
+from rlblocks.errors import ArgumentError
 from rlblocks.kernels import linear_token_logprobs
-from rlblocks.losses import (
-    aggregate,
-    cispo_loss,
-    decoupled_ppo_loss,
-    grpo_advantages,
-    gspo_loss,
-    kl_estimate,
-    mismatch_metrics,
-    ppo_clip_loss,
-    rollout_correction,
-)
+from rlblocks.losses import cispo_loss, decoupled_ppo_loss, gspo_loss, ppo_clip_loss
 
 
 # ------------------------------------------------------------------------------------------------ flags
-def parse_flags(cls: type, argv: list[str] | None = None) -> Any:
-    """Build an ``argparse`` parser from the fields of dataclass ``cls`` (``--field-name``; bools get
-    ``--x/--no-x``; ``Literal``-like choices come from ``field.metadata["choices"]``) and return an instance."""
-    parser = argparse.ArgumentParser(description=(cls.__doc__ or "").strip().splitlines()[0])
+def parse_flags(cls: type, argv: list[str] | None = None, check: Callable[[Any], None] | None = None) -> Any:
+    """Build an ``argparse`` parser from the fields of dataclass ``cls`` and return an instance.
+
+    Each field becomes ``--field-name`` (bools get ``--x/--no-x``; choices come from ``field.metadata["choices"]``;
+    a field whose default is ``None`` takes its type from ``field.metadata["type"]``). Help texts are literal
+    (a ``%`` is shown as is) and end with the default. ``check(cfg)`` may raise :class:`ArgumentError` for flag
+    combinations; the parser then exits with status 2 and the message, like any other bad flag.
+    """
+    parser = argparse.ArgumentParser(description=(cls.__doc__ or "").strip().splitlines()[0],
+                                     formatter_class=_DefaultsHelp)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         default = f.default
-        helptext = f.metadata.get("help", "")
+        # argparse %-formats help strings (for %(default)s): escape the text's own percent signs
+        helptext = f.metadata.get("help", "").replace("%", "%%")
         if isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=helptext)
         else:
-            parser.add_argument(
-                flag, type=type(default), default=default, choices=f.metadata.get("choices"), help=helptext
-            )
+            kind = f.metadata.get("type") or type(default)
+            parser.add_argument(flag, type=kind, default=default, choices=f.metadata.get("choices"), help=helptext)
     ns = parser.parse_args(argv)
-    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+    cfg = cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+    if check is not None:
+        try:
+            check(cfg)
+        except ArgumentError as e:
+            parser.error(str(e))
+    return cfg
 
 
-def opt(default: Any, help: str = "", choices: tuple | None = None) -> Any:
-    """A dataclass field with help text (and optional choices) for :func:`parse_flags`."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+class _DefaultsHelp(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to a flag's help unless the default is ``None`` (the help then says what applies)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is not None and action.default is not argparse.SUPPRESS and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
+def opt(default: Any, help: str = "", choices: tuple | None = None, type: type | None = None) -> Any:
+    """A dataclass field with help text (and optional choices; ``type`` for a ``None`` default) for
+    :func:`parse_flags`."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "type": type})
 
 
 # ------------------------------------------------------------------------------------------------ policy
@@ -75,6 +94,8 @@ class PolicyLogprobs(nn.Module):
     def forward(
         self, input_ids: Int[Tensor, "B L"], attention_mask: Int[Tensor, "B L"], labels: Int[Tensor, "B Lm1"]
     ) -> Float[Tensor, "B Lm1"]:
+        # REAL MODEL: ``lm.model`` is the decoder of Llama/Qwen/Mistral-style HF models (``lm.base_model`` is the
+        # architecture-neutral spelling); a vision-language or encoder-decoder model needs its own hidden states here.
         hidden = self.lm.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1]
         weight = self.lm.get_output_embeddings().weight
         return linear_token_logprobs(hidden, weight, labels, temperature=self.temperature)
@@ -84,6 +105,8 @@ def load_hf(path: str, device: torch.device, dtype: torch.dtype = torch.float32)
     """Tokenizer and causal LM from an HF checkpoint directory (local files only)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # REAL MODEL: fp32 suits the tiny CPU demo. On GPUs load bf16 (``dtype=torch.bfloat16``) or keep fp32 master
+    # weights and give ``fully_shard`` a ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``.
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     return tok, model
@@ -94,6 +117,8 @@ def group_record(uid: str, pair: tuple[int, int], prompt_ids: list[int], gens: l
                  rank: int) -> dict:
     """A finished prompt group as a plain, picklable dict (what travels from rollout to trainer and into the
     queue's checkpoint). ``version`` is the OLDEST token version of the group (the staleness key)."""
+    # REAL MODEL: ``pair`` is the toy task's (a, b), kept for inspection only; store your prompt's reference answer
+    # or dataset index here (nothing in the trainer reads it).
     samples = [
         {
             "output_ids": list(g.output_ids),
@@ -157,7 +182,60 @@ def batch_tensors(groups: list[dict], pad_id: int, device: torch.device) -> dict
     return {k: v.to(device) for k, v in out.items()}
 
 
-# ------------------------------------------------------------------------------------------------ loss step
+# ------------------------------------------------------------------------------------------------ loss flags
+POLICY_LOSSES: dict[str, Callable] = {
+    "ppo": ppo_clip_loss,
+    "gspo": gspo_loss,
+    "cispo": cispo_loss,
+    "decoupled": decoupled_ppo_loss,
+}
+CORRECTION_CAP = 2.0  # --correction tis|mis without --correction-cap: ρ = π_old/π_rollout bounded by 2 (and 1/2)
+
+
+def loss_defaults(arg: str) -> str:
+    """``"ppo 0.2, gspo 0.0003, ..."``: the library's own default of ``arg`` for each policy loss (read from the
+    signatures, so the flags' help texts cannot drift from the code)."""
+    return ", ".join(f"{name} {inspect.signature(fn).parameters[arg].default:g}" for name, fn in POLICY_LOSSES.items())
+
+
+def check_loss_flags(cfg: Any) -> None:
+    """Refuse loss flags that would be ignored: ``behav_weight_cap`` belongs to ``--loss decoupled`` only and
+    ``correction_cap`` to ``--correction tis|mis`` only. Raises :class:`ArgumentError` naming the flag."""
+    if cfg.loss not in POLICY_LOSSES:
+        raise ArgumentError(f"--loss: expected one of {sorted(POLICY_LOSSES)}, got {cfg.loss!r}")
+    if cfg.behav_weight_cap is not None and cfg.loss != "decoupled":
+        raise ArgumentError(f"--behav-weight-cap: only --loss decoupled weights tokens by π_old/π_rollout, got "
+                            f"--loss {cfg.loss}; use --correction tis|mis --correction-cap for the other losses")
+    if cfg.correction_cap is not None and cfg.correction == "none":
+        raise ArgumentError("--correction-cap: bounds --correction tis|mis, got --correction none")
+    if cfg.correction_cap is not None and not cfg.correction_cap > 1.0:
+        raise ArgumentError(f"--correction-cap: expected a float > 1 (the upper bound of π_old/π_rollout), "
+                            f"got {cfg.correction_cap}")
+    for name in ("ppo_epochs", "mini_batches"):
+        if getattr(cfg, name) < 1:
+            raise ArgumentError(f"--{name.replace('_', '-')}: expected an int >= 1, got {getattr(cfg, name)}")
+
+
+def policy_loss(
+    cfg: Any,
+    logp: Float[Tensor, "B T"],
+    old_logp: Float[Tensor, "B T"],
+    advantages: Float[Tensor, " B"],
+    mask: Bool[Tensor, "B T"],
+    *,
+    rollout_logp: Float[Tensor, "B T"],
+) -> tuple[Float[Tensor, "B T"], dict[str, Tensor]]:
+    """Per-token loss of ``cfg.loss`` with the clip offsets ``cfg.eps_low``/``cfg.eps_high`` (when given; else the
+    loss's own defaults), ratios ``exp(logp − old_logp)``. ``decoupled`` also takes the engine's log-probs
+    (AReaL's behaviour policy) and ``cfg.behav_weight_cap``. Returns ``(per_token_loss [B, T], metrics)``."""
+    eps = {k: v for k in ("eps_low", "eps_high") if (v := getattr(cfg, k)) is not None}
+    fn = POLICY_LOSSES[cfg.loss]
+    if cfg.loss == "decoupled":
+        return fn(logp, old_logp, rollout_logp, advantages, mask, **eps, behav_weight_cap=cfg.behav_weight_cap)
+    return fn(logp, old_logp, advantages, mask, **eps)
+
+
+# ------------------------------------------------------------------------------------------------ collectives
 def all_reduce(x: Tensor, op=None, group=None) -> Tensor:
     """All-reduce (SUM by default) over ``group`` when torch.distributed is up with more than one member."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
@@ -165,86 +243,81 @@ def all_reduce(x: Tensor, op=None, group=None) -> Tensor:
     return x
 
 
-def grpo_loss(
-    cfg: Any,
-    policy: nn.Module,
-    batch: dict[str, Tensor],
-    *,
-    global_counts: dict[str, Tensor],
-    prox_logp: Tensor | None = None,
-    ref_policy: nn.Module | None = None,
-    grad_scale: float = 1.0,
-) -> tuple[Tensor, dict[str, float]]:
-    """One GRPO loss over this rank's share of the batch; returns ``(loss, metrics)`` with ``loss`` ready for
-    ``backward`` (already scaled by ``grad_scale``, e.g. the FSDP world size that its mean-reduction divides by).
-
-    - advantages: ``grpo_advantages(rewards, group_ids)`` (group σ, eps 1e-6); groups never straddle ranks.
-    - ``prox_logp``: the trainer's log-probs before this update (π_prox). ``None`` means this is the only update on
-      the batch, so π_prox = π_θ numerically and ``logp.detach()`` is used (no second forward).
-    - policy loss ``cfg.loss``: ppo/gspo/cispo take ``old_logp = π_prox``; decoupled takes π_prox and the engine's
-      behaviour log-probs.
-    - ``cfg.correction``: tis (truncate ρ = π_prox/π_rollout at ``cfg.correction_cap``) or mis (mask tokens whose
-      ρ leaves [1/cap, cap]) via ``rollout_correction``; weights multiply the per-token loss, the keep-mask masks it.
-    - ``cfg.kl_coef > 0`` adds ``kl_coef · k3(π_θ ‖ π_ref)`` per token (``kl_estimate``).
-    - aggregation: ``aggregate(mode=cfg.agg)`` with GLOBAL normalisers (token and sequence counts summed over the
-      trainer ranks, max length maxed), so summing the ranks' losses gives the loss of the whole batch.
-    """
-    mask = batch["mask"]
-    logp = policy(batch["input_ids"], batch["attention_mask"], batch["labels"])
-    prox = logp.detach() if prox_logp is None else prox_logp
-    adv = grpo_advantages(batch["rewards"], batch["group_ids"])
-    behav = batch["rollout_logp"]
-    if cfg.loss == "ppo":
-        per_tok, m = ppo_clip_loss(logp, prox, adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high)
-    elif cfg.loss == "gspo":
-        per_tok, m = gspo_loss(logp, prox, adv, mask)
-    elif cfg.loss == "cispo":
-        per_tok, m = cispo_loss(logp, prox, adv, mask, eps_high=cfg.eps_high)
-    elif cfg.loss == "decoupled":
-        per_tok, m = decoupled_ppo_loss(
-            logp, prox, behav, adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-            behav_weight_cap=cfg.correction_cap,
-        )
-    else:
-        raise ValueError(f"loss: expected ppo|gspo|cispo|decoupled, got {cfg.loss!r}")
-    keep = mask
-    metrics = {k: float(v) for k, v in m.items()}
-    if cfg.correction != "none":
-        mode = "truncate" if cfg.correction == "tis" else "mask"
-        lower = None if mode == "truncate" else 1.0 / cfg.correction_cap
-        w, keep, cm = rollout_correction(prox, behav, mask, level="token", mode=mode, upper=cfg.correction_cap,
-                                         lower=lower)
-        per_tok = per_tok * w
-        metrics.update({f"correction_{k}": float(v) for k, v in cm.items()})
-    if cfg.kl_coef > 0 and ref_policy is not None:
-        with torch.no_grad():
-            ref_logp = ref_policy(batch["input_ids"], batch["attention_mask"], batch["labels"])
-        kl = kl_estimate(logp, ref_logp, kind="k3")
-        per_tok = per_tok + cfg.kl_coef * torch.where(mask, kl, torch.zeros_like(kl))
-        metrics["kl_ref_k3"] = float(torch.where(mask, kl, 0).sum() / mask.sum().clamp(min=1))
-    loss = aggregate(
-        per_tok,
-        keep,
-        mode=cfg.agg,
-        num_tokens=global_counts["tokens"],
-        num_seqs=global_counts["seqs"],
-        max_len=global_counts["max_len"],
-    )
-    mm = mismatch_metrics(prox, behav, mask)
-    metrics.update({f"mismatch_{k}": float(v) for k, v in mm.items()})
-    metrics["loss"] = float(loss.detach())
-    return loss * grad_scale, metrics
-
-
-def global_counts(batch: dict[str, Tensor], group=None) -> dict[str, Tensor]:
-    """Token count, sequence count and longest response over all trainer ranks (the aggregation normalisers)."""
-    mask = batch["mask"]
+def global_counts(mask: Bool[Tensor, "B T"], group=None) -> dict[str, Tensor]:
+    """Token count, sequence count and longest response over all trainer ranks (the aggregation normalisers), so
+    the ranks' losses add up to the loss of the whole (mini-)batch."""
     sums = torch.tensor([float(mask.sum()), float(mask.shape[0])], dtype=torch.float64)
     mx = torch.tensor([float(mask.sum(-1).max()) if mask.numel() else 0.0], dtype=torch.float64)
     all_reduce(sums, group=group)
     all_reduce(mx, op=dist.ReduceOp.MAX if dist.is_available() else None, group=group)
     dev = mask.device
     return {"tokens": sums[0].to(dev), "seqs": sums[1].to(dev), "max_len": mx[0].to(dev)}
+
+
+def mean_metrics(records: list[dict[str, Tensor]]) -> dict[str, float]:
+    """Mean of each metric over the optimizer updates of one step (one host sync per metric, after the step)."""
+    keys = {k for r in records for k in r}
+    return {k: float(torch.stack([torch.as_tensor(r[k], dtype=torch.float64) for r in records if k in r]).mean())
+            for k in sorted(keys)}
+
+
+# ------------------------------------------------------------------------------------------------ engines
+def model_max_len(path: str) -> int:
+    """The positions of the checkpoint at ``path`` (``max_position_embeddings`` of its HF config)."""
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(path).max_position_embeddings)
+
+
+def make_engine(kind: str, path: str, device: torch.device, *, max_model_len: int, max_staleness: int = 1,
+                sglang_url: str = ""):
+    """A rollout engine for ``--engine torch|vllm|sglang`` (create it inside the event loop that drives it).
+
+    ``max_model_len`` (prompt + response) sizes the engines' KV cache; it must not exceed the model's positions.
+    """
+    if kind == "torch":
+        from rlblocks.rollout import TorchEngine
+
+        return TorchEngine.from_pretrained(path, device=device, max_batch_size=1024, max_model_len=max_model_len)
+    if kind == "vllm":
+        from rlblocks.rollout import VLLMEngine
+
+        args: dict[str, Any] = {"max_model_len": max_model_len}
+        if not torch.cuda.is_available():
+            # REAL MODEL: 64 MiB of KV cache holds the tiny demo model's sequences; on CPU give a real model its
+            # share of memory (GPU vLLM sizes the cache from gpu_memory_utilization instead).
+            args.update(enforce_eager=True, kv_cache_memory_bytes=64 << 20)
+        return VLLMEngine.from_pretrained(path, max_staleness=max_staleness, **args)
+    if kind == "sglang":
+        from rlblocks.rollout import SGLangEngine
+
+        return SGLangEngine(sglang_url)
+    raise ArgumentError(f"--engine: expected torch|vllm|sglang, got {kind!r}")
+
+
+def resolve_max_model_len(requested: int, path: str) -> int:
+    """``--max-model-len``: 0 means the model's own positions; a larger value than those is refused."""
+    positions = model_max_len(path)
+    if requested < 0 or requested > positions:
+        raise ArgumentError(f"--max-model-len: expected 0 (the model's {positions} positions) or 1..{positions} "
+                            f"for {path}, got {requested}")
+    return requested or positions
+
+
+def length_budget(max_new_tokens: int, length_tail: float, room: int, rng: random.Random) -> int:
+    """Response budget of one prompt group: ``max_new_tokens``, or (benchmark) a lognormal length with median
+    ``length_tail`` and σ = ln(10)/2.326 = 0.99 (p99/p50 = 10); never more than ``room`` (= max_model_len − the
+    prompt's length), so a sample always fits the engine."""
+    n = max_new_tokens
+    if length_tail > 0:
+        n = max(max_new_tokens, round(rng.lognormvariate(math.log(length_tail), 0.99)))
+    return max(1, min(n, room))
+
+
+def until_eos(ids: list[int], eos: int) -> list[int]:
+    """``ids`` up to and including the first ``eos`` (the engines may only stop there, but a benchmark without
+    stop tokens keeps generating)."""
+    return ids[: ids.index(eos) + 1] if eos in ids else ids
 
 
 # ------------------------------------------------------------------------------------------------ run files

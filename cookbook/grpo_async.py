@@ -10,20 +10,23 @@ as the ``StalenessController`` admits them (AReaL: at most ``(η + v + 1)·B`` g
 version v), each sample through ``resumable_generate``. Finished groups are scored (exact match), optionally
 filtered by a ``DynamicSampler`` (zero-variance groups are rejected, freeing their slot, at most
 ``--dynamic-max-rounds`` × B per batch; then the batch proceeds with the groups as they come) and sent to trainer rank 0
-with ``send_object_list`` on a gloo group (lossless pickles). A receiver thread waits for weights on a separate
-sync group; an update runs *pause → update_weights(version) → resume* on the engine. With ``--partial-rollout``
-the interrupted generations are resumed by ``resumable_generate`` under the new weights (tokens keep the version
-that produced them); without it they restart from the prompt (their tokens are counted as discarded), so each
-sample comes from a single policy version.
+with ``send_object_list`` on a gloo group (lossless pickles). A receiver thread waits for control messages
+(:class:`Weights`, :class:`Refund`, :class:`Stop`) on a separate sync group; an update runs
+*pause → update_weights(version) → resume* on the engine. With ``--partial-rollout`` the interrupted generations are
+resumed by ``resumable_generate`` under the new weights (tokens keep the version that produced them); without it
+they restart from the prompt (their tokens are counted as discarded), so each sample comes from a single version.
 
 Trainer rank 0: a thread per rollout rank receives groups into a ``StalenessQueue`` keyed by the group's OLDEST
-token version. Each step takes ``B`` groups with ``current_version − version ≤ η`` (re-checked at consumption;
-stale ones are counted and their admission slots refunded to the rollout rank), scatters them over the trainer
-ranks, and every trainer rank computes the GRPO loss with ``linear_token_logprobs`` and globally normalised
-aggregation (FSDP2 ``fully_shard`` when T > 1). The new weights (``full_tensors``) go to the rollout ranks with
-``WeightSender`` (``--sync full``) or as ``DeltaPacket`` s (``--sync delta``). η = 0 is synchronous RL.
+token version. Each step (:func:`trainer_main`) takes ``B`` groups with ``current_version − version ≤ η``
+(re-checked at consumption; stale ones are counted and their admission slots refunded to the rollout rank),
+scatters them over the trainer ranks, and every trainer rank runs :func:`grpo_step`: GRPO advantages, π_old once,
+then ``--ppo-epochs`` × ``--mini-batches`` optimizer updates of the clipped loss with ``linear_token_logprobs`` and
+globally normalised aggregation (FSDP2 ``fully_shard`` when T > 1). The new weights (``full_tensors``) go to the
+rollout ranks with ``WeightSender`` (``--sync full``), as ``DeltaPacket`` s (``--sync delta``) or as LoRA adapters.
+η = 0 is synchronous RL.
 
 Files: ``runs/<name>/metrics.jsonl`` (one line per step), ``summary.json``, ``ckpt.pt`` (``--resume``).
+Lines a user changes for a real model or task are marked ``REAL MODEL:``.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import math
 import os
 import queue as pyqueue
 import random
@@ -39,7 +41,8 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,19 +50,29 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import toy
 from common import (
+    CORRECTION_CAP,
     PolicyLogprobs,
     Progress,
     RunFiles,
     all_reduce,
     batch_tensors,
+    check_loss_flags,
     global_counts,
     group_record,
-    grpo_loss,
+    length_budget,
     load_hf,
+    loss_defaults,
+    make_engine,
+    mean_metrics,
     opt,
     parse_flags,
+    policy_loss,
+    resolve_max_model_len,
+    until_eos,
 )
 
+from rlblocks.errors import ArgumentError
+from rlblocks.losses import aggregate, grpo_advantages, kl_estimate, mismatch_metrics, rollout_correction
 from rlblocks.rollout import GenerationRequest, SamplingParams, resumable_generate
 from rlblocks.sched import DynamicSampler, StalenessController, StalenessQueue
 from rlblocks.sync import (
@@ -85,9 +98,12 @@ class Config:
     model: str = opt("", "HF checkpoint directory; empty: the tiny CPU demo model, warm-started and cached")
     engine: str = opt("torch", "rollout engine", ("torch", "vllm", "sglang"))
     sglang_url: str = opt("http://127.0.0.1:30000", "SGLang server base URL (--engine sglang)")
+    max_model_len: int = opt(0, "prompt + response positions the engine's KV cache is sized for; 0: the model's "
+                                "own positions (a real model: set it to your prompt + response budget)")
     rollout_ranks: int = opt(1, "ranks that generate; the others train")
-    steps: int = opt(5000, "optimizer steps (= policy versions); the CPU demo stops on --time-limit first")
-    time_limit: float = opt(470.0, "stop training after this many seconds of RL (0: no limit)")
+    steps: int = opt(1200, "batches trained (= policy versions); a step count, so the result does not depend on "
+                           "how loaded the machine is (the CPU demo: ~8 min of RL on 2 idle cores)")
+    time_limit: float = opt(0.0, "also stop after this many seconds of RL (0: no limit)")
     prompts_per_step: int = opt(16, "B: prompt groups per optimizer step (global); demo: 16×16 beat 32×16, 64×8")
     group_size: int = opt(16, "K: samples per prompt (16 finds the rare right answer on prompts greedy gets wrong)")
     max_staleness: int = opt(1, "η: largest version gap of a trained token (0 = synchronous)")
@@ -100,12 +116,20 @@ class Config:
     sync: str = opt("full", "weight sync: full buckets, delta packets, or LoRA adapters only (trains a LoRA)",
                     ("full", "delta", "lora"))
     lora_rank: int = opt(16, "--sync lora: adapter rank (alpha = 2·rank) on every linear layer of the decoder")
-    correction: str = opt("none", "train/rollout mismatch correction", ("tis", "mis", "none"))
-    correction_cap: float = opt(2.0, "tis/mis upper bound on π_prox/π_rollout (mis lower = 1/cap)")
     loss: str = opt("ppo", "policy loss", ("ppo", "gspo", "cispo", "decoupled"))
+    eps_low: float | None = opt(None, "clip offset below 1 (ratio ≥ 1 − eps_low; cispo: IS-weight floor); "
+                                      f"default: the loss's own ({loss_defaults('eps_low')})", type=float)
+    eps_high: float | None = opt(None, "clip offset above 1 (ratio ≤ 1 + eps_high); default: the loss's own "
+                                       f"({loss_defaults('eps_high')})", type=float)
+    behav_weight_cap: float | None = opt(None, "--loss decoupled only: drop tokens whose π_old/π_rollout exceeds "
+                                               "this (AReaL); default: no cap", type=float)
+    correction: str = opt("none", "train/rollout mismatch correction on ρ = π_old/π_rollout", ("tis", "mis", "none"))
+    correction_cap: float | None = opt(None, f"--correction tis|mis only: tis truncates ρ at this, mis masks tokens "
+                                             f"with ρ outside [1/cap, cap]; default {CORRECTION_CAP}", type=float)
+    ppo_epochs: int = opt(2, "passes over each batch (π_old fixed at the first; > 1 makes ratios move and clip)")
+    mini_batches: int = opt(2, "optimizer updates per pass, each on a random 1/mini_batches of the batch's samples "
+                               "(demo: 2 epochs × 2 gain more per batch than 1 × 1 or 1 × 2)")
     agg: str = opt("token-mean", "loss aggregation mode (global normalisers)")
-    eps_low: float = opt(0.2, "clip offset below 1")
-    eps_high: float = opt(0.2, "clip offset above 1")
     kl_coef: float = opt(0.0, "k3 KL penalty to the initial policy (0: no reference model)")
     lr: float = opt(1.5e-4, "AdamW learning rate (demo: 2e-4 dips mid-run, 3e-4 oscillates at η=1)")
     lr_decay: bool = opt(True, "decay lr linearly to 10% over the budget (steps or time limit, whichever is nearer)")
@@ -113,12 +137,72 @@ class Config:
     temperature: float = opt(1.0, "sampling temperature (log-probs use the same)")
     max_new_tokens: int = opt(6, "response budget")
     length_tail: float = opt(0.0, "benchmark: >0 forces lognormal response lengths with this median (p99/p50≈10)")
-    eval_every: int = opt(40, "held-out greedy accuracy every N steps (and at the end)")
+    eval_every: int = opt(50, "held-out greedy accuracy every N steps (and at the end)")
     save_every: int = opt(20, "checkpoint every N steps (0: never)")
     resume: bool = opt(False, "continue from runs/<name>/ckpt.pt")
     seed: int = opt(0, "seed")
     sync_port: int = opt(0, "port of the weight-sync group's store on rank 0 (0: a free one)")
     quiet: bool = opt(False, "no progress bar")
+
+
+def check_flags(cfg: Config) -> None:
+    """Flag combinations that cannot work (raised before any process group is created)."""
+    check_loss_flags(cfg)
+    if cfg.dynamic_max_rounds < 0:
+        raise ArgumentError(f"--dynamic-max-rounds: expected an int >= 0, got {cfg.dynamic_max_rounds}")
+    if cfg.max_model_len < 0:
+        raise ArgumentError(f"--max-model-len: expected 0 (the model's positions) or more, got {cfg.max_model_len}")
+
+
+# ================================================================================================ messages
+# Trainer rank 0 → every rollout rank, on the sync group: one control message, then its payload (if any).
+@dataclass(frozen=True)
+class Weights:
+    """New weights follow: ``kind`` full buckets, a delta packet or LoRA adapters, committed as ``version``.
+    ``first`` marks a run's first push (fresh or resumed): the admission counters restart at ``version`` and each
+    rollout rank's groups already waiting in the trainer's queue (``queued``, by rank) count as admitted."""
+
+    version: int
+    kind: str
+    first: bool = False
+    queued: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Refund:
+    """Admission slots freed by groups the trainer found stale, by rollout rank (generate that many more)."""
+
+    slots: dict[int, int]
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Training is over: stop admitting, cancel what is in flight, report counters."""
+
+
+CONTROL = {cls.__name__: cls for cls in (Weights, Refund, Stop)}
+
+
+def send_control(sync_group, msg: Weights | Refund | Stop) -> None:
+    sync_group.broadcast_bytes(json.dumps({"type": type(msg).__name__, **dataclasses.asdict(msg)}).encode(), 0)
+
+
+def recv_control(sync_group) -> Weights | Refund | Stop:
+    d = json.loads(sync_group.broadcast_bytes(None, 0))
+    cls = CONTROL[d.pop("type")]
+    for k in ("queued", "slots"):  # JSON object keys are strings; ranks are ints
+        if k in d:
+            d[k] = {int(r): int(n) for r, n in d[k].items()}
+    return cls(**d)
+
+
+# Rollout rank → trainer rank 0, on the sample group: group records (``group_record`` dicts), then one RolloutEnd.
+@dataclass(frozen=True)
+class RolloutEnd:
+    """The last message of a rollout rank: its counters (samples/tokens generated, filtered, discarded, ...)."""
+
+    rank: int
+    counters: dict[str, float]
 
 
 # ================================================================================================ setup
@@ -147,41 +231,15 @@ def policy_path(cfg: Config, rank: int) -> str:
     return toy.warm_start(root)
 
 
-def length_budget(cfg: Config, rng: random.Random) -> int:
-    """Response budget: ``max_new_tokens``, or (benchmark) a lognormal length with median ``length_tail``
-    and σ = ln(10)/2.326 (p99/p50 = 10), capped at the model's room."""
-    if cfg.length_tail <= 0:
-        return cfg.max_new_tokens
-    n = round(rng.lognormvariate(math.log(cfg.length_tail), 0.99))
-    return max(cfg.max_new_tokens, min(n, 200))
-
-
 # ================================================================================================ rollout side
-def make_engine(cfg: Config, path: str, device: torch.device):
-    if cfg.engine == "torch":
-        from rlblocks.rollout import TorchEngine
-
-        return TorchEngine.from_pretrained(path, device=device, max_batch_size=1024)
-    if cfg.engine == "vllm":
-        from rlblocks.rollout import VLLMEngine
-
-        args = {"max_model_len": 256}
-        if not torch.cuda.is_available():
-            args.update(enforce_eager=True, kv_cache_memory_bytes=64 << 20)
-        return VLLMEngine.from_pretrained(path, max_staleness=cfg.max_staleness, **args)
-    from rlblocks.rollout import SGLangEngine
-
-    return SGLangEngine(cfg.sglang_url)
-
-
 class Rollout:
     """One rollout rank: admission-controlled group generation, weight updates, and shipping groups out."""
 
-    def __init__(self, cfg: Config, rank: int, n_train: int, sample_group, sync_group, tokenizer, engine) -> None:
+    def __init__(self, cfg: Config, rank: int, n_train: int, sample_group, sync_group, tokenizer, engine,
+                 max_model_len: int) -> None:
         self.cfg, self.rank, self.n_train = cfg, rank, n_train
         self.sample_group, self.sync_group = sample_group, sync_group
-        self.tok, self.engine = tokenizer, engine
-        self.idx = rank - n_train
+        self.tok, self.engine, self.max_model_len = tokenizer, engine, max_model_len
         self.ctrl = StalenessController(
             batch_size=cfg.prompts_per_step,
             max_staleness=cfg.max_staleness,
@@ -191,44 +249,47 @@ class Rollout:
         self.sampler = (DynamicSampler(target_groups=self.ctrl.batch_size, keep_when_insufficient=True)
                         if cfg.dynamic_sampling else None)
         self.window_filled = 0  # groups shipped unfiltered in the sampler's current batch window (round limit hit)
-        self.pairs = toy.split_pairs()["rl"]
+        self.pairs = toy.split_pairs()["rl"]  # REAL MODEL: your prompts (with whatever the reward needs)
         self.rng = random.Random(cfg.seed * 1000 + rank)
         self.outbox: pyqueue.Queue = pyqueue.Queue()
         self.refund = 0  # admission slots given back by the trainer (groups dropped as stale there)
         self.counter = 0
-        self.stats = Counter()
-        self.version_event: asyncio.Event | None = None
+        self.counters = Counter()
+        self.first_weights = asyncio.Event()
+        self.version_event = asyncio.Event()
         self.stopping = False
 
     # ---------------------------------------------------------------- generation
     async def _one(self, req: GenerationRequest):
         if self.cfg.partial_rollout:
             res = await resumable_generate(self.engine, req)
-            self.stats["resubmissions"] += res.num_submissions - 1
+            self.counters["resubmissions"] += res.num_submissions - 1
             return res
         while True:  # no partial rollout: an interrupted sample restarts from its prompt under the new weights
             gen = await self.engine.generate(req)
             if gen.finish_reason != "abort":
                 return gen
-            self.stats["tokens_discarded"] += len(gen.output_ids)
+            self.counters["tokens_discarded"] += len(gen.output_ids)
             while getattr(self.engine, "is_paused", False):
                 await asyncio.sleep(0.005)
 
     async def _group(self, uid: str, pair: tuple[int, int]) -> None:
-        prompt = toy.encode_prompt(self.tok, *pair)
-        budget = length_budget(self.cfg, self.rng)
+        prompt = toy.encode_prompt(self.tok, *pair)  # REAL MODEL: your chat template / tokenised prompt
+        budget = length_budget(self.cfg.max_new_tokens, self.cfg.length_tail, self.max_model_len - len(prompt),
+                               self.rng)
         stop = (self.tok.eos_token_id,) if self.cfg.length_tail <= 0 else ()
         sp = SamplingParams(temperature=self.cfg.temperature, max_new_tokens=budget, stop_token_ids=stop)
         gens = await asyncio.gather(
             *[self._one(GenerationRequest(f"{uid}/{k}", prompt, sp)) for k in range(self.cfg.group_size)]
         )
-        rewards = [toy.reward(self.tok, *pair, _until_eos(g.output_ids, self.tok.eos_token_id)) for g in gens]
+        # REAL MODEL: your verifier or reward model (toy.reward is the demo's exact match of a + b)
+        rewards = [toy.reward(self.tok, *pair, until_eos(g.output_ids, self.tok.eos_token_id)) for g in gens]
         rec = group_record(uid, pair, prompt, gens, rewards, self.rank)
-        self.stats["samples_generated"] += len(gens)
-        self.stats["tokens_generated"] += sum(len(g.output_ids) for g in gens)
+        self.counters["samples_generated"] += len(gens)
+        self.counters["tokens_generated"] += sum(len(g.output_ids) for g in gens)
         if self.sampler is not None and not self._keep(uid, rewards, rec):
             self.ctrl.on_reject()
-            self.stats["groups_filtered"] += 1
+            self.counters["groups_filtered"] += 1
             return
         self.ctrl.on_accept()
         self.outbox.put(rec)
@@ -246,7 +307,7 @@ class Rollout:
                 return False
             rec["zero_variance_fill"] = True
             self.window_filled += 1
-            self.stats["groups_filled_unfiltered"] += 1
+            self.counters["groups_filled_unfiltered"] += 1
         if len(s.finish()) + self.window_filled >= s.target_groups:  # the window's batch is complete
             s.reset()
             self.window_filled = 0
@@ -254,8 +315,7 @@ class Rollout:
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        self.version_event = asyncio.Event()
-        recv = threading.Thread(target=self._weights_thread, args=(loop,), daemon=True)
+        recv = threading.Thread(target=self._control_thread, args=(loop,), daemon=True)
         send = threading.Thread(target=self._send_thread, daemon=True)
         recv.start()
         send.start()
@@ -286,7 +346,9 @@ class Rollout:
         for t in list(tasks):
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self.stats["groups_cancelled_at_stop"] = len(tasks)
+        self.counters["groups_cancelled_at_stop"] = len(tasks)
+        # CPU seconds of this process (all its threads): on a shared machine, a load-independent measure of the work
+        self.counters["cpu_seconds"] = time.process_time()
         self.outbox.put(None)
         send.join()
         recv.join()
@@ -296,12 +358,11 @@ class Rollout:
         while True:
             rec = self.outbox.get()
             if rec is None:
-                dist.send_object_list([{"op": "end", "rank": self.rank, "stats": dict(self.stats)}], dst=0,
-                                      group=self.sample_group)
+                dist.send_object_list([RolloutEnd(self.rank, dict(self.counters))], dst=0, group=self.sample_group)
                 return
             dist.send_object_list([rec], dst=0, group=self.sample_group)
 
-    def _weights_thread(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _control_thread(self, loop: asyncio.AbstractEventLoop) -> None:
         """Receive control messages and weights from trainer rank 0; apply them on the engine's loop."""
         g = self.sync_group
         receiver = WeightReceiver(g, 0)
@@ -309,45 +370,42 @@ class Rollout:
         decoder: DeltaDecoder | None = None
         lora_base: dict = {}
         while True:
-            msg = json.loads(g.broadcast_bytes(None, 0))
-            if msg["op"] == "stop":
+            msg = recv_control(g)
+            if isinstance(msg, Stop):
                 loop.call_soon_threadsafe(self._stop)
                 return
-            if msg["op"] == "refund":
-                n = int(msg["counts"].get(str(self.rank), 0))
-                if n:
+            if isinstance(msg, Refund):
+                if n := msg.slots.get(self.rank, 0):
                     loop.call_soon_threadsafe(self._add_refund, n)
                 continue
             t0 = time.perf_counter()
-            if msg["kind"] == "lora":  # base once, then adapters; merged here for engines without LoRA loading
+            if msg.kind == "lora":  # base once, then adapters; merged here for engines without LoRA loading
                 version, it = receiver.receive()
                 base, adapters, _info = split_lora_message(it)
                 if base:
                     lora_base = base
                 tensors = list(merge_lora(lora_base.items(), adapters))
-            elif msg["kind"] == "full":
+            elif msg.kind == "full":
                 version, it = receiver.receive()
                 tensors = [(n, t.clone()) for n, t in it]
                 if self.cfg.sync == "delta":  # the chain's base
                     decoder = DeltaDecoder({n: t.clone() for n, t in tensors}, version=version)
             else:
-                packet = transport.receive()
-                decoder.apply(packet)
+                decoder.apply(transport.receive())
                 version = decoder.version
                 tensors = list(decoder.tensors.items())
-            fut = asyncio.run_coroutine_threadsafe(self._update(tensors, version, msg), loop)
-            fut.result()
-            self.stats["sync_seconds"] += time.perf_counter() - t0
+            asyncio.run_coroutine_threadsafe(self._update(tensors, version, msg), loop).result()
+            self.counters["sync_seconds"] += time.perf_counter() - t0
 
-    async def _update(self, tensors, version: int, msg: dict) -> None:
+    async def _update(self, tensors, version: int, msg: Weights) -> None:
         """Quiesce, swap, commit, resume: in-flight requests come back aborted (partial output kept by
         resumable_generate), the weights are loaded, the version becomes visible, generation resumes."""
         await self.engine.pause(mode="abort")
         await self.engine.update_weights(tensors, version=version)
         await self.engine.resume()
-        if msg.get("recovered") is not None:  # first weights of a resumed run: AReaL's accepted = v·B
+        if msg.first:  # first weights of a (resumed) run: AReaL's accepted = v·B
             self.ctrl.on_version_recovered(version)
-            self.refund -= int(msg.get("queued", {}).get(str(self.rank), 0))
+            self.refund -= msg.queued.get(self.rank, 0)
         self.first_weights.set()
         self.version_event.set()
 
@@ -360,19 +418,15 @@ class Rollout:
         self.version_event.set()
 
 
-def _until_eos(ids: list[int], eos: int) -> list[int]:
-    return ids[: ids.index(eos) + 1] if eos in ids else ids
-
-
 def rollout_main(cfg: Config, rank: int, n_train: int, device, sample_group, path: str, port: int) -> None:
     tok = load_hf_tokenizer(path)
     sync_group = join_sync_group(cfg, rank, n_train, port)
+    max_model_len = resolve_max_model_len(cfg.max_model_len, path)
 
     async def main():
-        engine = make_engine(cfg, path, device)
-        r = Rollout(cfg, rank, n_train, sample_group, sync_group, tok, engine)
-        r.first_weights = asyncio.Event()
-        await r.run()
+        engine = make_engine(cfg.engine, path, device, max_model_len=max_model_len,
+                             max_staleness=cfg.max_staleness, sglang_url=cfg.sglang_url)
+        await Rollout(cfg, rank, n_train, sample_group, sync_group, tok, engine, max_model_len).run()
         if hasattr(engine, "shutdown"):
             res = engine.shutdown()
             if asyncio.iscoroutine(res):
@@ -410,12 +464,75 @@ def pick_sync_port(cfg: Config, rank: int) -> int:
     return int(box[0])
 
 
+# ================================================================================================ the RL update
+def grpo_step(cfg: Config, policy: torch.nn.Module, optim: torch.optim.Optimizer, bt: dict[str, torch.Tensor], *,
+              ref_policy: torch.nn.Module | None = None, group=None, grad_scale: float = 1.0,
+              step: int = 0) -> dict[str, float]:
+    """One GRPO update on this rank's share of a batch; returns its metrics, averaged over the optimizer updates.
+
+    1. Advantages ``A_i = (r_i − mean_g r) / (std_g r + 1e-6)`` within each prompt group (``grpo_advantages``);
+       a group never straddles trainer ranks, so these are the whole batch's advantages.
+    2. π_old, the trainer's log-probs before the first update, computed once (no grad) and fixed for every epoch:
+       the ratio ``exp(logp − old_logp)`` moves away from 1 over the updates and the clip acts. With a single update
+       (``ppo_epochs = mini_batches = 1``) π_old = π_θ numerically, so ``logp.detach()`` serves (no extra forward).
+    3. ``ppo_epochs`` passes, each over ``mini_batches`` random splits of the samples. Per mini-batch:
+       ``policy_loss`` (clip offsets from 1); the train/rollout correction on ρ = π_old/π_rollout (tis: weights
+       ``min(ρ, cap)``; mis: tokens with ρ outside [1/cap, cap] masked); ``+ kl_coef · k3(π_θ ‖ π_ref)`` per token;
+       ``aggregate`` with the mini-batch's GLOBAL normalisers (token and sequence counts summed over the trainer
+       ranks, so the ranks' losses add up to the mini-batch's loss); one backward, scaled by ``grad_scale`` (FSDP
+       averages gradients over the ranks); grad-norm clip; optimizer step.
+    """
+    mask, rollout_logp = bt["mask"], bt["rollout_logp"]
+    adv = grpo_advantages(bt["rewards"], bt["group_ids"])  # [B], one per sample
+    n_updates = cfg.ppo_epochs * cfg.mini_batches
+    with torch.no_grad():
+        old_logp = policy(bt["input_ids"], bt["attention_mask"], bt["labels"]) if n_updates > 1 else None
+        ref_logp = (ref_policy(bt["input_ids"], bt["attention_mask"], bt["labels"])
+                    if ref_policy is not None and cfg.kl_coef > 0 else None)
+    shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    per_update: list[dict[str, torch.Tensor]] = []
+    for _epoch in range(cfg.ppo_epochs):
+        order = torch.randperm(mask.shape[0], generator=shuffle) if cfg.mini_batches > 1 else None
+        for rows in (order.tensor_split(cfg.mini_batches) if order is not None else [slice(None)]):
+            mb_mask, mb_rollout = mask[rows], rollout_logp[rows]
+            logp = policy(bt["input_ids"][rows], bt["attention_mask"][rows], bt["labels"][rows])
+            old = logp.detach() if old_logp is None else old_logp[rows]
+            per_tok, m = policy_loss(cfg, logp, old, adv[rows], mb_mask, rollout_logp=mb_rollout)
+            keep = mb_mask
+            if cfg.correction != "none":
+                cap = cfg.correction_cap or CORRECTION_CAP
+                mode = "truncate" if cfg.correction == "tis" else "mask"
+                w, keep, cm = rollout_correction(old, mb_rollout, mb_mask, level="token", mode=mode, upper=cap,
+                                                 lower=None if mode == "truncate" else 1.0 / cap)
+                per_tok = per_tok * w
+                m.update({f"correction_{k}": v for k, v in cm.items()})
+            if ref_logp is not None:
+                kl = torch.where(mb_mask, kl_estimate(logp, ref_logp[rows], kind="k3"), 0.0)
+                per_tok = per_tok + cfg.kl_coef * kl
+                m["kl_ref_k3"] = kl.sum() / mb_mask.sum().clamp(min=1)
+            n = global_counts(mb_mask, group)
+            loss = aggregate(per_tok, keep, mode=cfg.agg, num_tokens=n["tokens"], num_seqs=n["seqs"],
+                             max_len=n["max_len"])
+            optim.zero_grad(set_to_none=True)
+            (loss * grad_scale).backward()
+            m["grad_norm"] = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+            optim.step()
+            m["loss"] = loss.detach()
+            per_update.append({k: v.detach() for k, v in m.items()})
+    metrics = mean_metrics(per_update)
+    # train/rollout mismatch of π_old (the weights that should have produced the samples) against the engine's
+    mm = mismatch_metrics(old_logp if old_logp is not None else old, rollout_logp, mask)
+    metrics.update({f"mismatch_{k}": float(v) for k, v in mm.items()})
+    metrics["ppo_updates"] = n_updates
+    return metrics
+
+
 # ================================================================================================ trainer side
 class Inbox:
     """Trainer rank 0: one thread per rollout rank receives groups into the StalenessQueue (nothing dropped)."""
 
-    def __init__(self, cfg: Config, n_train: int, world: int, sample_group, q: StalenessQueue) -> None:
-        self.q, self.generated, self.ended = q, 0, {}
+    def __init__(self, n_train: int, world: int, sample_group, q: StalenessQueue, generated: int) -> None:
+        self.q, self.generated, self.ended = q, generated, {}
         self.lock = threading.Lock()
         self.threads = [threading.Thread(target=self._loop, args=(r, sample_group), daemon=True)
                         for r in range(n_train, world)]
@@ -427,9 +544,9 @@ class Inbox:
             box = [None]
             dist.recv_object_list(box, src=src, group=group)
             rec = box[0]
-            if rec.get("op") == "end":
+            if isinstance(rec, RolloutEnd):
                 with self.lock:
-                    self.ended[src] = rec["stats"]
+                    self.ended[src] = rec.counters
                 return
             self.q.put(rec, rec["version"])
             with self.lock:
@@ -440,10 +557,53 @@ class Inbox:
             t.join()
 
 
-def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, groups: dict, path: str,
-                 port: int) -> None:
+@dataclass
+class Trainer:
+    """What a trainer rank holds between steps (built by :func:`setup_trainer`). The queue, the inbox and the
+    weight channel live on rank 0 only (``None`` elsewhere)."""
+
+    cfg: Config
+    rank: int
+    n_train: int
+    device: torch.device
+    group: Any  # the trainer ranks' process group
+    files: RunFiles
+    tok: Any
+    lm: torch.nn.Module
+    policy: PolicyLogprobs
+    optim: torch.optim.Optimizer
+    ref: PolicyLogprobs | None
+    eval_lm: torch.nn.Module | None
+    peft_model: Any = None
+    step: int = 0
+    counters: Counter = field(default_factory=Counter)  # samples_trained, samples_dropped_stale, max_staleness_seen
+    accuracy_before: float | None = None
+    last_acc: float | None = None
+    wall_before: float = 0.0  # seconds of earlier runs (resume)
+    t_rl: float = field(default_factory=time.time)
+    queue: StalenessQueue | None = None
+    inbox: Inbox | None = None
+    sync_group: Any = None
+    sender: WeightSender | None = None
+    transport: GroupDeltaTransport | None = None
+    syncer: LoraSyncer | None = None
+    encoder: DeltaEncoder | None = None
+    stale_refunds: Counter = field(default_factory=Counter)
+    stale_uids: list[str] = field(default_factory=list)
+
+    @property
+    def is0(self) -> bool:
+        return self.rank == 0
+
+    def wall_seconds(self) -> float:
+        return self.wall_before + time.time() - self.t_rl
+
+
+def setup_trainer(cfg: Config, rank: int, world: int, n_train: int, device, groups: dict, path: str,
+                  port: int) -> Trainer:
+    """Model (optionally LoRA-wrapped, FSDP2-sharded over the trainer ranks), reference, optimiser, resume state;
+    on rank 0 also the staleness queue, the inbox threads and the weight channel to the rollout ranks."""
     files = RunFiles(cfg.runs_dir, cfg.name)
-    is0 = rank == 0
     tok, lm = load_hf(path, device)
     lm.train()
     peft_model = None
@@ -451,7 +611,8 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
         from peft import LoraConfig, get_peft_model
 
         if n_train > 1:
-            raise ValueError("sync: 'lora' is supported with one trainer rank here (no FSDP2 of peft modules)")
+            raise ArgumentError("--sync lora: supported with one trainer rank here (no FSDP2 of peft modules)")
+        # REAL MODEL: the projection names of Llama/Qwen-style decoders; other architectures name them differently
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         peft_model = get_peft_model(lm, LoraConfig(r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank,
                                                    target_modules=targets, lora_dropout=0.0))
@@ -461,228 +622,252 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
         missing, unexpected = lm.load_state_dict(ckpt["model"], strict=False)
         if unexpected or any(k in dict(lm.named_parameters()) for k in missing):
             raise ValueError(f"{files.ckpt}: parameters missing {missing} or unexpected {unexpected}")
-    elif is0 and not cfg.resume:
+    elif rank == 0 and not cfg.resume:
         files.fresh()
     dist.barrier(groups["train"])
-    eval_lm = None
+    policy = PolicyLogprobs(lm, cfg.temperature)
+    eval_lm = lm
     if n_train > 1:
         from torch.distributed.fsdp import fully_shard
 
-        if is0:  # an unsharded copy for held-out evaluation, refreshed from the gathered weights
-            eval_lm = load_hf(path, device)[1]
-        policy = PolicyLogprobs(lm, cfg.temperature)
+        # REAL MODEL: rank 0 keeps a whole unsharded copy only to run the held-out greedy evaluation with HF
+        # ``generate``; a real model would evaluate through the rollout engine instead (it already has the weights).
+        eval_lm = load_hf(path, device)[1] if rank == 0 else None
+        # REAL MODEL: ``lm.model.layers`` is where Llama/Qwen-style HF models keep their decoder blocks (one FSDP
+        # unit each); other architectures name the list differently (e.g. ``transformer.h``).
         for layer in lm.model.layers:
             fully_shard(layer, mesh=groups["mesh"])
         fully_shard(policy, mesh=groups["mesh"])
-    else:
-        policy = PolicyLogprobs(lm, cfg.temperature)
-        eval_lm = lm
     ref = None
     if cfg.kl_coef > 0:
         ref = PolicyLogprobs(load_hf(path, device)[1].eval(), cfg.temperature).requires_grad_(False)
     optim = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
-    step = 0
-    counters = Counter()
+    t = Trainer(cfg=cfg, rank=rank, n_train=n_train, device=device, group=groups["train"], files=files, tok=tok,
+                lm=lm, policy=policy, optim=optim, ref=ref, eval_lm=eval_lm, peft_model=peft_model)
     if ckpt is not None:
-        step = ckpt["step"]
-        counters.update(ckpt["counters"])
+        t.step = ckpt["step"]
+        t.counters.update(ckpt["counters"])
+        t.accuracy_before = ckpt["accuracy_before"]
+        t.wall_before = ckpt["wall_seconds"]
+        t.stale_uids = list(ckpt["stale_uids"])
         if n_train > 1:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
             set_optimizer_state_dict(policy, optim, ckpt["optim"], options=StateDictOptions(full_state_dict=True))
         else:
             optim.load_state_dict(ckpt["optim"])
+    if t.is0:
+        def on_stale(item: dict, version: int) -> None:  # counted and refunded to its rollout rank, never silent
+            t.stale_refunds.update({int(item["rank"]): 1})
+            t.stale_uids.append(item["uid"])
 
-    # --- rank 0: queue, inbox, weight channel
-    q = sender = transport = encoder = inbox = syncer = None
-    stale_refunds: Counter = Counter()
-    stale_uids: list[str] = list(ckpt["stale_uids"]) if ckpt is not None else []
-
-    def on_stale(item: dict, version: int) -> None:  # counted and refunded to its rollout rank, never silent
-        stale_refunds.update({str(item["rank"]): 1})
-        stale_uids.append(item["uid"])
-
-    if is0:
-        q = StalenessQueue(max_staleness=cfg.max_staleness, on_stale=on_stale)
+        t.queue = StalenessQueue(max_staleness=cfg.max_staleness, on_stale=on_stale)
         if ckpt is not None:
-            q.load_state_dict(ckpt["queue"])
-        sync_group = join_sync_group(cfg, rank, n_train, port)
-        sender, transport = WeightSender(sync_group, 0, bucket_bytes=64 << 20), GroupDeltaTransport(sync_group, 0)
-        syncer = LoraSyncer(sender.send, keep=cfg.max_staleness + 1)
-        inbox = Inbox(cfg, n_train, world, groups["sample"], q)
-        inbox.generated = counters["samples_generated"]
+            t.queue.load_state_dict(ckpt["queue"])
+        t.sync_group = join_sync_group(cfg, rank, n_train, port)
+        t.sender = WeightSender(t.sync_group, 0, bucket_bytes=64 << 20)
+        t.transport = GroupDeltaTransport(t.sync_group, 0)
+        t.syncer = LoraSyncer(t.sender.send, keep=cfg.max_staleness + 1)
+        t.inbox = Inbox(n_train, world, groups["sample"], t.queue, generated=t.counters["samples_generated"])
+    return t
 
-    def push_weights(version: int, first: bool) -> tuple[list, float]:
-        """All trainer ranks gather full tensors (FSDP collective); rank 0 sends them. Returns (tensors, secs)."""
-        nonlocal encoder
-        t0 = time.perf_counter()
-        tensors = [(n.removeprefix("lm."), t) for n, t in full_tensors(policy)]
-        if not is0:
-            return tensors, 0.0
-        kind = "lora" if cfg.sync == "lora" else "full" if (first or cfg.sync == "full") else "delta"
-        msg = {"op": "weights", "version": version, "kind": kind}
-        if first:
-            msg["recovered"] = version
-            queued = Counter(str(item["rank"]) for item, _, _ in q.state_dict()["items"])
-            msg["queued"] = dict(queued)
-        sync_group.broadcast_bytes(json.dumps(msg).encode(), 0)
-        if kind == "lora":
-            syncer.sync(peft_model, version)
-        elif kind == "full":
-            sender.send(tensors, version)
-            if cfg.sync == "delta":
-                encoder = DeltaEncoder(tensors, version=version)
-        else:
-            transport.send(encoder.encode(tensors, version))
-        return tensors, time.perf_counter() - t0
 
-    def evaluate(tensors) -> float:
-        if eval_lm is not lm:
-            eval_lm.load_state_dict(dict(tensors), strict=False)
-        return toy.heldout_accuracy(eval_lm, tok)
+def push_weights(t: Trainer, first: bool = False) -> tuple[list, float]:
+    """Weight push, version = ``t.step``: every trainer rank gathers full tensors (an FSDP collective); rank 0 sends
+    them as full buckets, a delta against the previous push, or LoRA adapters. Returns ``(tensors, seconds)``."""
+    t0 = time.perf_counter()
+    tensors = [(n.removeprefix("lm."), p) for n, p in full_tensors(t.policy)]
+    if not t.is0:
+        return tensors, 0.0
+    cfg = t.cfg
+    kind = "lora" if cfg.sync == "lora" else "full" if (first or cfg.sync == "full") else "delta"
+    queued = Counter(int(item["rank"]) for item, _, _ in t.queue.state_dict()["items"]) if first else {}
+    send_control(t.sync_group, Weights(version=t.step, kind=kind, first=first, queued=dict(queued)))
+    if kind == "lora":
+        t.syncer.sync(t.peft_model, t.step)
+    elif kind == "full":
+        t.sender.send(tensors, t.step)
+        if cfg.sync == "delta":
+            t.encoder = DeltaEncoder(tensors, version=t.step)
+    else:
+        t.transport.send(t.encoder.encode(tensors, t.step))
+    return tensors, time.perf_counter() - t0
 
-    tensors, _ = push_weights(step, first=True)
-    acc_before = None
-    if is0:
-        acc_before = ckpt["accuracy_before"] if ckpt is not None else evaluate(tensors)
-        print(f"held-out accuracy before RL: {acc_before:.3f} (version {step})", flush=True)
-    bar = Progress(cfg.steps, step, enabled=is0 and not cfg.quiet)
-    t_start = time.time() - (ckpt["wall_seconds"] if ckpt is not None else 0.0)
-    t_rl = time.time()
-    max_age_seen = counters["max_staleness_seen"]
-    last_acc = acc_before
-    while step < cfg.steps:
-        # ---- rank 0 takes B fresh groups (oldest first), then scatters them over the trainer ranks
-        t0 = time.perf_counter()
-        shards = [None] * n_train
-        if is0:
-            batch: list = []
-            while len(batch) < cfg.prompts_per_step:
-                batch += q.get_batch(cfg.prompts_per_step - len(batch), current_version=step, timeout=0.5)
-                if stale_refunds:
-                    counts, _ = dict(stale_refunds), stale_refunds.clear()
-                    counters["samples_dropped_stale"] += sum(counts.values()) * cfg.group_size
-                    sync_group.broadcast_bytes(json.dumps({"op": "refund", "counts": counts}).encode(), 0)
-                if len(inbox.ended) == cfg.rollout_ranks:
-                    raise RuntimeError("every rollout rank ended while the trainer still needs samples")
-            shards = [batch[i::n_train] for i in range(n_train)]
-        wait_s = time.perf_counter() - t0
-        box = [None]
-        dist.scatter_object_list(box, shards if is0 else None, src=0, group=groups["train"])
-        my_groups = box[0]
-        # ---- loss, backward, step
+
+def take_batch(t: Trainer) -> tuple[list[dict], list[dict]]:
+    """Rank 0 takes B groups with age ≤ η (oldest first; stale ones are counted and their slots refunded to their
+    rollout rank) and scatters them over the trainer ranks. Returns ``(this rank's groups, the whole batch)``
+    (the whole batch on rank 0 only)."""
+    cfg, shards, batch = t.cfg, [None] * t.n_train, []
+    if t.is0:
+        while len(batch) < cfg.prompts_per_step:
+            batch += t.queue.get_batch(cfg.prompts_per_step - len(batch), current_version=t.step, timeout=0.5)
+            if t.stale_refunds:
+                slots, _ = dict(t.stale_refunds), t.stale_refunds.clear()
+                t.counters["samples_dropped_stale"] += sum(slots.values()) * cfg.group_size
+                send_control(t.sync_group, Refund(slots))
+            if len(t.inbox.ended) == cfg.rollout_ranks:
+                raise RuntimeError("every rollout rank ended while the trainer still needs samples")
+        shards = [batch[i::t.n_train] for i in range(t.n_train)]
+    box = [None]
+    dist.scatter_object_list(box, shards if t.is0 else None, src=0, group=t.group)
+    return box[0], batch
+
+
+def set_lr(t: Trainer) -> None:
+    """Linear decay to 10% of ``--lr`` over the budget (steps or time limit, whichever is nearer); the progress is
+    broadcast from rank 0 so every trainer rank uses the same lr."""
+    cfg = t.cfg
+    if not cfg.lr_decay:
+        return
+    by_time = (time.time() - t.t_rl) / cfg.time_limit if cfg.time_limit else 0.0
+    prog = torch.tensor([max(t.step / cfg.steps, by_time)])
+    dist.broadcast(prog, src=0, group=t.group)
+    for pg in t.optim.param_groups:
+        pg["lr"] = cfg.lr * max(0.1, 1.0 - 0.9 * min(float(prog.item()), 1.0))
+
+
+def batch_stats(t: Trainer, bt: dict[str, torch.Tensor], version: int) -> dict[str, Any]:
+    """Reward mean, sample and token counts, and the staleness histogram (token age = ``version`` − the token's
+    version) of the whole batch, summed over the trainer ranks."""
+    ages = (version - bt["versions"][bt["mask"]]).tolist()
+    hist = Counter(ages)
+    if t.n_train > 1:  # the histogram of the whole batch, not just this rank's shard
+        parts = [None] * t.n_train
+        dist.all_gather_object(parts, dict(hist), group=t.group)
+        hist = sum((Counter(p) for p in parts), Counter())
+    sums = all_reduce(torch.tensor([bt["rewards"].sum().item(), bt["rewards"].numel(), bt["mask"].sum().item()],
+                                   dtype=torch.float64), group=t.group)
+    return {"reward": sums[0].item() / max(sums[1].item(), 1), "samples": int(sums[1].item()),
+            "tokens": int(sums[2].item()), "hist": hist, "max_age": max(hist) if hist else 0}
+
+
+def evaluate(t: Trainer, tensors) -> float:
+    """Held-out greedy accuracy (rank 0), on the unsharded copy refreshed from the gathered weights."""
+    if t.eval_lm is not t.lm:
+        t.eval_lm.load_state_dict(dict(tensors), strict=False)
+    return toy.heldout_accuracy(t.eval_lm, t.tok)  # REAL MODEL: your evaluation set and metric
+
+
+def log_step(t: Trainer, tensors, stats: dict, m: dict[str, float], batch: list[dict], timings: dict[str, float],
+             done: bool) -> None:
+    """Rank 0: held-out accuracy (every ``--eval-every`` steps and at the end), one line of metrics.jsonl, the bar."""
+    acc = evaluate(t, tensors) if (t.step % t.cfg.eval_every == 0 or done) else None
+    t.last_acc = acc if acc is not None else t.last_acc
+    step_s = time.perf_counter() - timings["start"]
+    t.files.log({
+        "step": t.step, "version": t.step, "reward": stats["reward"], "heldout_acc": acc, "loss": m["loss"],
+        "kl_k3": m.get("mismatch_kl_k3"), "kl_k1": m.get("mismatch_kl_k1"), "approx_kl": m.get("approx_kl"),
+        "clipfrac": m.get("clipfrac"), "clipfrac_low": m.get("clipfrac_low"),
+        "clipfrac_high": m.get("clipfrac_high"), "grad_norm": m["grad_norm"], "ppo_updates": m["ppo_updates"],
+        "staleness_hist": {str(k): v for k, v in sorted(stats["hist"].items())},
+        "tokens_trained": stats["tokens"], "tokens_per_s": stats["tokens"] / step_s, "step_seconds": step_s,
+        "train_seconds": timings["train"], "sync_seconds": timings["sync"], "queue_wait_seconds": timings["wait"],
+        "queue_len": len(t.queue), "samples_generated": t.inbox.generated,
+        "samples_trained": t.counters["samples_trained"], "wall_seconds": t.wall_seconds(),
+        "trained_uids": [g["uid"] for g in batch], "lr": t.optim.param_groups[0]["lr"],
+        "groups_filled_unfiltered": sum(1 for g in batch if g.get("zero_variance_fill")),
+        **{k: v for k, v in m.items() if k.startswith("correction_")},
+    })
+
+
+def save_checkpoint(t: Trainer, tensors) -> None:
+    """``ckpt.pt``: weights, optimiser (gathered from every trainer rank), step, the queue's items and counters,
+    so ``--resume`` continues with every queued sample (nothing generated is lost across a crash)."""
+    if t.n_train > 1:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        optim_state = get_optimizer_state_dict(t.policy, t.optim,
+                                               options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        optim_state = t.optim.state_dict()
+    if t.is0:
+        t.counters["samples_generated"] = t.inbox.generated
+        t.files.save({"model": dict(tensors), "optim": optim_state, "step": t.step, "queue": t.queue.state_dict(),
+                      "counters": dict(t.counters), "accuracy_before": t.accuracy_before,
+                      "stale_uids": t.stale_uids, "wall_seconds": t.wall_seconds()})
+
+
+def finish(t: Trainer) -> None:
+    """Rank 0: stop the rollout ranks, collect their counters, write summary.json (every sample accounted for:
+    generated = trained + dropped stale + left in the queue)."""
+    send_control(t.sync_group, Stop())
+    t.inbox.join()
+    rollout = Counter()
+    for c in t.inbox.ended.values():
+        rollout.update(c)
+    cfg, q = t.cfg, t.queue
+    summary = {
+        "accuracy_before": t.accuracy_before, "accuracy_after": t.last_acc, "wall_seconds": t.wall_seconds(),
+        "rl_seconds_this_run": time.time() - t.t_rl, "trainer_cpu_seconds": time.process_time(), "steps": t.step,
+        "max_staleness": cfg.max_staleness,
+        "max_staleness_seen": t.counters["max_staleness_seen"], "samples_generated": t.inbox.generated,
+        "samples_trained": t.counters["samples_trained"], "samples_dropped_stale": t.counters["samples_dropped_stale"],
+        "samples_left_in_queue": len(q) * cfg.group_size, "rollout": dict(rollout), "stale_uids": t.stale_uids,
+        "left_uids": [item["uid"] for item, _, _ in q.state_dict()["items"]], "config": dataclasses.asdict(cfg),
+    }
+    t.files.write_summary(summary)
+    gain = 100 * (t.last_acc - t.accuracy_before)
+    print(f"held-out accuracy before RL: {t.accuracy_before:.3f}  after {t.step} steps: {t.last_acc:.3f}  "
+          f"({gain:+.1f} points, {summary['wall_seconds']:.0f} s)", flush=True)
+    print(f"summary: {t.files.summary}", flush=True)
+
+
+def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, groups: dict, path: str,
+                 port: int) -> None:
+    t = setup_trainer(cfg, rank, world, n_train, device, groups, path, port)
+    tensors, _ = push_weights(t, first=True)
+    if t.is0:
+        if t.accuracy_before is None:
+            t.accuracy_before = evaluate(t, tensors)
+        t.last_acc = t.accuracy_before
+        print(f"held-out accuracy before RL: {t.accuracy_before:.3f} (version {t.step})", flush=True)
+    bar = Progress(cfg.steps, t.step, enabled=t.is0 and not cfg.quiet)
+    t.t_rl = time.time()
+    while t.step < cfg.steps:
+        timings = {"start": time.perf_counter()}
+        groups_here, batch = take_batch(t)  # B fresh groups (age ≤ η), scattered over the trainer ranks
+        timings["wait"] = time.perf_counter() - timings["start"]
         t1 = time.perf_counter()
-        bt = batch_tensors(my_groups, tok.pad_token_id, device)
-        counts = global_counts(bt, groups["train"])
-        loss, m = grpo_loss(cfg, policy, bt, global_counts=counts, ref_policy=ref, grad_scale=float(n_train))
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
-        if cfg.lr_decay:  # progress is broadcast from rank 0 so every trainer rank uses the same lr
-            prog = torch.tensor([max(step / cfg.steps, (time.time() - t_rl) / cfg.time_limit if cfg.time_limit else 0)])
-            dist.broadcast(prog, src=0, group=groups["train"])
-            for pg in optim.param_groups:
-                pg["lr"] = cfg.lr * max(0.1, 1.0 - 0.9 * min(float(prog.item()), 1.0))
-        optim.step()
-        # ---- staleness of what was trained (token version gap against the version being trained)
-        ages = (step - bt["versions"][bt["mask"]]).tolist()
-        hist = Counter(ages)
-        if n_train > 1:  # the histogram of the whole batch, not just this rank's shard
-            parts = [None] * n_train
-            dist.all_gather_object(parts, dict(hist), group=groups["train"])
-            hist = sum((Counter(p) for p in parts), Counter())
-        stats = torch.tensor([bt["rewards"].sum().item(), bt["rewards"].numel(), bt["mask"].sum().item(),
-                              max(ages) if ages else 0], dtype=torch.float64)
-        mx = stats[3:].clone()
-        all_reduce(stats[:3], group=groups["train"])
-        all_reduce(mx, op=dist.ReduceOp.MAX, group=groups["train"])
-        train_s = time.perf_counter() - t1
-        step += 1
-        tensors, sync_s = push_weights(step, first=False)
-        max_age_seen = max(max_age_seen, int(mx.item()))
-        counters["samples_trained"] += int(stats[1].item())
-        # ---- rank 0: eval, metrics, checkpoint
-        done = step >= cfg.steps or (cfg.time_limit > 0 and time.time() - t_rl > cfg.time_limit)
-        flag = torch.tensor([1 if done else 0])
-        dist.broadcast(flag, src=0, group=groups["train"])
-        done = bool(flag.item())
-        if is0:
-            acc = evaluate(tensors) if (step % cfg.eval_every == 0 or done) else None
-            last_acc = acc if acc is not None else last_acc
-            step_s = time.perf_counter() - t0
-            rec = {
-                "step": step, "version": step, "reward": stats[0].item() / max(stats[1].item(), 1),
-                "heldout_acc": acc, "loss": m["loss"], "kl_k3": m.get("mismatch_kl_k3"),
-                "kl_k1": m.get("mismatch_kl_k1"),
-                "approx_kl": m.get("approx_kl"), "clipfrac_low": m.get("clipfrac_low"),
-                "clipfrac_high": m.get("clipfrac_high"), "grad_norm": float(gnorm),
-                "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
-                "tokens_trained": int(stats[2].item()), "tokens_per_s": stats[2].item() / step_s,
-                "step_seconds": step_s, "train_seconds": train_s, "sync_seconds": sync_s,
-                "queue_wait_seconds": wait_s, "queue_len": len(q), "samples_generated": inbox.generated,
-                "samples_trained": counters["samples_trained"], "wall_seconds": time.time() - t_start,
-                "trained_uids": [g["uid"] for g in batch], "lr": optim.param_groups[0]["lr"],
-                "groups_filled_unfiltered": sum(1 for g in batch if g.get("zero_variance_fill")),
-                **{k: v for k, v in m.items() if k.startswith("correction_")},
-            }
-            files.log(rec)
-            bar.update({"reward": rec["reward"], "acc": last_acc, "stale": max(ages) if ages else 0})
-        if is0 or n_train > 1:
-            save_now = cfg.save_every and (step % cfg.save_every == 0 or done)
-            if save_now:
-                optim_state = _optim_state(policy, optim, n_train)
-                if is0:
-                    counters["samples_generated"] = inbox.generated
-                    counters["max_staleness_seen"] = max_age_seen
-                    files.save({"model": dict(tensors), "optim": optim_state, "step": step, "queue": q.state_dict(),
-                                "counters": dict(counters), "accuracy_before": acc_before, "stale_uids": stale_uids,
-                                "wall_seconds": time.time() - t_start})
+        bt = batch_tensors(groups_here, t.tok.pad_token_id, device)
+        set_lr(t)
+        m = grpo_step(cfg, t.policy, t.optim, bt, ref_policy=t.ref, group=t.group, grad_scale=float(n_train),
+                      step=t.step)
+        stats = batch_stats(t, bt, version=t.step)  # token ages against the version that was trained
+        timings["train"] = time.perf_counter() - t1
+        t.step += 1  # one new policy version per batch
+        tensors, timings["sync"] = push_weights(t)
+        t.counters["samples_trained"] += stats["samples"]
+        t.counters["max_staleness_seen"] = max(t.counters["max_staleness_seen"], stats["max_age"])
+        done = torch.tensor([t.step >= cfg.steps or (cfg.time_limit > 0 and time.time() - t.t_rl > cfg.time_limit)])
+        dist.broadcast(done, src=0, group=t.group)  # rank 0's clock decides for every trainer rank
+        done = bool(done.item())
+        if t.is0:
+            log_step(t, tensors, stats, m, batch, timings, done)
+            bar.update({"reward": stats["reward"], "acc": t.last_acc, "stale": stats["max_age"]})
+        if cfg.save_every and (t.step % cfg.save_every == 0 or done):
+            save_checkpoint(t, tensors)
         if done:
             break
     bar.close()
-    if is0:
-        sync_group.broadcast_bytes(json.dumps({"op": "stop"}).encode(), 0)
-        inbox.join()
-        acc_after = last_acc
-        rollout_stats = Counter()
-        for s in inbox.ended.values():
-            rollout_stats.update(s)
-        summary = {
-            "accuracy_before": acc_before, "accuracy_after": acc_after, "wall_seconds": time.time() - t_start,
-            "rl_seconds_this_run": time.time() - t_rl, "steps": step, "max_staleness": cfg.max_staleness,
-            "max_staleness_seen": max_age_seen, "samples_generated": inbox.generated,
-            "samples_trained": counters["samples_trained"], "samples_dropped_stale": counters["samples_dropped_stale"],
-            "samples_left_in_queue": len(q) * cfg.group_size, "rollout": dict(rollout_stats),
-            "stale_uids": stale_uids, "left_uids": [item["uid"] for item, _, _ in q.state_dict()["items"]],
-            "config": dataclasses.asdict(cfg),
-        }
-        files.write_summary(summary)
-        print(f"held-out accuracy before RL: {acc_before:.3f}  after {step} steps: {acc_after:.3f}  "
-              f"(+{100 * (acc_after - acc_before):.1f} points, {summary['wall_seconds']:.0f} s)", flush=True)
-        print(f"summary: {files.summary}", flush=True)
-
-
-def _optim_state(policy, optim, n_train: int):
-    if n_train > 1:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        return get_optimizer_state_dict(policy, optim, options=StateDictOptions(full_state_dict=True,
-                                                                                 cpu_offload=True))
-    return optim.state_dict()
+    if t.is0:
+        finish(t)
 
 
 # ================================================================================================ main
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_flags(Config, argv)
+    cfg = parse_flags(Config, argv, check=check_flags)
     rank, world, device = setup_dist()
     n_train = world - cfg.rollout_ranks
     if n_train < 1 or cfg.rollout_ranks < 1:
-        raise ValueError(f"rollout_ranks: expected 1..{world - 1} for a world of {world}, got {cfg.rollout_ranks}")
-    if cfg.dynamic_max_rounds < 0:
-        raise ValueError(f"dynamic_max_rounds: expected an int >= 0, got {cfg.dynamic_max_rounds}")
+        raise ArgumentError(f"--rollout-ranks: expected 1..{world - 1} for a world of {world}, "
+                            f"got {cfg.rollout_ranks}")
     if cfg.prompts_per_step % n_train or cfg.prompts_per_step % cfg.rollout_ranks:
-        raise ValueError(f"prompts_per_step: expected a multiple of the trainer ({n_train}) and rollout "
-                         f"({cfg.rollout_ranks}) rank counts, got {cfg.prompts_per_step}")
+        raise ArgumentError(f"--prompts-per-step: expected a multiple of the trainer ({n_train}) and rollout "
+                            f"({cfg.rollout_ranks}) rank counts, got {cfg.prompts_per_step}")
+    if cfg.mini_batches > cfg.prompts_per_step // n_train * cfg.group_size:
+        raise ArgumentError(f"--mini-batches: expected at most the samples per trainer rank "
+                            f"({cfg.prompts_per_step // n_train * cfg.group_size}), got {cfg.mini_batches}")
     torch.manual_seed(cfg.seed + rank)
     random.seed(cfg.seed + rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))

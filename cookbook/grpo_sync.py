@@ -4,11 +4,16 @@
     torchrun --nproc_per_node 8 cookbook/grpo_sync.py --model /ckpt     # FSDP2 over 8 ranks, engine on each rank
 
 Every rank holds the policy (FSDP2 ``fully_shard`` when there is more than one rank) and an in-process rollout
-engine. Each step, each rank generates its share of the ``B`` prompt groups (``K`` samples each), scores them
-(exact match), computes GRPO advantages, and takes one optimizer step with ``linear_token_logprobs`` log-probs and
-globally normalised aggregation. It then gathers the new weights (``full_tensors``) and loads them into its engine
-(``update_weights``, version = step). Every trained token was sampled by the weights being trained
-(``max_staleness_seen`` is 0); the only train/rollout gap is numerical (``--correction`` handles it).
+engine (``--engine torch|vllm``; ``sglang`` drives a server you started next to the trainer). Each step, each rank
+generates its share of the ``B`` prompt groups (``K`` samples each), scores them (exact match), and runs
+:func:`grpo_step`: GRPO advantages, π_old once, then ``--ppo-epochs`` × ``--mini-batches`` optimizer updates with
+``linear_token_logprobs`` log-probs and globally normalised aggregation. It then gathers the new weights
+(``full_tensors``) and loads them into its engine (``update_weights``, version = step). Every trained token was
+sampled by the weights of the step's start (``max_staleness_seen`` is 0); the only train/rollout gap is numerical
+(``--correction`` handles it).
+
+Files: ``runs/<name>/metrics.jsonl`` (one line per step) and ``summary.json``, as ``grpo_async.py`` writes them.
+Lines a user changes for a real model or task are marked ``REAL MODEL:``.
 """
 
 from __future__ import annotations
@@ -28,20 +33,30 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import toy
 from common import (
+    CORRECTION_CAP,
     PolicyLogprobs,
     Progress,
     RunFiles,
     all_reduce,
     batch_tensors,
+    check_loss_flags,
     global_counts,
     group_record,
-    grpo_loss,
+    length_budget,
     load_hf,
+    loss_defaults,
+    make_engine,
+    mean_metrics,
     opt,
     parse_flags,
+    policy_loss,
+    resolve_max_model_len,
+    until_eos,
 )
 
-from rlblocks.rollout import GenerationRequest, SamplingParams, TorchEngine, resumable_generate
+from rlblocks.errors import ArgumentError
+from rlblocks.losses import aggregate, grpo_advantages, kl_estimate, mismatch_metrics, rollout_correction
+from rlblocks.rollout import GenerationRequest, SamplingParams, resumable_generate
 from rlblocks.sync import full_tensors
 
 
@@ -52,20 +67,32 @@ class Config:
     name: str = opt("sync", "run name: files go to <runs-dir>/<name>/")
     runs_dir: str = opt("runs", "where run directories live")
     model: str = opt("", "HF checkpoint directory; empty: the tiny CPU demo model, warm-started and cached")
+    engine: str = opt("torch", "rollout engine (in this process; sglang: a server next to it)",
+                      ("torch", "vllm", "sglang"))
+    sglang_url: str = opt("http://127.0.0.1:30000", "SGLang server base URL (--engine sglang)")
+    max_model_len: int = opt(0, "prompt + response positions the engine's KV cache is sized for; 0: the model's "
+                                "own positions (a real model: set it to your prompt + response budget)")
     steps: int = opt(200, "optimizer steps")
     time_limit: float = opt(450.0, "stop after this many seconds of RL (0: no limit)")
     prompts_per_step: int = opt(64, "B: prompt groups per step (global)")
     group_size: int = opt(8, "K: samples per prompt")
-    correction: str = opt("none", "train/rollout mismatch correction", ("tis", "mis", "none"))
-    correction_cap: float = opt(2.0, "tis/mis bound on π_prox/π_rollout")
     loss: str = opt("ppo", "policy loss", ("ppo", "gspo", "cispo", "decoupled"))
+    eps_low: float | None = opt(None, "clip offset below 1 (ratio ≥ 1 − eps_low; cispo: IS-weight floor); "
+                                      f"default: the loss's own ({loss_defaults('eps_low')})", type=float)
+    eps_high: float | None = opt(None, "clip offset above 1 (ratio ≤ 1 + eps_high); default: the loss's own "
+                                       f"({loss_defaults('eps_high')})", type=float)
+    behav_weight_cap: float | None = opt(None, "--loss decoupled only: drop tokens whose π_old/π_rollout exceeds "
+                                               "this (AReaL); default: no cap", type=float)
+    correction: str = opt("none", "train/rollout mismatch correction on ρ = π_old/π_rollout", ("tis", "mis", "none"))
+    correction_cap: float | None = opt(None, f"--correction tis|mis only: tis truncates ρ at this, mis masks tokens "
+                                             f"with ρ outside [1/cap, cap]; default {CORRECTION_CAP}", type=float)
+    ppo_epochs: int = opt(1, "passes over each batch (π_old fixed at the first; > 1 makes ratios move and clip)")
+    mini_batches: int = opt(1, "optimizer updates per pass, each on a random 1/mini_batches of the batch's samples")
     agg: str = opt("token-mean", "loss aggregation mode (global normalisers)")
-    eps_low: float = opt(0.2, "clip offset below 1")
-    eps_high: float = opt(0.2, "clip offset above 1")
     kl_coef: float = opt(0.0, "k3 KL penalty to the initial policy (0: no reference model)")
     lr: float = opt(3e-4, "AdamW learning rate")
     grad_clip: float = opt(1.0, "max grad norm")
-    temperature: float = opt(1.0, "sampling temperature")
+    temperature: float = opt(1.0, "sampling temperature (log-probs use the same)")
     max_new_tokens: int = opt(6, "response budget")
     length_tail: float = opt(0.0, "benchmark: >0 forces lognormal response lengths with this median (p99/p50≈10)")
     eval_every: int = opt(10, "held-out greedy accuracy every N steps (and at the end)")
@@ -73,51 +100,127 @@ class Config:
     quiet: bool = opt(False, "no progress bar")
 
 
-def length_budget(cfg: Config, rng: random.Random) -> int:
-    """``max_new_tokens``, or a lognormal length with median ``length_tail`` and σ = 0.99 (p99/p50 = 10)."""
-    if cfg.length_tail <= 0:
-        return cfg.max_new_tokens
-    import math
-
-    return max(cfg.max_new_tokens, min(round(rng.lognormvariate(math.log(cfg.length_tail), 0.99)), 200))
+def check_flags(cfg: Config) -> None:
+    """Flag combinations that cannot work (raised before anything starts)."""
+    check_loss_flags(cfg)
+    if cfg.max_model_len < 0:
+        raise ArgumentError(f"--max-model-len: expected 0 (the model's positions) or more, got {cfg.max_model_len}")
 
 
-def until_eos(ids: list[int], eos: int) -> list[int]:
-    return ids[: ids.index(eos) + 1] if eos in ids else ids
-
-
-async def rollout_step(cfg, engine, tok, pairs, rng, n_groups: int, rank: int, step: int) -> list[dict]:
-    """Generate ``n_groups`` prompt groups of ``group_size`` samples with the colocated engine and score them."""
+# ================================================================================================ rollout
+async def rollout_step(cfg: Config, engine, tok, pairs, rng: random.Random, n_groups: int, rank: int, step: int,
+                       max_model_len: int, counters: Counter) -> list[dict]:
+    """Generate ``n_groups`` prompt groups of ``group_size`` samples with the colocated engine and score them;
+    ``counters`` gets the samples and tokens generated and the engine resubmissions."""
 
     async def one_group(i: int) -> dict:
         pair = rng.choice(pairs)
-        prompt = toy.encode_prompt(tok, *pair)
+        prompt = toy.encode_prompt(tok, *pair)  # REAL MODEL: your chat template / tokenised prompt
         stop = (tok.eos_token_id,) if cfg.length_tail <= 0 else ()
-        sp = SamplingParams(temperature=cfg.temperature, max_new_tokens=length_budget(cfg, rng), stop_token_ids=stop)
+        budget = length_budget(cfg.max_new_tokens, cfg.length_tail, max_model_len - len(prompt), rng)
+        sp = SamplingParams(temperature=cfg.temperature, max_new_tokens=budget, stop_token_ids=stop)
         uid = f"s{step}-r{rank}-{i}"
         gens = await asyncio.gather(
             *[resumable_generate(engine, GenerationRequest(f"{uid}/{k}", prompt, sp)) for k in range(cfg.group_size)]
         )
+        counters["samples_generated"] += len(gens)
+        counters["tokens_generated"] += sum(len(g.output_ids) for g in gens)
+        counters["resubmissions"] += sum(g.num_submissions - 1 for g in gens)
+        # REAL MODEL: your verifier or reward model (toy.reward is the demo's exact match of a + b)
         rewards = [toy.reward(tok, *pair, until_eos(g.output_ids, tok.eos_token_id)) for g in gens]
         return group_record(uid, pair, prompt, gens, rewards, rank)
 
     return list(await asyncio.gather(*[one_group(i) for i in range(n_groups)]))
 
 
+# ================================================================================================ the RL update
+def grpo_step(cfg: Config, policy: torch.nn.Module, optim: torch.optim.Optimizer, bt: dict[str, torch.Tensor], *,
+              ref_policy: torch.nn.Module | None = None, group=None, grad_scale: float = 1.0,
+              step: int = 0) -> dict[str, float]:
+    """One GRPO update on this rank's share of a batch; returns its metrics, averaged over the optimizer updates.
+
+    1. Advantages ``A_i = (r_i − mean_g r) / (std_g r + 1e-6)`` within each prompt group (``grpo_advantages``);
+       a group never straddles trainer ranks, so these are the whole batch's advantages.
+    2. π_old, the trainer's log-probs before the first update, computed once (no grad) and fixed for every epoch:
+       the ratio ``exp(logp − old_logp)`` moves away from 1 over the updates and the clip acts. With a single update
+       (``ppo_epochs = mini_batches = 1``) π_old = π_θ numerically, so ``logp.detach()`` serves (no extra forward).
+    3. ``ppo_epochs`` passes, each over ``mini_batches`` random splits of the samples. Per mini-batch:
+       ``policy_loss`` (clip offsets from 1); the train/rollout correction on ρ = π_old/π_rollout (tis: weights
+       ``min(ρ, cap)``; mis: tokens with ρ outside [1/cap, cap] masked); ``+ kl_coef · k3(π_θ ‖ π_ref)`` per token;
+       ``aggregate`` with the mini-batch's GLOBAL normalisers (token and sequence counts summed over the trainer
+       ranks, so the ranks' losses add up to the mini-batch's loss); one backward, scaled by ``grad_scale`` (FSDP
+       averages gradients over the ranks); grad-norm clip; optimizer step.
+    """
+    mask, rollout_logp = bt["mask"], bt["rollout_logp"]
+    adv = grpo_advantages(bt["rewards"], bt["group_ids"])  # [B], one per sample
+    n_updates = cfg.ppo_epochs * cfg.mini_batches
+    with torch.no_grad():
+        old_logp = policy(bt["input_ids"], bt["attention_mask"], bt["labels"]) if n_updates > 1 else None
+        ref_logp = (ref_policy(bt["input_ids"], bt["attention_mask"], bt["labels"])
+                    if ref_policy is not None and cfg.kl_coef > 0 else None)
+    shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    per_update: list[dict[str, torch.Tensor]] = []
+    for _epoch in range(cfg.ppo_epochs):
+        order = torch.randperm(mask.shape[0], generator=shuffle) if cfg.mini_batches > 1 else None
+        for rows in (order.tensor_split(cfg.mini_batches) if order is not None else [slice(None)]):
+            mb_mask, mb_rollout = mask[rows], rollout_logp[rows]
+            logp = policy(bt["input_ids"][rows], bt["attention_mask"][rows], bt["labels"][rows])
+            old = logp.detach() if old_logp is None else old_logp[rows]
+            per_tok, m = policy_loss(cfg, logp, old, adv[rows], mb_mask, rollout_logp=mb_rollout)
+            keep = mb_mask
+            if cfg.correction != "none":
+                cap = cfg.correction_cap or CORRECTION_CAP
+                mode = "truncate" if cfg.correction == "tis" else "mask"
+                w, keep, cm = rollout_correction(old, mb_rollout, mb_mask, level="token", mode=mode, upper=cap,
+                                                 lower=None if mode == "truncate" else 1.0 / cap)
+                per_tok = per_tok * w
+                m.update({f"correction_{k}": v for k, v in cm.items()})
+            if ref_logp is not None:
+                kl = torch.where(mb_mask, kl_estimate(logp, ref_logp[rows], kind="k3"), 0.0)
+                per_tok = per_tok + cfg.kl_coef * kl
+                m["kl_ref_k3"] = kl.sum() / mb_mask.sum().clamp(min=1)
+            n = global_counts(mb_mask, group)
+            loss = aggregate(per_tok, keep, mode=cfg.agg, num_tokens=n["tokens"], num_seqs=n["seqs"],
+                             max_len=n["max_len"])
+            optim.zero_grad(set_to_none=True)
+            (loss * grad_scale).backward()
+            m["grad_norm"] = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+            optim.step()
+            m["loss"] = loss.detach()
+            per_update.append({k: v.detach() for k, v in m.items()})
+    metrics = mean_metrics(per_update)
+    # train/rollout mismatch of π_old (the weights that should have produced the samples) against the engine's
+    mm = mismatch_metrics(old_logp if old_logp is not None else old, rollout_logp, mask)
+    metrics.update({f"mismatch_{k}": float(v) for k, v in mm.items()})
+    metrics["ppo_updates"] = n_updates
+    return metrics
+
+
+# ================================================================================================ main
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_flags(Config, argv)
+    cfg = parse_flags(Config, argv, check=check_flags)
     distributed = "RANK" in os.environ
     if distributed:
         dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else "cpu"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
     if cfg.prompts_per_step % world:
-        raise ValueError(f"prompts_per_step: expected a multiple of the world size {world}, got {cfg.prompts_per_step}")
+        raise ArgumentError(f"--prompts-per-step: expected a multiple of the world size {world}, "
+                            f"got {cfg.prompts_per_step}")
+    n_local = cfg.prompts_per_step // world
+    if cfg.mini_batches > n_local * cfg.group_size:
+        raise ArgumentError(f"--mini-batches: expected at most the samples per rank ({n_local * cfg.group_size}), "
+                            f"got {cfg.mini_batches}")
     torch.manual_seed(cfg.seed + rank)
     rng = random.Random(cfg.seed * 1000 + rank)
     files = RunFiles(cfg.runs_dir, cfg.name)
-    # ---- model, tokenizer, engine (same process)
+
+    # ---- set-up: checkpoint, policy (FSDP2 over the ranks), engine in this process, reference, optimiser
     path = cfg.model
     if not path:
         root = os.path.join(cfg.runs_dir, "warmstart")
@@ -126,16 +229,27 @@ def main(argv: list[str] | None = None) -> None:
         if distributed:
             dist.barrier()
         path = toy.warm_start(root)
+    max_model_len = resolve_max_model_len(cfg.max_model_len, path)
     tok, lm = load_hf(path, device)
-    engine = TorchEngine(load_hf(path, device)[1], max_batch_size=1024)
+    loop = asyncio.new_event_loop()  # the engine is created in, and always driven by, this loop
+
+    async def start_engine():
+        return make_engine(cfg.engine, path, device, max_model_len=max_model_len, max_staleness=0,
+                           sglang_url=cfg.sglang_url)
+
+    engine = loop.run_until_complete(start_engine())
     if rank == 0:
         files.fresh()
-    eval_lm = lm
     policy = PolicyLogprobs(lm, cfg.temperature)
+    eval_lm = lm
     if world > 1:
         from torch.distributed.fsdp import fully_shard
 
-        eval_lm = engine.model  # the engine's copy holds the same weights after every push
+        # REAL MODEL: rank 0 keeps a whole unsharded copy only to run the held-out greedy evaluation with HF
+        # ``generate``; a real model would evaluate through its rollout engine instead.
+        eval_lm = load_hf(path, device)[1] if rank == 0 else None
+        # REAL MODEL: ``lm.model.layers`` is where Llama/Qwen-style HF models keep their decoder blocks (one FSDP
+        # unit each); other architectures name the list differently (e.g. ``transformer.h``).
         for layer in lm.model.layers:
             fully_shard(layer)
         fully_shard(policy)
@@ -143,77 +257,88 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.kl_coef > 0:
         ref = PolicyLogprobs(load_hf(path, device)[1].eval(), cfg.temperature).requires_grad_(False)
     optim = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
-    pairs = toy.split_pairs()["rl"]
-    n_local = cfg.prompts_per_step // world
-    stats = Counter()
-    loop = asyncio.new_event_loop()
-    acc_before = toy.heldout_accuracy(eval_lm, tok) if rank == 0 else 0.0
+    pairs = toy.split_pairs()["rl"]  # REAL MODEL: your prompts (with whatever the reward needs)
+    counters = Counter()  # this rank's rollout counters: samples / tokens generated, resubmissions
+    totals = Counter()  # all ranks: samples and tokens generated and trained
+
+    def evaluate() -> float:  # REAL MODEL: your evaluation set and metric
+        return toy.heldout_accuracy(eval_lm, tok)
+
+    acc_before = evaluate() if rank == 0 else 0.0
     if rank == 0:
         print(f"held-out accuracy before RL: {acc_before:.3f}", flush=True)
     last_acc = acc_before
     bar = Progress(cfg.steps, 0, enabled=rank == 0 and not cfg.quiet)
     t_start = time.time()
-    trained = generated = 0
     step = 0
     while step < cfg.steps:
+        # ---- one step: generate with the current weights, then update on exactly those samples
         t0 = time.perf_counter()
+        before = Counter(counters)
         groups = loop.run_until_complete(
-            rollout_step(cfg, engine, tok, pairs, rng, n_local, rank, step))
+            rollout_step(cfg, engine, tok, pairs, rng, n_local, rank, step, max_model_len, counters))
         gen_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         bt = batch_tensors(groups, tok.pad_token_id, device)
-        counts = global_counts(bt)
-        loss, m = grpo_loss(cfg, policy, bt, global_counts=counts, ref_policy=ref, grad_scale=float(world))
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
-        optim.step()
+        m = grpo_step(cfg, policy, optim, bt, ref_policy=ref, grad_scale=float(world), step=step)
         train_s = time.perf_counter() - t1
         step += 1
-        # ---- push the new weights into the colocated engine (version = step)
+        # ---- weight push into the colocated engine (version = step)
         t2 = time.perf_counter()
         tensors = [(n.removeprefix("lm."), t) for n, t in full_tensors(policy)]
         loop.run_until_complete(engine.update_weights(tensors, version=step))
+        if eval_lm is not lm and rank == 0:
+            eval_lm.load_state_dict(dict(tensors), strict=False)
         sync_s = time.perf_counter() - t2
-        sums = torch.tensor([bt["rewards"].sum().item(), bt["rewards"].numel(), bt["mask"].sum().item()],
-                            dtype=torch.float64)
-        all_reduce(sums)
-        trained += int(sums[1].item())
-        generated += int(sums[1].item())
+        # ---- logging: generated counts come from the rollout, trained counts from the batch, summed over ranks
+        gen = {k: counters[k] - before[k] for k in ("samples_generated", "tokens_generated", "resubmissions")}
+        sums = all_reduce(torch.tensor([bt["rewards"].sum().item(), bt["rewards"].numel(), bt["mask"].sum().item(),
+                                        gen["samples_generated"], gen["tokens_generated"], gen["resubmissions"]],
+                                       dtype=torch.float64))
+        totals.update({"samples_trained": int(sums[1]), "tokens_trained": int(sums[2]),
+                       "samples_generated": int(sums[3]), "tokens_generated": int(sums[4]),
+                       "resubmissions": int(sums[5])})
         done = step >= cfg.steps or (cfg.time_limit > 0 and time.time() - t_start > cfg.time_limit)
         if distributed:
             flag = torch.tensor([int(done)])
             dist.broadcast(flag, 0)
             done = bool(flag.item())
         if rank == 0:
-            acc = toy.heldout_accuracy(eval_lm, tok) if (step % cfg.eval_every == 0 or done) else None
+            acc = evaluate() if (step % cfg.eval_every == 0 or done) else None
             last_acc = acc if acc is not None else last_acc
             step_s = time.perf_counter() - t0
+            reward = sums[0].item() / max(sums[1].item(), 1)
             files.log({
-                "step": step, "version": step, "reward": sums[0].item() / max(sums[1].item(), 1),
-                "heldout_acc": acc, "loss": m["loss"], "kl_k3": m.get("mismatch_kl_k3"),
-                "kl_k1": m.get("mismatch_kl_k1"), "approx_kl": m.get("approx_kl"),
-                "clipfrac_low": m.get("clipfrac_low"), "clipfrac_high": m.get("clipfrac_high"),
-                "grad_norm": float(gnorm), "staleness_hist": {"0": int(sums[2].item())},
+                "step": step, "version": step, "reward": reward, "heldout_acc": acc, "loss": m["loss"],
+                "kl_k3": m.get("mismatch_kl_k3"), "kl_k1": m.get("mismatch_kl_k1"), "approx_kl": m.get("approx_kl"),
+                "clipfrac": m.get("clipfrac"), "clipfrac_low": m.get("clipfrac_low"),
+                "clipfrac_high": m.get("clipfrac_high"), "grad_norm": m["grad_norm"],
+                "ppo_updates": m["ppo_updates"], "staleness_hist": {"0": int(sums[2].item())},
                 "tokens_trained": int(sums[2].item()), "tokens_per_s": sums[2].item() / step_s,
                 "step_seconds": step_s, "generate_seconds": gen_s, "train_seconds": train_s, "sync_seconds": sync_s,
-                "queue_wait_seconds": 0.0, "samples_generated": generated, "samples_trained": trained,
-                "wall_seconds": time.time() - t_start, **dict(stats),
+                "queue_wait_seconds": 0.0, "samples_generated": totals["samples_generated"],
+                "samples_trained": totals["samples_trained"], "tokens_generated": totals["tokens_generated"],
+                "resubmissions": totals["resubmissions"], "wall_seconds": time.time() - t_start,
+                **{k: v for k, v in m.items() if k.startswith("correction_")},
             })
-            bar.update({"reward": sums[0].item() / max(sums[1].item(), 1), "acc": last_acc})
+            bar.update({"reward": reward, "acc": last_acc})
         if done:
             break
     bar.close()
     if rank == 0:
         summary = {
             "accuracy_before": acc_before, "accuracy_after": last_acc, "wall_seconds": time.time() - t_start,
-            "steps": step, "max_staleness": 0, "max_staleness_seen": 0, "samples_generated": generated,
-            "samples_trained": trained, "samples_dropped_stale": 0, "rollout": dict(stats),
-            "config": dataclasses.asdict(cfg),
+            "steps": step, "max_staleness": 0, "max_staleness_seen": 0,
+            "samples_generated": totals["samples_generated"], "samples_trained": totals["samples_trained"],
+            "samples_dropped_stale": 0, "rollout": dict(totals), "config": dataclasses.asdict(cfg),
         }
         files.write_summary(summary)
         print(f"held-out accuracy before RL: {acc_before:.3f}  after {step} steps: {last_acc:.3f}  "
-              f"(+{100 * (last_acc - acc_before):.1f} points, {summary['wall_seconds']:.0f} s)", flush=True)
+              f"({100 * (last_acc - acc_before):+.1f} points, {summary['wall_seconds']:.0f} s)", flush=True)
+    if hasattr(engine, "shutdown"):
+        res = engine.shutdown()
+        if asyncio.iscoroutine(res):
+            loop.run_until_complete(res)
     loop.close()
     if distributed:
         dist.destroy_process_group()

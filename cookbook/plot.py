@@ -6,8 +6,8 @@ step split into queue wait, train and weight sync. Reads ``metrics.jsonl`` (and 
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 
@@ -74,7 +74,11 @@ def plot(run_dir: str | Path) -> Path:
     return out
 
 
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Plot a run's curves into <run_dir>/curves.png (and print its path).")
+    ap.add_argument("run_dir", help="a run directory holding metrics.jsonl (e.g. runs/demo)")
+    print(plot(ap.parse_args(argv).run_dir))
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python cookbook/plot.py runs/<name>")
-    print(plot(sys.argv[1]))
+    main()

@@ -107,7 +107,10 @@ def main() -> None:
     for rep in range(args.reps):
         for v in variants:
             name = f"{v}-r{rep}"
-            common = ["--name", name, "--steps", str(args.steps), "--length-tail", str(args.median_len),
+            # one optimizer update per batch in every loop (the demo defaults to 2 epochs x 2 mini-batches), so
+            # the ratio compares the loops' scheduling, not different amounts of training work
+            common = ["--name", name, "--ppo-epochs", "1", "--mini-batches", "1",
+                      "--steps", str(args.steps), "--length-tail", str(args.median_len),
                       "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
                       "--runs-dir", args.runs_dir, "--time-limit", "0", "--eval-every", str(args.steps), "--quiet",
                       *(["--model", args.model] if args.model else [])]

@@ -86,18 +86,45 @@ def _check_common(rows: list[dict], summary: dict, steps: int, eta: int) -> None
     assert summary["max_staleness_seen"] == max(max(int(a) for a in r["staleness_hist"]) for r in rows)
 
 
+def _sync_cmd(model: str, runs: Path, name: str, *extra: str) -> list[str]:
+    return [sys.executable, str(ROOT / "cookbook" / "grpo_sync.py"), "--model", model, "--runs-dir", str(runs),
+            "--name", name, "--prompts-per-step", str(B), "--group-size", str(K), "--eval-every", "1", "--quiet",
+            *extra]
+
+
+def _check_generated(rows: list[dict], summary: dict) -> None:
+    """Synchronous loop: nothing is filtered or dropped, so the samples and tokens the engine generated (counted
+    at the rollout) are exactly those trained (counted from the batch tensors)."""
+    ro = summary["rollout"]
+    assert ro["samples_generated"] == summary["samples_generated"] == summary["samples_trained"]
+    assert ro["tokens_generated"] == sum(r["tokens_trained"] for r in rows) > 0
+    assert [r["samples_generated"] for r in rows] == [B * K * (i + 1) for i in range(len(rows))]
+
+
 def test_sync_loop_short(tiny_hf_dir, tmp_path):
-    cmd = [sys.executable, str(ROOT / "cookbook" / "grpo_sync.py"), "--model", tiny_hf_dir, "--runs-dir",
-           str(tmp_path), "--name", "s", "--steps", "3", "--prompts-per-step", str(B), "--group-size", str(K),
-           "--eval-every", "1", "--quiet"]
-    _run(cmd)
+    _run(_sync_cmd(tiny_hf_dir, tmp_path, "s", "--steps", "3"))
     rows, summary = _read(tmp_path, "s")
     _check_common(rows, summary, 3, 0)
+    _check_generated(rows, summary)
+    for r in rows:  # one on-policy update per batch: every ratio is 1, nothing clips
+        assert r["ppo_updates"] == 1 and r["clipfrac_low"] == 0.0 and r["clipfrac_high"] == 0.0
     assert (ROOT / "cookbook" / "plot.py").exists()
     p = subprocess.run([sys.executable, str(ROOT / "cookbook" / "plot.py"), str(tmp_path / "s")], cwd=ROOT,
                        env=_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "s" / "curves.png").stat().st_size > 1000
+
+
+def test_sync_ppo_epochs_clip(demo_model_dir, tmp_path):
+    # π_old is fixed before the first of 2 epochs × 2 mini-batches: the later updates see ratios ≠ 1 and clip
+    _run(_sync_cmd(demo_model_dir, tmp_path, "p", "--steps", "3", "--ppo-epochs", "2", "--mini-batches", "2",
+                   "--lr", "3e-3"))
+    rows, summary = _read(tmp_path, "p")
+    _check_common(rows, summary, 3, 0)
+    _check_generated(rows, summary)
+    assert all(r["ppo_updates"] == 4 for r in rows)
+    assert any(r["reward"] > 0 for r in rows)  # the demo model answers some sums: advantages are not all zero
+    assert max(r["clipfrac_low"] + r["clipfrac_high"] for r in rows) > 0
 
 
 @pytest.mark.parametrize(
@@ -134,10 +161,15 @@ def test_async_dynamic_sampling_is_bounded(tiny_hf_dir, tmp_path):
     assert ro["samples_generated"] == summary["samples_generated"] + ro["groups_filtered"] * K
 
 
-def test_async_fsdp2_two_trainers_one_rollout(tiny_hf_dir, tmp_path):
-    _run(_async_cmd(3, tiny_hf_dir, tmp_path, "f", "--steps", "2", "--max-staleness", "1", "--loss", "decoupled"))
+def test_async_fsdp2_two_trainers_one_rollout(demo_model_dir, tmp_path):
+    # 2 trainer ranks (FSDP2) each split their shard into 2 mini-batches for 2 epochs: the same number of
+    # collectives on both ranks, the normalisers of each mini-batch summed over both
+    _run(_async_cmd(3, demo_model_dir, tmp_path, "f", "--steps", "2", "--max-staleness", "1", "--loss", "decoupled",
+                    "--ppo-epochs", "2", "--mini-batches", "2", "--lr", "3e-3"))
     rows, summary = _read(tmp_path, "f")
     _check_common(rows, summary, 2, 1)
+    assert all(r["ppo_updates"] == 4 for r in rows)
+    assert max(r["clipfrac_low"] + r["clipfrac_high"] for r in rows) > 0
 
 
 def test_async_resume_after_kill(tiny_hf_dir, tmp_path):
@@ -179,10 +211,24 @@ def test_async_resume_after_kill(tiny_hf_dir, tmp_path):
     assert queued_uids <= trained_after | stale | left  # every sample queued at the checkpoint survived the kill
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
-def test_async_vllm_engine(tiny_hf_dir, tmp_path):
+def test_async_vllm_engine_on_the_demo_model(demo_model_dir, tmp_path):
+    # the demo model has 64 positions: the engine's max_model_len comes from the model (vLLM refuses more)
     pytest.importorskip("vllm")
-    _run(_async_cmd(2, tiny_hf_dir, tmp_path, "v", "--steps", "2", "--engine", "vllm", "--max-staleness", "1"),
+    _run(_async_cmd(2, demo_model_dir, tmp_path, "v", "--steps", "3", "--engine", "vllm", "--max-staleness", "1"),
          timeout=600)
     rows, summary = _read(tmp_path, "v")
-    _check_common(rows, summary, 2, 1)
+    _check_common(rows, summary, 3, 1)
+    assert summary["samples_generated"] == (summary["samples_trained"] + summary["samples_dropped_stale"]
+                                            + summary["samples_left_in_queue"])
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_sync_vllm_engine_on_the_demo_model(demo_model_dir, tmp_path):
+    pytest.importorskip("vllm")
+    _run(_sync_cmd(demo_model_dir, tmp_path, "sv", "--steps", "3", "--engine", "vllm"), timeout=600)
+    rows, summary = _read(tmp_path, "sv")
+    _check_common(rows, summary, 3, 0)
+    _check_generated(rows, summary)

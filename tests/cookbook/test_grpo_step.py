@@ -1,0 +1,188 @@
+"""The loops' RL update (``grpo_step``) against an independent float64 implementation of PPO-clip GRPO, and the
+policy-loss flags against direct calls of the library's losses."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cookbook"))
+import grpo_async
+import grpo_sync
+from common import POLICY_LOSSES, policy_loss
+
+B, L, V = 8, 7, 5  # 2 groups × 4 samples, sequence length, vocabulary
+
+
+class TablePolicy(nn.Module):
+    """A policy whose next-token distribution depends on the position only: ``logp[b, t] = log_softmax(W[t])[y]``
+    (the loops only need ``policy(input_ids, attention_mask, labels) -> [B, L-1]`` with 0 on ignored labels)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(L - 1, V, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)))
+
+    def forward(self, input_ids, attention_mask, labels):
+        return table_logp(self.w, labels)
+
+
+def table_logp(w, labels):
+    lp = w.log_softmax(-1).expand(labels.shape[0], -1, -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    return torch.where(labels != -100, lp, 0.0)
+
+
+def make_batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    labels = torch.full((B, L - 1), -100)
+    for b in range(B):  # prompt of 2 tokens, responses of 1..5 tokens
+        n = int(torch.randint(1, L - 2, (1,), generator=g))
+        labels[b, 1 : 1 + n] = torch.randint(0, V, (n,), generator=g)
+    mask = labels != -100
+    return {
+        "input_ids": torch.zeros(B, L, dtype=torch.long), "attention_mask": torch.ones(B, L, dtype=torch.long),
+        "labels": labels, "mask": mask,
+        "rollout_logp": torch.where(mask, -torch.rand(B, L - 1, generator=g, dtype=torch.float64) * 2, 0.0),
+        "versions": torch.where(mask, 0, -1),
+        "rewards": torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 1], dtype=torch.float64),
+        "group_ids": torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]),
+    }
+
+
+def cfg_of(**kw) -> SimpleNamespace:
+    base = dict(loss="ppo", eps_low=None, eps_high=None, behav_weight_cap=None, correction="none",
+                correction_cap=None, ppo_epochs=1, mini_batches=1, agg="token-mean", kl_coef=0.0, grad_clip=1e9,
+                seed=3)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def reference_update(cfg, w0, ref_w, bt, lr, step):
+    """PPO-clip GRPO written out in float64: group-normalised advantages (unbiased σ, eps 1e-6), π_old fixed
+    before the first update, epochs × mini-batches of plain SGD, tis weights min(π_old/π_rollout, cap), k3 KL
+    penalty exp(ref − logp) − (ref − logp) − 1, token-mean over each mini-batch's valid tokens."""
+    r, gid, mask = bt["rewards"], bt["group_ids"], bt["mask"]
+    adv = torch.empty(B, dtype=torch.float64)
+    for g in gid.unique():
+        sel = gid == g
+        adv[sel] = (r[sel] - r[sel].mean()) / (r[sel].std(unbiased=True) + 1e-6)
+    eps_low = 0.2 if cfg.eps_low is None else cfg.eps_low
+    eps_high = 0.2 if cfg.eps_high is None else cfg.eps_high
+    w = w0.detach().clone()
+    old = table_logp(w, bt["labels"])
+    ref = table_logp(ref_w, bt["labels"]) if ref_w is not None else None
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # the loops' documented shuffle
+    for _ in range(cfg.ppo_epochs):
+        order = torch.randperm(B, generator=gen) if cfg.mini_batches > 1 else torch.arange(B)
+        for rows in order.tensor_split(cfg.mini_batches):
+            wv = w.clone().requires_grad_(True)
+            lp = table_logp(wv, bt["labels"])[rows]
+            ratio = torch.exp(lp - old[rows])
+            a = adv[rows][:, None]
+            tok = torch.maximum(-a * ratio, -ratio.clamp(1 - eps_low, 1 + eps_high) * a)
+            if cfg.correction == "tis":
+                tok = tok * torch.exp(old[rows] - bt["rollout_logp"][rows]).clamp(max=cfg.correction_cap)
+            if ref is not None:
+                d = ref[rows] - lp
+                tok = tok + cfg.kl_coef * (torch.exp(d) - d - 1)
+            m = mask[rows]
+            loss = torch.where(m, tok, 0.0).sum() / m.sum()
+            (g,) = torch.autograd.grad(loss, wv)
+            w = w - lr * g
+    return w
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(ppo_epochs=3, mini_batches=2),
+        dict(ppo_epochs=2, mini_batches=4, eps_low=0.1, eps_high=0.3, correction="tis", correction_cap=1.5),
+        dict(ppo_epochs=2, mini_batches=2, kl_coef=0.5),
+    ],
+)
+@pytest.mark.parametrize("loop", [grpo_async, grpo_sync])
+def test_grpo_step_matches_float64_reference(loop, kw):
+    cfg, bt, lr, step = cfg_of(**kw), make_batch(), 2.0, 5
+    policy = TablePolicy(0)
+    ref = TablePolicy(7).requires_grad_(False) if cfg.kl_coef else None
+    w0 = policy.w.detach().clone()
+    m = loop.grpo_step(cfg, policy, torch.optim.SGD(policy.parameters(), lr=lr), bt, ref_policy=ref, step=step)
+    expect = reference_update(cfg, w0, ref.w if ref is not None else None, bt, lr, step)
+    torch.testing.assert_close(policy.w.detach(), expect, rtol=1e-10, atol=1e-12)
+    assert m["ppo_updates"] == cfg.ppo_epochs * cfg.mini_batches
+    if cfg.ppo_epochs * cfg.mini_batches == 1:  # on-policy: every ratio is exactly 1, nothing is clipped
+        assert m["clipfrac_low"] == 0.0 and m["clipfrac_high"] == 0.0
+    else:  # lr 2 moves the ratios well past 1 ± 0.2 after the first update
+        assert m["clipfrac_low"] + m["clipfrac_high"] > 0.0
+
+
+def test_both_loops_share_one_update():
+    # the update is written out in each loop file (so each reads top to bottom); the two copies must not drift
+    assert inspect.getsource(grpo_async.grpo_step) == inspect.getsource(grpo_sync.grpo_step)
+
+
+def _loss_inputs():
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(4, 6, generator=g, dtype=torch.float64)
+    old = logp + 0.4 * (torch.rand(4, 6, generator=g, dtype=torch.float64) - 0.5)  # ratios in ~[0.8, 1.2]
+    rollout = logp + 0.6 * (torch.rand(4, 6, generator=g, dtype=torch.float64) - 0.5)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[0, 4:] = False
+    return logp, old, adv, mask, rollout
+
+
+def _direct(name, logp, old, adv, mask, rollout, **kw):
+    fn = POLICY_LOSSES[name]
+    return fn(logp, old, rollout, adv, mask, **kw) if name == "decoupled" else fn(logp, old, adv, mask, **kw)
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_eps_flags_reach_every_loss(name):
+    logp, old, adv, mask, rollout = _loss_inputs()
+    own, _ = _direct(name, logp, old, adv, mask, rollout)
+    default, _ = policy_loss(cfg_of(loss=name), logp, old, adv, mask, rollout_logp=rollout)
+    torch.testing.assert_close(default, own, rtol=0, atol=0)  # no flag: the loss's own defaults
+    given, _ = policy_loss(cfg_of(loss=name, eps_low=0.05, eps_high=0.07), logp, old, adv, mask,
+                           rollout_logp=rollout)
+    direct, _ = _direct(name, logp, old, adv, mask, rollout, eps_low=0.05, eps_high=0.07)
+    torch.testing.assert_close(given, direct, rtol=0, atol=0)
+    assert not torch.equal(given, own)  # the offsets change the loss on these ratios
+
+
+def test_cispo_keeps_its_own_upper_clip():
+    logp, old, adv, mask, rollout = _loss_inputs()
+    own, _ = policy_loss(cfg_of(loss="cispo"), logp, old - 0.3, adv, mask, rollout_logp=rollout)  # r in ~[1.1, 1.6]
+    ppo_like, _ = POLICY_LOSSES["cispo"](logp, old - 0.3, adv, mask, eps_high=0.2)
+    expect, _ = POLICY_LOSSES["cispo"](logp, old - 0.3, adv, mask, eps_high=0.28)
+    torch.testing.assert_close(own, expect, rtol=0, atol=0)
+    assert not torch.equal(own, ppo_like)
+
+
+def test_behav_weight_cap_reaches_decoupled():
+    logp, old, adv, mask, rollout = _loss_inputs()
+    capped, _ = policy_loss(cfg_of(loss="decoupled", behav_weight_cap=1.05), logp, old, adv, mask,
+                            rollout_logp=rollout)
+    direct, _ = POLICY_LOSSES["decoupled"](logp, old, rollout, adv, mask, behav_weight_cap=1.05)
+    uncapped, _ = policy_loss(cfg_of(loss="decoupled"), logp, old, adv, mask, rollout_logp=rollout)
+    torch.testing.assert_close(capped, direct, rtol=0, atol=0)
+    assert not torch.equal(capped, uncapped)
+
+
+def test_control_messages_round_trip():
+    class Loopback:  # broadcast_bytes as the sync group does it: the source's bytes come back everywhere
+        def broadcast_bytes(self, data, src):
+            if data is not None:
+                self.data = data
+            return self.data
+
+    g = Loopback()
+    for msg in (grpo_async.Weights(version=3, kind="delta"), grpo_async.Weights(7, "full", True, {1: 2, 3: 0}),
+                grpo_async.Refund({1: 4}), grpo_async.Stop()):
+        grpo_async.send_control(g, msg)
+        assert grpo_async.recv_control(g) == msg

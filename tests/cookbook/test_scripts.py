@@ -1,0 +1,87 @@
+"""Every script in cookbook/ and benchmarks/ answers ``--help``, and the loops refuse flags they would ignore."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "cookbook"))
+
+
+def _scripts() -> list[Path]:
+    """Files with a ``__main__`` guard under cookbook/ and benchmarks/ (modules without one are libraries)."""
+    files = sorted([*ROOT.glob("cookbook/**/*.py"), *ROOT.glob("benchmarks/**/*.py")])
+    return [f for f in files if 'if __name__ == "__main__":' in f.read_text()]
+
+
+def test_script_list_is_not_empty():
+    names = {str(p.relative_to(ROOT)) for p in _scripts()}
+    assert {"cookbook/grpo_sync.py", "cookbook/grpo_async.py", "cookbook/plot.py",
+            "benchmarks/cookbook/async_vs_sync.py"} <= names, names
+
+
+@pytest.mark.parametrize("script", _scripts(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_help(script: Path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, str(script), "--help"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.startswith("usage: "), p.stdout[:500]
+
+
+@pytest.mark.parametrize("loop", ["grpo_async", "grpo_sync"])
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--loss", "ppo", "--behav-weight-cap", "3"], "--behav-weight-cap"),
+        (["--loss", "gspo", "--behav-weight-cap", "3"], "--behav-weight-cap"),
+        (["--correction-cap", "3"], "--correction-cap"),  # --correction none: nothing to bound
+        (["--correction", "tis", "--correction-cap", "0.5"], "--correction-cap"),
+        (["--ppo-epochs", "0"], "--ppo-epochs"),
+        (["--mini-batches", "0"], "--mini-batches"),
+        (["--max-model-len", "-1"], "--max-model-len"),
+    ],
+)
+def test_ignored_or_bad_flags_are_refused(loop, argv, flag, capsys):
+    import importlib
+
+    from common import parse_flags
+
+    mod = importlib.import_module(loop)
+    with pytest.raises(SystemExit) as e:
+        parse_flags(mod.Config, argv, check=mod.check_flags)
+    assert e.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("loop", ["grpo_async", "grpo_sync"])
+def test_accepted_flags_reach_the_config(loop):
+    import importlib
+
+    from common import parse_flags
+
+    mod = importlib.import_module(loop)
+    cfg = parse_flags(mod.Config, ["--loss", "decoupled", "--behav-weight-cap", "3", "--eps-low", "0.1",
+                                   "--correction", "mis", "--correction-cap", "4", "--ppo-epochs", "2",
+                                   "--mini-batches", "4"], check=mod.check_flags)
+    assert (cfg.behav_weight_cap, cfg.eps_low, cfg.eps_high, cfg.correction_cap) == (3.0, 0.1, None, 4.0)
+    assert (cfg.ppo_epochs, cfg.mini_batches) == (2, 4)
+    cfg = parse_flags(mod.Config, [], check=mod.check_flags)
+    assert (cfg.eps_low, cfg.eps_high, cfg.behav_weight_cap, cfg.correction_cap) == (None, None, None, None)
+
+
+def test_help_states_each_losss_own_clip_defaults():
+    import inspect
+
+    from common import POLICY_LOSSES, loss_defaults
+
+    text = loss_defaults("eps_high")
+    for name, fn in POLICY_LOSSES.items():
+        assert f"{name} {inspect.signature(fn).parameters['eps_high'].default:g}" in text
+    assert "cispo 0.28" in text and "gspo 0.0004" in text  # the published defaults (MiniMax-M1, GSPO paper)
