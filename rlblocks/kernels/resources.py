@@ -63,7 +63,7 @@ def _fused_grad_configs() -> tuple:
     from rlblocks.kernels.linear_logprobs import FUSED_GRAD_BLOCK_N, FUSED_GRAD_WARPS
 
     return tuple(triton.Config({"BLOCK_N": FUSED_GRAD_BLOCK_N, "BLOCK_V": bv}, num_warps=FUSED_GRAD_WARPS)
-                 for bv in (128, 256))  # the forward's BLOCK_V values  # fmt: skip
+                 for bv in (64, 128))  # the BLOCK_V values of the forward configs  # fmt: skip
 
 
 def _prec(dtype: str) -> str:
@@ -244,8 +244,7 @@ def _configs_for(kernel, dtype: str) -> list:
     import torch
 
     fake = torch.empty(0, dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
-    first = next(n for n in kernel.fn.arg_names if n.endswith("_ptr") or n.endswith("_desc"))
-    return prune(configs, {first: fake})
+    return prune(configs, {prune.first_arg: fake})
 
 
 def run(kernels: list[str] | None, dtypes: list[str], log: Callable[[str], None],
