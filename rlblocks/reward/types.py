@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from rlblocks._checks import check_int
 from rlblocks.errors import ArgumentError
 
 __all__ = ["RewardFn", "RewardResult", "Sample"]
@@ -58,9 +59,9 @@ class Sample:
             raise ArgumentError(f"response: expected a str, got {type(self.response).__name__}")
         if not isinstance(self.prompt, str):
             raise ArgumentError(f"prompt: expected a str, got {type(self.prompt).__name__}")
-        n = self.response_len
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
-            raise ArgumentError(f"response_len: expected None or an int >= 0 (tokens), got {n!r}")
+        if self.response_len is not None:  # numpy / torch integers (a length read from a tensor) become ints
+            n = check_int("response_len", self.response_len, minimum=0, what="None or an int >= 0 (tokens)")
+            object.__setattr__(self, "response_len", n)
         if not isinstance(self.metadata, Mapping):
             raise ArgumentError(f"metadata: expected a mapping, got {type(self.metadata).__name__}")
 
