@@ -285,7 +285,8 @@ class TrainCost:
         train = overhead_s + (per_token_s·T + per_token_sq_s·Σ n_i² + per_seq_s·S) / d
 
     with ``T`` the tokens processed (prompt + response; with ``padded=True``, ``S · max n_i``, i.e. a right-padded
-    batch as ``batch_tensors`` builds it), ``n_i`` each sequence's length and ``S`` the number of sequences.
+    batch as :func:`rlblocks.rollout.build_batch` builds it), ``n_i`` each sequence's length and ``S`` the number
+    of sequences.
     """
 
     overhead_s: float = 0.0
