@@ -17,24 +17,14 @@ Conventions every reward in :mod:`rlblocks.reward` keeps:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from rlblocks._checks import check_int
+from rlblocks._checks import check_int, check_real
 from rlblocks.errors import ArgumentError
 
 __all__ = ["RewardFn", "RewardResult", "Sample"]
-
-
-def _finite_float(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ArgumentError(f"{name}: expected a finite real number, got {type(value).__name__} {value!r}")
-    v = float(value)
-    if not math.isfinite(v):
-        raise ArgumentError(f"{name}: expected a finite real number, got {v}")
-    return v
 
 
 @dataclass(frozen=True)
@@ -92,11 +82,11 @@ class RewardResult:
         elif self.score is None:
             raise ArgumentError("score: expected a number, got None without an error text (say why it failed)")
         else:
-            self.score = _finite_float("score", self.score)
+            self.score = check_real("score", self.score, finite=True)
         if not isinstance(self.components, dict):
             raise ArgumentError(f"components: expected a dict of str -> float, got {type(self.components).__name__}")
-        self.components = {str(k): _finite_float(f"components[{k!r}]", v) for k, v in self.components.items()}
-        s = _finite_float("seconds", self.seconds)
+        self.components = {str(k): check_real(f"components[{k!r}]", v, finite=True) for k, v in self.components.items()}
+        s = check_real("seconds", self.seconds, finite=True)
         if s < 0:
             raise ArgumentError(f"seconds: expected >= 0, got {s}")
         self.seconds = s

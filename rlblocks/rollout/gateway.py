@@ -363,9 +363,14 @@ class Gateway:
         await self.aclose()
 
     def stats(self) -> dict[str, Any]:
-        """Counters: requests per route, streamed requests, 4xx/5xx errors, sessions opened/finished/open,
-        prefix mismatches (branches), prompt/completion tokens, tool calls returned."""
+        """Counters: requests per route, streamed requests, 4xx/5xx errors, sessions, prefix mismatches (branches),
+        prompt/completion tokens, tool calls returned.
+
+        Sessions add up: ``sessions_opened == sessions_finished + sessions_open + sessions_discarded``, where a
+        discarded session is one whose first request failed before anything was captured."""
         out = dict(self._counts)
+        for key in ("sessions_opened", "sessions_finished", "sessions_discarded"):
+            out.setdefault(key, 0)
         out["sessions_open"] = len(self.sessions)
         return out
 
@@ -722,6 +727,7 @@ class Gateway:
                     # dropped while empty by a concurrent first request that failed (never closed by a reward,
                     # which needs a trajectory): open it again for this request
                     current = self.sessions[sid] = sess
+                    self._counts["sessions_opened"] += 1
                 if current is not sess:  # closed by a reward while this request waited
                     raise GatewayError(409, f"session {sid!r} was closed by a reward", code="session_closed")
                 if chat:
@@ -798,6 +804,7 @@ class Gateway:
             # nothing was captured is not left open: it would count against max_open_sessions for good.
             if sess.trajectory is None and self.sessions.get(sid) is sess:
                 del self.sessions[sid]
+                self._counts["sessions_discarded"] += 1
         self._counts["prompt_tokens"] += len(res.prompt_ids)
         self._counts["completion_tokens"] += len(out)
         self._counts["tool_calls"] += len(calls)

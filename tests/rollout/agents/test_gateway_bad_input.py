@@ -77,6 +77,7 @@ def test_malformed_requests_get_4xx_json_never_a_500_or_a_hang(random_chat_model
     assert out["user not a string"][1]["error"]["param"] == "user"
     assert stats.get("errors_5xx", 0) == 0 and stats["errors_4xx"] == len(MALFORMED)
     assert not sessions  # no refused request left a session behind
+    assert stats["sessions_opened"] == stats["sessions_discarded"] > 0 and stats["sessions_finished"] == 0
 
 
 def test_oversized_body_and_a_client_that_never_sends_its_body(random_chat_model, chat_tok):
@@ -133,6 +134,7 @@ def test_concurrent_requests_on_one_session_are_all_captured(random_chat_model, 
     assert done[1]["segments"] == 8 and done[1]["model_tokens"] == completion == 16
     assert traj.prefix_mismatches == 7 == stats["prefix_mismatches"] and stats["completion_tokens"] == completion
     assert stats["sessions_opened"] == stats["sessions_finished"] == 1 and stats["sessions_open"] == 0
+    assert stats["sessions_discarded"] == 0
 
 
 def test_a_first_request_cancelled_mid_generation_leaves_no_empty_session(random_chat_model, chat_tok):
