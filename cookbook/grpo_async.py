@@ -426,11 +426,10 @@ def rollout_main(cfg: Config, rank: int, n_train: int, device, sample_group, pat
     async def main():
         engine = make_engine(cfg.engine, path, device, max_model_len=max_model_len,
                              max_staleness=cfg.max_staleness, sglang_url=cfg.sglang_url)
-        await Rollout(cfg, rank, n_train, sample_group, sync_group, tok, engine, max_model_len).run()
-        if hasattr(engine, "shutdown"):
-            res = engine.shutdown()
-            if asyncio.iscoroutine(res):
-                await res
+        try:
+            await Rollout(cfg, rank, n_train, sample_group, sync_group, tok, engine, max_model_len).run()
+        finally:  # inside the event loop: the engine's own tasks (step loop, vLLM's output handler) end cleanly
+            await engine.aclose()
 
     asyncio.run(main())
 

@@ -335,10 +335,8 @@ def main(argv: list[str] | None = None) -> None:
         files.write_summary(summary)
         print(f"held-out accuracy before RL: {acc_before:.3f}  after {step} steps: {last_acc:.3f}  "
               f"({100 * (last_acc - acc_before):+.1f} points, {summary['wall_seconds']:.0f} s)", flush=True)
-    if hasattr(engine, "shutdown"):
-        res = engine.shutdown()
-        if asyncio.iscoroutine(res):
-            loop.run_until_complete(res)
+    # release the engine inside the loop that drives it (its step task, vLLM's output handler), then the loop
+    loop.run_until_complete(engine.aclose())
     loop.close()
     if distributed:
         dist.destroy_process_group()
