@@ -81,8 +81,9 @@ class Config:
                                       f"default: the loss's own ({loss_defaults('eps_low')})", type=float)
     eps_high: float | None = opt(None, "clip offset above 1 (ratio ≤ 1 + eps_high); default: the loss's own "
                                        f"({loss_defaults('eps_high')})", type=float)
-    behav_weight_cap: float | None = opt(None, "--loss decoupled only: drop tokens whose π_old/π_rollout exceeds "
-                                               "this (AReaL); default: no cap", type=float)
+    rollout_weight_cap: float | None = opt(None, "--loss decoupled only: drop tokens whose π_old/π_rollout "
+                                                 "exceeds this (AReaL); default: no cap", type=float,
+                                           old_flags=("--behav-weight-cap",))
     correction: str = opt("none", "train/rollout mismatch correction on ρ = π_old/π_rollout", ("tis", "mis", "none"))
     correction_cap: float | None = opt(None, f"--correction tis|mis only: tis truncates ρ at this, mis masks tokens "
                                              f"with ρ outside [1/cap, cap]; default {CORRECTION_CAP}", type=float)

@@ -21,6 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 B, K = 4, 4  # prompt groups per step, samples per group
 
+# a deprecated rlblocks name (the library's DeprecationWarnings all start with "rlblocks:") fails the test
+pytestmark = pytest.mark.filterwarnings("error:rlblocks:DeprecationWarning")
+
 
 def _port() -> int:
     with socket.socket() as s:
@@ -44,7 +47,9 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _env() -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    # a deprecated rlblocks name anywhere in a loop is an error (the loops use the library as it is now)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
+               PYTHONWARNINGS="error:rlblocks::DeprecationWarning")
     env.pop("TRITON_INTERPRET", None)
     return env
 
