@@ -25,6 +25,7 @@ import torch.distributed as dist
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
+from rlblocks._deprecate import warn_renamed
 from rlblocks.errors import ArgumentError
 from rlblocks.kernels import linear_token_logprobs
 from rlblocks.losses import cispo_loss, decoupled_ppo_loss, gspo_loss, ppo_clip_loss
@@ -36,22 +37,36 @@ def parse_flags(cls: type, argv: list[str] | None = None, check: Callable[[Any],
 
     Each field becomes ``--field-name`` (bools get ``--x/--no-x``; choices come from ``field.metadata["choices"]``;
     a field whose default is ``None`` takes its type from ``field.metadata["type"]``). Help texts are literal
-    (a ``%`` is shown as is) and end with the default. ``check(cfg)`` may raise :class:`ArgumentError` for flag
-    combinations; the parser then exits with status 2 and the message, like any other bad flag.
+    (a ``%`` is shown as is) and end with the default. A field's ``field.metadata["old_flags"]`` are its earlier
+    spellings: hidden from ``--help``, they still set the field, with a DeprecationWarning (giving both an old and
+    the new spelling is refused). ``check(cfg)`` may raise :class:`ArgumentError` for flag combinations; the parser
+    then exits with status 2 and the message, like any other bad flag.
     """
     parser = argparse.ArgumentParser(description=(cls.__doc__ or "").strip().splitlines()[0],
                                      formatter_class=_DefaultsHelp)
+    old_flags: dict[str, tuple[str, str]] = {}  # argparse dest of an old spelling -> (old flag, field name)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         default = f.default
         # argparse %-formats help strings (for %(default)s): escape the text's own percent signs
         helptext = f.metadata.get("help", "").replace("%", "%%")
         if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=helptext)
+            kw: dict[str, Any] = {"action": argparse.BooleanOptionalAction}
         else:
-            kind = f.metadata.get("type") or type(default)
-            parser.add_argument(flag, type=kind, default=default, choices=f.metadata.get("choices"), help=helptext)
+            kw = {"type": f.metadata.get("type") or type(default), "choices": f.metadata.get("choices")}
+        parser.add_argument(flag, default=default, help=helptext, **kw)
+        for i, old in enumerate(f.metadata.get("old_flags") or ()):
+            dest = f"_old_{i}_{f.name}"
+            old_flags[dest] = (old, f.name)
+            parser.add_argument(old, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kw)
     ns = parser.parse_args(argv)
+    for dest, (old, name) in old_flags.items():
+        if hasattr(ns, dest):
+            new = "--" + name.replace("_", "-")
+            if getattr(ns, name) != getattr(cls, name, None):
+                parser.error(f"{old}: the deprecated spelling of {new}; give only {new}")
+            warn_renamed(f"`{old}`", f"`{new}`")
+            setattr(ns, name, getattr(ns, dest))
     cfg = cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
     if check is not None:
         try:
@@ -71,10 +86,12 @@ class _DefaultsHelp(argparse.HelpFormatter):
         return text
 
 
-def opt(default: Any, help: str = "", choices: tuple | None = None, type: type | None = None) -> Any:
-    """A dataclass field with help text (and optional choices; ``type`` for a ``None`` default) for
-    :func:`parse_flags`."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "type": type})
+def opt(default: Any, help: str = "", choices: tuple | None = None, type: type | None = None,
+        old_flags: tuple[str, ...] = ()) -> Any:
+    """A dataclass field with help text (and optional choices; ``type`` for a ``None`` default; ``old_flags``: its
+    deprecated spellings, hidden) for :func:`parse_flags`."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "type": type,
+                                                        "old_flags": old_flags})
 
 
 # ------------------------------------------------------------------------------------------------ policy
@@ -199,12 +216,12 @@ def loss_defaults(arg: str) -> str:
 
 
 def check_loss_flags(cfg: Any) -> None:
-    """Refuse loss flags that would be ignored: ``behav_weight_cap`` belongs to ``--loss decoupled`` only and
+    """Refuse loss flags that would be ignored: ``rollout_weight_cap`` belongs to ``--loss decoupled`` only and
     ``correction_cap`` to ``--correction tis|mis`` only. Raises :class:`ArgumentError` naming the flag."""
     if cfg.loss not in POLICY_LOSSES:
         raise ArgumentError(f"--loss: expected one of {sorted(POLICY_LOSSES)}, got {cfg.loss!r}")
-    if cfg.behav_weight_cap is not None and cfg.loss != "decoupled":
-        raise ArgumentError(f"--behav-weight-cap: only --loss decoupled weights tokens by π_old/π_rollout, got "
+    if cfg.rollout_weight_cap is not None and cfg.loss != "decoupled":
+        raise ArgumentError(f"--rollout-weight-cap: only --loss decoupled weights tokens by π_old/π_rollout, got "
                             f"--loss {cfg.loss}; use --correction tis|mis --correction-cap for the other losses")
     if cfg.correction_cap is not None and cfg.correction == "none":
         raise ArgumentError("--correction-cap: bounds --correction tis|mis, got --correction none")
@@ -227,11 +244,12 @@ def policy_loss(
 ) -> tuple[Float[Tensor, "B T"], dict[str, Tensor]]:
     """Per-token loss of ``cfg.loss`` with the clip offsets ``cfg.eps_low``/``cfg.eps_high`` (when given; else the
     loss's own defaults), ratios ``exp(logp − old_logp)``. ``decoupled`` also takes the engine's log-probs
-    (AReaL's behaviour policy) and ``cfg.behav_weight_cap``. Returns ``(per_token_loss [B, T], metrics)``."""
+    (AReaL's behaviour policy) and ``cfg.rollout_weight_cap``. Returns ``(per_token_loss [B, T], metrics)``."""
     eps = {k: v for k in ("eps_low", "eps_high") if (v := getattr(cfg, k)) is not None}
     fn = POLICY_LOSSES[cfg.loss]
     if cfg.loss == "decoupled":
-        return fn(logp, old_logp, rollout_logp, advantages, mask, **eps, behav_weight_cap=cfg.behav_weight_cap)
+        return fn(logp, old_logp, advantages, mask, rollout_logp=rollout_logp, **eps,
+                  rollout_weight_cap=cfg.rollout_weight_cap)
     return fn(logp, old_logp, advantages, mask, **eps)
 
 

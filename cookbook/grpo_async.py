@@ -121,8 +121,9 @@ class Config:
                                       f"default: the loss's own ({loss_defaults('eps_low')})", type=float)
     eps_high: float | None = opt(None, "clip offset above 1 (ratio ≤ 1 + eps_high); default: the loss's own "
                                        f"({loss_defaults('eps_high')})", type=float)
-    behav_weight_cap: float | None = opt(None, "--loss decoupled only: drop tokens whose π_old/π_rollout exceeds "
-                                               "this (AReaL); default: no cap", type=float)
+    rollout_weight_cap: float | None = opt(None, "--loss decoupled only: drop tokens whose π_old/π_rollout "
+                                                 "exceeds this (AReaL); default: no cap", type=float,
+                                           old_flags=("--behav-weight-cap",))
     correction: str = opt("none", "train/rollout mismatch correction on ρ = π_old/π_rollout", ("tis", "mis", "none"))
     correction_cap: float | None = opt(None, f"--correction tis|mis only: tis truncates ρ at this, mis masks tokens "
                                              f"with ρ outside [1/cap, cap]; default {CORRECTION_CAP}", type=float)
@@ -302,7 +303,7 @@ class Rollout:
         marked ``zero_variance_fill`` and counted, so the trainer never waits forever and nothing goes unseen."""
         s = self.sampler
         if not s.add_group(uid, rewards):
-            discarded_before = s.counts()["filtered"] - 1 - self.window_filled
+            discarded_before = s.stats()["filtered"] - 1 - self.window_filled
             if discarded_before < self.cfg.dynamic_max_rounds * s.target_groups:
                 return False
             rec["zero_variance_fill"] = True
@@ -426,11 +427,10 @@ def rollout_main(cfg: Config, rank: int, n_train: int, device, sample_group, pat
     async def main():
         engine = make_engine(cfg.engine, path, device, max_model_len=max_model_len,
                              max_staleness=cfg.max_staleness, sglang_url=cfg.sglang_url)
-        await Rollout(cfg, rank, n_train, sample_group, sync_group, tok, engine, max_model_len).run()
-        if hasattr(engine, "shutdown"):
-            res = engine.shutdown()
-            if asyncio.iscoroutine(res):
-                await res
+        try:
+            await Rollout(cfg, rank, n_train, sample_group, sync_group, tok, engine, max_model_len).run()
+        finally:  # inside the event loop: the engine's own tasks (step loop, vLLM's output handler) end cleanly
+            await engine.aclose()
 
     asyncio.run(main())
 
@@ -684,13 +684,13 @@ def push_weights(t: Trainer, first: bool = False) -> tuple[list, float]:
     queued = Counter(int(item["rank"]) for item, _, _ in t.queue.state_dict()["items"]) if first else {}
     send_control(t.sync_group, Weights(version=t.step, kind=kind, first=first, queued=dict(queued)))
     if kind == "lora":
-        t.syncer.sync(t.peft_model, t.step)
+        t.syncer.sync(t.peft_model, version=t.step)
     elif kind == "full":
-        t.sender.send(tensors, t.step)
+        t.sender.send(tensors, version=t.step)
         if cfg.sync == "delta":
             t.encoder = DeltaEncoder(tensors, version=t.step)
     else:
-        t.transport.send(t.encoder.encode(tensors, t.step))
+        t.transport.send(t.encoder.encode(tensors, version=t.step))
     return tensors, time.perf_counter() - t0
 
 

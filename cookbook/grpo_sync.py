@@ -81,8 +81,9 @@ class Config:
                                       f"default: the loss's own ({loss_defaults('eps_low')})", type=float)
     eps_high: float | None = opt(None, "clip offset above 1 (ratio ≤ 1 + eps_high); default: the loss's own "
                                        f"({loss_defaults('eps_high')})", type=float)
-    behav_weight_cap: float | None = opt(None, "--loss decoupled only: drop tokens whose π_old/π_rollout exceeds "
-                                               "this (AReaL); default: no cap", type=float)
+    rollout_weight_cap: float | None = opt(None, "--loss decoupled only: drop tokens whose π_old/π_rollout "
+                                                 "exceeds this (AReaL); default: no cap", type=float,
+                                           old_flags=("--behav-weight-cap",))
     correction: str = opt("none", "train/rollout mismatch correction on ρ = π_old/π_rollout", ("tis", "mis", "none"))
     correction_cap: float | None = opt(None, f"--correction tis|mis only: tis truncates ρ at this, mis masks tokens "
                                              f"with ρ outside [1/cap, cap]; default {CORRECTION_CAP}", type=float)
@@ -335,10 +336,8 @@ def main(argv: list[str] | None = None) -> None:
         files.write_summary(summary)
         print(f"held-out accuracy before RL: {acc_before:.3f}  after {step} steps: {last_acc:.3f}  "
               f"({100 * (last_acc - acc_before):+.1f} points, {summary['wall_seconds']:.0f} s)", flush=True)
-    if hasattr(engine, "shutdown"):
-        res = engine.shutdown()
-        if asyncio.iscoroutine(res):
-            loop.run_until_complete(res)
+    # release the engine inside the loop that drives it (its step task, vLLM's output handler), then the loop
+    loop.run_until_complete(engine.aclose())
     loop.close()
     if distributed:
         dist.destroy_process_group()

@@ -9,9 +9,10 @@ What is timed (with the cookbook's tiny warm-start model, the model the async/sy
   samples token 1) and decodes ``L - 1`` steps; a least-squares fit (non-negative) of the wall time gives the
   prefill ``overhead + per_token·Σ prompt`` and the decode step ``overhead + per_seq·b + per_ctx·C``
   (:class:`rlblocks.sched.sim.DecodeCost` with no memory terms: a CPU is compute/overhead bound).
-- trainer: the cookbook's step (``batch_tensors``, ``global_counts``, ``grpo_loss``, backward, grad clip, AdamW) on
-  batches of ``G`` groups × 8 samples of length ``L``; fit ``overhead + per_token·S·W + per_seq·S`` with ``W`` the
-  padded width (``batch_tensors`` right-pads), i.e. ``TrainCost(padded=True)``.
+- trainer: the cookbook's step (``batch_tensors``, then ``grpo_step`` with one optimizer update per batch:
+  advantages, log-probs, loss, global normalisers, backward, grad clip, AdamW) on batches of ``G`` groups × 8
+  samples of length ``L``; fit ``overhead + per_token·S·W + per_seq·S`` with ``W`` the padded width (the batch is
+  right-padded), i.e. ``TrainCost(padded=True)``.
 - weight sync: ``full_tensors`` + ``TorchEngine.update_weights`` (the tiny model's bytes are negligible: latency).
 - host contention: the same generate call timed alone and while a second process runs trainer steps non-stop
   (both 1 thread), alternately, with one child process toggled between busy and idle so that each pair is
@@ -45,7 +46,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "cookbook"))
 
 import toy  # noqa: E402
-from common import PolicyLogprobs, batch_tensors, global_counts, group_record, grpo_loss, load_hf  # noqa: E402
+from common import PolicyLogprobs, batch_tensors, group_record, load_hf  # noqa: E402
+from grpo_async import grpo_step  # noqa: E402
 
 from rlblocks.rollout import GenerationRequest, SamplingParams, TorchEngine  # noqa: E402
 from rlblocks.rollout.types import Generation  # noqa: E402
@@ -86,7 +88,7 @@ class Bench:
         self.version = 0
         from grpo_async import Config
 
-        self.cfg = Config()
+        self.cfg = Config(ppo_epochs=1, mini_batches=1)  # one optimizer update per batch: the cost model's unit
         self.prompt_lens: list[int] = []
 
     def generate(self, b: int, length: int, rng: random.Random) -> tuple[float, int]:
@@ -113,12 +115,7 @@ class Bench:
             recs.append(group_record(f"g{gi}", pair, prompt, gens, [float(rng.random() < 0.5) for _ in range(K)], 0))
         t0 = time.perf_counter()
         bt = batch_tensors(recs, self.tok.pad_token_id, torch.device("cpu"))
-        counts = global_counts(bt)
-        loss, _ = grpo_loss(self.cfg, self.policy, bt, global_counts=counts)
-        self.optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0)
-        self.optim.step()
+        grpo_step(self.cfg, self.policy, self.optim, bt)
         dt = time.perf_counter() - t0
         return dt, bt["input_ids"].shape[0], bt["input_ids"].shape[1]
 

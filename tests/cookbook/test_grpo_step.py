@@ -19,6 +19,9 @@ from common import POLICY_LOSSES, policy_loss
 
 B, L, V = 8, 7, 5  # 2 groups × 4 samples, sequence length, vocabulary
 
+# a deprecated rlblocks name (the library's DeprecationWarnings all start with "rlblocks:") fails the test
+pytestmark = pytest.mark.filterwarnings("error:rlblocks:DeprecationWarning")
+
 
 class TablePolicy(nn.Module):
     """A policy whose next-token distribution depends on the position only: ``logp[b, t] = log_softmax(W[t])[y]``
@@ -55,7 +58,7 @@ def make_batch() -> dict[str, torch.Tensor]:
 
 
 def cfg_of(**kw) -> SimpleNamespace:
-    base = dict(loss="ppo", eps_low=None, eps_high=None, behav_weight_cap=None, correction="none",
+    base = dict(loss="ppo", eps_low=None, eps_high=None, rollout_weight_cap=None, correction="none",
                 correction_cap=None, ppo_epochs=1, mini_batches=1, agg="token-mean", kl_coef=0.0, grad_clip=1e9,
                 seed=3)
     return SimpleNamespace(**{**base, **kw})
@@ -139,7 +142,9 @@ def _loss_inputs():
 
 def _direct(name, logp, old, adv, mask, rollout, **kw):
     fn = POLICY_LOSSES[name]
-    return fn(logp, old, rollout, adv, mask, **kw) if name == "decoupled" else fn(logp, old, adv, mask, **kw)
+    if name == "decoupled":
+        return fn(logp, old, adv, mask, rollout_logp=rollout, **kw)
+    return fn(logp, old, adv, mask, **kw)
 
 
 @pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
@@ -164,11 +169,11 @@ def test_cispo_keeps_its_own_upper_clip():
     assert not torch.equal(own, ppo_like)
 
 
-def test_behav_weight_cap_reaches_decoupled():
+def test_rollout_weight_cap_reaches_decoupled():
     logp, old, adv, mask, rollout = _loss_inputs()
-    capped, _ = policy_loss(cfg_of(loss="decoupled", behav_weight_cap=1.05), logp, old, adv, mask,
+    capped, _ = policy_loss(cfg_of(loss="decoupled", rollout_weight_cap=1.05), logp, old, adv, mask,
                             rollout_logp=rollout)
-    direct, _ = POLICY_LOSSES["decoupled"](logp, old, rollout, adv, mask, behav_weight_cap=1.05)
+    direct, _ = POLICY_LOSSES["decoupled"](logp, old, adv, mask, rollout_logp=rollout, rollout_weight_cap=1.05)
     uncapped, _ = policy_loss(cfg_of(loss="decoupled"), logp, old, adv, mask, rollout_logp=rollout)
     torch.testing.assert_close(capped, direct, rtol=0, atol=0)
     assert not torch.equal(capped, uncapped)

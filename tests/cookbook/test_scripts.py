@@ -12,6 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "cookbook"))
 
+# a deprecated rlblocks name (the library's DeprecationWarnings all start with "rlblocks:") fails the test
+pytestmark = pytest.mark.filterwarnings("error:rlblocks:DeprecationWarning")
+
 
 def _scripts() -> list[Path]:
     """Files with a ``__main__`` guard under cookbook/ and benchmarks/ (modules without one are libraries)."""
@@ -27,7 +30,8 @@ def test_script_list_is_not_empty():
 
 @pytest.mark.parametrize("script", _scripts(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_help(script: Path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT),
+               PYTHONWARNINGS="error:rlblocks::DeprecationWarning")
     env.pop("TRITON_INTERPRET", None)
     p = subprocess.run([sys.executable, str(script), "--help"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=120)
@@ -39,8 +43,8 @@ def test_help(script: Path):
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [
-        (["--loss", "ppo", "--behav-weight-cap", "3"], "--behav-weight-cap"),
-        (["--loss", "gspo", "--behav-weight-cap", "3"], "--behav-weight-cap"),
+        (["--loss", "ppo", "--rollout-weight-cap", "3"], "--rollout-weight-cap"),
+        (["--loss", "gspo", "--rollout-weight-cap", "3"], "--rollout-weight-cap"),
         (["--correction-cap", "3"], "--correction-cap"),  # --correction none: nothing to bound
         (["--correction", "tis", "--correction-cap", "0.5"], "--correction-cap"),
         (["--ppo-epochs", "0"], "--ppo-epochs"),
@@ -67,13 +71,51 @@ def test_accepted_flags_reach_the_config(loop):
     from common import parse_flags
 
     mod = importlib.import_module(loop)
-    cfg = parse_flags(mod.Config, ["--loss", "decoupled", "--behav-weight-cap", "3", "--eps-low", "0.1",
+    cfg = parse_flags(mod.Config, ["--loss", "decoupled", "--rollout-weight-cap", "3", "--eps-low", "0.1",
                                    "--correction", "mis", "--correction-cap", "4", "--ppo-epochs", "2",
                                    "--mini-batches", "4"], check=mod.check_flags)
-    assert (cfg.behav_weight_cap, cfg.eps_low, cfg.eps_high, cfg.correction_cap) == (3.0, 0.1, None, 4.0)
+    assert (cfg.rollout_weight_cap, cfg.eps_low, cfg.eps_high, cfg.correction_cap) == (3.0, 0.1, None, 4.0)
     assert (cfg.ppo_epochs, cfg.mini_batches) == (2, 4)
     cfg = parse_flags(mod.Config, [], check=mod.check_flags)
-    assert (cfg.eps_low, cfg.eps_high, cfg.behav_weight_cap, cfg.correction_cap) == (None, None, None, None)
+    assert (cfg.eps_low, cfg.eps_high, cfg.rollout_weight_cap, cfg.correction_cap) == (None, None, None, None)
+
+
+@pytest.mark.parametrize("loop", ["grpo_async", "grpo_sync"])
+def test_old_flag_spelling_still_works_warns_and_is_hidden(loop, capsys):
+    import importlib
+
+    from common import parse_flags
+
+    mod = importlib.import_module(loop)
+    with pytest.warns(DeprecationWarning, match="--behav-weight-cap.*--rollout-weight-cap"):
+        cfg = parse_flags(mod.Config, ["--loss", "decoupled", "--behav-weight-cap", "3"], check=mod.check_flags)
+    assert cfg.rollout_weight_cap == 3.0
+    with pytest.raises(SystemExit) as e:  # the check applies to the old spelling too
+        with pytest.warns(DeprecationWarning):
+            parse_flags(mod.Config, ["--loss", "ppo", "--behav-weight-cap", "3"], check=mod.check_flags)
+    assert e.value.code == 2 and "--rollout-weight-cap" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # both spellings at once: refused, not one silently chosen
+        parse_flags(mod.Config, ["--loss", "decoupled", "--rollout-weight-cap", "2", "--behav-weight-cap", "3"],
+                    check=mod.check_flags)
+    assert e.value.code == 2 and "--behav-weight-cap" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_flags(mod.Config, ["--help"])
+    out = capsys.readouterr().out
+    assert "--rollout-weight-cap" in out and "--behav-weight-cap" not in out
+
+
+@pytest.mark.parametrize("loop", ["grpo_async", "grpo_sync"])
+def test_new_flag_spelling_does_not_warn(loop):
+    import importlib
+    import warnings
+
+    from common import parse_flags
+
+    mod = importlib.import_module(loop)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        cfg = parse_flags(mod.Config, ["--loss", "decoupled", "--rollout-weight-cap", "3"], check=mod.check_flags)
+    assert cfg.rollout_weight_cap == 3.0
 
 
 def test_help_states_each_losss_own_clip_defaults():

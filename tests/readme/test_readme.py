@@ -37,6 +37,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 
+# a deprecated rlblocks name (the library's DeprecationWarnings all start with "rlblocks:") fails the test
+pytestmark = pytest.mark.filterwarnings("error:rlblocks:DeprecationWarning")
+
 
 @dataclass(frozen=True)
 class Block:
