@@ -794,7 +794,7 @@ def main(argv: list[str] | None = None) -> None:
                        "tokens_trained": st["tokens"]})
         done = step + 1 >= cfg.steps or (cfg.time_limit > 0 and time.time() - t_start > cfg.time_limit)
         if world > 1:
-            flag = torch.tensor([int(done)])
+            flag = torch.tensor([int(done)], device=device)  # on the device: NCCL moves CUDA tensors only
             dist.broadcast(flag, 0)  # rank 0's clock decides for every rank
             done = bool(flag.item())
         if rank == 0:

@@ -27,6 +27,9 @@ from rlblocks.rollout import Generation, build_batch
 ROOT = Path(__file__).resolve().parents[2]
 T, V = 5, 6  # longest response, vocabulary of the table models
 
+# a deprecated rlblocks name (the library's DeprecationWarnings all start with "rlblocks:") fails the test
+pytestmark = pytest.mark.filterwarnings("error:rlblocks:DeprecationWarning")
+
 
 # ------------------------------------------------------------------------------------------------ table models
 class TableActor(nn.Module):
@@ -252,6 +255,74 @@ def test_clip_fractions_are_above_zero_after_the_first_update(demo_roles):
     assert m["clipfrac_low"] + m["clipfrac_high"] > 0.0
 
 
+def test_critic_values_match_a_forward_of_each_unpadded_row(demo_model_dir, demo_roles):
+    """V[b, t] = head(h[P_b + t − 1]) of the row's own, unpadded sequence; 0 on padding (the zero head is replaced
+    by a random one so that the values differ per position)."""
+    _, _, batch, _ = demo_roles
+    critic = ppo.load_critic(demo_model_dir, torch.device("cpu"))
+    with torch.no_grad():
+        critic.head.weight.normal_(generator=torch.Generator().manual_seed(0))
+        critic.head.bias.fill_(0.3)
+        values = critic(batch.input_ids, batch.prompt_lens, batch.response_mask)
+        for b in range(batch.batch_size):
+            p, n = int(batch.prompt_lens[b]), int(batch.response_mask[b].sum())
+            ids = batch.input_ids[b, : p + n][None]
+            h = critic.body(input_ids=ids).last_hidden_state[0]
+            expected = h[p - 1 : p + n - 1] @ critic.head.weight[0] + 0.3
+            torch.testing.assert_close(values[b, :n], expected, rtol=1e-4, atol=1e-5)
+            assert bool((values[b, n:] == 0).all())
+
+
+def test_exact_match_verifier_is_the_toy_reward():
+    import asyncio
+
+    tok = toy.build_tokenizer()
+    pairs = toy.split_pairs()["rl"][:6]
+    prompts = data.toy_prompts(tok, pairs)
+    eos = tok.eos_token_id
+    outs = []
+    for a, b in pairs:  # right, right but cut by the budget (no EOS), wrong, empty
+        right = tok.encode(str(a + b), add_special_tokens=False)
+        outs += [[*right, eos], right, [*tok.encode(str(a + b + 1), add_special_tokens=False), eos], []]
+    rows = [p for p in prompts for _ in range(4)]
+    got = asyncio.run(data.make_verifier("verifier", tok).scores(rows, outs))
+    assert got == [toy.reward(tok, *p.metadata["pair"], o) for p, o in zip(rows, outs)]
+    assert got[:4] == [1.0, 0.0, 0.0, 0.0]
+    assert [list(p.ids) for p in prompts] == [toy.encode_prompt(tok, a, b) for a, b in pairs]
+
+
+def test_jsonl_prompts_are_read_split_and_refused_with_the_line(tmp_path):
+    from rlblocks.errors import ArgumentError
+
+    tok = toy.build_tokenizer()
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"{i}+1=", "answer": i + 1, "src": "x"}) for i in range(30))
+                    + "\n\n")
+    task = data.load_task(tok, prompts=str(path))
+    assert len(task.heldout) == 3 and len(task.train) == 27  # a tenth held out
+    assert {p.text for p in task.train}.isdisjoint({p.text for p in task.heldout})
+    assert all(p.answer == str(int(p.text.split("+")[0]) + 1) and p.metadata == {"src": "x"} for p in task.train)
+    assert list(task.train[0].ids) == [tok.bos_token_id, *tok.encode(task.train[0].text, add_special_tokens=False)]
+    held = tmp_path / "h.jsonl"
+    held.write_text(json.dumps({"prompt": "5+5=", "answer": "10"}) + "\n")
+    task = data.load_task(tok, prompts=str(path), eval_prompts=str(held))
+    assert len(task.train) == 30 and [p.text for p in task.heldout] == ["5+5="]
+    bad = tmp_path / "bad.jsonl"
+    for text, needle in [('{"prompt": "1+1=", "answer": "2"}\nnot json', ":2:"),
+                         ('{"prompt": "1+1="}', "'answer'"), ('{"prompt": "", "answer": "1"}', "'prompt'"),
+                         ('{"prompt": "1+1=", "answer": true}', "'answer'"), ("", "empty")]:
+        bad.write_text(text)
+        with pytest.raises(ArgumentError, match="--prompts") as e:
+            data.read_jsonl(bad)
+        assert needle in str(e.value), (text, str(e.value))
+    with pytest.raises(ArgumentError, match="no such file"):
+        data.load_task(tok, prompts=str(tmp_path / "missing.jsonl"))
+    long = tmp_path / "long.jsonl"
+    long.write_text("\n".join(json.dumps({"prompt": "1" * n, "answer": "1"}) for n in (3, 70)))
+    with pytest.raises(ArgumentError, match="64 positions"):
+        data.check_fits(data.load_task(tok, prompts=str(long)), 64)
+
+
 # ------------------------------------------------------------------------------------------------ reward-model stage
 @pytest.fixture(scope="module")
 def small_rm(demo_model_dir, tmp_path_factory):
@@ -288,14 +359,22 @@ def test_reward_model_stage_learns_and_is_cached(small_rm, demo_model_dir):
 # ------------------------------------------------------------------------------------------------ runs
 def _env() -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT))
+               PYTHONPATH=str(ROOT), PYTHONWARNINGS="error:rlblocks::DeprecationWarning")
     env.pop("TRITON_INTERPRET", None)
     return env
 
 
+# What an engine (or a reward pool) left running at exit prints: asyncio's report of a task destroyed while pending,
+# an exception raised in a finaliser, or a TypeError from calling a method an object lacks.
+UNCLEAN_EXIT = ("Task was destroyed but it is pending", "Exception ignored", "TypeError")
+
+
 def _run(cmd: list[str], timeout: float = 300) -> None:
+    """Run the loop; it must exit 0 and cleanly (no message of ``UNCLEAN_EXIT`` on stderr)."""
     p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, f"{' '.join(cmd)}\n--- stdout\n{p.stdout[-3000:]}\n--- stderr\n{p.stderr[-6000:]}"
+    unclean = [m for m in UNCLEAN_EXIT if m in p.stderr]
+    assert not unclean, f"{' '.join(cmd)}: {unclean} on stderr\n{p.stderr[-6000:]}"
 
 
 def _read(run_dir: Path) -> tuple[list[dict], dict]:
