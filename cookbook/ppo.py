@@ -689,7 +689,10 @@ def setup_dist() -> tuple[int, int, torch.device]:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         return rank, world, torch.device("cuda", torch.cuda.current_device())
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    # the cores split over the ranks, unless OMP_NUM_THREADS says otherwise (on a box shared with other jobs, one
+    # thread: OpenMP threads that wait for each other on an oversubscribed CPU slow a tiny model down manyfold)
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     return rank, world, torch.device("cpu")
 
 
