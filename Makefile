@@ -47,7 +47,7 @@ demo-agent: $(STAMP)
 	$(PY) cookbook/plot.py runs/demo-agent
 
 demo-ppo: $(STAMP)
-	$(PY) cookbook/ppo.py --name demo-ppo
+	OMP_NUM_THREADS=1 $(PY) cookbook/ppo.py --name demo-ppo
 	$(PY) cookbook/plot.py runs/demo-ppo
 
 clean:

@@ -53,7 +53,7 @@ def ppo_roles(path: str, rm_path: str, loop) -> dict[str, dict[str, int]]:
     ref = ppo.load_actor(path, torch.device("cpu"), 1.0)[1].eval().requires_grad_(False)
     rm = RewardModel.from_pretrained(rm_path).model.requires_grad_(False)
     engine, batch, scores = rollout(path, tok, loop)
-    cfg = SimpleNamespace(gamma=1.0, lam=0.95, whiten_advantages=True, kl_coef=0.05, kl_in="reward", eps_low=0.2,
+    cfg = SimpleNamespace(gamma=1.0, lam=0.95, whiten_advantages=True, kl_coef=0.3, kl_in="reward", eps_low=0.2,
                           eps_high=0.2, value_clip=0.2, ppo_epochs=2, mini_batches=2, agg="token-mean",
                           grad_clip=1.0, seed=0)
     a_opt = torch.optim.AdamW(actor.parameters(), lr=2e-4, weight_decay=0.0)
