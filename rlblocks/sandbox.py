@@ -37,6 +37,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,6 +71,11 @@ class SandboxLimits:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ArgumentError(f"{name}: expected an int >= 1, got {v!r}")
+        # A permission is a bool: ``allow_network="no"`` is truthy and would open the network.
+        for name in ("allow_subprocesses", "allow_network"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise ArgumentError(f"{name}: expected True or False, got {v!r}")
 
 
 @dataclass
@@ -306,6 +312,30 @@ def _kill_group(proc: asyncio.subprocess.Process) -> None:
         pass
 
 
+def _check_run_args(code: object, stdin: object, args: object, files: object, python: object) -> None:
+    if not isinstance(code, str):
+        raise ArgumentError(f"code: expected a str of Python source, got {type(code).__name__}")
+    if not isinstance(stdin, str):
+        raise ArgumentError(f"stdin: expected a str (the program's standard input), got {type(stdin).__name__}")
+    if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
+        raise ArgumentError(f"args: expected a tuple or list of str (sys.argv[1:]), got {args!r:.80}")
+    for i, a in enumerate(args):
+        if not isinstance(a, str):
+            raise ArgumentError(f"args[{i}]: expected a str, got {type(a).__name__} {a!r:.40}")
+    if files is not None:
+        if not isinstance(files, Mapping):
+            raise ArgumentError(f"files: expected a mapping of relative path -> str or bytes, got "
+                                f"{type(files).__name__}")
+        for rel, content in files.items():
+            if not isinstance(rel, str) or not rel:
+                raise ArgumentError(f"files: expected non-empty str paths, got {rel!r}")
+            if not isinstance(content, (str, bytes, bytearray, memoryview)):
+                # bytes(3) would silently write three zero bytes
+                raise ArgumentError(f"files[{rel!r}]: expected str or bytes content, got {type(content).__name__}")
+    if python is not None and not isinstance(python, (str, os.PathLike)):
+        raise ArgumentError(f"python: expected None or the path of an interpreter, got {type(python).__name__}")
+
+
 async def arun_python(
     code: str,
     *,
@@ -317,20 +347,29 @@ async def arun_python(
 ) -> SandboxResult:
     """Run ``code`` as a Python program in a fresh, limited interpreter; never in this process.
 
-    ``stdin`` is fed to the program; ``args`` become ``sys.argv[1:]``; ``files`` (relative path → content) are
-    written into the sandbox directory first. The directory is the program's working directory and ``HOME``/
+    ``stdin`` (a str) is fed to the program; ``args`` (str each) become ``sys.argv[1:]``; ``files`` (relative path
+    → str or bytes content) are written into the sandbox directory first, beside the program itself
+    (``main.py``, a name ``files`` may not use). The directory is the program's working directory and ``HOME``/
     ``TMPDIR``; it is removed afterwards in every case. The child gets a minimal environment (``PATH``, UTF-8 I/O)
     and runs with ``python -I`` (no ``PYTHONPATH``, no user site). Returns a :class:`SandboxResult`; a program
-    that fails, is killed or exceeds a limit is a result, not an exception.
+    that fails, is killed or exceeds a limit is a result, not an exception. Bad arguments raise
+    :class:`~rlblocks.errors.ArgumentError` before anything runs.
     """
-    if not isinstance(code, str):
-        raise ArgumentError(f"code: expected a str of Python source, got {type(code).__name__}")
+    _check_run_args(code, stdin, args, files, python)
     limits = SandboxLimits() if limits is None else limits
     if not isinstance(limits, SandboxLimits):
         raise ArgumentError(f"limits: expected a SandboxLimits, got {type(limits).__name__}")
     work = Path(tempfile.mkdtemp(prefix="rlblocks-sandbox-"))
+    cfg_dir: Path | None = None
+    status_fds: list[int] = []  # the status pipe's ends still open in this process
     cgroup = None
     t0 = time.perf_counter()
+
+    def close_fd(fd: int) -> None:
+        if fd in status_fds:
+            status_fds.remove(fd)
+            os.close(fd)
+
     try:
         program = work / "main.py"
         program.write_text(code, encoding="utf-8")
@@ -338,14 +377,17 @@ async def arun_python(
             target = (work / rel).resolve()
             if work.resolve() not in target.parents:
                 raise ArgumentError(f"files: expected relative paths inside the sandbox, got {rel!r}")
+            if target == program.resolve():
+                raise ArgumentError(f"files: {rel!r} is the program's own file; choose another name")
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(content.encode() if isinstance(content, str) else bytes(content))
         cfg_dir = Path(tempfile.mkdtemp(prefix="rlblocks-sandbox-cfg-"))
         cgroup = _cgroup_create(limits.max_processes)
         status_r, status_w = os.pipe()
+        status_fds += [status_r, status_w]
         cfg = {
             "program": str(program),
-            "args": [str(a) for a in args],
+            "args": list(args),
             "status_fd": status_w,
             "cgroup": str(cgroup) if cgroup else "",
             "allow_network": limits.allow_network,
@@ -360,7 +402,7 @@ async def arun_python(
             cwd=str(work), env=env, start_new_session=True, pass_fds=(status_w,),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )
-        os.close(status_w)
+        close_fd(status_w)
         cap = limits.max_output_bytes
         readers = asyncio.gather(_read_capped(proc.stdout, cap), _read_capped(proc.stderr, cap))
 
@@ -391,8 +433,6 @@ async def arun_python(
             isolation = json.loads(os.read(status_r, 65536) or b"{}")
         except (OSError, ValueError):
             isolation = {}
-        os.close(status_r)
-        shutil.rmtree(cfg_dir, ignore_errors=True)
         rc = proc.returncode
         sig = signal.Signals(-rc).name if rc is not None and rc < 0 else None
         stderr = err.decode("utf-8", "replace")
@@ -405,10 +445,15 @@ async def arun_python(
             limit = "cpu"
         elif sig == "SIGKILL":
             limit = "killed"
-        elif "MemoryError" in stderr:
-            limit = "memory"
-        elif "File too large" in stderr or sig == "SIGXFSZ":
+        elif sig == "SIGXFSZ":
             limit = "file_size"
+        elif rc != 0:
+            # The program's own stderr names these; a program that exits 0 was not stopped by a limit, whatever it
+            # printed (a correct program may catch a MemoryError, or print the words).
+            if "MemoryError" in stderr:
+                limit = "memory"
+            elif "File too large" in stderr:
+                limit = "file_size"
         return SandboxResult(
             returncode=None if timed_out else rc,
             stdout=out.decode("utf-8", "replace"),
@@ -426,7 +471,13 @@ async def arun_python(
     except OSError as e:  # could not even start the interpreter
         return SandboxResult(None, "", "", time.perf_counter() - t0, error=f"{type(e).__name__}: {e}")
     finally:
+        # Every path (a result, an interpreter that would not start, a cancelled call) removes both directories
+        # and closes the status pipe: a long run of code rewards must not pile up temporary files or descriptors.
+        for fd in list(status_fds):
+            close_fd(fd)
         _cgroup_kill_and_remove(cgroup)
+        if cfg_dir is not None:
+            shutil.rmtree(cfg_dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
 
 

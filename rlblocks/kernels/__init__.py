@@ -7,6 +7,9 @@ autograd.Function, its chunked torch path and the public wrapper):
 - ``token_logprobs(logits, labels, ...)``: label log-prob (+ entropy) from logits.
 - ``linear_token_logprobs(hidden, weight, labels, ..., process_group=None)``: the same from hidden states and the LM
   head without materialising ``[N, V]``; vocab-parallel aware.
+- ``linear_token_logprobs_loss(hidden, weight, labels, coef, entropy_coef=...)``: the fused-loss path for losses
+  whose per-token coefficients are known up front (on-policy GRPO/PPO, SFT): the logits gradient is formed in the
+  forward, so the logits GEMM runs once.
 - ``vocab_kl(student_logits, teacher_logits, kind=...)``: per-token forward / reverse KL or JSD over the vocabulary.
 - ``linear_vocab_kl(student_hidden, student_weight, teacher_hidden, teacher_weight, ...)``: the same from hidden
   states without materialising either logits tensor.
@@ -25,6 +28,7 @@ from typing import Any
 _LAZY = {
     "token_logprobs": ".logprobs",
     "linear_token_logprobs": ".linear_logprobs",
+    "linear_token_logprobs_loss": ".linear_logprobs",
     "vocab_kl": ".kl",
     "linear_vocab_kl": ".linear_kl",
     "causal_lm_logprobs": ".hf",

@@ -245,6 +245,28 @@ def num_splits(n: int, v: int, device: torch.device, row_block: int = 128) -> in
     return max(1, min(-(-2 * sms // row_blocks), -(-v // 256)))
 
 
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (132 on an H100/H200 SXM)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def tile_count(n: int, v: int, block_n: int, block_v: int) -> int:
+    """Output tiles of an ``[n, v]`` tile grid."""
+    return -(-n // block_n) * -(-v // block_v)
+
+
+def persistent_programs(n_tiles: int, device: torch.device, ctas_per_sm: int) -> int:
+    """Programs of a persistent launch: one per resident CTA slot (SMs × ``ctas_per_sm``), never more than tiles.
+
+    Each program walks the tile list with stride = program count, so the whole grid is resident at once (one
+    wave) and programs differ by at most one tile of work. ``ctas_per_sm`` is the config's declared residency,
+    which the static resource report checks against registers and shared memory. Under the CPU interpreter 3
+    programs, so tests cover the stride loop and an uneven tail."""
+    if device.type != "cuda":
+        return max(1, min(n_tiles, 3))
+    return max(1, min(n_tiles, num_sms(device) * ctas_per_sm))
+
+
 def grad_scale(row_bound: Float[Tensor, " N"], dtype: torch.dtype, target: float = 2.0**14) -> Float[Tensor, " 1"]:
     """Power-of-two factor the logits gradient is multiplied by before it is stored in ``dtype`` (1 unless fp16).
 

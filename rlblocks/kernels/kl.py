@@ -128,7 +128,9 @@ if triton_available():
                 kpm += tl.sum(tp, axis=1)
             kl = beta * kpm + (1.0 - beta) * kqm
             aux = kqm
-        tl.store(kl_ptr + row + one, tl.where(valid, kl, 0.0))
+        # v_read > 0 is `valid`, recomputed from a register that is live across the loops anyway: keeping the
+        # predicate itself live made ptxas (triton 3.6) park it in local memory, flagged by the resource report
+        tl.store(kl_ptr + row + one, tl.where(v_read > 0, kl, 0.0))
         tl.store(lse_s_ptr + row + one, lse_s)
         tl.store(lse_t_ptr + row + one, lse_t)
         tl.store(aux_ptr + row + one, aux)

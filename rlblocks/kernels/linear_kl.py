@@ -49,7 +49,7 @@ if triton_available():
     from rlblocks.kernels.kl import jsd_terms, kl_grad, kl_online_update
 
     @triton.autotune(  # not N in the key (varies per step)
-        configs=tile_configs("kl"), key=["V", "HS", "HT", "KIND", "PASS"],
+        configs=tile_configs("kl_fwd"), key=["V", "HS", "HT", "KIND", "PASS", "PREC_S"],
         prune_configs_by={"early_config_prune": keep_one_fp32_config("hs_ptr")},
     )  # fmt: skip
     @triton.jit
@@ -103,7 +103,7 @@ if triton_available():
             tl.store(a_ptr + out, a, mask=row_ok)
 
     @triton.autotune(
-        configs=tile_configs("kl"), key=["HS", "HT", "KIND"],
+        configs=tile_configs("kl_bwd"), key=["HS", "HT", "KIND", "PREC_S"],
         prune_configs_by={"early_config_prune": keep_one_fp32_config("hs_ptr")},
     )  # fmt: skip
     @triton.jit

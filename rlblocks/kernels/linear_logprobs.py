@@ -25,7 +25,7 @@ and a chunked torch path (rows in chunks of ~64 MiB of fp32 logits; fp32 matmuls
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -33,6 +33,7 @@ from torch import Tensor
 
 from rlblocks._validate import shape_str
 from rlblocks.errors import ArgumentError
+from rlblocks.kernels import _common
 from rlblocks.kernels._common import (
     allreduce_stats,
     apply_mask,
@@ -46,10 +47,12 @@ from rlblocks.kernels._common import (
     grad_scale,
     interpret_mode,
     merge_partials,
-    num_splits,
+    mm_fp32,
+    persistent_programs,
     resolve_backend,
     rows_per_chunk,
     shard_offset,
+    tile_count,
     triton_available,
     triton_dot_precision,
     zero_ignored_rows,
@@ -59,104 +62,189 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from rlblocks.kernels._tiles import dot_tile, keep_one_fp32_config, online_update, tile_configs
+    from rlblocks.kernels._tiles import gemm_configs, keep_one_fp32_config, load_dot, tile_coords, tile_stats
 
     @triton.autotune(  # not N in the key: it changes every RL step
-        configs=tile_configs("fwd"), key=["V", "H", "HAS_ENT"],
-        prune_configs_by={"early_config_prune": keep_one_fp32_config("h_ptr")},
+        configs=gemm_configs("fwd"), key=["V", "H", "HAS_ENT", "STORE_E", "USE_TMA", "PREC"],
+        prune_configs_by={"early_config_prune": keep_one_fp32_config("h")},
     )  # fmt: skip
     @triton.jit
     def _linear_logprobs_fwd_kernel(
-        h_ptr, w_ptr, yl_ptr, m_ptr, s_ptr, a_ptr, zy_ptr,
-        N, V, H, stride_hn, stride_wv, inv_temp, NUM_SPLITS,
-        HAS_ENT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+        h, w, yl_ptr, m_ptr, s_ptr, a_ptr, zy_ptr, e_ptr,
+        N, V, H, stride_hn, stride_wv, stride_e, inv_temp,
+        HAS_ENT: tl.constexpr, STORE_E: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+        PREC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP: tl.constexpr, CTAS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr,
     ):  # fmt: skip
-        # Program (row block, vocab split): loops over its vocab tiles; each tile is a [BLOCK_N, BLOCK_V] fp32
-        # accumulator of hidden @ Wᵀ built from BLOCK_K slices with tl.dot, then folded into online stats.
-        pid_n = tl.program_id(0)
-        pid_s = tl.program_id(1)
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
-        rows64 = rows.to(tl.int64)
-        yl = tl.load(yl_ptr + rows64, mask=row_ok, other=-1)
-        n_tiles = tl.cdiv(V, BLOCK_V)
-        per = tl.cdiv(n_tiles, NUM_SPLITS)
-        t_lo = pid_s * per
-        t_hi = tl.minimum(t_lo + per, n_tiles)
-        m = tl.full([BLOCK_N], -float("inf"), tl.float32)
-        s = tl.zeros([BLOCK_N], tl.float32)
-        a = tl.zeros([BLOCK_N], tl.float32)
-        zy = tl.zeros([BLOCK_N], tl.float32)
-        for t in range(t_lo, t_hi):
-            cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
+        # Persistent: each program walks the (row block, vocab tile) list in grouped order with stride = number of
+        # programs; per tile one fp32 [BLOCK_N, BLOCK_V] accumulator of hidden @ Wᵀ (tl.dot over BLOCK_K slices),
+        # then the tile's (max, Σexp, Σexp·(z−max)) per row go to row `tile` of the partial-stats arrays (merged on
+        # the host), and the tile holding a row's label writes its logit. STORE_E also writes exp(z − max_tile)
+        # (the fused-loss path turns it into the logits gradient without recomputing the GEMM).
+        n_rb = tl.cdiv(N, BLOCK_N)
+        n_vt = tl.cdiv(V, BLOCK_V)
+        for tile in tl.range(tl.program_id(0), n_rb * n_vt, tl.num_programs(0), flatten=FLATTEN,
+                             warp_specialize=WS):  # fmt: skip
+            rb, vt = tile_coords(tile, n_rb, n_vt, GROUP)
+            r0 = rb * BLOCK_N
+            c0 = vt * BLOCK_V
+            acc = load_dot(h, w, r0, c0, N, V, H, stride_hn, stride_wv, USE_TMA, UPCAST, PREC,
+                           BLOCK_N, BLOCK_V, BLOCK_K)  # fmt: skip
+            rows = r0 + tl.arange(0, BLOCK_N)
+            cols = c0 + tl.arange(0, BLOCK_V)
+            row_ok = rows < N
             col_ok = cols < V
-            cols64 = cols.to(tl.int64)
-            acc = dot_tile(h_ptr, w_ptr, rows64, row_ok, cols64, col_ok, H, stride_hn, stride_wv,
-                           UPCAST, PREC, BLOCK_N, BLOCK_V, BLOCK_K)
+            rows64 = rows.to(tl.int64)
             z = tl.where(col_ok[None, :], acc * inv_temp, -float("inf"))
-            zy += tl.sum(tl.where(cols[None, :] == yl[:, None], z, 0.0), axis=1)
-            m, s, a = online_update(m, s, a, z, HAS_ENT)
-        out = pid_s * N + rows64
-        tl.store(m_ptr + out, m, mask=row_ok)
-        tl.store(s_ptr + out, s, mask=row_ok)
-        tl.store(zy_ptr + out, zy, mask=row_ok)
-        if HAS_ENT:
-            tl.store(a_ptr + out, a, mask=row_ok)
+            m_t, s_t, a_t, e = tile_stats(z, HAS_ENT)
+            out = vt.to(tl.int64) * N + rows64
+            tl.store(m_ptr + out, m_t, mask=row_ok)
+            tl.store(s_ptr + out, s_t, mask=row_ok)
+            if HAS_ENT:
+                tl.store(a_ptr + out, a_t, mask=row_ok)
+            yl = tl.load(yl_ptr + rows64, mask=row_ok, other=-1)
+            zy = tl.sum(tl.where(cols[None, :] == yl[:, None], z, 0.0), axis=1)
+            tl.store(zy_ptr + rows64, zy, mask=row_ok & (yl >= c0) & (yl < c0 + BLOCK_V))
+            if STORE_E:
+                tl.store(e_ptr + rows64[:, None] * stride_e + cols[None, :], e.to(e_ptr.dtype.element_ty),
+                         mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
 
     @triton.autotune(
-        configs=tile_configs("bwd"), key=["H", "HAS_ENT"],
-        prune_configs_by={"early_config_prune": keep_one_fp32_config("h_ptr")},
+        configs=gemm_configs("bwd"), key=["H", "HAS_ENT", "USE_TMA", "PREC"],
+        prune_configs_by={"early_config_prune": keep_one_fp32_config("h")},
     )  # fmt: skip
     @triton.jit
     def _linear_logprobs_bwd_kernel(
-        h_ptr, w_ptr, yl_ptr, lse_ptr, ent_ptr, g_ptr, k_ptr, scale_ptr, gz_ptr,
+        h, w, yl_ptr, lse_ptr, ent_ptr, g_ptr, k_ptr, scale_ptr, gz,
         N, VC, H, v_start, stride_hn, stride_wv, stride_gz, inv_temp,
-        HAS_ENT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+        HAS_ENT: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP: tl.constexpr, CTAS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr,
     ):  # fmt: skip
-        # Recompute one [BLOCK_N, BLOCK_V] logits tile of the vocab chunk [v_start, v_start + VC) and write
-        # scale·(∂/∂z)/T for it; the host contracts the chunk with cuBLAS into grad_hidden and grad_weight.
-        pid_n = tl.program_id(0)
-        pid_v = tl.program_id(1)
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Persistent over the tiles of the vocab chunk [v_start, v_start + VC): recompute the logits tile, write
+        # scale·(∂/∂z)/T into the chunk's gradient block; the host contracts the block with cuBLAS.
+        n_rb = tl.cdiv(N, BLOCK_N)
+        n_vt = tl.cdiv(VC, BLOCK_V)
+        scale = tl.load(scale_ptr) * inv_temp
+        for tile in tl.range(tl.program_id(0), n_rb * n_vt, tl.num_programs(0), flatten=FLATTEN,
+                             warp_specialize=WS):  # fmt: skip
+            rb, vt = tile_coords(tile, n_rb, n_vt, GROUP)
+            r0 = rb * BLOCK_N
+            lc0 = vt * BLOCK_V  # column inside the chunk
+            acc = load_dot(h, w, r0, v_start + lc0, N, v_start + VC, H, stride_hn, stride_wv, USE_TMA, UPCAST,
+                           PREC, BLOCK_N, BLOCK_V, BLOCK_K)  # fmt: skip
+            rows = r0 + tl.arange(0, BLOCK_N)
+            row_ok = rows < N
+            rows64 = rows.to(tl.int64)
+            lc = lc0 + tl.arange(0, BLOCK_V)
+            yl = tl.load(yl_ptr + rows64, mask=row_ok, other=-1)
+            lse = tl.load(lse_ptr + rows64, mask=row_ok, other=0.0)
+            g = tl.load(g_ptr + rows64, mask=row_ok, other=0.0)
+            lp = acc * inv_temp - lse[:, None]
+            p = tl.exp(lp)
+            if HAS_ENT:
+                k = tl.load(k_ptr + rows64, mask=row_ok, other=0.0)
+                ent = tl.load(ent_ptr + rows64, mask=row_ok, other=0.0)
+                gzt = p * (-g[:, None] - k[:, None] * (lp + ent[:, None]))
+            else:
+                gzt = -g[:, None] * p
+            gzt += tl.where((v_start + lc)[None, :] == yl[:, None], g[:, None], 0.0)
+            gzt = gzt * scale
+            if USE_TMA:
+                gz.store([r0, lc0], gzt.to(gz.dtype))
+            else:
+                tl.store(gz + rows64[:, None] * stride_gz + lc[None, :], gzt.to(gz.dtype.element_ty),
+                         mask=row_ok[:, None] & (lc < VC)[None, :])  # fmt: skip
+
+    @triton.jit
+    def _fused_grad_kernel(
+        e_ptr, gz_ptr, mt_ptr, lse_ptr, ent_ptr, g_ptr, k_ptr, yl_ptr, scale_ptr,
+        N, V, stride_e, stride_gz, inv_temp,
+        HAS_ENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    ):  # fmt: skip
+        # One [BLOCK_N, BLOCK_V] tile (BLOCK_V = the forward's vocab tile, so one tile max per row): from the stored
+        # e = exp(z − m_tile), p = e·exp(m_tile − lse) and log p = log e + m_tile − lse; write
+        # scale·(g·(δ_y − p) − k·p·(log p + H))/T (in place when gz_ptr is e_ptr). Memory bound: one read, one write.
+        rb = tl.program_id(0)
+        vt = tl.program_id(1)
+        rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = vt * BLOCK_V + tl.arange(0, BLOCK_V)
         row_ok = rows < N
+        col_ok = cols < V
         rows64 = rows.to(tl.int64)
-        lc = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # column inside the chunk
-        col_ok = lc < VC
-        cols64 = (v_start + lc).to(tl.int64)  # row of the local weight shard
-        acc = dot_tile(h_ptr, w_ptr, rows64, row_ok, cols64, col_ok, H, stride_hn, stride_wv,
-                       UPCAST, PREC, BLOCK_N, BLOCK_V, BLOCK_K)
-        yl = tl.load(yl_ptr + rows64, mask=row_ok, other=-1)
+        msk = row_ok[:, None] & col_ok[None, :]
+        e = tl.load(e_ptr + rows64[:, None] * stride_e + cols[None, :], mask=msk, other=0.0).to(tl.float32)
+        mt = tl.load(mt_ptr + vt.to(tl.int64) * N + rows64, mask=row_ok, other=0.0)
         lse = tl.load(lse_ptr + rows64, mask=row_ok, other=0.0)
         g = tl.load(g_ptr + rows64, mask=row_ok, other=0.0)
-        lp = acc * inv_temp - lse[:, None]
-        p = tl.exp(lp)
+        yl = tl.load(yl_ptr + rows64, mask=row_ok, other=-1)
+        shift = mt - lse
+        p = e * tl.exp(shift)[:, None]
         if HAS_ENT:
             k = tl.load(k_ptr + rows64, mask=row_ok, other=0.0)
             ent = tl.load(ent_ptr + rows64, mask=row_ok, other=0.0)
-            gz = p * (-g[:, None] - k[:, None] * (lp + ent[:, None]))
+            logp = tl.log(tl.where(e > 0, e, 1.0)) + shift[:, None]
+            gzt = tl.where(e > 0, p * (-g[:, None] - k[:, None] * (logp + ent[:, None])), 0.0)
         else:
-            gz = -g[:, None] * p
-        gz += tl.where(cols64[None, :] == yl[:, None], g[:, None], 0.0)
-        gz = gz * (inv_temp * tl.load(scale_ptr))
-        tl.store(gz_ptr + rows64[:, None] * stride_gz + lc[None, :], gz.to(gz_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok[None, :])
+            gzt = -g[:, None] * p
+        gzt += tl.where(cols[None, :] == yl[:, None], g[:, None], 0.0)
+        gzt = gzt * (tl.load(scale_ptr) * inv_temp)
+        tl.store(gz_ptr + rows64[:, None] * stride_gz + cols[None, :], gzt.to(gz_ptr.dtype.element_ty), mask=msk)
 
 
-def _fwd_stats_triton(h, w, yl, inv_temp, has_ent):
+def _use_tma(*ts: Tensor) -> bool:
+    """Host-side TMA descriptors need Hopper or newer (or the interpreter), 16-byte aligned bases and row strides,
+    and a contiguous last dimension; anything else reads through pointers."""
+    if not all(t.dim() == 2 and t.stride(-1) == 1 for t in ts):
+        return False
+    if not all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in ts):
+        return False
+    if ts[0].is_cuda:
+        return torch.cuda.get_device_capability(ts[0].device)[0] >= 9
+    return interpret_mode()
+
+
+def _desc(t: Tensor, use_tma: bool):
+    if not use_tma:
+        return t
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    # the block shape is set per autotune config by _tiles.set_desc_blocks
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1])
+
+
+def _persistent_grid(n, v, device):
+    return lambda meta: (persistent_programs(tile_count(n, v, meta["BLOCK_N"], meta["BLOCK_V"]), device,
+                                             meta["CTAS_PER_SM"]),)  # fmt: skip
+
+
+def _min_block_v(kernel, dtype) -> int:
+    """The smallest BLOCK_V the autotuner may pick for ``dtype`` (sizes the per-tile stats before the pick)."""
+    fake = torch.empty(0, dtype=dtype)
+    configs = keep_one_fp32_config("h")(kernel.configs, {"h": fake})
+    return min(c.kwargs["BLOCK_V"] for c in configs)
+
+
+def _fwd_stats_triton(h, w, yl, inv_temp, has_ent, e_out=None):
+    """Launch the forward kernel; return the merged ``(m, s, a)``, the label logit and the per-tile maxima
+    ``[n_vocab_tiles, N]`` with the BLOCK_V that produced them (for the fused-loss path)."""
     n, hdim = h.shape
     v = w.shape[0]
-    splits = num_splits(n, v, h.device)
-    m, s, a, zy = (torch.empty(splits, n, dtype=torch.float32, device=h.device) for _ in range(4))
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)
+    max_tiles = -(-v // _min_block_v(_linear_logprobs_fwd_kernel, h.dtype))
+    m, s, a = (torch.empty(max_tiles, n, dtype=torch.float32, device=h.device) for _ in range(3))
+    zy = torch.zeros(n, dtype=torch.float32, device=h.device)
+    tma = _use_tma(h, w)
+    e = e_out if e_out is not None else m  # never hand Triton an empty tensor: m stands in when e is not stored
     with device_guard(h):
-        _linear_logprobs_fwd_kernel[grid](
-            h, w, yl, m, s, a, zy, n, v, hdim, h.stride(0), w.stride(0), inv_temp, splits,
-            HAS_ENT=has_ent, UPCAST=interpret_mode(), PREC=triton_dot_precision(h.dtype),
+        _linear_logprobs_fwd_kernel[_persistent_grid(n, v, h.device)](
+            _desc(h, tma), _desc(w, tma), yl, m, s, a, zy, e, n, v, hdim, h.stride(0), w.stride(0), e.stride(0),
+            inv_temp, HAS_ENT=has_ent, STORE_E=e_out is not None, USE_TMA=tma, UPCAST=interpret_mode(),
+            PREC=triton_dot_precision(h.dtype),
         )  # fmt: skip
-    mm, ss, aa = merge_partials(m, s, a if has_ent else None)
-    return mm, ss, aa, zy.sum(dim=0)
+    block_v = _linear_logprobs_fwd_kernel.best_config.kwargs["BLOCK_V"]
+    n_vt = -(-v // block_v)
+    mm, ss, aa = merge_partials(m[:n_vt], s[:n_vt], a[:n_vt] if has_ent else None)
+    return mm, ss, aa, zy, (m[:n_vt], block_v)
 
 
 def _torch_rows(n: int, v: int) -> int:
@@ -203,17 +291,42 @@ def _bwd_triton(h, w, yl, lse, ent, g, k, inv_temp, need_h, need_w):
     bound = g.abs() if k is None else g.abs() + k.abs() * (0.5 + ent.clamp_min(0))
     scale = grad_scale(bound, h.dtype)
     kk = k if k is not None else g
+    tma_hw = _use_tma(h, w)
 
     def fill(gz, c0, c):
-        grid = lambda meta: (triton.cdiv(h.shape[0], meta["BLOCK_N"]), triton.cdiv(c, meta["BLOCK_V"]))
+        tma = tma_hw and _use_tma(gz)
         with device_guard(h):
-            _linear_logprobs_bwd_kernel[grid](
-                h, w, yl, lse, ent, g, kk, scale, gz, h.shape[0], c, h.shape[1], c0, h.stride(0), w.stride(0),
-                gz.stride(0), inv_temp, HAS_ENT=k is not None, UPCAST=interpret_mode(),
-                PREC=triton_dot_precision(h.dtype),
+            _linear_logprobs_bwd_kernel[_persistent_grid(h.shape[0], c, h.device)](
+                _desc(h, tma), _desc(w, tma), yl, lse, ent, g, kk, scale, _desc(gz, tma), h.shape[0], c, h.shape[1],
+                c0, h.stride(0), w.stride(0), gz.stride(0), inv_temp, HAS_ENT=k is not None, USE_TMA=tma,
+                UPCAST=interpret_mode(), PREC=triton_dot_precision(h.dtype),
             )  # fmt: skip
 
     return contract_grad_chunks(h, w, fill, need_h, need_w, scale=scale)
+
+
+def _grad_chunk_torch(lp, pbuf, hc, w32, idx_c, owns_c, g_c, k_c, ent_c, inv_temp, gh_out, gw, need_h, need_w):
+    """One row chunk of the torch backward: ``lp`` [c, V] holds ``log p`` (overwritten), ``hc`` = ``h/T`` of the
+    chunk; writes ``grad_hidden`` rows into ``gh_out`` and accumulates ``grad_weight`` into ``gw``."""
+    g_own = torch.where(owns_c, g_c, 0.0).unsqueeze(1)  # label term: only the rank owning the label
+    if k_c is None:
+        # ∂/∂z = g·(onehot − p): keep p unscaled and move g onto the small [c, H] operands, so the [c, V] block
+        # is touched only by the GEMMs and one exp.
+        p = lp.exp_()
+        gc = g_c.unsqueeze(1)
+        if need_h:
+            torch.sub(g_own * w32[idx_c], gc * torch.mm(p, w32), out=gh_out).mul_(inv_temp)
+        if need_w:
+            gw.addmm_(p.t(), hc * -gc)
+            gw.index_add_(0, idx_c, hc * g_own)
+        return
+    p = torch.exp(lp, out=pbuf)
+    gz = lp.add_(ent_c.unsqueeze(1)).mul_(-k_c.unsqueeze(1)).sub_(g_c.unsqueeze(1)).mul_(p)
+    gz.scatter_add_(1, idx_c.unsqueeze(1), g_own)
+    if need_h:
+        torch.mm(gz, w32, out=gh_out).mul_(inv_temp)
+    if need_w:
+        gw.addmm_(gz.t(), hc)  # hc already carries 1/T
 
 
 def _bwd_torch(h, w, idx, owns, lse, ent, g, k, inv_temp, need_h, need_w):
@@ -223,33 +336,16 @@ def _bwd_torch(h, w, idx, owns, lse, ent, g, k, inv_temp, need_h, need_w):
     gh = torch.empty(n, hdim, dtype=torch.float32, device=h.device) if need_h else None
     gw = torch.zeros(v, hdim, dtype=torch.float32, device=h.device) if need_w else None
     step = _torch_rows(n, v)
-    zbuf = torch.empty(step, v, dtype=torch.float32, device=h.device)
+    zbuf = torch.empty(min(step, n), v, dtype=torch.float32, device=h.device)
     pbuf = torch.empty_like(zbuf) if k is not None else None
     for r0 in range(0, n, step):
         sl = slice(r0, min(r0 + step, n))
         c = sl.stop - sl.start
         hc = h[sl].float() * inv_temp
-        g_own = torch.where(owns[sl], g[sl], 0.0).unsqueeze(1)  # label term: only the rank owning the label
         lp = torch.mm(hc, w32.t(), out=zbuf[:c]).sub_(lse[sl].unsqueeze(1))
-        if k is None:
-            # ∂/∂z = g·(onehot − p): keep p unscaled and move g onto the small [c, H] operands, so the
-            # [c, V] block is touched only by the GEMMs, the shift and one exp.
-            p = lp.exp_()
-            gc = g[sl].unsqueeze(1)
-            if need_h:
-                pw = torch.mm(p, w32)
-                gh[sl] = (g_own * w32[idx[sl]] - gc * pw) * inv_temp
-            if need_w:
-                gw.addmm_(p.t(), hc * -gc)
-                gw.index_add_(0, idx[sl], hc * g_own)
-            continue
-        p = torch.exp(lp, out=pbuf[:c])
-        gz = lp.add_(ent[sl].unsqueeze(1)).mul_(-k[sl].unsqueeze(1)).sub_(g[sl].unsqueeze(1)).mul_(p)
-        gz.scatter_add_(1, idx[sl].unsqueeze(1), g_own)
-        if need_h:
-            torch.mm(gz, w32, out=gh[sl]).mul_(inv_temp)
-        if need_w:
-            gw.addmm_(gz.t(), hc)  # hc already carries 1/T
+        _grad_chunk_torch(lp, pbuf[:c] if pbuf is not None else None, hc, w32, idx[sl], owns[sl], g[sl],
+                          k[sl] if k is not None else None, ent[sl] if k is not None else None, inv_temp,
+                          gh[sl] if need_h else None, gw, need_h, need_w)  # fmt: skip
     return gh, gw
 
 
@@ -265,7 +361,7 @@ def _forward(h, w, y, inv_temp, ignore_index, has_ent, backend, group):
     h0 = zero_ignored_rows(h, valid)
     if backend == "triton" and h.shape[0] > 0:
         yl = torch.where(owns, y_loc, -1)
-        m, s, a, zy = _fwd_stats_triton(h0, w, yl, inv_temp, has_ent)
+        m, s, a, zy, _ = _fwd_stats_triton(h0, w, yl, inv_temp, has_ent)
     else:
         yl = None
         m, s, a, zy = _fwd_stats_torch(h0, w, idx, owns, inv_temp, has_ent)
@@ -411,3 +507,253 @@ def linear_token_logprobs(
     if return_entropy:
         return lp.reshape(lead), ent.reshape(lead)
     return lp.reshape(lead)
+
+
+# ------------------------------------------------------------------------------------------- the fused-loss path
+# Rows and warps of the elementwise kernel that turns the stored exp(z − m_tile) into the logits gradient.
+FUSED_GRAD_BLOCK_N = 16
+FUSED_GRAD_WARPS = 4
+
+
+class LogprobsLoss(NamedTuple):
+    """``linear_token_logprobs_loss`` result: the scalar ``loss`` (differentiable), and the per-token ``logp`` and
+    ``entropy`` (``None`` unless asked for) without grad, for metrics such as ``approx_kl``."""
+
+    loss: Float[Tensor, ""]
+    logp: Float[Tensor, "*batch"]
+    entropy: Float[Tensor, "*batch"] | None
+
+
+def _fused_rows(n: int, v: int, elt: int) -> int:
+    """Rows per chunk of the fused-loss path: the budget, in whole 128-row tiles (16 when the budget is smaller)."""
+    rows = _common.FUSED_CHUNK_BYTES // max(1, v * elt)
+    rows = rows // 128 * 128 if rows >= 128 else max(16, rows // 16 * 16)
+    return max(1, min(n, rows))
+
+
+def _coef_terms(valid, coef, ent_coef, rows):
+    zero = torch.zeros((), dtype=torch.float32, device=valid.device)
+    g = torch.where(valid[rows], coef[rows].float(), zero)
+    k = torch.where(valid[rows], ent_coef[rows].float(), zero) if ent_coef is not None else None
+    return g, k
+
+
+def _fused_torch(h0, w, idx, owns, valid, coef, ent_coef, inv_temp, has_ent, group, need_h, need_w):
+    """Per row chunk: logits (one fp32 GEMM), their stats, and at once the gradient ``∂L/∂z`` with the known
+    coefficients, contracted into both gradients — the logits are never recomputed."""
+    n, hdim = h0.shape
+    v = w.shape[0]
+    w32 = w.float()
+    lp, ent = torch.zeros(n, device=h0.device), torch.zeros(n if has_ent else 0, device=h0.device)
+    gh = torch.empty(n, hdim, dtype=torch.float32, device=h0.device) if need_h else None
+    gw = torch.zeros(v, hdim, dtype=torch.float32, device=h0.device) if need_w else None
+    step = _torch_rows(n, v)
+    zbuf = torch.empty(min(step, n), v, dtype=torch.float32, device=h0.device)
+    pbuf = torch.empty_like(zbuf) if ent_coef is not None else None
+    col = cols_per_block(min(step, n))
+    for r0 in range(0, n, step):
+        sl = slice(r0, min(r0 + step, n))
+        c = sl.stop - sl.start
+        hc = h0[sl].float() * inv_temp
+        z = torch.mm(hc, w32.t(), out=zbuf[:c])
+        zy = torch.where(owns[sl], z.gather(1, idx[sl].unsqueeze(1)).squeeze(1), 0.0)
+        m = z.amax(dim=1)
+        z.sub_(m.unsqueeze(1))
+        s = torch.zeros(c, device=h0.device)
+        a = torch.zeros(c, device=h0.device) if has_ent else None
+        for j in range(0, v, col):
+            e = torch.exp(z[:, j : j + col])
+            s += e.sum(dim=1)
+            if has_ent:
+                a += torch.linalg.vecdot(e, z[:, j : j + col])
+        m_loc = m
+        if group is not None:
+            m, s, a, extra = allreduce_stats(m, s, a, zy.unsqueeze(0), group)
+            zy = extra[0]
+        log_s = torch.log(s)
+        lse = m + log_s
+        lp[sl] = torch.where(valid[sl], zy - lse, 0.0)
+        if has_ent:
+            ent[sl] = torch.where(valid[sl], log_s - a / s, 0.0)
+        g, k = _coef_terms(valid, coef, ent_coef, sl)
+        z.sub_((lse - m_loc).unsqueeze(1))  # z − m_local − (lse − m_local) = log p
+        _grad_chunk_torch(z, pbuf[:c] if pbuf is not None else None, hc, w32, idx[sl], owns[sl], g, k,
+                          ent[sl] if k is not None else None, inv_temp, gh[sl] if need_h else None, gw, need_h,
+                          need_w)  # fmt: skip
+    return lp, ent, gh, gw
+
+
+def _fused_triton(h0, w, yl, owns, valid, coef, ent_coef, inv_temp, has_ent, group, need_h, need_w):
+    """Per row chunk: the forward kernel stores ``e = exp(z − m_tile)`` (one GEMM), the per-row lse is merged from
+    the tile stats, ``_fused_grad_kernel`` turns ``e`` into ``∂L/∂z`` in place, and cuBLAS contracts it into
+    ``grad_hidden`` (fp32) and ``grad_weight`` (fp32 across chunks)."""
+    n, hdim = h0.shape
+    v = w.shape[0]
+    dev = h0.device
+    # fp16 probabilities below 6e-5 would lose precision, so fp16 inputs keep e in fp32 and write the (scaled)
+    # gradient into a separate fp16 block; bf16/fp32 overwrite e in place.
+    e_dtype = torch.float32 if h0.dtype == torch.float16 else h0.dtype
+    rows = _fused_rows(n, v, torch.empty((), dtype=e_dtype).element_size())
+    ebuf = torch.empty(rows, v, dtype=e_dtype, device=dev)
+    gbuf = ebuf if e_dtype == h0.dtype else torch.empty(rows, v, dtype=h0.dtype, device=dev)
+    lp, ent = torch.zeros(n, device=dev), torch.zeros(n if has_ent else 0, device=dev)
+    gh = torch.empty(n, hdim, dtype=torch.float32, device=dev) if need_h else None
+    single = rows >= n
+    gw = None
+    if need_w:
+        gw = torch.empty_like(w) if single and h0.dtype != torch.float16 else torch.zeros(v, hdim, device=dev)
+    for r0 in range(0, n, rows):
+        sl = slice(r0, min(r0 + rows, n))
+        c = sl.stop - sl.start
+        hc = h0[sl]
+        m, s, a, zy, (mt, block_v) = _fwd_stats_triton(hc, w, yl[sl], inv_temp, has_ent, e_out=ebuf[:c])
+        if group is not None:
+            m, s, a, extra = allreduce_stats(m, s, a, zy.unsqueeze(0), group)
+            zy = extra[0]
+        log_s = torch.log(s)
+        lse = m + log_s
+        lp[sl] = torch.where(valid[sl], zy - lse, 0.0)
+        ent_c = log_s - a / s if has_ent else lse
+        if has_ent:
+            ent[sl] = torch.where(valid[sl], ent_c, 0.0)
+        g, k = _coef_terms(valid, coef, ent_coef, sl)
+        bound = g.abs() if k is None else g.abs() + k.abs() * (0.5 + ent_c.clamp_min(0))
+        scale = grad_scale(bound, h0.dtype)
+        gz = gbuf[:c]
+        with device_guard(h0):
+            _fused_grad_kernel[(triton.cdiv(c, FUSED_GRAD_BLOCK_N), triton.cdiv(v, block_v))](
+                ebuf[:c], gz, mt, lse, ent_c, g, k if k is not None else g, yl[sl], scale, c, v, ebuf.stride(0),
+                gz.stride(0), inv_temp, HAS_ENT=k is not None, BLOCK_N=FUSED_GRAD_BLOCK_N, BLOCK_V=block_v,
+                num_warps=FUSED_GRAD_WARPS,
+            )  # fmt: skip
+        unscale = None if h0.dtype != torch.float16 else 1.0 / scale
+        if need_h:
+            gh[sl] = mm_fp32(gz, w) if unscale is None else mm_fp32(gz, w).mul_(unscale)
+        if need_w:
+            if single and unscale is None:
+                torch.mm(gz.t(), hc, out=gw)
+            elif unscale is None:
+                gw += mm_fp32(gz.t(), hc)
+            else:
+                gw += mm_fp32(gz.t(), hc).mul_(unscale)
+    return lp, ent, gh, gw
+
+
+class LinearTokenLogprobsLossFunction(torch.autograd.Function):
+    """autograd.Function of the fused-loss path: the forward returns ``(loss, logp, entropy)`` and keeps the two
+    input gradients it already computed; the backward only scales them by the loss's upstream gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, coef, ent_coef, temperature, ignore_index, has_ent, backend, group,
+                reduce_gh):  # fmt: skip
+        inv_temp = 1.0 / temperature
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        v_local = weight.shape[0]
+        v_off, _ = shard_offset(v_local, group)
+        valid = labels != ignore_index
+        y_loc = labels - v_off
+        owns = valid & (y_loc >= 0) & (y_loc < v_local)
+        h0 = zero_ignored_rows(hidden, valid)
+        if backend == "triton" and hidden.shape[0] > 0:
+            yl = torch.where(owns, y_loc, -1)
+            lp, ent, gh, gw = _fused_triton(h0, weight, yl, owns, valid, coef, ent_coef, inv_temp, has_ent, group,
+                                            need_h, need_w)  # fmt: skip
+        else:
+            idx = torch.where(owns, y_loc, 0)
+            lp, ent, gh, gw = _fused_torch(h0, weight, idx, owns, valid, coef, ent_coef, inv_temp, has_ent, group,
+                                           need_h, need_w)  # fmt: skip
+        if need_h and group is not None and reduce_gh:
+            import torch.distributed as dist
+
+            dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=group)
+        loss = _loss_value(lp, ent, valid, coef, ent_coef)
+        ctx.save_for_backward(gh.to(hidden.dtype) if need_h else None, gw.to(weight.dtype) if need_w else None)
+        ctx.mark_non_differentiable(lp, ent)
+        return loss, lp, ent
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_lp, _g_ent):
+        gh, gw = ctx.saved_tensors
+        go = g_loss.float() if g_loss is not None else None
+        gh = None if gh is None or go is None else (gh.float() * go).to(gh.dtype)
+        gw = None if gw is None or go is None else (gw.float() * go).to(gw.dtype)
+        return gh, gw, None, None, None, None, None, None, None, None, None
+
+
+def _loss_value(lp, ent, valid, coef, ent_coef):
+    zero = torch.zeros((), dtype=torch.float32, device=lp.device)
+    loss = (torch.where(valid, coef.float(), zero) * lp).sum()
+    if ent_coef is not None:
+        loss = loss + (torch.where(valid, ent_coef.float(), zero) * ent).sum()
+    return loss
+
+
+def _check_coef(name: str, x: Tensor, lead: torch.Size, device: torch.device) -> Float[Tensor, " N"]:
+    check_float_input(name, x)
+    if x.shape != lead:
+        raise ArgumentError(f"{name}: expected the shape of labels [{', '.join(map(str, lead))}], got {shape_str(x)}")
+    if x.device != device:
+        raise ArgumentError(f"{name}: expected the device of hidden ({device}), got {x.device}")
+    if x.requires_grad:
+        raise ArgumentError(f"{name}: requires grad, but the fused-loss path treats the coefficients as constants "
+                            f"(known before the forward); pass {name}.detach(), or use linear_token_logprobs")
+    return x.reshape(-1).float().contiguous()
+
+
+def linear_token_logprobs_loss(
+    hidden: Float[Tensor, "*batch H"],
+    weight: Float[Tensor, "V H"],
+    labels: Int[Tensor, "*batch"],
+    coef: Float[Tensor, "*batch"],
+    *,
+    entropy_coef: Float[Tensor, "*batch"] | None = None,
+    return_entropy: bool = False,
+    mask: Bool[Tensor, "*batch"] | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    process_group: Any = None,
+    allreduce_grad_hidden: bool = True,
+    backend: str | None = None,
+) -> LogprobsLoss:
+    """``loss = Σ_t coef_t·logp_t + Σ_t entropy_coef_t·entropy_t`` with the logits gradient formed in the forward.
+
+    ``logp`` and ``entropy`` are those of ``linear_token_logprobs`` (same formulas, masks, temperature, vocab
+    parallelism and flags). When the per-token coefficients of the loss are known before the forward — on-policy
+    GRPO/PPO (ratio 1: ``coef = −advantages·loss_mask / num_tokens``), REINFORCE, SFT (``coef = −1/num_tokens``),
+    an entropy bonus — ``∂L/∂z = coef·(δ_y − p) + entropy_coef·(−p·(log p + H))`` is known as soon as a row's
+    log-normaliser is, so the forward computes both input gradients directly: the logits GEMM runs once
+    (6·N·H·V FLOPs for forward+backward instead of 8·N·H·V), as Liger does for its mean/sum cross-entropy. The
+    backward only multiplies the stored gradients by the upstream gradient of ``loss``. A loss whose per-token
+    gradient depends on ``logp`` itself (PPO clipping after the first epoch, GSPO's sequence ratio) needs the general
+    ``linear_token_logprobs``.
+
+    Memory: per row chunk, one ``[rows, V]`` block of ``exp(z − max)`` in the input dtype (≤ 512 MiB, turned into
+    the gradient in place; torch path: ~64 MiB of fp32), the fp32 ``[N, H]`` grad-hidden, and — when more than one
+    chunk is needed — an fp32 ``[V, H]`` grad-weight accumulator (fp32 across chunks, one rounding at the end).
+    Under ``torch.no_grad`` (or inputs that need no grad) it is the plain forward.
+
+    Args:
+        coef: ``[...]`` per-token coefficient of ``logp`` in the loss (a constant: it must not require grad).
+        entropy_coef: optional ``[...]`` coefficient of the entropy (e.g. ``−β/num_tokens`` for a bonus).
+        return_entropy: return the entropy even without ``entropy_coef``.
+        Others: as in ``linear_token_logprobs``.
+
+    Returns ``LogprobsLoss(loss, logp, entropy)``; ``loss`` is fp32 and differentiable w.r.t. ``hidden`` and
+    ``weight``; masked positions contribute nothing (their coefficients are ignored, NaN there cannot leak).
+    """
+    h, w, y, temperature, backend = _prepare(
+        hidden, weight, labels, mask, temperature, ignore_index, backend, process_group
+    )
+    lead = hidden.shape[:-1]
+    c = _check_coef("coef", coef, lead, hidden.device)
+    ec = _check_coef("entropy_coef", entropy_coef, lead, hidden.device) if entropy_coef is not None else None
+    has_ent = bool(return_entropy) or ec is not None
+    if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
+        loss, lp, ent = LinearTokenLogprobsLossFunction.apply(
+            h, w, y, c, ec, temperature, int(ignore_index), has_ent, backend, process_group,
+            bool(allreduce_grad_hidden),
+        )  # fmt: skip
+    else:
+        lp, ent, _ = _forward(h, w, y, 1.0 / temperature, int(ignore_index), has_ent, backend, process_group)
+        loss = _loss_value(lp, ent, y != ignore_index, c, ec)
+    return LogprobsLoss(loss, lp.reshape(lead), ent.reshape(lead) if has_ent else None)

@@ -54,6 +54,16 @@ class Spec:
     i8: tuple[str, ...] = ()
     div16: tuple[str, ...] = ()
     descs: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)  # arg -> (rows key, cols key)
+    configs: tuple = ()  # for a kernel without @autotune: the launch configs the host uses
+
+
+def _fused_grad_configs() -> tuple:
+    import triton
+
+    from rlblocks.kernels.linear_logprobs import FUSED_GRAD_BLOCK_N, FUSED_GRAD_WARPS
+
+    return tuple(triton.Config({"BLOCK_N": FUSED_GRAD_BLOCK_N, "BLOCK_V": bv}, num_warps=FUSED_GRAD_WARPS)
+                 for bv in (64, 128))  # the BLOCK_V values of the forward configs  # fmt: skip
 
 
 def _prec(dtype: str) -> str:
@@ -63,14 +73,19 @@ def _prec(dtype: str) -> str:
 def specs(dtype: str) -> list[Spec]:
     """The kernels of the package with their argument roles (kept next to the kernels they describe)."""
     p = _prec(dtype)
-    lin = ("H", "stride_hn", "stride_wv", "stride_gz")
+    lin = ("H", "stride_hn", "stride_wv", "stride_gz", "stride_e")
+    tma = {"h": ("BLOCK_N", "BLOCK_K"), "w": ("BLOCK_V", "BLOCK_K"), "gz": ("BLOCK_N", "BLOCK_V")}
     return [
         Spec("linear_logprobs.fwd", "rlblocks.kernels.linear_logprobs", "_linear_logprobs_fwd_kernel",
-             inputs=("h_ptr", "w_ptr"), floats=("inv_temp",), i64=("yl_ptr",), div16=lin,
-             variants=tuple(dict(HAS_ENT=e, UPCAST=False, PREC=p) for e in (False, True))),
+             inputs=("h", "w", "e_ptr"), floats=("inv_temp",), i64=("yl_ptr",), div16=lin, descs=tma,
+             variants=tuple(dict(HAS_ENT=e, STORE_E=se, USE_TMA=True, UPCAST=False, PREC=p)
+                            for e, se in ((False, False), (True, False), (True, True)))),
         Spec("linear_logprobs.bwd", "rlblocks.kernels.linear_logprobs", "_linear_logprobs_bwd_kernel",
-             inputs=("h_ptr", "w_ptr", "gz_ptr"), floats=("inv_temp",), i64=("yl_ptr",), div16=lin,
-             variants=tuple(dict(HAS_ENT=e, UPCAST=False, PREC=p) for e in (False, True))),
+             inputs=("h", "w", "gz"), floats=("inv_temp",), i64=("yl_ptr",), div16=lin, descs=tma,
+             variants=tuple(dict(HAS_ENT=e, USE_TMA=True, UPCAST=False, PREC=p) for e in (False, True))),
+        Spec("linear_logprobs.fused_grad", "rlblocks.kernels.linear_logprobs", "_fused_grad_kernel",
+             inputs=("e_ptr", "gz_ptr"), floats=("inv_temp",), i64=("yl_ptr",), div16=("stride_e", "stride_gz"),
+             variants=tuple(dict(HAS_ENT=e) for e in (False, True)), configs=_fused_grad_configs()),
         Spec("linear_kl.fwd", "rlblocks.kernels.linear_kl", "_linear_kl_fwd_kernel",
              inputs=("hs_ptr", "ws_ptr", "ht_ptr", "wt_ptr"), floats=("inv_temp", "log_beta", "log_1mb"),
              div16=("HS", "HT", "stride_hs", "stride_ws", "stride_ht", "stride_wt"),
@@ -229,8 +244,7 @@ def _configs_for(kernel, dtype: str) -> list:
     import torch
 
     fake = torch.empty(0, dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
-    first = next(n for n in kernel.fn.arg_names if n.endswith("_ptr") or n.endswith("_desc"))
-    return prune(configs, {first: fake})
+    return prune(configs, {prune.first_arg: fake})
 
 
 def run(kernels: list[str] | None, dtypes: list[str], log: Callable[[str], None],
@@ -248,11 +262,12 @@ def run(kernels: list[str] | None, dtypes: list[str], log: Callable[[str], None]
             if kernels and not any(spec.name == k or spec.name.startswith(k + ".") for k in kernels):
                 continue
             kernel = getattr(importlib.import_module(spec.module), spec.kernel)
-            for config in _configs_for(kernel, dtype):
+            jit_fn = kernel.fn if hasattr(kernel, "configs") else kernel
+            for config in spec.configs or _configs_for(kernel, dtype):
                 if config_filter is not None and not config_filter(config):
                     continue
                 for variant in spec.variants:
-                    row = _compile_one(spec, kernel.fn, dtype, variant, config, target)
+                    row = _compile_one(spec, jit_fn, dtype, variant, config, target)
                     rows.append(row)
                     log(format_row(row))
     return rows

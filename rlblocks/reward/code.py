@@ -26,12 +26,14 @@ result an error (the infrastructure failed, not the program), as does a referenc
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rlblocks._checks import check_bool, check_int
 from rlblocks.errors import ArgumentError
 from rlblocks.reward.types import RewardResult, Sample
 from rlblocks.sandbox import SandboxLimits, SandboxResult, arun_python
@@ -52,10 +54,12 @@ class CodeTest:
     assertion: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("stdin", "stdout", "assertion"):
+        if not isinstance(self.stdin, str):  # the program's input: "" for none, never None
+            raise ArgumentError(f"stdin: expected a str (\"\" for no input), got {type(self.stdin).__name__}")
+        for name in ("stdout", "assertion"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
-                raise ArgumentError(f"{name}: expected a str, got {type(v).__name__}")
+                raise ArgumentError(f"{name}: expected None or a str, got {type(v).__name__}")
         if self.stdout is None and self.assertion is None:
             raise ArgumentError("stdout/assertion: expected at least one of them (a test must check something)")
 
@@ -71,7 +75,11 @@ class CodeTest:
         unknown = set(obj) - known
         if unknown:
             raise ArgumentError(f"test: expected keys among {sorted(known)}, got unknown {sorted(unknown)}")
-        return cls(stdin=obj.get("stdin", obj.get("input", "")), stdout=obj.get("stdout", obj.get("output")),
+        for a, b in (("stdin", "input"), ("stdout", "output"), ("assertion", "assert")):
+            if a in obj and b in obj:  # which one was meant? using either would silently drop the other
+                raise ArgumentError(f"test: expected one of {a!r} and its alias {b!r}, got both")
+        stdin = obj.get("stdin", obj.get("input", ""))
+        return cls(stdin="" if stdin is None else stdin, stdout=obj.get("stdout", obj.get("output")),
                    assertion=obj.get("assertion", obj.get("assert")))
 
 
@@ -92,7 +100,13 @@ def _lines(s: str) -> list[str]:
 
 def outputs_match(got: str, expected: str, compare: str = "lines") -> bool:
     """``"lines"``: equal after dropping trailing whitespace on each line and trailing empty lines;
-    ``"tokens"``: equal whitespace-separated tokens; ``"exact"``: byte-for-byte."""
+    ``"tokens"``: equal whitespace-separated tokens; ``"exact"``: byte-for-byte. Any other ``compare`` is an
+    :class:`~rlblocks.errors.ArgumentError` (it used to fall through to ``"exact"``)."""
+    if compare not in _COMPARES:
+        raise ArgumentError(f"compare: expected one of {_COMPARES}, got {compare!r}")
+    for name, v in (("got", got), ("expected", expected)):
+        if not isinstance(v, str):
+            raise ArgumentError(f"{name}: expected a str, got {type(v).__name__}")
     if compare == "lines":
         return _lines(got) == _lines(expected)
     if compare == "tokens":
@@ -156,12 +170,12 @@ class CodeReward:
             raise ArgumentError(f"limits: expected a SandboxLimits, got {type(limits).__name__}")
         if compare not in _COMPARES:
             raise ArgumentError(f"compare: expected one of {_COMPARES}, got {compare!r}")
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise ArgumentError(f"concurrency: expected an int >= 1, got {concurrency!r}")
         self.limits = limits
         self.compare = compare
-        self.concurrency = concurrency
-        self.extract = bool(extract)
+        self.concurrency = check_int("concurrency", concurrency, minimum=1)
+        self.extract = check_bool("extract", extract)
+        if python is not None and not isinstance(python, (str, os.PathLike)):
+            raise ArgumentError(f"python: expected None or the path of an interpreter, got {type(python).__name__}")
         self.python = python
 
     @staticmethod

@@ -21,6 +21,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from rlblocks._checks import check_real
 from rlblocks.errors import ArgumentError
 from rlblocks.reward.pool import as_result, is_async_reward
 from rlblocks.reward.types import RewardResult, Sample
@@ -31,12 +32,6 @@ __all__ = ["FormatReward", "OverlongPenalty", "WeightedReward"]
 def _check_sample(sample: object) -> None:
     if not isinstance(sample, Sample):
         raise ArgumentError(f"sample: expected a rlblocks.reward.Sample, got {type(sample).__name__}")
-
-
-def _finite(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ArgumentError(f"{name}: expected a finite real number, got {value!r}")
-    return float(value)
 
 
 class WeightedReward:
@@ -70,7 +65,7 @@ class WeightedReward:
         if unknown:
             raise ArgumentError(f"weights: expected names among {sorted(rewards)}, got unknown {unknown}")
         self.rewards = dict(rewards)
-        self.weights = {k: _finite(f"weights[{k!r}]", weights.get(k, 1.0)) for k in self.rewards}
+        self.weights = {k: check_real(f"weights[{k!r}]", weights.get(k, 1.0), finite=True) for k in self.rewards}
 
     async def __call__(self, sample: Sample) -> RewardResult:
         _check_sample(sample)
@@ -124,8 +119,8 @@ class FormatReward:
         except (re.error, TypeError) as e:
             raise ArgumentError(f"pattern: expected a valid regular expression, got {pattern!r}: {e}") from e
         self.match = match
-        self.score = _finite("score", score)
-        self.otherwise = _finite("otherwise", otherwise)
+        self.score = check_real("score", score, finite=True)
+        self.otherwise = check_real("otherwise", otherwise, finite=True)
 
     async def __call__(self, sample: Sample) -> RewardResult:
         _check_sample(sample)

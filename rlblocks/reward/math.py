@@ -37,6 +37,7 @@ import os
 import re
 import time
 
+from rlblocks._checks import check_bool, check_int, check_seconds
 from rlblocks.errors import ArgumentError
 from rlblocks.reward.types import RewardResult, Sample
 from rlblocks.reward.workers import ProcessWorkers, RewardTimeout, WorkerCrashed, WorkerError
@@ -113,6 +114,13 @@ def _reference_text(reference: object) -> str:
     return boxed[-1] if boxed else text
 
 
+def _verify_options(float_rounding: object, numeric_precision: object, strict: object) -> dict:
+    """``math_verify.verify``'s options, checked (``strict="no"`` is truthy and would have meant strict)."""
+    return {"float_rounding": check_int("float_rounding", float_rounding, minimum=1),
+            "numeric_precision": check_int("numeric_precision", numeric_precision, minimum=1),
+            "strict": check_bool("strict", strict)}
+
+
 def check_math(
     response: str, reference: object, *, float_rounding: int = 6, numeric_precision: int = 15, strict: bool = True
 ) -> RewardResult:
@@ -122,6 +130,7 @@ def check_math(
     numeric comparison; sympy precision; ``strict=False`` also accepts e.g. a bare value for ``x = value``
     gold in either direction, see its documentation). Returns a :class:`RewardResult` (see the module docstring).
     """
+    opts = _verify_options(float_rounding, numeric_precision, strict)
     import math_verify.grader as _grader
     import math_verify.parser as _parser
     from math_verify import parse, verify
@@ -153,8 +162,7 @@ def check_math(
     if not pred:
         details["reason"] = "answer could not be parsed"
         return RewardResult(0.0, {"correct": 0.0}, seconds=time.perf_counter() - t0, details=details)
-    equal = verify(gold, pred, float_rounding=float_rounding, numeric_precision=numeric_precision, strict=strict,
-                   timeout_seconds=None)
+    equal = verify(gold, pred, **opts, timeout_seconds=None)
     score = 1.0 if equal else 0.0
     return RewardResult(score, {"correct": score}, seconds=time.perf_counter() - t0, details=details)
 
@@ -187,14 +195,8 @@ class MathReward:
         numeric_precision: int = 15,
         strict: bool = True,
     ) -> None:
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-            raise ArgumentError(f"timeout: expected a finite number of seconds > 0, got {timeout!r}")
-        for name, v in (("float_rounding", float_rounding), ("numeric_precision", numeric_precision)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ArgumentError(f"{name}: expected an int >= 1, got {v!r}")
-        self.timeout = float(timeout)
-        self.kwargs = {"float_rounding": float_rounding, "numeric_precision": numeric_precision,
-                       "strict": bool(strict)}
+        self.timeout = check_seconds("timeout", timeout)
+        self.kwargs = _verify_options(float_rounding, numeric_precision, strict)
         n = min(4, os.cpu_count() or 1) if workers is None else workers
         self._workers = ProcessWorkers(n, memory_bytes=memory_bytes, preload=("math_verify",))
 

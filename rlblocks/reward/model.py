@@ -320,8 +320,13 @@ class RewardModel:
 
     async def _run_batch(self, batch: list[tuple[Sample, asyncio.Future]]) -> None:
         try:
-            rows, truncated = self.encode([s.prompt for s, _ in batch], [s.response for s, _ in batch])
-            scores = await asyncio.to_thread(self.score_rows, rows)
+            try:
+                rows, truncated = self.encode([s.prompt for s, _ in batch], [s.response for s, _ in batch])
+            except ArgumentError:
+                # One sample that cannot be encoded (e.g. a text that gives no token) must fail alone, not every
+                # concurrent caller that happened to share its batch: encode them one by one, fail the bad ones.
+                batch, rows, truncated = self._encode_each(batch)
+            scores = await asyncio.to_thread(self.score_rows, rows) if rows else torch.empty(0)
         except Exception as e:
             for _, f in batch:
                 if not f.done():
@@ -331,3 +336,17 @@ class RewardModel:
             if not f.done():
                 f.set_result((v, {"num_tokens": len(r), "truncated": t, "batch_rows": len(batch)}))
 
+    def _encode_each(self, batch: list[tuple[Sample, asyncio.Future]]) -> tuple[list, list, list]:
+        """Encode samples one at a time; a sample that fails gets its error, the others are returned."""
+        good, rows, truncated = [], [], []
+        for s, f in batch:
+            try:
+                (row,), (cut,) = self.encode([s.prompt], [s.response])
+            except ArgumentError as e:
+                if not f.done():
+                    f.set_exception(e)
+                continue
+            good.append((s, f))
+            rows.append(row)
+            truncated.append(cut)
+        return good, rows, truncated

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
-import math
+import numbers
 import os
 import threading
 import time
@@ -38,6 +38,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from rlblocks._checks import check_int, check_seconds
 from rlblocks.errors import ArgumentError
 from rlblocks.reward.types import RewardResult, Sample
 from rlblocks.reward.workers import ProcessWorkers, RewardTimeout, WorkerCrashed, WorkerError, check_importable
@@ -57,26 +58,13 @@ def is_async_reward(fn: object) -> bool:
 
 
 def as_result(value: object) -> RewardResult:
-    """A reward's return value as a :class:`RewardResult`: results pass through, a real number becomes its score."""
+    """A reward's return value as a :class:`RewardResult`: results pass through, a real number (numpy scalars
+    included, not a bool) becomes its score."""
     if isinstance(value, RewardResult):
         return value
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value).__name__ != "bool_":
         return RewardResult(score=float(value))
     raise ArgumentError(f"reward: expected a RewardResult or a real number, got {type(value).__name__} {value!r}")
-
-
-def _check_seconds(name: str, value: object, *, allow_zero: bool = False) -> float:
-    ok_type = not isinstance(value, bool) and isinstance(value, (int, float))
-    if not ok_type or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        want = ">= 0" if allow_zero else "> 0"
-        raise ArgumentError(f"{name}: expected a finite number of seconds {want}, got {value!r}")
-    return float(value)
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ArgumentError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    return value
 
 
 def _retrieve(task: asyncio.Future) -> None:
@@ -128,11 +116,11 @@ class RewardPool:
         if not callable(fn):
             raise ArgumentError(f"fn: expected a reward function, got {type(fn).__name__}")
         self.fn = fn
-        self.max_concurrency = _check_int("max_concurrency", max_concurrency, 1)
-        self.timeout = _check_seconds("timeout", timeout)
-        self.retries = _check_int("retries", retries, 0)
-        self.retry_delay = _check_seconds("retry_delay", retry_delay, allow_zero=True)
-        self.cancel_grace = _check_seconds("cancel_grace", cancel_grace, allow_zero=True)
+        self.max_concurrency = check_int("max_concurrency", max_concurrency, minimum=1)
+        self.timeout = check_seconds("timeout", timeout)
+        self.retries = check_int("retries", retries, minimum=0)
+        self.retry_delay = check_seconds("retry_delay", retry_delay, allow_zero=True)
+        self.cancel_grace = check_seconds("cancel_grace", cancel_grace, allow_zero=True)
         self.is_async = is_async_reward(fn)
         self._workers: ProcessWorkers | None = None
         if self.is_async:
@@ -144,7 +132,7 @@ class RewardPool:
         else:
             check_importable(fn)  # fail at construction, not once per sample
             n = min(self.max_concurrency, os.cpu_count() or 1) if processes is None else processes
-            self._workers = ProcessWorkers(_check_int("processes", n, 1), memory_bytes=memory_bytes)
+            self._workers = ProcessWorkers(check_int("processes", n, minimum=1), memory_bytes=memory_bytes)
         self._lock = threading.Lock()
         self._sems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._in_flight = 0
@@ -156,7 +144,13 @@ class RewardPool:
     # ------------------------------------------------------------------ public
     async def ascore(self, samples: Iterable[Sample]) -> list[RewardResult]:
         """One result per sample, in input order (see the class docstring for the guarantees)."""
-        samples = list(samples)
+        if isinstance(samples, (Sample, str, bytes)):
+            raise ArgumentError(f"samples: expected an iterable of Sample, got one {type(samples).__name__} (wrap it "
+                                "in a list, or await pool(sample))")
+        try:
+            samples = list(samples)
+        except TypeError:
+            raise ArgumentError(f"samples: expected an iterable of Sample, got {type(samples).__name__}") from None
         for i, s in enumerate(samples):
             if not isinstance(s, Sample):
                 raise ArgumentError(f"samples[{i}]: expected a rlblocks.reward.Sample, got {type(s).__name__}")

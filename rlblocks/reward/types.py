@@ -17,23 +17,14 @@ Conventions every reward in :mod:`rlblocks.reward` keeps:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from rlblocks._checks import check_int, check_real
 from rlblocks.errors import ArgumentError
 
 __all__ = ["RewardFn", "RewardResult", "Sample"]
-
-
-def _finite_float(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ArgumentError(f"{name}: expected a finite real number, got {type(value).__name__} {value!r}")
-    v = float(value)
-    if not math.isfinite(v):
-        raise ArgumentError(f"{name}: expected a finite real number, got {v}")
-    return v
 
 
 @dataclass(frozen=True)
@@ -58,9 +49,9 @@ class Sample:
             raise ArgumentError(f"response: expected a str, got {type(self.response).__name__}")
         if not isinstance(self.prompt, str):
             raise ArgumentError(f"prompt: expected a str, got {type(self.prompt).__name__}")
-        n = self.response_len
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
-            raise ArgumentError(f"response_len: expected None or an int >= 0 (tokens), got {n!r}")
+        if self.response_len is not None:  # numpy / torch integers (a length read from a tensor) become ints
+            n = check_int("response_len", self.response_len, minimum=0, what="None or an int >= 0 (tokens)")
+            object.__setattr__(self, "response_len", n)
         if not isinstance(self.metadata, Mapping):
             raise ArgumentError(f"metadata: expected a mapping, got {type(self.metadata).__name__}")
 
@@ -91,11 +82,11 @@ class RewardResult:
         elif self.score is None:
             raise ArgumentError("score: expected a number, got None without an error text (say why it failed)")
         else:
-            self.score = _finite_float("score", self.score)
+            self.score = check_real("score", self.score, finite=True)
         if not isinstance(self.components, dict):
             raise ArgumentError(f"components: expected a dict of str -> float, got {type(self.components).__name__}")
-        self.components = {str(k): _finite_float(f"components[{k!r}]", v) for k, v in self.components.items()}
-        s = _finite_float("seconds", self.seconds)
+        self.components = {str(k): check_real(f"components[{k!r}]", v, finite=True) for k, v in self.components.items()}
+        s = check_real("seconds", self.seconds, finite=True)
         if s < 0:
             raise ArgumentError(f"seconds: expected >= 0, got {s}")
         self.seconds = s

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from rlblocks._checks import check_int, check_optional_int, check_seconds
 from rlblocks.errors import ArgumentError, RLBlocksError
 
 __all__ = ["ProcessWorkers", "RewardTimeout", "WorkerCrashed", "WorkerError"]
@@ -190,19 +191,17 @@ class ProcessWorkers:
         start_timeout: float = 60.0,
         python: str | None = None,
     ) -> None:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ArgumentError(f"n: expected an int >= 1 (worker processes), got {n!r}")
-        if memory_bytes is not None and (isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int)
-                                         or memory_bytes < 1):
-            raise ArgumentError(f"memory_bytes: expected None or an int >= 1, got {memory_bytes!r}")
-        if isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)) or not start_timeout > 0:
-            raise ArgumentError(f"start_timeout: expected seconds > 0, got {start_timeout!r}")
+        n = check_int("n", n, minimum=1, what="an int >= 1 (worker processes)")
+        memory_bytes = check_optional_int("memory_bytes", memory_bytes, minimum=1)
         if isinstance(preload, str) or not all(isinstance(m, str) for m in preload):
             raise ArgumentError(f"preload: expected a sequence of module names, got {preload!r}")
+        if python is not None and not isinstance(python, (str, os.PathLike)):
+            raise ArgumentError(f"python: expected None or the path of an interpreter, got {type(python).__name__}")
         self.n = n
         self.memory_bytes = memory_bytes
         self.preload = tuple(preload)
-        self.start_timeout = float(start_timeout)
+        # finite: the deadline ``now + start_timeout`` goes to select(), which cannot wait an infinite time
+        self.start_timeout = check_seconds("start_timeout", start_timeout)
         self.python = python or sys.executable
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
@@ -247,8 +246,7 @@ class ProcessWorkers:
 
     # ------------------------------------------------------------------ internals
     def _submit(self, fn, args, kwargs, timeout):
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ArgumentError(f"timeout: expected seconds > 0, got {timeout!r}")
+        timeout = check_seconds("timeout", timeout)  # finite: timeout=inf overflowed select() in the worker thread
         check_importable(fn)
         # Pickle here, in the caller, so an unpicklable argument is the caller's error, raised at once.
         try:

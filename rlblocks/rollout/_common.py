@@ -3,13 +3,25 @@ machine of pause / sleep / wake / close that :class:`~rlblocks.rollout.types.Rol
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
 from rlblocks._deprecate import warn_renamed
 from rlblocks.errors import ArgumentError, EngineError
 
-__all__ = ["InFlightCount", "Lifecycle", "StatsView"]
+__all__ = ["InFlightCount", "Lifecycle", "StatsView", "wait_first"]
+
+
+async def wait_first(*events: asyncio.Event) -> None:
+    """Wait until any of ``events`` is set (e.g. the engine's run gate, or this request's abort); the waits that
+    did not finish are cancelled, also when the caller is."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
 
 
 class InFlightCount(int):
@@ -52,7 +64,7 @@ class Lifecycle:
     :class:`~rlblocks.rollout.types.RolloutEngine`). The engine calls the ``check_*`` methods before acting and
     the ``on_*`` methods after; ``paused`` says whether the engine may generate.
 
-    - ``user_paused``: between :meth:`pause` and :meth:`resume` of the caller;
+    - ``user_paused``: between the caller's ``engine.pause()`` and ``engine.resume()``;
     - ``sleep_level``: 0 awake, 1 or 2 asleep;
     - ``needs_weights``: after waking from level 2, until a complete update loads weights;
     - ``updating``: an update that paused the engine itself is running.

@@ -33,6 +33,7 @@ import dataclasses
 import inspect
 import json
 import math
+import numbers
 import operator
 import re
 import time
@@ -43,6 +44,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+from rlblocks._checks import check_int, check_optional_int, check_seconds, check_str_pair
 from rlblocks.errors import ArgumentError
 
 from .resume import ResumableResult, resumable_generate
@@ -119,7 +121,7 @@ def parse_tool_calls(text: str, *, tags: tuple[str, str] = TOOL_CALL_TAGS) -> tu
     """
     if not isinstance(text, str):
         raise ArgumentError(f"text: expected a str, got {type(text).__name__}")
-    open_tag, close_tag = tags
+    open_tag, close_tag = check_str_pair("tags", tags)
     calls: list[ToolCall] = []
     errors: list[str] = []
     pattern = re.compile(re.escape(open_tag) + r"(.*?)" + re.escape(close_tag), re.DOTALL)
@@ -225,6 +227,10 @@ class Tool:
             raise ArgumentError(f"name: expected 1-64 letters, digits, '_', '.' or '-', got {self.name!r}")
         if not callable(self.fn):
             raise ArgumentError(f"fn: expected a callable, got {type(self.fn).__name__}")
+        if not isinstance(self.description, str):
+            raise ArgumentError(f"description: expected a str, got {type(self.description).__name__}")
+        # a timeout <= 0 fires at once, "1" fails only at the first call: both are refused here
+        self.timeout = check_seconds("timeout", self.timeout, allow_none=True)
         if not isinstance(self.parameters, dict) or self.parameters.get("type", "object") != "object":
             raise ArgumentError(f"parameters: expected a JSON-schema object ({{'type': 'object', ...}}), got "
                                 f"{self.parameters!r:.80}")
@@ -235,6 +241,8 @@ class Tool:
         """A tool from a function: name from ``fn.__name__``, description from the first docstring paragraph,
         parameters (when not given) from the signature (``str``/``int``/``float``/``bool``/``list``/``dict``
         annotations; parameters without a default are required)."""
+        if not callable(fn):
+            raise ArgumentError(f"fn: expected a function, got {type(fn).__name__}")
         if parameters is None:
             props: dict[str, Any] = {}
             required = []
@@ -294,20 +302,25 @@ class ToolEnv:
         max_calls_per_turn: int = 8,
         tags: tuple[str, str] = TOOL_CALL_TAGS,
     ) -> None:
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
-            raise ArgumentError(f"messages: expected a non-empty list of chat messages, got {messages!r:.80}")
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages or not all(
+                isinstance(m, Mapping) for m in messages):
+            raise ArgumentError(f"messages: expected a non-empty list of chat messages (dicts), got {messages!r:.80}")
         self.messages = [dict(m) for m in messages]
+        if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+            raise ArgumentError(f"tools: expected a list of Tool or functions, got {type(tools).__name__}")
         self._tools = {}
-        for t in tools:
+        for i, t in enumerate(tools):
+            if not isinstance(t, Tool) and not callable(t):
+                raise ArgumentError(f"tools[{i}]: expected a Tool or a function, got {type(t).__name__}")
             tool = t if isinstance(t, Tool) else Tool.from_function(t)
             if tool.name in self._tools:
                 raise ArgumentError(f"tools: the name {tool.name!r} appears more than once")
             self._tools[tool.name] = tool
-        if max_calls_per_turn < 1:
-            raise ArgumentError(f"max_calls_per_turn: expected >= 1, got {max_calls_per_turn}")
+        if reward_fn is not None and not callable(reward_fn):
+            raise ArgumentError(f"reward_fn: expected None or a function of the answer, got {type(reward_fn).__name__}")
         self.reward_fn = reward_fn
-        self.max_calls_per_turn = int(max_calls_per_turn)
-        self.tags = tags
+        self.max_calls_per_turn = check_int("max_calls_per_turn", max_calls_per_turn, minimum=1)
+        self.tags = check_str_pair("tags", tags)
         self.answer: str | None = None
 
     @property
@@ -410,8 +423,7 @@ def python_tool(limits: Any = None, *, name: str = "python", max_result_chars: i
     limits = SandboxLimits(cpu_seconds=5.0, wall_seconds=10.0, memory_bytes=512 << 20) if limits is None else limits
     if not isinstance(limits, SandboxLimits):
         raise ArgumentError(f"limits: expected a rlblocks.sandbox.SandboxLimits, got {type(limits).__name__}")
-    if max_result_chars < 64:
-        raise ArgumentError(f"max_result_chars: expected >= 64, got {max_result_chars}")
+    max_result_chars = check_int("max_result_chars", max_result_chars, minimum=64)
 
     async def run(code: str) -> str:
         res = await arun_python(code, limits=limits)
@@ -438,6 +450,17 @@ def python_tool(limits: Any = None, *, name: str = "python", max_result_chars: i
 
 
 # ================================================================================================ one turn
+def _stop_texts(value: object) -> tuple[str, ...]:
+    """Stop texts: a sequence of non-empty str. A bare str is refused: iterated, every character of it would have
+    become a stop text."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ArgumentError(f"stop_texts: expected a list of str (e.g. ['</tool_call>']), got {value!r:.60}")
+    for i, t in enumerate(value):
+        if not isinstance(t, str) or not t:
+            raise ArgumentError(f"stop_texts[{i}]: expected a non-empty str, got {t!r}")
+    return tuple(value)
+
+
 def _stop_plan(tokenizer: Any, stop_texts: Sequence[str]) -> tuple[dict[int, str], list[str], set[int]]:
     """Single-token stop texts (id -> text), multi-token stop texts, and the last ids of the multi-token ones."""
     single: dict[int, str] = {}
@@ -477,6 +500,11 @@ async def generate_turn(
     ended the turn); ``stopped_by`` is the stop text that ended it, or ``None`` (a stop token id from
     ``sampling.stop_token_ids``, the length budget, or an abort).
     """
+    if not isinstance(sampling, SamplingParams):
+        raise ArgumentError(f"sampling: expected a SamplingParams, got {type(sampling).__name__}")
+    if not isinstance(request_id, str) or not request_id:
+        raise ArgumentError(f"request_id: expected a non-empty str, got {request_id!r}")
+    stop_texts = _stop_texts(stop_texts)
     if stop_texts and tokenizer is None:
         raise ArgumentError("tokenizer: expected a tokenizer to encode stop_texts, got None")
     single, multi, last_ids = _stop_plan(tokenizer, stop_texts) if stop_texts else ({}, [], set())
@@ -579,6 +607,8 @@ class EpisodeStats:
         self._errors: deque[tuple[str, str, str]] = deque(maxlen=16)
 
     def record(self, episode: Episode) -> None:
+        if not isinstance(episode, Episode):
+            raise ArgumentError(f"episode: expected an Episode, got {type(episode).__name__}")
         c = self._c
         c["episodes"] += 1
         c["turns"] += episode.num_turns
@@ -624,12 +654,26 @@ def _as_messages(obs: Any) -> list[dict[str, Any]]:
 
 
 def _as_step(out: Any) -> StepResult:
-    if isinstance(out, StepResult):
-        return out
+    """``env.step``'s return value, checked: an environment that returns a reward of None, a done flag that is not
+    a bool or an info that is not a mapping ends its episode with ``"env_error"`` (it used to escape
+    :func:`run_episode` as a raw exception, and the episode was never recorded)."""
     if isinstance(out, tuple) and len(out) == 4:
-        return StepResult(*out)
-    raise TypeError(f"env.step: expected a StepResult or a 4-tuple (observation, reward, done, info), got "
-                    f"{type(out).__name__}")
+        out = StepResult(*out)
+    else:
+        raise TypeError(f"env.step: expected a StepResult or a 4-tuple (observation, reward, done, info), got "
+                        f"{type(out).__name__}")
+    obs, reward, done, info = out
+    if isinstance(reward, (bool, str, bytes)) or not isinstance(reward, numbers.Real):
+        raise TypeError(f"env.step: reward: expected a real number, got {type(reward).__name__} {reward!r:.40}")
+    if not isinstance(done, bool) and type(done).__name__ != "bool_":  # numpy's bool from gym-style envs is fine
+        raise TypeError(f"env.step: done: expected True or False, got {type(done).__name__} {done!r:.40}")
+    info = {} if info is None else info
+    if not isinstance(info, Mapping):
+        raise TypeError(f"env.step: info: expected a mapping, got {type(info).__name__}")
+    calls = info.get("tool_calls", 0) or 0
+    if isinstance(calls, bool) or not isinstance(calls, numbers.Integral) or calls < 0:
+        raise TypeError(f"env.step: info['tool_calls']: expected an int >= 0, got {calls!r:.40}")
+    return StepResult(obs, float(reward), bool(done), info)
 
 
 async def _timed(coro: Awaitable[Any], timeout: float | None) -> Any:
@@ -673,12 +717,20 @@ async def run_episode(
         stats: an :class:`EpisodeStats` that records the episode.
         template_kwargs: extra variables for the chat template.
     """
-    if max_turns < 1:
-        raise ArgumentError(f"max_turns: expected >= 1, got {max_turns}")
-    if max_total_tokens is not None and max_total_tokens < 2:
-        raise ArgumentError(f"max_total_tokens: expected >= 2 or None, got {max_total_tokens}")
+    max_turns = check_int("max_turns", max_turns, minimum=1)
+    max_total_tokens = check_optional_int("max_total_tokens", max_total_tokens, minimum=2)
+    env_timeout = check_seconds("env_timeout", env_timeout, allow_none=True)
     if on_mismatch not in ("raise", "branch"):
         raise ArgumentError(f"on_mismatch: expected 'raise' or 'branch', got {on_mismatch!r}")
+    stop_texts = _stop_texts(stop_texts)
+    if sampling is not None and not isinstance(sampling, SamplingParams):
+        raise ArgumentError(f"sampling: expected None or a SamplingParams, got {type(sampling).__name__}")
+    if stats is not None and not isinstance(stats, EpisodeStats):
+        raise ArgumentError(f"stats: expected None or an EpisodeStats, got {type(stats).__name__}")
+    for name in ("apply_chat_template", "encode", "decode"):
+        if not callable(getattr(tokenizer, name, None)):
+            raise ArgumentError(f"tokenizer: expected a Hugging Face tokenizer with a chat template (it has no "
+                                f"{name}()), got {type(tokenizer).__name__}")
     if max_total_tokens is None:
         limit = getattr(engine, "max_model_len", None)
         max_total_tokens = int(limit) if isinstance(limit, int) and not isinstance(limit, bool) else None
@@ -739,7 +791,7 @@ async def run_episode(
             return finish("env_timeout", f"env.step() did not return within {env_timeout} s (turn {turn})")
         except Exception as e:
             return finish("env_error", _error_text(e))
-        ep.rewards.append(float(step.reward))
+        ep.rewards.append(step.reward)
         info = dict(step.info)
         ep.infos.append(info)
         ep.num_tool_calls += int(info.get("tool_calls", 0) or 0)

@@ -33,6 +33,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from rlblocks._checks import check_int, check_int_list, check_real_list
 from rlblocks.errors import ArgumentError
 
 from .routing import pad_routing
@@ -79,16 +80,40 @@ class RolloutBatch:
         )
 
 
-def _as_list(name: str, value: object, n: int) -> list | None:
+def per_row(name: str, value: object, n: int, *, kind: str, unit: str = "generation") -> list | None:
+    """``value`` (a sequence or a 1-D tensor) as ``n`` checked values, one per ``unit``; ``None`` passes through.
+
+    ``kind="int"``: genuine integers (a float group id would be truncated into another group, a bool read as 0/1);
+    ``kind="real"``: real numbers (``None`` for a failed reward, a string or a bool is refused; NaN passes and
+    propagates, as NaN in valid data must).
+    """
     if value is None:
         return None
     if isinstance(value, Tensor):
+        if value.dim() != 1:
+            raise ArgumentError(f"{name}: expected a 1-D tensor of {n} values (one per {unit}), got shape "
+                                f"{list(value.shape)}")
+        if kind == "int" and (value.is_floating_point() or value.dtype == torch.bool):
+            raise ArgumentError(f"{name}: expected an integer tensor, got dtype {value.dtype}")
         value = value.tolist()
-    if not isinstance(value, Sequence) or isinstance(value, str):
-        raise ArgumentError(f"{name}: expected a sequence of {n} values (one per row), got {type(value).__name__}")
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
+        raise ArgumentError(f"{name}: expected a sequence of {n} values (one per {unit}), got {type(value).__name__}")
     if len(value) != n:
-        raise ArgumentError(f"{name}: expected {n} values (one per generation), got {len(value)}")
-    return list(value)
+        raise ArgumentError(f"{name}: expected {n} values (one per {unit}), got {len(value)}")
+    return check_int_list(name, value) if kind == "int" else check_real_list(name, value)
+
+
+def own_loss_mask(name: str, generation: Generation) -> list[bool] | None:
+    """A generation's own per-token ``loss_mask`` (e.g. ``ResumableResult``'s), checked to have one entry per
+    output token; ``None`` when it carries none. A mask of another length used to be ignored silently, which
+    trained on every token, masked ones included."""
+    own = getattr(generation, "loss_mask", None)
+    if own is None:
+        return None
+    if len(own) != len(generation.output_ids):
+        raise ArgumentError(f"{name}.loss_mask: expected one entry per output token ({len(generation.output_ids)}), "
+                            f"got {len(own)}")
+    return [bool(x) for x in own]
 
 
 def build_batch(
@@ -112,19 +137,21 @@ def build_batch(
     - ``group_ids`` (one int per generation; default: all 0) and ``rewards`` (float32) are per row.
 
     Raises :class:`~rlblocks.errors.ArgumentError` for an empty list, a non-``Generation`` entry, a ``pad_id``
-    that is not an int, or per-row lists of the wrong length. Nothing is dropped: every generation is one row.
+    that is not an int >= 0, per-row lists of the wrong length or type (a float or bool group id, a ``None``
+    reward), stop ids that are not ints, or a generation's own ``loss_mask`` of another length than its output.
+    Nothing is dropped: every generation is one row.
     """
     if not isinstance(generations, Sequence) or len(generations) == 0:
         raise ArgumentError(f"generations: expected a non-empty sequence of Generation, got {generations!r:.80}")
     for i, g in enumerate(generations):
         if not isinstance(g, Generation):
             raise ArgumentError(f"generations[{i}]: expected a Generation, got {type(g).__name__}")
-    if isinstance(pad_id, bool) or not isinstance(pad_id, int):
-        raise ArgumentError(f"pad_id: expected an int token id, got {pad_id!r}")
+    pad_id = check_int("pad_id", pad_id, minimum=0, what="an int token id >= 0")
     n = len(generations)
-    gids = _as_list("group_ids", group_ids, n)
-    rews = _as_list("rewards", rewards, n)
-    stops = None if stop_token_ids is None else {int(t) for t in stop_token_ids}
+    gids = per_row("group_ids", group_ids, n, kind="int")
+    rews = per_row("rewards", rewards, n, kind="real")
+    stops = None if stop_token_ids is None else set(check_int_list("stop_token_ids", stop_token_ids, minimum=0))
+    masks = [own_loss_mask(f"generations[{i}]", g) for i, g in enumerate(generations)]
 
     lengths = []
     for g in generations:
@@ -154,11 +181,8 @@ def build_batch(
             continue
         response_ids[i, :k] = torch.tensor(out, dtype=torch.long)
         response_mask[i, :k] = True
-        own = getattr(g, "loss_mask", None)
-        if own is not None and len(own) == len(g.output_ids):
-            loss_mask[i, :k] = torch.tensor([bool(x) for x in own[:k]], dtype=torch.bool)
-        else:
-            loss_mask[i, :k] = True
+        own = masks[i]
+        loss_mask[i, :k] = True if own is None else torch.tensor(own[:k], dtype=torch.bool)
         rollout_logp[i, :k] = torch.tensor(g.output_logprobs[:k], dtype=torch.float32)
         versions[i, :k] = torch.tensor(g.output_versions[:k], dtype=torch.long)
 
@@ -177,7 +201,7 @@ def build_batch(
         rollout_logp=rollout_logp,
         versions=versions,
         group_ids=torch.tensor(gids if gids is not None else [0] * n, dtype=torch.long),
-        rewards=None if rews is None else torch.tensor([float(r) for r in rews], dtype=torch.float32),
+        rewards=None if rews is None else torch.tensor(rews, dtype=torch.float32),
         routed_experts=routed,
     )
     return batch if device is None else batch.to(device)

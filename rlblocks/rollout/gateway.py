@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import math
 import time
 import uuid
 from collections import Counter
@@ -56,7 +57,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from rlblocks.errors import ArgumentError
+from rlblocks._checks import check_int, check_real, check_seconds, check_str_pair
+from rlblocks.errors import ArgumentError, RLBlocksError
 
 from .agent import TOOL_CALL_TAGS, generate_turn, parse_tool_calls
 from .trajectory import OnMismatch, PrefixMismatchError, Trajectory, render_chat
@@ -64,13 +66,14 @@ from .types import RolloutEngine, SamplingParams
 
 __all__ = ["Gateway", "GatewayError"]
 
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 409: "Conflict",
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
+            409: "Conflict",
             411: "Length Required", 413: "Payload Too Large", 429: "Too Many Requests",
             500: "Internal Server Error", 503: "Service Unavailable"}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-class GatewayError(Exception):
+class GatewayError(RLBlocksError):
     """An error answered as OpenAI-style JSON: ``status`` (HTTP), ``type``, ``param`` and ``code``."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
@@ -80,6 +83,10 @@ class GatewayError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _UnknownSession(ArgumentError):
+    """:meth:`Gateway.finish_session` of a session that is not open (answered 404 over HTTP)."""
 
 
 def _bad(param: str, message: str, code: str | None = "invalid_value") -> GatewayError:
@@ -102,6 +109,21 @@ class _Session:
     requests: int = 0
     created: float = field(default_factory=time.time)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def _snapshot(traj: Trajectory | None) -> dict | None:
+    """The state of ``traj`` (its lists copied), to undo what a request that failed appended."""
+    if traj is None:
+        return None
+    return {k: (list(v) if isinstance(v, list) else v) for k, v in traj.__dict__.items()}
+
+
+def _restore(sess: _Session, saved: dict | None) -> None:
+    if saved is None:
+        sess.trajectory = None
+    else:
+        sess.trajectory.__dict__.clear()
+        sess.trajectory.__dict__.update(saved)
 
 
 def _fingerprint(content: str | None, tool_calls: Sequence[Mapping[str, Any]] | None) -> str:
@@ -250,6 +272,11 @@ class Gateway:
             (answer 409 with the first differing position).
         template_kwargs: extra variables for the chat template.
         max_body_bytes: larger request bodies are refused with 413.
+        tool_call_tags: the opening and closing tags of a Hermes tool call.
+        request_timeout: seconds a client may take to send the rest of a request once its first line arrived
+            (headers and body); a slower one gets 408 and the connection is closed, so a client that announces
+            a body it never sends cannot hold a connection task forever. Idle keep-alive connections between
+            requests are not limited.
     """
 
     def __init__(
@@ -266,23 +293,30 @@ class Gateway:
         template_kwargs: Mapping[str, Any] | None = None,
         max_body_bytes: int = 16 << 20,
         tool_call_tags: tuple[str, str] = TOOL_CALL_TAGS,
+        request_timeout: float = 60.0,
     ) -> None:
         if on_mismatch not in ("raise", "branch"):
             raise ArgumentError(f"on_mismatch: expected 'raise' or 'branch', got {on_mismatch!r}")
+        for name in ("apply_chat_template", "encode", "decode"):
+            if not callable(getattr(tokenizer, name, None)):
+                raise ArgumentError(f"tokenizer: expected a Hugging Face tokenizer with a chat template (it has no "
+                                    f"{name}()), got {type(tokenizer).__name__}")
         if tokenizer.eos_token_id is None:
             raise ArgumentError("tokenizer: expected a tokenizer with an EOS (end-of-turn) token, got none")
-        if default_max_tokens < 1 or max_open_sessions < 1 or max_body_bytes < 1024:
-            raise ArgumentError(f"default_max_tokens, max_open_sessions, max_body_bytes: expected >= 1, >= 1, "
-                                f">= 1024, got {default_max_tokens}, {max_open_sessions}, {max_body_bytes}")
-        self.engine, self.tokenizer, self.model = engine, tokenizer, str(model)
+        if not isinstance(model, str) or not model:
+            raise ArgumentError(f"model: expected a non-empty str (the served model id), got {model!r}")
+        if not isinstance(session_header, str) or not session_header:
+            raise ArgumentError(f"session_header: expected a header name, got {session_header!r}")
+        self.engine, self.tokenizer, self.model = engine, tokenizer, model
         self.queue = queue
         self.session_header = session_header.lower()
-        self.default_max_tokens = int(default_max_tokens)
-        self.max_open_sessions = int(max_open_sessions)
+        self.default_max_tokens = check_int("default_max_tokens", default_max_tokens, minimum=1)
+        self.max_open_sessions = check_int("max_open_sessions", max_open_sessions, minimum=1)
         self.on_mismatch = on_mismatch
         self.template_kwargs = dict(template_kwargs or {})
-        self.max_body_bytes = int(max_body_bytes)
-        self.tool_call_tags = tool_call_tags
+        self.max_body_bytes = check_int("max_body_bytes", max_body_bytes, minimum=1024)
+        self.request_timeout = check_seconds("request_timeout", request_timeout)
+        self.tool_call_tags = check_str_pair("tool_call_tags", tool_call_tags)
         self.eos_id = int(tokenizer.eos_token_id)
         self.sessions: dict[str, _Session] = {}
         self.finished: list[Trajectory] = []
@@ -329,9 +363,14 @@ class Gateway:
         await self.aclose()
 
     def stats(self) -> dict[str, Any]:
-        """Counters: requests per route, streamed requests, 4xx/5xx errors, sessions opened/finished/open,
-        prefix mismatches (branches), prompt/completion tokens, tool calls returned."""
+        """Counters: requests per route, streamed requests, 4xx/5xx errors, sessions, prefix mismatches (branches),
+        prompt/completion tokens, tool calls returned.
+
+        Sessions add up: ``sessions_opened == sessions_finished + sessions_open + sessions_discarded``, where a
+        discarded session is one whose first request failed before anything was captured."""
         out = dict(self._counts)
+        for key in ("sessions_opened", "sessions_finished", "sessions_discarded"):
+            out.setdefault(key, 0)
         out["sessions_open"] = len(self.sessions)
         return out
 
@@ -339,19 +378,26 @@ class Gateway:
     async def finish_session(self, session_id: str, reward: float, *, info: Mapping[str, Any] | None = None
                              ) -> Trajectory:
         """Close ``session_id`` with ``reward``: the trajectory (``reward`` and ``info`` set) goes to the queue and
-        is returned. Waits for a request of that session that is still being served. ``KeyError`` if unknown."""
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-            raise ArgumentError(f"reward: expected a number, got {reward!r}")
-        sess = self.sessions.get(session_id)
+        is returned. Waits for a request of that session that is still being served.
+
+        Raises :class:`~rlblocks.errors.ArgumentError` for a session that is not open (unknown, already closed, or
+        one whose first request failed before anything was captured), a ``reward`` that is not a finite number (a
+        NaN reward would poison its whole group's advantages, and is not valid JSON), or an ``info`` that is not
+        a mapping."""
+        reward = check_real("reward", reward, finite=True)
+        if info is not None and not isinstance(info, Mapping):
+            raise ArgumentError(f"info: expected None or a mapping, got {type(info).__name__}")
+        sess = self.sessions.get(session_id) if isinstance(session_id, str) else None
         if sess is None:
-            raise KeyError(session_id)
+            raise _UnknownSession(f"session_id: no open session {session_id!r} (unknown, or already closed by a "
+                                  "reward)")
         async with sess.lock:
-            if self.sessions.get(session_id) is not sess:
-                raise KeyError(session_id)
+            if self.sessions.get(session_id) is not sess or sess.trajectory is None:
+                raise _UnknownSession(f"session_id: no open session {session_id!r} (closed by a reward meanwhile, "
+                                      "or nothing was captured)")
             del self.sessions[session_id]
         traj = sess.trajectory
-        assert traj is not None  # a session exists only once a request has built its trajectory
-        traj.reward = float(reward)
+        traj.reward = reward
         traj.info.update(dict(info or {}), requests=sess.requests)
         self._counts["sessions_finished"] += 1
         await self._hand_over(traj)
@@ -385,10 +431,13 @@ class Gateway:
         return sess
 
     def _session_id(self, req: _Request, body: Mapping[str, Any]) -> str | None:
+        user = body.get("user")
+        if user is not None and (not isinstance(user, str) or not user):
+            raise _bad("user", f"expected a non-empty string, got {json.dumps(user)[:40]}", "invalid_type")
         sid = req.headers.get(self.session_header)
-        if sid is None and isinstance(body.get("user"), str) and body["user"]:
-            sid = body["user"]
-        return sid
+        if sid is not None and not sid:
+            raise GatewayError(400, f"{self.session_header}: expected a non-empty session id", code="invalid_value")
+        return user if sid is None else sid
 
     # ------------------------------------------------------------------ HTTP
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -421,6 +470,13 @@ class Gateway:
             raise GatewayError(400, "request line too long") from e
         if not line:
             return None
+        try:
+            return await asyncio.wait_for(self._read_rest(reader, line), self.request_timeout)
+        except asyncio.TimeoutError:
+            raise GatewayError(408, f"the request was not received within {self.request_timeout:g} s",
+                               code="request_timeout") from None
+
+    async def _read_rest(self, reader: asyncio.StreamReader, line: bytes) -> _Request:
         parts = line.decode("latin-1").split()
         if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
             raise GatewayError(400, f"malformed request line {line[:80]!r}")
@@ -442,7 +498,13 @@ class Gateway:
         if headers.get("transfer-encoding", "").lower() == "chunked":
             body = bytearray()
             while True:
-                size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
+                size_line = (await reader.readline()).split(b";")[0].strip()
+                try:
+                    size = int(size_line or b"0", 16)
+                except ValueError:
+                    size = -1
+                if size < 0 or not size_line[:1].isalnum():  # int() also takes "-5", "+5" and "0x5"
+                    raise GatewayError(400, f"malformed chunk size {size_line[:40]!r}")
                 if size == 0:
                     await reader.readline()
                     break
@@ -456,6 +518,8 @@ class Gateway:
                 length = int(headers.get("content-length", "0"))
             except ValueError as e:
                 raise GatewayError(400, "content-length: expected an integer") from e
+            if length < 0:
+                raise GatewayError(400, f"content-length: expected a non-negative integer, got {length}")
             if length > self.max_body_bytes:
                 raise GatewayError(413, f"request body of {length} bytes is larger than {self.max_body_bytes}")
             data = await reader.readexactly(length) if length > 0 else b""
@@ -516,6 +580,8 @@ class Gateway:
             body = json.loads(req.body.decode("utf-8")) if req.body else None
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise GatewayError(400, f"could not parse the JSON body: {e}", code="invalid_json") from e
+        except RecursionError:  # deeply nested arrays: the client's body, not a server fault
+            raise GatewayError(400, "could not parse the JSON body: nested too deeply", code="invalid_json") from None
         if not isinstance(body, dict):
             raise GatewayError(400, "expected a JSON object as the request body", code="invalid_json")
         return body
@@ -525,7 +591,8 @@ class Gateway:
 
     async def _session_route(self, req: _Request, route: str, writer: asyncio.StreamWriter, keep: bool) -> None:
         rest = route[len("/v1/sessions/"):]
-        sid, _, action = rest.partition("/")
+        # a session id may itself contain "/" (a ``user`` such as "team/42"), so the action is read from the end
+        sid, action = (rest[: -len("/reward")], "reward") if rest.endswith("/reward") else (rest, "")
         if action == "reward":
             if req.method != "POST":
                 raise GatewayError(405, f"{route} accepts POST, got {req.method}", code="method_not_allowed")
@@ -534,12 +601,14 @@ class Gateway:
             if isinstance(reward, bool) or not isinstance(reward, (int, float)):
                 raise _bad("reward", f"expected a number, got {json.dumps(reward)[:40]}",
                            "missing_required_parameter" if reward is None else "invalid_type")
+            if not math.isfinite(reward):  # json.loads reads NaN and Infinity
+                raise _bad("reward", f"expected a finite number, got {reward}")
             info = body.get("info")
             if info is not None and not isinstance(info, dict):
                 raise _bad("info", "expected an object", "invalid_type")
             try:
                 traj = await self.finish_session(sid, float(reward), info=info)
-            except KeyError:
+            except _UnknownSession:
                 raise GatewayError(404, f"no open session {sid!r} (unknown, or already closed by a reward)",
                                    code="session_not_found") from None
             await self._send_json(writer, 200, {"session_id": sid, "reward": float(reward),
@@ -616,11 +685,11 @@ class Gateway:
                 if not prompt:
                     raise _bad("prompt", "expected a non-empty prompt")
                 prompt_ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
-            elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+            elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                              for t in prompt):
                 prompt_ids = [int(t) for t in prompt]
             else:
-                raise _bad("prompt", "expected a string or an array of token ids (one prompt)",
+                raise _bad("prompt", "expected a string or an array of token ids >= 0 (one prompt)",
                            "missing_required_parameter" if prompt is None else "invalid_value")
             lp = _int(body, "logprobs", None, 0, 5)
             if lp:
@@ -641,19 +710,25 @@ class Gateway:
         obj = "chat.completion" if chat else "text_completion"
 
         started = False
-        if stream:  # headers first: the client sees the response start while the engine generates
-            head = ["HTTP/1.1 200 OK", "Content-Type: text/event-stream", "Cache-Control: no-cache",
-                    "Transfer-Encoding: chunked", f"Connection: {'keep-alive' if keep else 'close'}",
-                    f"X-Session-Id: {sid}"]
-            writer.write(("\r\n".join(head) + "\r\n\r\n").encode())
-            started = True
-            self._counts["stream_requests"] += 1
-            if chat:
-                await self._sse(writer, self._chunk(cid, obj, created, body["model"],
-                                                    {"role": "assistant", "content": ""}, None, None))
         try:
+            if stream:  # headers first: the client sees the response start while the engine generates
+                head = ["HTTP/1.1 200 OK", "Content-Type: text/event-stream", "Cache-Control: no-cache",
+                        "Transfer-Encoding: chunked", f"Connection: {'keep-alive' if keep else 'close'}",
+                        f"X-Session-Id: {sid}"]
+                writer.write(("\r\n".join(head) + "\r\n\r\n").encode())
+                started = True
+                self._counts["stream_requests"] += 1
+                if chat:
+                    await self._sse(writer, self._chunk(cid, obj, created, body["model"],
+                                                        {"role": "assistant", "content": ""}, None, None))
             async with sess.lock:
-                if self.sessions.get(sid) is not sess:  # closed by a reward while this request waited
+                current = self.sessions.get(sid)
+                if current is None and sess.trajectory is None:
+                    # dropped while empty by a concurrent first request that failed (never closed by a reward,
+                    # which needs a trajectory): open it again for this request
+                    current = self.sessions[sid] = sess
+                    self._counts["sessions_opened"] += 1
+                if current is not sess:  # closed by a reward while this request waited
                     raise GatewayError(409, f"session {sid!r} was closed by a reward", code="session_closed")
                 if chat:
                     canon = self._canonical(sess, messages)
@@ -665,16 +740,18 @@ class Gateway:
                                    f"{e}") from e
                 else:
                     canon, ids = None, prompt_ids
-                if sess.trajectory is None:
-                    sess.trajectory = Trajectory(ids, messages=canon, tools=tools, session_id=sid)
-                else:
-                    before = sess.trajectory.prefix_mismatches
-                    try:
+                saved = _snapshot(sess.trajectory)
+                before = 0 if sess.trajectory is None else sess.trajectory.prefix_mismatches
+                try:
+                    if sess.trajectory is None:
+                        sess.trajectory = Trajectory(ids, messages=canon, tools=tools, session_id=sid)
+                    else:
                         sess.trajectory.extend_to(ids, on_mismatch=self.on_mismatch, messages=canon,
                                                   tokenizer=self.tokenizer)
-                    except PrefixMismatchError as e:
-                        raise GatewayError(409, str(e), code="prefix_mismatch") from e
-                    self._counts["prefix_mismatches"] += sess.trajectory.prefix_mismatches - before
+                except PrefixMismatchError as e:
+                    raise GatewayError(409, str(e), code="prefix_mismatch") from e
+                except ArgumentError as e:  # the request's own tokens were refused: the client's error, not ours
+                    raise _bad("messages" if chat else "prompt", str(e)) from e
                 traj = sess.trajectory
                 sess.requests += 1
                 stop_texts = [*stops, *([self.tool_call_tags[1]] if parse_calls else [])]
@@ -682,11 +759,17 @@ class Gateway:
                     res, stopped_by = await generate_turn(
                         self.engine, traj.token_ids, sampling, request_id=f"{sid}/{sess.requests}", session_id=sid,
                         stop_texts=stop_texts, tokenizer=self.tokenizer)
-                except ArgumentError as e:
-                    raise GatewayError(400, f"the engine refused the request: {e}", code="engine_refused") from e
-                except Exception as e:
-                    raise GatewayError(500, f"the engine failed: {type(e).__name__}: {e}", type="server_error",
-                                       code="engine_error") from e
+                except BaseException as e:
+                    # The request produced nothing: the session's trajectory goes back to what it was (a refused or
+                    # failed request adds no tokens and counts no mismatch, and a first one leaves no session).
+                    _restore(sess, saved)
+                    if isinstance(e, ArgumentError):
+                        raise GatewayError(400, f"the engine refused the request: {e}", code="engine_refused") from e
+                    if isinstance(e, Exception):
+                        raise GatewayError(500, f"the engine failed: {type(e).__name__}: {e}", type="server_error",
+                                           code="engine_error") from e
+                    raise
+                self._counts["prefix_mismatches"] += traj.prefix_mismatches - before
                 out = res.output_ids
                 body_ids = out[:-1] if out and out[-1] == self.eos_id else out
                 raw = self.tokenizer.decode(body_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -710,14 +793,18 @@ class Gateway:
                 if chat:
                     sess.returned[_fingerprint(text, calls)] = raw
         except GatewayError as e:
-            if sess.trajectory is None and self.sessions.get(sid) is sess:
-                del self.sessions[sid]  # nothing was captured: do not leave an empty session open
             if not started:
                 raise
             self._counts["errors_4xx" if e.status < 500 else "errors_5xx"] += 1
             await self._sse(writer, e.body())
             await self._end_stream(writer)
             return
+        finally:
+            # Whatever ended the request (an error answer, a cancelled connection, a bug), a session in which
+            # nothing was captured is not left open: it would count against max_open_sessions for good.
+            if sess.trajectory is None and self.sessions.get(sid) is sess:
+                del self.sessions[sid]
+                self._counts["sessions_discarded"] += 1
         self._counts["prompt_tokens"] += len(res.prompt_ids)
         self._counts["completion_tokens"] += len(out)
         self._counts["tool_calls"] += len(calls)

@@ -112,7 +112,7 @@ from torch import Tensor
 from rlblocks._deprecate import renamed_kwargs
 from rlblocks.errors import ArgumentError, EngineError
 
-from ._common import InFlightCount, Lifecycle
+from ._common import InFlightCount, Lifecycle, wait_first
 from ._weights import WeightLayout, check_tensors, check_version, refuse
 from .types import Generation, GenerationRequest
 
@@ -477,7 +477,7 @@ class SGLangEngine:
                 sampling=dataclasses.replace(sp, max_new_tokens=sp.max_new_tokens - len(ids)),
             )
             if not self._gate.is_set():
-                await self._wait_gate(state)
+                await wait_first(self._gate, state.aborted)  # until the server runs again, or aborted
                 self._state.check_open()
             if state.abort_requested:  # aborted while it waited here, or between two calls of an EOS continuation
                 reason = "abort"
@@ -514,16 +514,6 @@ class SGLangEngine:
         self._stats.requests += 1
         self._stats.output_tokens += len(ids)
         return Generation(request.request_id, list(request.prompt_ids), ids, lps, versions, reason)
-
-    async def _wait_gate(self, state: _InFlight) -> None:
-        """Hold a request in this client until the server runs again, or until it is aborted."""
-        gate = asyncio.ensure_future(self._gate.wait())
-        aborted = asyncio.ensure_future(state.aborted.wait())
-        try:
-            await asyncio.wait({gate, aborted}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gate.cancel()
-            aborted.cancel()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -36,9 +36,10 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from rlblocks._checks import check_int, check_int_list, check_real_list
 from rlblocks.errors import ArgumentError
 
-from .batch import RolloutBatch
+from .batch import RolloutBatch, own_loss_mask, per_row
 from .types import Generation
 
 __all__ = [
@@ -77,12 +78,17 @@ def _ids(name: str, value: object) -> list[int]:
         value = value.tolist()
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise ArgumentError(f"{name}: expected a sequence of int token ids, got {type(value).__name__}")
-    out = []
-    for i, t in enumerate(value):
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise ArgumentError(f"{name}[{i}]: expected a non-negative int token id, got {t!r}")
-        out.append(int(t))
-    return out
+    return check_int_list(name, value, minimum=0)
+
+
+def _dicts(name: str, value: object) -> list[dict]:
+    """Chat messages (or tool schemas): a sequence of mappings, copied."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise ArgumentError(f"{name}: expected a list of dicts, got {type(value).__name__}")
+    for i, m in enumerate(value):
+        if not isinstance(m, Mapping):
+            raise ArgumentError(f"{name}[{i}]: expected a dict, got {type(m).__name__}")
+    return [dict(m) for m in value]
 
 
 def render_chat(
@@ -103,8 +109,8 @@ def render_chat(
         raise ArgumentError(f"tokenizer: expected a Hugging Face tokenizer with a chat template, got "
                             f"{type(tokenizer).__name__}")
     text = tokenizer.apply_chat_template(
-        [dict(m) for m in messages],
-        tools=None if tools is None else [dict(t) for t in tools],
+        _dicts("messages", messages),
+        tools=None if tools is None else _dicts("tools", tools),
         add_generation_prompt=add_generation_prompt,
         tokenize=False,
         **template_kwargs,
@@ -139,6 +145,10 @@ class Trajectory:
         ids = _ids("prompt_ids", prompt_ids)
         if not ids:
             raise ArgumentError("prompt_ids: expected at least one token, got an empty sequence")
+        if group_id is not None:
+            group_id = check_int("group_id", group_id)
+        if session_id is not None and not isinstance(session_id, str):
+            raise ArgumentError(f"session_id: expected None or a str, got {type(session_id).__name__}")
         n = len(ids)
         self.token_ids: list[int] = ids
         self.roles: list[str] = ["prompt"] * n
@@ -147,8 +157,8 @@ class Trajectory:
         self.versions: list[int] = [-1] * n
         self._trainable: list[bool] = [False] * n
         self.prompt_len = n
-        self.messages: list[dict] = [dict(m) for m in messages] if messages is not None else []
-        self.tools = None if tools is None else [dict(t) for t in tools]
+        self.messages: list[dict] = _dicts("messages", messages) if messages is not None else []
+        self.tools = None if tools is None else _dicts("tools", tools)
         self.template_kwargs = dict(template_kwargs or {})
         self.session_id = session_id
         self.group_id = group_id
@@ -244,8 +254,7 @@ class Trajectory:
     def staleness(self, *, current_version: int) -> int:
         """The largest version gap ``current_version − version`` over every model token (all segments); 0 when
         there is no model token. Negative gaps (tokens newer than ``current_version``) are reported as they are."""
-        if isinstance(current_version, bool) or not isinstance(current_version, int):
-            raise ArgumentError(f"current_version: expected an int, got {current_version!r}")
+        current_version = check_int("current_version", current_version)
         vs = self.model_versions()
         return max(current_version - v for v in vs) if vs else 0
 
@@ -262,8 +271,8 @@ class Trajectory:
             raise ArgumentError(f"generation: expected a Generation, got {type(generation).__name__}")
         self._check_extends(list(generation.prompt_ids), exact=True, what="generation.prompt_ids")
         n = len(generation.output_ids)
-        own = getattr(generation, "loss_mask", None)
-        trainable = [bool(x) for x in own] if own is not None and len(own) == n else [True] * n
+        own = own_loss_mask("generation", generation)
+        trainable = own if own is not None else [True] * n
         self._in_model = True  # model tokens continue the current turn (its context came before them)
         self.token_ids += [int(t) for t in generation.output_ids]
         self.roles += ["model"] * n
@@ -288,7 +297,7 @@ class Trajectory:
         self.logprobs += [0.0] * n
         self.versions += [-1] * n
         self._trainable += [False] * n
-        self.messages += [dict(m) for m in messages]
+        self.messages += _dicts("messages", messages)
 
     def extend_to(
         self,
@@ -321,7 +330,7 @@ class Trajectory:
         delta = ids[len(self.token_ids):]
         self.append_env(delta)
         if messages is not None:
-            self.messages = [dict(m) for m in messages]
+            self.messages = _dicts("messages", messages)
         return delta
 
     def append_messages(
@@ -335,7 +344,7 @@ class Trajectory:
         """Render ``self.messages + messages`` with the chat template (and ``tools``), check that the rendering
         extends the trajectory exactly, and append only the new suffix as environment tokens (see
         :meth:`extend_to` for ``on_mismatch``). Returns the appended ids."""
-        full = [*self.messages, *[dict(m) for m in messages]]
+        full = [*self.messages, *_dicts("messages", messages)]
         ids = render_chat(tokenizer, full, tools=self.tools, add_generation_prompt=add_generation_prompt,
                           **self.template_kwargs)
         return self.extend_to(ids, on_mismatch=on_mismatch, messages=full, tokenizer=tokenizer)
@@ -404,20 +413,30 @@ def trajectory_rows(trajectories: Sequence[Trajectory]) -> Int[Tensor, " B"]:
     ``grpo_advantages(rewards, group_ids)[trajectory_rows(trajs)]`` with one reward per trajectory (a branched
     episode must not count twice in its group's statistics).
     """
+    _check_trajectories(trajectories)
     return torch.tensor([i for i, t in enumerate(trajectories) for _ in t.segments()], dtype=torch.long)
 
 
-def _per_trajectory(name: str, value: object, n: int) -> list | None:
-    if value is None:
-        return None
-    if isinstance(value, Tensor):
-        value = value.tolist()
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise ArgumentError(f"{name}: expected a sequence of {n} values (one per trajectory), got "
-                            f"{type(value).__name__}")
-    if len(value) != n:
-        raise ArgumentError(f"{name}: expected {n} values (one per trajectory), got {len(value)}")
-    return list(value)
+def _check_trajectories(trajectories: object) -> None:
+    if isinstance(trajectories, Trajectory) or not isinstance(trajectories, Sequence) or len(trajectories) == 0:
+        raise ArgumentError(f"trajectories: expected a non-empty sequence of Trajectory, got {trajectories!r:.80}")
+    for i, t in enumerate(trajectories):
+        if not isinstance(t, Trajectory):
+            raise ArgumentError(f"trajectories[{i}]: expected a Trajectory, got {type(t).__name__}")
+
+
+def _own(attr: str, values: list, *, kind: str, none: list | None) -> list | None:
+    """The trajectories' own ``group_id`` / ``reward``: ``none`` when no trajectory has one, the checked values when
+    all have one. A mix is refused: the trajectories without one would have been merged into group 0 (or the
+    batch would have lost every reward), silently."""
+    missing = [i for i, v in enumerate(values) if v is None]
+    if len(missing) == len(values):
+        return none
+    if missing:
+        raise ArgumentError(f"trajectories[{missing[0]}].{attr}: expected every trajectory to have a {attr} (or pass "
+                            f"{attr}s=...), got {len(missing)} of {len(values)} without one")
+    return check_int_list(f"trajectories[*].{attr}", values) if kind == "int" else \
+        check_real_list(f"trajectories[*].{attr}", values)
 
 
 def to_tensors(
@@ -439,27 +458,23 @@ def to_tensors(
       allowed); ``rollout_logp`` is the engine's fp32 log-prob on model tokens and exactly 0 elsewhere;
       ``versions`` the model tokens' versions and -1 elsewhere; ``turn_ids`` the turn of every response token
       (-1 on padding).
-    - ``group_ids`` (one per trajectory, repeated over its segments; default: every trajectory's ``group_id``
-      when all are ints, else 0) and ``rewards`` (one per trajectory; default: their ``reward`` when all are set).
+    - ``group_ids`` (one per trajectory, repeated over its segments; default: the trajectories' ``group_id``,
+      or 0 when none has one) and ``rewards`` (one per trajectory; default: their ``reward``, or no rewards when
+      none has one).
 
-    Raises :class:`~rlblocks.errors.ArgumentError` for an empty list, a non-``Trajectory`` entry, a non-int
-    ``pad_id`` or per-trajectory lists of the wrong length. Nothing is dropped.
+    Raises :class:`~rlblocks.errors.ArgumentError` for an empty list, a non-``Trajectory`` entry, a ``pad_id``
+    that is not an int >= 0, per-trajectory lists of the wrong length or type, or trajectories of which only some
+    have a ``group_id`` (or a ``reward``). Nothing is dropped.
     """
-    if isinstance(trajectories, Trajectory) or not isinstance(trajectories, Sequence) or len(trajectories) == 0:
-        raise ArgumentError(f"trajectories: expected a non-empty sequence of Trajectory, got {trajectories!r:.80}")
-    for i, t in enumerate(trajectories):
-        if not isinstance(t, Trajectory):
-            raise ArgumentError(f"trajectories[{i}]: expected a Trajectory, got {type(t).__name__}")
-    if isinstance(pad_id, bool) or not isinstance(pad_id, int):
-        raise ArgumentError(f"pad_id: expected an int token id, got {pad_id!r}")
+    _check_trajectories(trajectories)
+    pad_id = check_int("pad_id", pad_id, minimum=0, what="an int token id >= 0")
     n = len(trajectories)
-    gids = _per_trajectory("group_ids", group_ids, n)
+    gids = per_row("group_ids", group_ids, n, kind="int", unit="trajectory")
     if gids is None:
-        own = [t.group_id for t in trajectories]
-        gids = own if all(isinstance(g, int) and not isinstance(g, bool) for g in own) else [0] * n
-    rews = _per_trajectory("rewards", rewards, n)
-    if rews is None and all(t.reward is not None for t in trajectories):
-        rews = [t.reward for t in trajectories]
+        gids = _own("group_id", [t.group_id for t in trajectories], kind="int", none=[0] * n)
+    rews = per_row("rewards", rewards, n, kind="real", unit="trajectory")
+    if rews is None:
+        rews = _own("reward", [t.reward for t in trajectories], kind="real", none=None)
 
     rows = [(i, s) for i, t in enumerate(trajectories) for s in t.segments()]
     b = len(rows)
@@ -495,8 +510,8 @@ def to_tensors(
         loss_mask=loss_mask,
         rollout_logp=rollout_logp,
         versions=versions,
-        group_ids=torch.tensor([int(gids[i]) for i, _ in rows], dtype=torch.long),
-        rewards=None if rews is None else torch.tensor([float(rews[i]) for i, _ in rows], dtype=torch.float32),
+        group_ids=torch.tensor([gids[i] for i, _ in rows], dtype=torch.long),
+        rewards=None if rews is None else torch.tensor([rews[i] for i, _ in rows], dtype=torch.float32),
         turn_ids=turn_ids,
     )
     return batch if device is None else batch.to(device)

@@ -15,7 +15,6 @@ Conventions
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
@@ -23,6 +22,7 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from rlblocks._checks import check_int, check_real
 from rlblocks.errors import ArgumentError
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -46,45 +46,20 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        temperature = _real("temperature", self.temperature)
+        temperature = check_real("temperature", self.temperature)
         if not (math.isfinite(temperature) and temperature >= 0.0):
             raise ArgumentError(f"temperature: expected a finite number >= 0, got {self.temperature!r}")
-        top_p = _real("top_p", self.top_p)
+        top_p = check_real("top_p", self.top_p)
         if not (0.0 < top_p <= 1.0):
             raise ArgumentError(f"top_p: expected a value in (0, 1], got {self.top_p!r}")
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_p", top_p)
-        object.__setattr__(self, "top_k", _int("top_k", self.top_k, "an int (<= 0 disables it)"))
-        object.__setattr__(self, "max_new_tokens", _int("max_new_tokens", self.max_new_tokens, minimum=0))
+        object.__setattr__(self, "top_k", check_int("top_k", self.top_k, what="an int (<= 0 disables it)"))
+        object.__setattr__(self, "max_new_tokens", check_int("max_new_tokens", self.max_new_tokens, minimum=0))
         if self.seed is not None:
-            object.__setattr__(self, "seed", _int("seed", self.seed))
-        ids = tuple(_int(f"stop_token_ids[{i}]", t, minimum=0) for i, t in enumerate(self.stop_token_ids))
+            object.__setattr__(self, "seed", check_int("seed", self.seed))
+        ids = tuple(check_int(f"stop_token_ids[{i}]", t, minimum=0) for i, t in enumerate(self.stop_token_ids))
         object.__setattr__(self, "stop_token_ids", ids)
-
-
-def _int(name: str, value: object, what: str | None = None, *, minimum: int | None = None) -> int:
-    """``value`` as a plain int. Token ids and counts must be genuine integers: a float would be truncated
-    (``int(2.7) == 2``) and ``True`` read as 1, silently, so both are refused (numpy / 0-d torch ints are fine)."""
-    want = what or ("an int" if minimum is None else f"an int >= {minimum}")
-    if isinstance(value, bool) or (isinstance(value, Tensor) and value.dtype == torch.bool):
-        raise ArgumentError(f"{name}: expected {want}, got {value!r}")
-    try:
-        iv = operator.index(value)
-    except TypeError:
-        raise ArgumentError(f"{name}: expected {want}, got {value!r} ({type(value).__name__})") from None
-    if minimum is not None and iv < minimum:
-        raise ArgumentError(f"{name}: expected {want}, got {iv}")
-    return iv
-
-
-def _real(name: str, value: object) -> float:
-    """A real number (int or float, not a bool or a string) as a Python float."""
-    if isinstance(value, (bool, str, bytes)):
-        raise ArgumentError(f"{name}: expected a number, got {value!r}")
-    try:
-        return float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise ArgumentError(f"{name}: expected a number, got {value!r}") from None
 
 
 @dataclass
@@ -99,7 +74,7 @@ class GenerationRequest:
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ArgumentError(f"request_id: expected a non-empty str, got {self.request_id!r}")
-        self.prompt_ids = [_int(f"prompt_ids[{i}]", t, minimum=0) for i, t in enumerate(self.prompt_ids)]
+        self.prompt_ids = [check_int(f"prompt_ids[{i}]", t, minimum=0) for i, t in enumerate(self.prompt_ids)]
         if len(self.prompt_ids) == 0:
             raise ArgumentError("prompt_ids: expected at least one token, got an empty list")
 

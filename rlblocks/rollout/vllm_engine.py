@@ -61,7 +61,7 @@ from torch import Tensor
 from rlblocks._deprecate import renamed_kwargs, warn_renamed
 from rlblocks.errors import ArgumentError, EngineError, WeightUpdateError
 
-from ._common import InFlightCount, Lifecycle, StatsView
+from ._common import InFlightCount, Lifecycle, StatsView, wait_first
 from ._weights import WeightLayout, check_version, refuse
 from .types import Generation, GenerationRequest, SamplingParams
 
@@ -429,7 +429,7 @@ class VLLMEngine:
         self._inflight[rid] = state
         try:
             if not self._gate.is_set():
-                await self._wait_gate(state)
+                await wait_first(self._gate, state.aborted)  # until the engine may generate again, or aborted
                 self._state.check_open()
                 if state.abort_requested:  # aborted while it waited: nothing was generated
                     return Generation(rid, list(request.prompt_ids), finish_reason="abort")
@@ -473,16 +473,6 @@ class VLLMEngine:
             self._inflight.pop(rid, None)
             if state.lora_version is not None:
                 self._release_lora(state.lora_version)
-
-    async def _wait_gate(self, state: _InFlight) -> None:
-        """Hold a request in this client until the engine may generate again, or until it is aborted."""
-        gate = asyncio.ensure_future(self._gate.wait())
-        aborted = asyncio.ensure_future(state.aborted.wait())
-        try:
-            await asyncio.wait({gate, aborted}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gate.cancel()
-            aborted.cancel()
 
     def _take_delta(self, state: _InFlight, comp: Any) -> None:
         ids = list(comp.token_ids)

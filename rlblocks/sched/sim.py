@@ -58,12 +58,12 @@ import random
 import sys
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any, Literal
 
-from rlblocks.errors import ArgumentError
+from rlblocks.errors import ArgumentError, RLBlocksError
 
-from ._checks import check_int, check_optional_int
+from ._checks import check_bool, check_int, check_optional_int
 from .admission import StalenessController
 from .dynamic_sampling import DynamicSampler
 from .partial import PartialRollout, PartialRolloutBuffer
@@ -77,6 +77,7 @@ __all__ = [
     "PrefillCost",
     "Schedule",
     "SimResult",
+    "SimulationStalled",
     "SyncCost",
     "TrainCost",
     "Workload",
@@ -87,6 +88,7 @@ __all__ = [
 
 Mode = Literal["sync-colocated", "sync-disaggregated", "async"]
 MODES = ("sync-colocated", "sync-disaggregated", "async")
+_LENGTH_KINDS = ("fixed", "empirical", "cycle", "lognormal")
 Z99 = 2.3263478740408408  # standard normal 99th percentile: p99 / median = exp(Z99 * sigma) for a lognormal
 
 
@@ -101,6 +103,11 @@ def _positive(name: str, value: object) -> float:
     if v <= 0:
         raise ArgumentError(f"{name}: expected a number > 0, got {value!r}")
     return v
+
+
+class SimulationStalled(RLBlocksError, RuntimeError):
+    """The simulated loop ran out of events before ``schedule.steps`` steps (a configuration that cannot finish);
+    raised instead of returning partial figures."""
 
 
 # ================================================================================================ lengths
@@ -120,6 +127,15 @@ class Lengths:
     maximum: int = 1
     values: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        if self.kind not in _LENGTH_KINDS:
+            raise ArgumentError(f"kind: expected one of {_LENGTH_KINDS} (build with Lengths.lognormal(), .empirical(), "
+                                f".cycle() or .fixed()), got {self.kind!r}")
+        lo = check_int("minimum", self.minimum, minimum=1)
+        check_int("maximum", self.maximum, minimum=lo)
+        if self.kind in ("empirical", "cycle") and not self.values:
+            raise ArgumentError("values: expected at least one length, got none")
+
     @classmethod
     def lognormal(cls, median: float, p99: float, *, maximum: int, minimum: int = 1) -> Lengths:
         """Lognormal with the given median and 99th percentile (``sigma = ln(p99 / median) / z_0.99``), clamped to
@@ -135,6 +151,8 @@ class Lengths:
     @classmethod
     def empirical(cls, values: Sequence[int]) -> Lengths:
         """Draw uniformly from observed lengths (e.g. the response lengths of a previous run)."""
+        if isinstance(values, (str, bytes)):
+            raise ArgumentError(f"values: expected a sequence of int lengths, got {type(values).__name__}")
         vals = tuple(check_int(f"values[{i}]", v, minimum=1) for i, v in enumerate(values))
         if not vals:
             raise ArgumentError("values: expected at least one length, got none")
@@ -267,7 +285,8 @@ class TrainCost:
         train = overhead_s + (per_token_s·T + per_token_sq_s·Σ n_i² + per_seq_s·S) / d
 
     with ``T`` the tokens processed (prompt + response; with ``padded=True``, ``S · max n_i``, i.e. a right-padded
-    batch as ``batch_tensors`` builds it), ``n_i`` each sequence's length and ``S`` the number of sequences.
+    batch as :func:`rlblocks.rollout.build_batch` builds it), ``n_i`` each sequence's length and ``S`` the number
+    of sequences.
     """
 
     overhead_s: float = 0.0
@@ -279,6 +298,7 @@ class TrainCost:
     def __post_init__(self) -> None:
         for f in ("overhead_s", "per_token_s", "per_token_sq_s", "per_seq_s"):
             _nonneg(f, getattr(self, f))
+        check_bool("padded", self.padded)
 
     def seconds(self, lengths: Sequence[int], devices: int) -> float:
         s = len(lengths)
@@ -329,6 +349,10 @@ class Hardware:
     notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        for name, kind in (("decode", DecodeCost), ("prefill", PrefillCost), ("train", TrainCost), ("sync", SyncCost),
+                           ("sync_colocated", SyncCost)):
+            if not isinstance(getattr(self, name), kind):
+                raise ArgumentError(f"{name}: expected a {kind.__name__}, got {type(getattr(self, name)).__name__}")
         _nonneg("weight_bytes", self.weight_bytes)
         _nonneg("host_contention", self.host_contention)
         check_int("kv_capacity_tokens", self.kv_capacity_tokens, minimum=1)
@@ -340,11 +364,28 @@ class Hardware:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Hardware:
-        """Inverse of :meth:`to_dict` (e.g. a calibration written by ``benchmarks/sim/measure_cpu_costs.py``)."""
+        """Inverse of :meth:`to_dict` (e.g. a calibration written by ``benchmarks/sim/measure_cpu_costs.py``).
+        A missing or unknown key is an :class:`~rlblocks.errors.ArgumentError` naming it."""
+        if not isinstance(d, dict):
+            raise ArgumentError(f"d: expected a dict (Hardware.to_dict()), got {type(d).__name__}")
         d = dict(d)
-        return cls(decode=DecodeCost(**d.pop("decode")), prefill=PrefillCost(**d.pop("prefill")),
-                   train=TrainCost(**d.pop("train")), sync=SyncCost(**d.pop("sync")),
-                   sync_colocated=SyncCost(**d.pop("sync_colocated")), notes=tuple(d.pop("notes", ())), **d)
+        parts = {}
+        for key, kind in (("decode", DecodeCost), ("prefill", PrefillCost), ("train", TrainCost), ("sync", SyncCost),
+                          ("sync_colocated", SyncCost)):
+            if not isinstance(d.get(key), dict):
+                raise ArgumentError(f"d[{key!r}]: expected a dict of {kind.__name__} fields, got {d.get(key)!r:.60}")
+            sub = d.pop(key)
+            unknown = sorted(set(sub) - {f.name for f in fields(kind)})
+            if unknown:
+                raise ArgumentError(f"d[{key!r}]: unknown {kind.__name__} fields {unknown}")
+            parts[key] = kind(**sub)
+        parts["notes"] = tuple(d.pop("notes", ()))
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        missing = sorted({f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+                         - set(d) - set(parts))
+        if unknown or missing:
+            raise ArgumentError(f"d: unknown Hardware fields {unknown}, missing {missing}")
+        return cls(**parts, **d)
 
 
 @dataclass(frozen=True)
@@ -358,6 +399,11 @@ class ModelSpec:
     kv_heads: int
     head_dim: int
     bytes_per_param: int = 2
+
+    def __post_init__(self) -> None:
+        _positive("params", self.params)
+        for name in ("layers", "heads", "kv_heads", "head_dim", "bytes_per_param"):
+            check_int(name, getattr(self, name), minimum=1)
 
     @property
     def weight_bytes(self) -> float:
@@ -426,8 +472,20 @@ def gpu_like(
       plus ``sync_latency_s`` 2 s to pause, load, flush caches and resume (ASSUMPTIONS: measure your own).
       Colocated: an in-device copy at HBM speed plus 0.5 s.
     """
+    if not isinstance(model, (str, ModelSpec)):
+        raise ArgumentError(f"model: expected a preset name or a ModelSpec, got {type(model).__name__}")
     m = ModelSpec.preset(model) if isinstance(model, str) else model
     tp = check_int("devices_per_engine", devices_per_engine, minimum=1)
+    for name, v in (("peak_flops", peak_flops), ("hbm_bytes_per_s", hbm_bytes_per_s), ("memory_bytes", memory_bytes),
+                    ("network_bytes_per_s", network_bytes_per_s)):
+        _positive(name, v)
+    for name, v in (("bandwidth_efficiency", bandwidth_efficiency), ("decode_flops_efficiency",
+                    decode_flops_efficiency), ("prefill_flops_efficiency", prefill_flops_efficiency),
+                    ("train_mfu", train_mfu), ("gpu_memory_utilization", gpu_memory_utilization)):
+        if _positive(name, v) > 1:
+            raise ArgumentError(f"{name}: expected a fraction in (0, 1], got {v!r}")
+    _nonneg("step_overhead_s", step_overhead_s)
+    _nonneg("sync_latency_s", sync_latency_s)
     flops_d, flops_p, flops_t = peak_flops * decode_flops_efficiency, peak_flops * prefill_flops_efficiency, \
         peak_flops * train_mfu
     bw = hbm_bytes_per_s * bandwidth_efficiency * tp
@@ -492,6 +550,12 @@ class Workload:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("lengths", "prompt_lengths"):
+            if not isinstance(getattr(self, name), Lengths):
+                raise ArgumentError(f"{name}: expected a Lengths (Lengths.lognormal(), .fixed(), ...), got "
+                                    f"{type(getattr(self, name)).__name__}")
+        check_bool("per_group_length", self.per_group_length)
+        check_int("seed", self.seed)
         check_int("batch_groups", self.batch_groups, minimum=1)
         check_int("group_size", self.group_size, minimum=1)
         p = _nonneg("zero_variance_p", self.zero_variance_p)
@@ -529,6 +593,12 @@ class Schedule:
         if self.mode not in MODES:
             raise ArgumentError(f"mode: expected one of {MODES}, got {self.mode!r}")
         check_int("max_staleness", self.max_staleness, minimum=0)
+        check_bool("partial_rollout", self.partial_rollout)
+        check_bool("dynamic_sampling", self.dynamic_sampling)  # "no" is truthy: it would have filtered groups
+        over = _positive("over_sampling", self.over_sampling)
+        if over < 1:
+            raise ArgumentError(f"over_sampling: expected a factor >= 1, got {self.over_sampling!r}")
+        check_optional_int("max_rounds", self.max_rounds, minimum=1)
         check_optional_int("max_concurrent", self.max_concurrent, minimum=1)
         check_int("steps", self.steps, minimum=1)
         w = check_int("warmup_steps", self.warmup_steps, minimum=0)
@@ -1335,7 +1405,7 @@ def simulate(
     sim.run()
     if not sim.done:
         states = Counter(g.state for g in sim.groups)
-        raise RuntimeError(
+        raise SimulationStalled(
             f"the simulated loop stalled after {sim.step} of {schedule.steps} steps: nothing left to run "
             f"(groups by state {dict(states)}; controller {sim.ctrl.stats() if sim.ctrl else None})"
         )
@@ -1343,6 +1413,13 @@ def simulate(
 
 
 # ================================================================================================ sizing CLI
+def _ints(flag: str, words: list[str]) -> list[int]:
+    try:
+        return [int(w) for w in words]
+    except ValueError:
+        raise ArgumentError(f"{flag}: expected integers, got {' '.join(words)[:80]!r}") from None
+
+
 def _size(args: argparse.Namespace) -> None:
     hw = gpu_like(args.model, devices_per_engine=args.tp) if args.hardware == "gpu" else cpu_like()
     if args.hardware_json:
@@ -1350,7 +1427,7 @@ def _size(args: argparse.Namespace) -> None:
             hw = Hardware.from_dict(json.load(f))
     if args.lengths_file:
         with open(args.lengths_file) as f:
-            lengths = Lengths.empirical([int(x) for x in f.read().split()])
+            lengths = Lengths.empirical(_ints("--lengths-file", f.read().split()))
     else:
         lengths = Lengths.lognormal(args.median, args.p99, maximum=args.max_len)
     work = Workload(lengths=lengths, prompt_lengths=Lengths.fixed(args.prompt_len), batch_groups=args.batch,
@@ -1358,14 +1435,14 @@ def _size(args: argparse.Namespace) -> None:
     total = args.devices
     tp = hw.devices_per_engine
     if args.splits:
-        splits = [int(x) for x in args.splits.split(",")]
+        splits = _ints("--splits", args.splits.split(","))
     else:  # eighths of the devices, rounded to whole engines
         splits = sorted({max(tp, min(total - 1, round(total * i / 8 / tp) * tp)) for i in range(1, 8)})
     for r in splits:
         if not 0 < r < total or r % tp:
             raise ArgumentError(f"splits: expected rollout device counts in (0, {total}) that are multiples of "
                                 f"--tp={tp}, got {r}")
-    etas = [int(x) for x in args.etas.split(",")]
+    etas = _ints("--etas", args.etas.split(","))
     print(f"{hw.name}; {total} devices; B={args.batch} groups × K={args.group_size}; lengths {lengths.describe()}; "
           f"{args.steps} steps ({args.warmup} warm-up)", flush=True)
     base = Schedule(steps=args.steps, warmup_steps=args.warmup, dynamic_sampling=args.dynamic_sampling)

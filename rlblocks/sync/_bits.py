@@ -32,6 +32,8 @@ import torch
 from jaxtyping import Int64, Shaped
 from torch import Tensor
 
+from rlblocks.errors import ArgumentError
+
 try:  # optional: faster index search (see nonzero_1d); torch alone works too
     import numpy as _np
 except ImportError:  # pragma: no cover
@@ -242,7 +244,7 @@ def changed_indices(
     device, one chunk after another.
     """
     if old.dtype != new.dtype or old.shape != new.shape or old.dim() != 1:
-        raise ValueError(f"changed_indices: expected two flat tensors of one dtype, got {old.shape} {new.shape}")
+        raise ArgumentError(f"changed_indices: expected two flat tensors of one dtype, got {old.shape} {new.shape}")
     es = old.element_size()
     n = old.numel()
     oi, ni = old.view(INT_VIEW[es]), new.view(INT_VIEW[es])

@@ -24,6 +24,7 @@ publishing a full packet), rather than returning ``None`` as if nothing had been
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import secrets
@@ -278,6 +279,11 @@ class DirectoryTransport:
         After ``timeout`` seconds raises the last :class:`DeltaError` if damage was what blocked, else
         ``TimeoutError``.
         """
+        # NaN compares False with everything: the deadline would never pass and the wait would never end
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+            raise ArgumentError(f"timeout: expected a number of seconds >= 0, got {timeout!r}")
+        if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not 0 < poll < math.inf:
+            raise ArgumentError(f"poll: expected a finite number of seconds > 0, got {poll!r}")
         deadline = time.monotonic() + timeout
         while True:
             err = None

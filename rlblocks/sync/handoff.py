@@ -131,7 +131,10 @@ class HandoffSender:
     def __init__(self, *, device: torch.device | str = "cpu", bucket_bytes: int = 512 << 20):
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ArgumentError(f"bucket_bytes: expected a positive int, got {bucket_bytes!r}")
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ArgumentError(f"device: expected 'cpu' or a CUDA device, got {device!r}") from None
         if self.device.type not in ("cpu", "cuda"):
             raise ArgumentError(f"device: expected 'cpu' or a CUDA device, got {device!r}")
         self.bucket_bytes = bucket_bytes
@@ -163,7 +166,13 @@ class HandoffSender:
         """Copy ``named_tensors`` into shared buckets and describe them; the buckets stay untouched until
         :meth:`release` of the returned message. Bit-exact for every dtype; names must be unique."""
         version = check_version(version)
-        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        try:
+            items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        except TypeError:
+            raise ArgumentError(f"named_tensors: expected (str, Tensor) pairs or a mapping, got "
+                                f"{type(named_tensors).__name__}") from None
+        if not items:  # an update of nothing: every engine refuses it, so it is refused before any buffer is taken
+            raise ArgumentError("named_tensors: expected at least one tensor, got none")
         specs = []
         for item in items:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
@@ -277,6 +286,28 @@ def _attach_segment(name: str) -> shared_memory.SharedMemory:
     return shm
 
 
+def _check_message(message: HandoffMessage) -> None:
+    """The message's structure, before any segment is attached: it comes from another process, so a malformed one
+    is a refused update (:class:`WeightUpdateError`), never a TypeError from inside."""
+    if message.device not in ("cpu", "cuda"):
+        raise WeightUpdateError(f"message.device: expected 'cpu' or 'cuda', got {message.device!r}")
+    if not isinstance(message.buckets, tuple) or not message.buckets:
+        raise WeightUpdateError(f"message.buckets: expected a non-empty tuple of HandoffBucket, got "
+                                f"{message.buckets!r:.60}")
+    for i, b in enumerate(message.buckets):
+        where = f"message.buckets[{i}]"
+        if not isinstance(b, HandoffBucket):
+            raise WeightUpdateError(f"{where}: expected a HandoffBucket, got {type(b).__name__}")
+        if isinstance(b.nbytes, bool) or not isinstance(b.nbytes, int) or b.nbytes < 0:
+            raise WeightUpdateError(f"{where}.nbytes: expected an int >= 0, got {b.nbytes!r}")
+        if not isinstance(b.tensors, tuple) or not all(isinstance(m, TensorMeta) for m in b.tensors):
+            raise WeightUpdateError(f"{where}.tensors: expected a tuple of TensorMeta, got {b.tensors!r:.60}")
+        want = str if message.device == "cpu" else dict
+        if not isinstance(b.handle, want):
+            raise WeightUpdateError(f"{where}.handle: expected a {want.__name__} for device {message.device!r}, got "
+                                    f"{type(b.handle).__name__}")
+
+
 @contextlib.contextmanager
 def open_handoff(
     message: HandoffMessage, *, device: torch.device | str | None = None
@@ -290,6 +321,7 @@ def open_handoff(
     """
     if not isinstance(message, HandoffMessage):
         raise ArgumentError(f"message: expected a HandoffMessage, got {type(message).__name__}")
+    _check_message(message)
     seen: set[str] = set()
     for i, b in enumerate(message.buckets):
         try:

@@ -39,7 +39,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from rlblocks._deprecate import warn_renamed
-from rlblocks.errors import ArgumentError
+from rlblocks.errors import ArgumentError, WeightUpdateError
 from rlblocks.sync._args import check_version, keyword_only
 
 PEFT_PREFIX = "base_model.model."
@@ -194,7 +194,8 @@ def split_lora_message(named_tensors: Iterable[tuple[str, Tensor]] | Mapping[str
     ``base`` holds the base weights (HF names; empty after the first sync), ``lora_state`` is the same structure
     :func:`lora_state` returns (ready for :func:`merge_lora` or an engine's LoRA loader), ``info`` is
     ``{"kind": "base+adapter" | "adapter", "version", "base_version"}``. Received tensors are copied (bucket views
-    are not kept).
+    are not kept). A message that is not a LoraSyncer message is refused with
+    :class:`~rlblocks.errors.WeightUpdateError`, like every refused weight update on a receiver.
     """
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     base, adapters, meta = {}, {}, None
@@ -208,15 +209,15 @@ def split_lora_message(named_tensors: Iterable[tuple[str, Tensor]] | Mapping[str
                 if missing:
                     raise KeyError(missing)
             except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-                raise ArgumentError(f"named_tensors[{CONFIG_TENSOR!r}]: not a LoraSyncer config ({e!r})") from e
+                raise WeightUpdateError(f"named_tensors[{CONFIG_TENSOR!r}]: not a LoraSyncer config ({e!r})") from e
         elif name.startswith(PEFT_PREFIX) and _PAIR.match(name):
             adapters[name] = t.clone()
         else:
             base[name] = t.clone()
     if meta is None:
-        raise ArgumentError(f"named_tensors: no {CONFIG_TENSOR!r} entry: not a LoraSyncer message")
+        raise WeightUpdateError(f"named_tensors: no {CONFIG_TENSOR!r} entry: not a LoraSyncer message")
     if meta["kind"] == "adapter" and base:
-        raise ArgumentError(f"named_tensors: an adapter-only message carries {len(base)} base tensor(s)")
+        raise WeightUpdateError(f"named_tensors: an adapter-only message carries {len(base)} base tensor(s)")
     info = {"kind": meta["kind"], "version": meta["version"], "base_version": meta["base_version"]}
     return base, {"tensors": adapters, "config": meta["config"], "adapter_name": meta["adapter_name"]}, info
 

@@ -52,7 +52,9 @@ def _check(ref, backend, lead, hdim, vocab, temperature, entropy, dtype=torch.fl
 @pytest.mark.parametrize("entropy", [False, True])
 @pytest.mark.parametrize(
     ("backend", "lead", "hdim", "vocab"),
-    [("torch", (2, 150), 96, 3001), pytest.param("triton", (45,), 40, 333, marks=NEEDS_TRITON)],
+    [("torch", (2, 150), 96, 3001), pytest.param("triton", (45,), 40, 333, marks=NEEDS_TRITON),
+     # H=37: fp32 rows of 148 bytes are not 16-byte aligned, so the kernels read through pointers instead of TMA
+     pytest.param("triton", (21,), 37, 200, marks=NEEDS_TRITON)],
 )
 def test_fp32_matches_fp64(ref, small_chunks, backend, lead, hdim, vocab, entropy):
     _check(ref, backend, lead, hdim, vocab, 0.7, entropy)

@@ -59,6 +59,17 @@ def _case(backend, rank, n, hdim, vocab, entropy):
     summed = gh_local.clone()
     dist.all_reduce(summed)
     _check(f"{tag} grad hidden, reduced by the caller", summed, gh_ref, 1e-5)
+    if entropy:  # the fused-loss path: the same gradients, formed in the forward
+        from rlblocks.kernels import linear_token_logprobs_loss
+
+        h = hidden.clone().requires_grad_()
+        w = weight[rank * shard : (rank + 1) * shard].clone().requires_grad_()
+        res = linear_token_logprobs_loss(h, w, labels, c1, entropy_coef=c2, temperature=0.8,
+                                         process_group=dist.group.WORLD, backend=backend)
+        res.loss.backward()
+        _check(f"{tag} fused logp", res.logp, lp_ref, 1e-5)
+        _check(f"{tag} fused grad hidden", h.grad, gh_ref, 1e-5)
+        _check(f"{tag} fused grad weight shard", w.grad, gw_ref[rank * shard : (rank + 1) * shard], 1e-5)
 
 
 def _worker(rank, init_file, backends):

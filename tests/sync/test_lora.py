@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from rlblocks.errors import WeightUpdateError
 from rlblocks.sync import LoraSyncer, WeightReceiver, WeightSender, lora_state, merge_lora
 from rlblocks.sync.lora import base_state, split_lora_message
 
@@ -216,5 +217,8 @@ def test_split_lora_message_refuses_a_bad_config_tensor():
     from rlblocks.sync.lora import CONFIG_TENSOR
 
     bad = torch.tensor(list(b'{"kind": "adapter"'), dtype=torch.uint8)
-    with pytest.raises(ValueError, match="not a LoraSyncer config"):
+    # a refused weight update on a receiver: WeightUpdateError, as from every engine, handoff and delta receiver
+    with pytest.raises(WeightUpdateError, match="not a LoraSyncer config"):
         split_lora_message([(CONFIG_TENSOR, bad)])
+    with pytest.raises(WeightUpdateError, match="not a LoraSyncer message"):
+        split_lora_message([("w", torch.ones(2))])
