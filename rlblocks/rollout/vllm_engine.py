@@ -203,6 +203,7 @@ class VLLMEngine:
         self._gc_tasks: set[asyncio.Task] = set()
         self._stats = VLLMEngineStats()
         self._own_lora_dir = lora_dir is None
+        self._ipc_initialised = False  # vLLM's IPC transfer engine is initialised by the first IPC update
         self._lora_dir = Path(lora_dir) if lora_dir is not None else None
         from vllm.outputs import CompletionOutput
 
@@ -258,6 +259,11 @@ class VLLMEngine:
             engine_args.setdefault("max_loras", max_staleness + 1)
             engine_args.setdefault("max_cpu_loras", max_staleness + 2)
         env = {} if cuda else {"TORCHDYNAMO_DISABLE": "1"}
+        transfer = engine_args.get("weight_transfer_config")
+        if (transfer.get("backend") if isinstance(transfer, Mapping) else getattr(transfer, "backend", None)) == "ipc":
+            # update_weights_from_ipc sends the CUDA IPC handles pickled (they carry torch types); vLLM's worker
+            # unpickles them only with this set. The channel is the engine's own local socket.
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         env.update(engine_env or {})
         args = AsyncEngineArgs(model=str(path), logprobs_mode="processed_logprobs", **engine_args)
         # No local may name the AsyncLLM here: vLLM keeps this frame alive after start-up, which would keep the
@@ -671,7 +677,8 @@ class VLLMEngine:
         keeps its old weights and version. Tensors travel to the worker through ``collective_rpc`` as raw bytes (any
         device, any dtype; :class:`WorkerExtension` rebuilds them), one call for the whole set, so a fused module is
         never half-loaded: fine for small models and CPU; for large GPU models use :meth:`init_weight_transfer` +
-        :meth:`update_weights_from_distributed` (NCCL). The engine must run :class:`WorkerExtension`
+        :meth:`update_weights_from_distributed` (NCCL), or, colocated on one GPU, :meth:`update_weights_from_ipc`
+        (CUDA IPC, no host copy). The engine must run :class:`WorkerExtension`
         (``from_pretrained`` sets it; a custom ``worker_extension_cls`` must subclass it)."""
         self._state.check_open()
         check_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
@@ -737,14 +744,8 @@ class VLLMEngine:
         self._state.check_update(partial)
         metas = [(n, torch.empty(tuple(s), dtype=d, device="meta")) for n, d, s in zip(names, dtypes, shapes)]
         self.validate_weights(metas, partial=partial)
-        layout = self._weight_layout()
-        # An alias sent alone is received under the name vLLM loads (a tied lm_head would otherwise be skipped).
-        given = set(names)
-        recv_names = [
-            layout.canonical(n) if layout.canonical(n) not in given else n for n in names
-        ]
         info = {
-            "names": recv_names,
+            "names": self._receive_names(names),
             "dtype_names": [str(d).removeprefix("torch.") for d in dtypes],
             "shapes": [list(s) for s in shapes],
         }
@@ -755,6 +756,94 @@ class VLLMEngine:
             await self._llm.finish_weight_update()
 
         await self._swap(version, partial, allow_rollback, load)
+
+    # ---- CUDA IPC path (GPU only): a colocated trainer hands its device memory over, no host round trip
+    async def update_weights_from_ipc(
+        self,
+        update_info: Mapping[str, Any],
+        *,
+        version: int,
+        partial: bool = False,
+        allow_rollback: bool = False,
+    ) -> None:
+        """Load weights the colocated trainer exported as CUDA IPC handles (vLLM's IPC weight transfer), commit
+        ``version``.
+
+        ``update_info`` is :meth:`rlblocks.sync.HandoffSender.vllm_ipc_update_info` of a prepared handoff (or any
+        mapping of the same form): ``names``, ``dtype_names`` (``"bfloat16"``), ``shapes`` and ``ipc_handles``, one
+        ``{GPU uuid: reduce_tensor args}`` per tensor. Each worker maps the trainer's buffers and loads from them:
+        the load into the parameters is the only copy, and no weight goes through host memory (the raw-bytes
+        :meth:`update_weights` path copies every weight device -> host -> RPC -> device). The trainer must keep
+        the exported buffers untouched and alive until this returns (``HandoffSender.release(msg)`` afterwards).
+
+        Needs CUDA and an engine started with ``weight_transfer_config={"backend": "ipc"}``; :meth:`from_pretrained`
+        then sets ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` for the engine processes, because the handles carry
+        torch types that only pickle can move, and travel pickled on the engine's own local channel. The first call
+        initialises vLLM's IPC transfer engine (non-packed: one handle per tensor). Names, shapes, dtypes,
+        completeness and the version are checked before anything is mapped (:class:`~rlblocks.errors.WeightUpdateError`,
+        nothing loaded, old version kept); the pause / reset / commit sequence is that of :meth:`update_weights`.
+        """
+        import base64
+        import pickle
+
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+        self._state.check_open()
+        backend = getattr(self._llm.vllm_config.weight_transfer_config, "backend", None)
+        if backend != "ipc":
+            raise ArgumentError(
+                f"weight_transfer_config: start the engine with weight_transfer_config={{'backend': 'ipc'}} to use "
+                f"the CUDA IPC path, got backend {backend!r}"
+            )
+        if not isinstance(update_info, Mapping):
+            raise ArgumentError(f"update_info: expected a mapping, got {type(update_info).__name__}")
+        missing = sorted({"names", "dtype_names", "shapes", "ipc_handles"} - set(update_info))
+        if missing:
+            raise ArgumentError(f"update_info: missing keys {missing} (got {sorted(update_info)})")
+        names = list(update_info["names"])
+        dtype_names = [str(d) for d in update_info["dtype_names"]]
+        shapes = [list(s) for s in update_info["shapes"]]
+        handles = update_info["ipc_handles"]
+        if not isinstance(handles, list) or not all(isinstance(h, Mapping) and h for h in handles):
+            raise ArgumentError("update_info['ipc_handles']: expected a list of non-empty {GPU uuid: handle} mappings")
+        if not (len(names) == len(dtype_names) == len(shapes) == len(handles)):
+            raise ArgumentError(
+                f"update_info: names, dtype_names, shapes, ipc_handles: expected equal lengths, got "
+                f"{len(names)}, {len(dtype_names)}, {len(shapes)}, {len(handles)}"
+            )
+        dtypes = []
+        for name, d in zip(names, dtype_names):
+            dtype = getattr(torch, d, None)
+            if not isinstance(dtype, torch.dtype):
+                raise ArgumentError(f"update_info['dtype_names'] of {name!r}: expected a torch dtype name, got {d!r}")
+            dtypes.append(dtype)
+        check_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
+        self._state.check_update(partial)
+        metas = [(n, torch.empty(tuple(s), dtype=d, device="meta")) for n, d, s in zip(names, dtypes, shapes)]
+        self.validate_weights(metas, partial=partial)
+        info = {
+            "names": self._receive_names(names),
+            "dtype_names": dtype_names,
+            "shapes": shapes,
+            "ipc_handles_pickled": base64.b64encode(pickle.dumps([dict(h) for h in handles])).decode("ascii"),
+        }
+
+        async def load() -> None:
+            if not self._ipc_initialised:
+                await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={"packed": False}))
+                self._ipc_initialised = True
+            await self._llm.start_weight_update()
+            await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+            await self._llm.finish_weight_update()
+
+        await self._swap(version, partial, allow_rollback, load)
+
+    def _receive_names(self, names: Sequence[str]) -> list[str]:
+        """Names the workers load under: a tied alias sent alone becomes the name vLLM loads (a tied ``lm_head``
+        would otherwise be skipped); sent beside its canonical name, it stays as it is."""
+        layout = self._weight_layout()
+        given = set(names)
+        return [layout.canonical(n) if layout.canonical(n) not in given else n for n in names]
 
     # ------------------------------------------------------------------ LoRA
     def _write_adapter(self, lora: Any, version: int) -> str:
