@@ -72,8 +72,9 @@ class Config:
     sglang_url: str = opt("http://127.0.0.1:30000", "SGLang server base URL (--engine sglang)")
     max_model_len: int = opt(0, "prompt + response positions the engine's KV cache is sized for; 0: the model's "
                                 "own positions (a real model: set it to your prompt + response budget)")
-    steps: int = opt(200, "optimizer steps")
-    time_limit: float = opt(450.0, "stop after this many seconds of RL (0: no limit)")
+    steps: int = opt(200, "optimizer steps (= policy versions); a step count, so the result does not depend on how "
+                          "loaded the machine is")
+    time_limit: float = opt(0.0, "also stop after this many seconds of RL (0: no limit)")
     prompts_per_step: int = opt(64, "B: prompt groups per step (global)")
     group_size: int = opt(8, "K: samples per prompt")
     loss: str = opt("ppo", "policy loss", ("ppo", "gspo", "cispo", "decoupled"))
@@ -218,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         raise ArgumentError(f"--mini-batches: expected at most the samples per rank ({n_local * cfg.group_size}), "
                             f"got {cfg.mini_batches}")
     torch.manual_seed(cfg.seed + rank)
+    random.seed(cfg.seed + rank)  # the engine draws each unseeded request's sampling seed from it: a run repeats
     rng = random.Random(cfg.seed * 1000 + rank)
     files = RunFiles(cfg.runs_dir, cfg.name)
 

@@ -188,6 +188,6 @@ def test_control_messages_round_trip():
 
     g = Loopback()
     for msg in (grpo_async.Weights(version=3, kind="delta"), grpo_async.Weights(7, "full", True, {1: 2, 3: 0}),
-                grpo_async.Refund({1: 4}), grpo_async.Stop()):
+                grpo_async.Stale({1: 4}), grpo_async.Stop()):
         grpo_async.send_control(g, msg)
         assert grpo_async.recv_control(g) == msg
