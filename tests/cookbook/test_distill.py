@@ -154,15 +154,17 @@ def test_sampled_step_follows_the_teacher_minus_student_advantage(tok, discount)
     assert float((adv * (ls1 - ls0)).sum().detach()) > 0
 
 
-def test_reward_weight_adds_the_grpo_advantage(tok):
-    """--distill-reward-weight w: the sampled advantage is A_distill + w·A_GRPO; with a teacher equal to the
-    student (A_distill = 0) the step is w × the plain GRPO step."""
+@pytest.mark.parametrize("mode", ["sampled", "dense"])
+def test_reward_weight_adds_the_grpo_advantage(tok, mode):
+    """--distill-reward-weight w: sampled, the advantage is A_distill + w·A_GRPO; dense, the loss is KL + w·GRPO
+    loss. With a teacher equal to the student, A_distill = 0 and the KL's gradient is 0 (its minimum), so the
+    step is w × the plain GRPO step."""
     student, bt, lr = fresh_model(tok, 1).train(), sample_batch(tok), 0.5
     teacher = copy.deepcopy(student).eval().requires_grad_(False)
     with torch.no_grad():
         bt["rollout_logp"] = distill.teacher_logprobs(student, bt)
     d_mix = sgd_delta(student, lambda: distill.distill_step(
-        cfg_of(distill_reward_weight=2.0), PolicyLogprobs(student),
+        cfg_of(distill_reward_weight=2.0, distill_mode=mode), PolicyLogprobs(student),
         torch.optim.SGD(student.parameters(), lr=lr), bt, teacher))
     student2 = copy.deepcopy(teacher).train().requires_grad_(True)
     g_cfg = SimpleNamespace(**vars(cfg_of()), correction="none", correction_cap=None, kl_coef=0.0)
@@ -171,6 +173,27 @@ def test_reward_weight_adds_the_grpo_advantage(tok):
     assert sum(float(d.abs().sum()) for d in d_grpo) > 0
     for a, b in zip(d_mix, d_grpo):
         torch.testing.assert_close(a, 2.0 * b, rtol=1e-3, atol=1e-6)
+
+
+def test_dense_epochs_and_mini_batches_match_float64_sgd(tok):
+    """2 epochs × 2 mini-batches in dense mode: the loops' documented shuffle (seed·1 000 003 + step), each update
+    SGD on the float64 token-mean reverse KL of its mini-batch's rows."""
+    student, teacher, bt, lr, step = fresh_model(tok, 1).train(), fresh_model(tok, 2), sample_batch(tok), 0.05, 4
+    cfg = cfg_of(distill_mode="dense", ppo_epochs=2, mini_batches=2, seed=3)
+    s64 = copy.deepcopy(student).double()
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    for _ in range(cfg.ppo_epochs):
+        for rows in torch.randperm(bt["mask"].shape[0], generator=gen).tensor_split(cfg.mini_batches):
+            mb = {k: v[rows] for k, v in bt.items()}
+            grads = torch.autograd.grad(reverse_kl64(s64, teacher, mb), list(s64.parameters()))
+            with torch.no_grad():
+                for p, g in zip(s64.parameters(), grads):
+                    p -= lr * g
+    m = distill.distill_step(cfg, PolicyLogprobs(student), torch.optim.SGD(student.parameters(), lr=lr), bt,
+                             teacher, step=step)
+    assert m["ppo_updates"] == 4
+    for p, q in zip(student.parameters(), s64.parameters()):
+        torch.testing.assert_close(p.detach().double(), q.detach(), rtol=1e-3, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------ the teacher's file
@@ -221,6 +244,17 @@ def test_distill_flags_that_would_be_ignored_are_refused(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
         parse_flags(grpo_sync.Config, argv, check=grpo_sync.check_flags)
     assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_make_demo_distill_flags_parse():
+    """The Makefile's demo-distill recipe passes flags grpo_sync.py accepts (the teacher path aside, which the
+    recipe makes with make demo)."""
+    text = (Path(__file__).resolve().parents[2] / "Makefile").read_text().replace("\\\n", " ")
+    recipe = text[text.index("\ndemo-distill:"):]
+    line = next(ln for ln in recipe.splitlines() if "grpo_sync.py" in ln)
+    argv = line.split("grpo_sync.py", 1)[1].split()
+    cfg = parse_flags(grpo_sync.Config, argv, check=grpo_sync.check_flags)
+    assert (cfg.distill_from, cfg.distill_mode, cfg.steps, cfg.time_limit) == ("runs/demo/ckpt.pt", "dense", 350, 0)
 
 
 def test_distill_flags_reach_the_config():
