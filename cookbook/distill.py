@@ -122,7 +122,8 @@ def load_teacher(path: str, student_path: str, device: torch.device, *, world: i
 def hidden_states(lm: nn.Module, bt: dict[str, Tensor]) -> tuple[Float[Tensor, "B Lm1 H"], Float[Tensor, "V H"]]:
     """The hidden states that predict each next token, ``h[:, t]`` predicting ``input_ids[:, t + 1]``
     (``[B, L-1, H]``, after the final norm), and the LM head's weight ``[V, H]`` (logits = ``h @ Wᵀ``)."""
-    # REAL MODEL: ``lm.model`` is the decoder of Llama/Qwen/Mistral-style HF models, as in ``PolicyLogprobs``.
+    # REAL MODEL: ``lm.model`` is the decoder body of Llama/Qwen/Mistral-style HF models (``causal_lm_logprobs``,
+    # used by ``PolicyLogprobs``, finds it through ``get_decoder()``; do the same for other architectures).
     hidden = lm.model(input_ids=bt["input_ids"], attention_mask=bt["attention_mask"]).last_hidden_state[:, :-1]
     return hidden, lm.get_output_embeddings().weight
 
