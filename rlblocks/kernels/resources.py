@@ -78,11 +78,13 @@ def specs(dtype: str) -> list[Spec]:
     return [
         Spec("linear_logprobs.fwd", "rlblocks.kernels.linear_logprobs", "_linear_logprobs_fwd_kernel",
              inputs=("h", "w", "e_ptr"), floats=("inv_temp",), i64=("yl_ptr",), div16=lin, descs=tma,
-             variants=tuple(dict(HAS_ENT=e, STORE_E=se, USE_TMA=True, UPCAST=False, PREC=p)
-                            for e, se in ((False, False), (True, False), (True, True)))),
+             variants=tuple(dict(HAS_ENT=e, STORE_E=se, HAS_TAU=t, USE_TMA=True, UPCAST=False, PREC=p)
+                            for e, se, t in ((False, False, False), (True, False, False), (True, True, False),
+                                             (True, False, True)))),
         Spec("linear_logprobs.bwd", "rlblocks.kernels.linear_logprobs", "_linear_logprobs_bwd_kernel",
              inputs=("h", "w", "gz"), floats=("inv_temp",), i64=("yl_ptr",), div16=lin, descs=tma,
-             variants=tuple(dict(HAS_ENT=e, USE_TMA=True, UPCAST=False, PREC=p) for e in (False, True))),
+             variants=tuple(dict(HAS_ENT=e, HAS_TAU=t, USE_TMA=True, UPCAST=False, PREC=p)
+                            for e, t in ((False, False), (True, False), (True, True)))),
         Spec("linear_logprobs.fused_grad", "rlblocks.kernels.linear_logprobs", "_fused_grad_kernel",
              inputs=("e_ptr", "gz_ptr"), floats=("inv_temp",), i64=("yl_ptr",), div16=("stride_e", "stride_gz"),
              variants=tuple(dict(HAS_ENT=e) for e in (False, True)), configs=_fused_grad_configs()),
@@ -98,10 +100,10 @@ def specs(dtype: str) -> list[Spec]:
              variants=tuple(dict(KIND=k, UPCAST=False, PREC_S=p, PREC_T=p) for k in (0, 1, 2))),
         Spec("logprobs.fwd", "rlblocks.kernels.logprobs", "_token_logprobs_fwd_kernel",
              inputs=("x_ptr",), floats=("inv_temp",), i64=("y_ptr",), div16=("stride_x",),
-             variants=tuple(dict(HAS_ENT=e) for e in (False, True))),
+             variants=tuple(dict(HAS_ENT=e, HAS_TAU=t) for e, t in ((False, False), (True, False), (True, True)))),
         Spec("logprobs.bwd", "rlblocks.kernels.logprobs", "_token_logprobs_bwd_kernel",
              inputs=("x_ptr", "gx_ptr"), floats=("inv_temp",), i64=("y_ptr",), div16=("stride_x", "stride_gx"),
-             variants=tuple(dict(HAS_ENT=e) for e in (False, True))),
+             variants=tuple(dict(HAS_ENT=e, HAS_TAU=t) for e, t in ((False, False), (True, False), (True, True)))),
         Spec("kl.fwd", "rlblocks.kernels.kl", "_vocab_kl_fwd_kernel",
              inputs=("s_ptr", "t_ptr"), floats=("inv_temp", "beta", "log_beta", "log_1mb"), i8=("valid_ptr",),
              div16=("stride_s", "stride_t"), variants=tuple(dict(KIND=k) for k in (0, 1, 2))),

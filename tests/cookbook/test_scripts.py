@@ -127,3 +127,17 @@ def test_help_states_each_losss_own_clip_defaults():
     for name, fn in POLICY_LOSSES.items():
         assert f"{name} {inspect.signature(fn).parameters['eps_high'].default:g}" in text
     assert "cispo 0.28" in text and "gspo 0.0004" in text  # the published defaults (MiniMax-M1, GSPO paper)
+
+
+@pytest.mark.parametrize("loop", ["grpo_async", "grpo_sync"])
+def test_demo_runs_are_step_governed(loop):
+    # a wall-clock budget makes the demo's result depend on how loaded the machine is (a loaded 2-core box ran
+    # fewer steps and learned less); the default run is a fixed number of steps, the clock only an opt-in limit
+    import importlib
+
+    from common import parse_flags
+
+    mod = importlib.import_module(loop)
+    cfg = parse_flags(mod.Config, [], check=mod.check_flags)
+    assert cfg.time_limit == 0 and cfg.steps > 0
+    assert parse_flags(mod.Config, ["--time-limit", "60"], check=mod.check_flags).time_limit == 60

