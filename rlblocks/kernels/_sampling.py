@@ -16,7 +16,8 @@ GEMM, a Triton tile against a cuBLAS chunk) selects the same set unless that gap
 
 Thresholds come from each row's largest values (``resolve_thresholds``): the ``C`` largest (``torch.topk``) settle
 every row whose kept set, and the first dropped value after it, lie among them; the other rows (a nucleus wider than
-the candidates, ``k >= C``) are sorted whole (``dense_thresholds``). Cumulative masses are summed in float64, so the
+the candidates) get a second, wider top-k (``WIDE_CANDIDATES``), and what that does not settle is sorted whole
+(``select``). Cumulative masses are summed in float64, so the
 kept set is the exact-arithmetic one of these logits; the engine's fp32 cumulative sum can differ only for a token
 whose preceding mass is within fp32 rounding of ``p``. Ties straddling the top-p boundary are all kept here, where
 vLLM's sort keeps some of them in an arbitrary order.
@@ -36,6 +37,8 @@ from rlblocks.errors import ArgumentError
 NEG_INF = float("-inf")
 # Candidates per row taken first (``torch.topk``); rows whose kept set reaches past them are sorted whole.
 DENSE_CANDIDATES = 64
+# Second, wider candidate count for the rows the first does not settle (top-p alone over a flat distribution).
+WIDE_CANDIDATES = 1024
 
 
 class SamplingMask:
@@ -217,8 +220,18 @@ def select(z: Float[Tensor, "R V"], mask: SamplingMask, valid: Bool[Tensor, " R"
     active = (mask.k > 0) | (mask.p < 1.0)
     if bool(unres.any()):
         rows = unres.nonzero().squeeze(1)
-        full = torch.sort(z.index_select(0, rows), dim=1, descending=True).values
-        tau[rows] = resolve_thresholds(full, mask.rows(rows), complete=True)[0]
+        zr = z.index_select(0, rows)
+        if c < WIDE_CANDIDATES < v:
+            # a wide nucleus: a larger top-k (partial selection, O(V + C log C)) settles most rows before a sort
+            sub = mask.rows(rows)
+            t2, u2 = resolve_thresholds(torch.topk(zr, WIDE_CANDIDATES, dim=1, sorted=True).values, sub,
+                                        m[rows] if m is not None else None, s[rows] if s is not None else None,
+                                        complete=False)  # fmt: skip
+            tau[rows] = t2
+            rows, zr = rows[u2], zr[u2]
+        if rows.numel():
+            full = torch.sort(zr, dim=1, descending=True).values
+            tau[rows] = resolve_thresholds(full, mask.rows(rows), complete=True)[0]
         return Selection(tau, None, None)
     if bool((valid & ~active).any()):
         return Selection(tau, None, None)

@@ -82,11 +82,19 @@ def _labels(lsm, n, v, seed):
     return y
 
 
-@pytest.mark.parametrize("kind", ["both", "k", "p", "p_wide", "per_token"])
+@pytest.mark.parametrize("kind", ["both", "k", "p", "p_wide", "per_token", "two_stage"])
 def test_thresholds_select_vllm_kept_set(kind):
     n, v = 48, 700
     z = torch.randn(n, v, generator=torch.Generator().manual_seed(1)) * 2.5
-    k, p = _params(n, kind)
+    if kind == "two_stage":  # nuclei past the 64 candidates, some settled by the wider top-k, some sorted whole
+        v = 3000
+        z = torch.randn(n, v, generator=torch.Generator().manual_seed(1)) * 1.5
+        k, p = None, torch.tensor([0.6, 0.999] * (n // 2))
+        lsm = ref_processed(z, torch.full((n,), -1), p)
+        sizes = torch.isfinite(lsm).sum(1)
+        assert (sizes[0::2] > 64).all() and (sizes[0::2] < 1024).all() and (sizes[1::2] >= 1024).all()
+    else:
+        k, p = _params(n, kind)
     sm = check_sampling(k, p, torch.Size([n]), v, torch.ones(n, dtype=torch.bool))
     tau = dense_thresholds(z.clone(), sm)
     got = mask_below(z.clone(), tau)
