@@ -291,7 +291,9 @@ def _fwd_stats_torch(h, w, idx, owns, inv_temp, has_ent, sm=None):
     rep = new_replay(n, num_candidates(sm, v), h.device) if sm is not None else None
     step = _torch_rows(n, v)
     zbuf = torch.empty(min(step, n), v, dtype=torch.float32, device=h.device)
-    col = cols_per_block(min(step, n)) if has_ent else v
+    # Entropy: exp(z − m) one column block at a time, at most a quarter of the chunk, so a small chunk (few rows)
+    # does not double its memory with one whole-chunk temporary (and the one inside vecdot).
+    col = min(cols_per_block(min(step, n)), max(256, -(-v // 4))) if has_ent else v
     for r0 in range(0, n, step):
         sl = slice(r0, min(r0 + step, n))
         c = sl.stop - sl.start
