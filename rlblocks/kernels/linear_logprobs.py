@@ -293,9 +293,10 @@ def _fwd_stats_torch(h, w, idx, owns, inv_temp, has_ent, sm=None):
     rep = new_replay(n, num_candidates(sm, v), h.device) if sm is not None else None
     step = _torch_rows(n, v)
     zbuf = torch.empty(min(step, n), v, dtype=torch.float32, device=h.device)
-    # Entropy: exp(z − m) one column block at a time, at most a quarter of the chunk, so a small chunk (few rows)
-    # does not double its memory with one whole-chunk temporary (and the one inside vecdot).
-    col = min(cols_per_block(min(step, n)), max(256, -(-v // 4))) if has_ent else v
+    # Entropy: exp(z − m) one column block at a time into a reused buffer of at most half the chunk (a small chunk
+    # must not double its memory), then z·e in place; few, large ops (on a busy CPU each op's fixed cost counts).
+    col = min(2 * cols_per_block(min(step, n)), max(256, -(-v // 2))) if has_ent else v
+    ebuf = torch.empty(min(step, n), min(col, v), dtype=torch.float32, device=h.device) if has_ent else None
     for r0 in range(0, n, step):
         sl = slice(r0, min(r0 + step, n))
         c = sl.stop - sl.start
@@ -320,17 +321,16 @@ def _fwd_stats_torch(h, w, idx, owns, inv_temp, has_ent, sm=None):
         if not has_ent:
             s[sl] = z.exp_().sum(dim=1)
             continue
-        sc = torch.zeros(c, dtype=torch.float32, device=h.device)
-        ac = torch.zeros(c, dtype=torch.float32, device=h.device)
+        if sm is not None:  # −inf entries (outside the kept set): e = 0 there, so a finite z makes e·z = 0
+            z.clamp_(min=_LOWEST)
+        sc = None
         for j in range(0, v, col):
             zb = z[:, j : j + col]
-            e = torch.exp(zb)
-            sc += e.sum(dim=1)
-            if sm is not None:  # −inf entries (outside the kept set): e = 0 there, so a finite z makes e·z = 0
-                zb.clamp_(min=_LOWEST)
-            ac += torch.linalg.vecdot(e, zb)
+            e = torch.exp(zb, out=ebuf[:c, : zb.shape[1]])
+            sc = e.sum(dim=1) if sc is None else sc.add_(e.sum(dim=1))
+            zb.mul_(e)  # e·(z − m): z is not needed after this block
         s[sl] = sc
-        a[sl] = ac
+        a[sl] = z.sum(dim=1)
     return m, s, a, zy, rep
 
 
