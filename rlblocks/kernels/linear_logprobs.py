@@ -581,10 +581,18 @@ def linear_token_logprobs(
     ``S`` (vLLM's sampler order; the convention of ``rlblocks.rollout.types``); see ``token_logprobs`` for the exact
     rules. Gradients flow through kept entries only. A label outside ``S`` gets ``logp = −inf`` and no gradient
     through ``logp``; ``return_outside=True`` also returns the bool ``outside`` (last in the tuple; count them with
-    ``outside.sum()``, drop them with ``mask & ~outside``). The kept set needs each row's largest logits, so the
-    Triton path computes one extra ``[rows, V]`` fp32 chunk of logits per ~64 MiB (cuBLAS) to find the per-row
-    thresholds (one more GEMM in the forward); the torch path finds them in the chunk it already holds. Not
-    available with ``process_group`` (the thresholds would need the whole vocabulary's largest logits).
+    ``outside.sum()``, drop them with ``mask & ~outside``). The kept set needs each row's largest logits: the
+    torch path finds them (``torch.topk``) in the logits chunk it already holds; the Triton path forms fp32 row
+    chunks of logits (≤ 64 MiB, cuBLAS) for them. When every row's kept set lies among its ``C`` largest logits
+    (always with a top-k: ``C = k + 1``; else 64), the outputs follow from those candidates, which are saved
+    (12 B each: ``[N, C]`` values and ids) so the backward is a gather / index-add of ``C`` weight rows per token,
+    with no logits recomputation; other rows (top-p alone over a wide nucleus, unfiltered rows next to filtered
+    ones) take the dense path with entries below a per-row threshold masked (on Triton: one extra GEMM in the
+    forward). Not available with ``process_group`` (the thresholds would need the whole vocabulary's largest
+    logits).
+    The kept sets cost a few host syncs per row chunk (the candidate count, the rows the candidates do not
+    settle), so the replay path is not meant for ``torch.compile(fullgraph=True)``; without ``top_k`` / ``top_p``
+    nothing changes.
 
     Masked positions (``mask`` false, or ``labels == ignore_index``) give 0 for both outputs and no gradient;
     their hidden rows are replaced by 0 before any product (NaN/inf there cannot leak). Differentiable w.r.t.
