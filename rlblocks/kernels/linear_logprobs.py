@@ -58,9 +58,11 @@ from rlblocks.kernels._common import (
     zero_ignored_rows,
 )
 from rlblocks.kernels._sampling import (
+    ChunkedSelection,
     Replay,
     check_sampling,
     chunked_select,
+    group_thresholds,
     mask_below,
     new_replay,
     num_candidates,
@@ -281,7 +283,7 @@ def _torch_rows(n: int, v: int) -> int:
     return max(1, min(rows_per_chunk(v), max(8, -(-n // 2))))
 
 
-def _fwd_stats_torch(h, w, idx, owns, inv_temp, has_ent, sm=None):
+def _fwd_stats_torch(h, w, idx, owns, inv_temp, has_ent, sm=None, group=None):
     # One [rows, V] fp32 buffer: logits, shifted in place; exp(z − m) exists only one column block at a time.
     # Sampling-mask replay: a chunk whose kept sets lie among each row's candidates is reduced from them alone
     # (sparse; its stats are written as m = lse, s = 1, a = −H); any other chunk gets −inf outside its kept sets.
@@ -290,7 +292,8 @@ def _fwd_stats_torch(h, w, idx, owns, inv_temp, has_ent, sm=None):
     w32 = w.float()
     m, s, zy = (torch.empty(n, dtype=torch.float32, device=h.device) for _ in range(3))
     a = torch.empty(n, dtype=torch.float32, device=h.device) if has_ent else None
-    rep = new_replay(n, num_candidates(sm, v), h.device) if sm is not None else None
+    v_all = v if group is None else shard_offset(v, group)[1]
+    rep = new_replay(n, num_candidates(sm, v_all), h.device) if sm is not None else None
     step = _torch_rows(n, v)
     zbuf = torch.empty(min(step, n), v, dtype=torch.float32, device=h.device)
     # Entropy: exp(z − m) one column block at a time into a reused buffer of at most half the chunk (a small chunk
@@ -302,7 +305,12 @@ def _fwd_stats_torch(h, w, idx, owns, inv_temp, has_ent, sm=None):
         c = sl.stop - sl.start
         z = torch.mm(h[sl].float() * inv_temp, w32.t(), out=zbuf[:c])
         zy[sl] = torch.where(owns[sl], z.gather(1, idx[sl].unsqueeze(1)).squeeze(1), 0.0)
-        if sm is not None:
+        if sm is not None and group is not None:  # vocab-parallel: global thresholds, the masked dense path
+            rep.tau[sl] = group_thresholds(z, sm.rows(sl), group, rep.vals.shape[1])
+            mask_below(z, rep.tau[sl])
+            # the label's owner masks it (other ranks hold 0 there, the SUM's neutral value)
+            zy[sl] = torch.where(owns[sl] & (zy[sl] < rep.tau[sl]), float("-inf"), zy[sl])
+        elif sm is not None:
             sel = select(z, sm.rows(sl), owns[sl], rep.vals.shape[1])
             rep.tau[sl] = sel.tau
             if sel.sparse:
@@ -316,7 +324,8 @@ def _fwd_stats_torch(h, w, idx, owns, inv_temp, has_ent, sm=None):
             mask_below(z, sel.tau)
             zy[sl] = torch.where(zy[sl] >= sel.tau, zy[sl], float("-inf"))
         mc = z.amax(dim=1)
-        z.sub_(mc.unsqueeze(1))
+        # a vocab shard may hold none of a row's kept set (max −inf): shift by 0 there, so its s and a are 0
+        z.sub_(torch.where(torch.isfinite(mc), mc, 0.0).unsqueeze(1))
         m[sl] = mc
         if not has_ent:
             s[sl] = z.exp_().sum(dim=1)
@@ -430,6 +439,17 @@ def _bwd_torch(h, w, idx, owns, lse, ent, g, k, inv_temp, need_h, need_w, rep=No
     return gh, gw
 
 
+def _triton_group_thresholds(h0, w, inv_temp, sm, group):
+    """Vocab-parallel thresholds for the Triton kernels, from fp32 row chunks of this rank's logits (the same
+    chunks on every rank, so the collectives of ``group_thresholds`` line up)."""
+    n, v = h0.shape[0], w.shape[0]
+    c = num_candidates(sm, shard_offset(v, group)[1])
+    rows = rows_per_chunk(v)
+    taus = [group_thresholds(mm_fp32(h0[r0 : r0 + rows], w.t()).mul_(inv_temp), sm.rows(slice(r0, r0 + rows)),
+                             group, c) for r0 in range(0, n, rows)]  # fmt: skip
+    return torch.cat(taus).contiguous()
+
+
 def _triton_select(h0, w, inv_temp, sm, valid, idx):
     """Kept sets for the Triton path, from fp32 row chunks of ``z = (h0 @ wᵀ)/T`` (cuBLAS, ≤ 64 MiB of logits at a
     time): when every row's kept set lies among its candidates, the outputs follow from them and no kernel runs;
@@ -456,7 +476,11 @@ def _forward(h, w, y, inv_temp, ignore_index, has_ent, backend, group, sm=None):
     rep = None
     if backend == "triton" and h.shape[0] > 0:
         yl = torch.where(owns, y_loc, -1)
-        cs = _triton_select(h0, w, inv_temp, sm, owns, idx) if sm is not None else None
+        cs = None
+        if sm is not None and group is not None:
+            cs = ChunkedSelection(_triton_group_thresholds(h0, w, inv_temp, sm, group), None, None, None)
+        elif sm is not None:
+            cs = _triton_select(h0, w, inv_temp, sm, owns, idx)
         if cs is not None and cs.vals is not None:  # every row sparse: sampling-mask stats from the candidates
             m, _, e_c = sparse_stats(cs.vals, cs.zy, cs.tau, owns, has_ent)
             s = torch.ones_like(m)
@@ -468,7 +492,7 @@ def _forward(h, w, y, inv_temp, ignore_index, has_ent, backend, group, sm=None):
             m, s, a, zy, _ = _fwd_stats_triton(h0, w, yl, inv_temp, has_ent, tau=rep.tau if rep else None)
     else:
         yl = None
-        m, s, a, zy, rep = _fwd_stats_torch(h0, w, idx, owns, inv_temp, has_ent, sm)
+        m, s, a, zy, rep = _fwd_stats_torch(h0, w, idx, owns, inv_temp, has_ent, sm, group)
     if group is not None:
         m, s, a, extra = allreduce_stats(m, s, a, zy.unsqueeze(0), group)
         zy = extra[0]
@@ -588,8 +612,9 @@ def linear_token_logprobs(
     (12 B each: ``[N, C]`` values and ids) so the backward is a gather / index-add of ``C`` weight rows per token,
     with no logits recomputation; other rows (top-p alone over a wide nucleus, unfiltered rows next to filtered
     ones) take the dense path with entries below a per-row threshold masked (on Triton: one extra GEMM in the
-    forward). Not available with ``process_group`` (the thresholds would need the whole vocabulary's largest
-    logits).
+    forward). With ``process_group`` every row takes the dense path: each rank's largest logits are
+    all-gathered for the global thresholds (top-p alone also all-reduces the row normaliser, and a row those do
+    not settle all-gathers its whole row), then each rank masks its shard.
     The kept sets cost a few host syncs per row chunk (the candidate count, the rows the candidates do not
     settle), so the replay path is not meant for ``torch.compile(fullgraph=True)``; without ``top_k`` / ``top_p``
     nothing changes.
@@ -627,7 +652,7 @@ def linear_token_logprobs(
     Raises ``ValueError`` (``ArgumentError``) naming the argument for non-floating inputs, mismatched dtypes or
     devices, a ``weight`` whose second dimension is not ``hidden.shape[-1]``, a labels/mask shape other than
     ``hidden.shape[:-1]``, a label out of range (one host sync; skipped under ``torch.compile``), a ``top_k`` /
-    ``top_p`` of the wrong type, shape or range, or ``top_k`` / ``top_p`` together with ``process_group``.
+    ``top_p`` of the wrong type, shape or range.
 
     Returns ``logp``, or a tuple ``(logp, entropy)``, ``(logp, outside)`` or ``(logp, entropy, outside)``.
     """
@@ -635,10 +660,7 @@ def linear_token_logprobs(
         hidden, weight, labels, mask, temperature, ignore_index, backend, process_group
     )
     lead = hidden.shape[:-1]
-    sm = check_sampling(top_k, top_p, lead, weight.shape[0], y != ignore_index)
-    if sm is not None and process_group is not None:
-        raise ArgumentError("top_k/top_p: sampling-mask replay is not available with process_group (vocab-parallel "
-                            "weight); pass process_group=None with the full weight, or top_k=None and top_p=None")
+    sm = check_sampling(top_k, top_p, lead, shard_offset(weight.shape[0], process_group)[1], y != ignore_index)
     if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
         lp, ent = LinearTokenLogprobsFunction.apply(
             h, w, y, temperature, int(ignore_index), bool(return_entropy), backend, process_group,
