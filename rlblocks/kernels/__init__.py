@@ -6,7 +6,8 @@ autograd.Function, its chunked torch path and the public wrapper):
 
 - ``token_logprobs(logits, labels, ...)``: label log-prob (+ entropy) from logits; with ``top_k`` / ``top_p`` (the
   engine's sampling parameters) under the distribution the engine sampled from (sampling-mask replay,
-  ``_sampling.py``; the same parameters on ``linear_token_logprobs`` and ``causal_lm_logprobs``).
+  ``_sampling.py``; the same parameters on ``linear_token_logprobs``, ``linear_token_logprobs_loss`` and
+  ``causal_lm_logprobs``).
 - ``linear_token_logprobs(hidden, weight, labels, ..., process_group=None)``: the same from hidden states and the LM
   head without materialising ``[N, V]``; vocab-parallel aware.
 - ``linear_token_logprobs_loss(hidden, weight, labels, coef, entropy_coef=...)``: the fused-loss path for losses

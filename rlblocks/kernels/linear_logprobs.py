@@ -706,7 +706,7 @@ def _coef_terms(valid, coef, ent_coef, rows):
     return g, k
 
 
-def _fused_torch(h0, w, idx, owns, valid, coef, ent_coef, inv_temp, has_ent, group, need_h, need_w):
+def _fused_torch(h0, w, idx, owns, valid, coef, ent_coef, inv_temp, has_ent, group, need_h, need_w, sm=None):
     """Per row chunk: logits (one fp32 GEMM), their stats, and at once the gradient ``∂L/∂z`` with the known
     coefficients, contracted into both gradients — the logits are never recomputed."""
     n, hdim = h0.shape
@@ -719,22 +719,31 @@ def _fused_torch(h0, w, idx, owns, valid, coef, ent_coef, inv_temp, has_ent, gro
     zbuf = torch.empty(min(step, n), v, dtype=torch.float32, device=h0.device)
     pbuf = torch.empty_like(zbuf) if ent_coef is not None else None
     col = cols_per_block(min(step, n))
+    n_cand = num_candidates(sm, v if group is None else shard_offset(v, group)[1]) if sm is not None else 0
     for r0 in range(0, n, step):
         sl = slice(r0, min(r0 + step, n))
         c = sl.stop - sl.start
         hc = h0[sl].float() * inv_temp
         z = torch.mm(hc, w32.t(), out=zbuf[:c])
         zy = torch.where(owns[sl], z.gather(1, idx[sl].unsqueeze(1)).squeeze(1), 0.0)
+        if sm is not None:  # sampling-mask replay: −inf outside the kept sets (the dense path)
+            if group is not None:
+                tau = group_thresholds(z, sm.rows(sl), group, n_cand)
+            else:
+                tau = select(z, sm.rows(sl), owns[sl], n_cand).tau
+            mask_below(z, tau)
+            zy = torch.where(owns[sl] & (zy < tau), float("-inf"), zy)
         m = z.amax(dim=1)
-        z.sub_(m.unsqueeze(1))
+        m_loc = torch.where(torch.isfinite(m), m, 0.0)  # a shard may hold none of a row's kept set
+        z.sub_(m_loc.unsqueeze(1))
         s = torch.zeros(c, device=h0.device)
         a = torch.zeros(c, device=h0.device) if has_ent else None
         for j in range(0, v, col):
             e = torch.exp(z[:, j : j + col])
             s += e.sum(dim=1)
-            if has_ent:
-                a += torch.linalg.vecdot(e, z[:, j : j + col])
-        m_loc = m
+            if has_ent:  # a −inf entry has e = 0: a finite stand-in keeps e·z at 0
+                zb = z[:, j : j + col] if sm is None else z[:, j : j + col].clamp(min=_LOWEST)
+                a += torch.linalg.vecdot(e, zb)
         if group is not None:
             m, s, a, extra = allreduce_stats(m, s, a, zy.unsqueeze(0), group)
             zy = extra[0]
@@ -743,15 +752,17 @@ def _fused_torch(h0, w, idx, owns, valid, coef, ent_coef, inv_temp, has_ent, gro
         lp[sl] = torch.where(valid[sl], zy - lse, 0.0)
         if has_ent:
             ent[sl] = torch.where(valid[sl], log_s - a / s, 0.0)
-        g, k = _coef_terms(valid, coef, ent_coef, sl)
+        g, k = _coef_terms(valid & ~torch.isneginf(lp), coef, ent_coef, sl)
+        if k is not None:
+            k = torch.where(valid[sl], ent_coef[sl].float(), 0.0)
         z.sub_((lse - m_loc).unsqueeze(1))  # z − m_local − (lse − m_local) = log p
         _grad_chunk_torch(z, pbuf[:c] if pbuf is not None else None, hc, w32, idx[sl], owns[sl], g, k,
                           ent[sl] if k is not None else None, inv_temp, gh[sl] if need_h else None, gw, need_h,
-                          need_w)  # fmt: skip
+                          need_w, masked=sm is not None)  # fmt: skip
     return lp, ent, gh, gw
 
 
-def _fused_triton(h0, w, yl, owns, valid, coef, ent_coef, inv_temp, has_ent, group, need_h, need_w):
+def _fused_triton(h0, w, yl, owns, valid, coef, ent_coef, inv_temp, has_ent, group, need_h, need_w, sm=None):
     """Per row chunk: the forward kernel stores ``e = exp(z − m_tile)`` (one GEMM), the per-row lse is merged from
     the tile stats, ``_fused_grad_kernel`` turns ``e`` into ``∂L/∂z`` in place, and cuBLAS contracts it into
     ``grad_hidden`` (fp32) and ``grad_weight`` (fp32 across chunks)."""
@@ -770,11 +781,18 @@ def _fused_triton(h0, w, yl, owns, valid, coef, ent_coef, inv_temp, has_ent, gro
     gw = None
     if need_w:
         gw = torch.empty_like(w) if single and h0.dtype != torch.float16 else torch.zeros(v, hdim, device=dev)
+    tau = None
+    if sm is not None:  # sampling-mask replay: per-row thresholds first (fp32 logits chunks, cuBLAS)
+        if group is not None:
+            tau = _triton_group_thresholds(h0, w, inv_temp, sm, group)
+        else:
+            tau = _triton_select(h0, w, inv_temp, sm, owns, torch.where(owns, yl, 0)).tau
     for r0 in range(0, n, rows):
         sl = slice(r0, min(r0 + rows, n))
         c = sl.stop - sl.start
         hc = h0[sl]
-        m, s, a, zy, (mt, block_v) = _fwd_stats_triton(hc, w, yl[sl], inv_temp, has_ent, e_out=ebuf[:c])
+        m, s, a, zy, (mt, block_v) = _fwd_stats_triton(hc, w, yl[sl], inv_temp, has_ent, e_out=ebuf[:c],
+                                                       tau=tau[sl].contiguous() if tau is not None else None)
         if group is not None:
             m, s, a, extra = allreduce_stats(m, s, a, zy.unsqueeze(0), group)
             zy = extra[0]
@@ -784,7 +802,9 @@ def _fused_triton(h0, w, yl, owns, valid, coef, ent_coef, inv_temp, has_ent, gro
         ent_c = log_s - a / s if has_ent else lse
         if has_ent:
             ent[sl] = torch.where(valid[sl], ent_c, 0.0)
-        g, k = _coef_terms(valid, coef, ent_coef, sl)
+        g, k = _coef_terms(valid & ~torch.isneginf(lp), coef, ent_coef, sl)  # a label outside: no logp term
+        if k is not None:
+            k = torch.where(valid[sl], ent_coef[sl].float(), 0.0)
         bound = g.abs() if k is None else g.abs() + k.abs() * (0.5 + ent_c.clamp_min(0))
         scale = grad_scale(bound, h0.dtype)
         gz = gbuf[:c]
@@ -813,7 +833,7 @@ class LinearTokenLogprobsLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, coef, ent_coef, temperature, ignore_index, has_ent, backend, group,
-                reduce_gh):  # fmt: skip
+                reduce_gh, sm):  # fmt: skip
         inv_temp = 1.0 / temperature
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         v_local = weight.shape[0]
@@ -825,11 +845,11 @@ class LinearTokenLogprobsLossFunction(torch.autograd.Function):
         if backend == "triton" and hidden.shape[0] > 0:
             yl = torch.where(owns, y_loc, -1)
             lp, ent, gh, gw = _fused_triton(h0, weight, yl, owns, valid, coef, ent_coef, inv_temp, has_ent, group,
-                                            need_h, need_w)  # fmt: skip
+                                            need_h, need_w, sm)  # fmt: skip
         else:
             idx = torch.where(owns, y_loc, 0)
             lp, ent, gh, gw = _fused_torch(h0, weight, idx, owns, valid, coef, ent_coef, inv_temp, has_ent, group,
-                                           need_h, need_w)  # fmt: skip
+                                           need_h, need_w, sm)  # fmt: skip
         if need_h and group is not None and reduce_gh:
             import torch.distributed as dist
 
@@ -845,12 +865,14 @@ class LinearTokenLogprobsLossFunction(torch.autograd.Function):
         go = g_loss.float() if g_loss is not None else None
         gh = None if gh is None or go is None else (gh.float() * go).to(gh.dtype)
         gw = None if gw is None or go is None else (gw.float() * go).to(gw.dtype)
-        return gh, gw, None, None, None, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None, None, None, None
 
 
 def _loss_value(lp, ent, valid, coef, ent_coef):
+    """The loss over valid tokens; a label outside the sampling mask (``logp = −inf``) adds no ``coef·logp`` term
+    (it is reported by its ``−inf`` in the returned ``logp``)."""
     zero = torch.zeros((), dtype=torch.float32, device=lp.device)
-    loss = (torch.where(valid, coef.float(), zero) * lp).sum()
+    loss = torch.where(valid & ~torch.isneginf(lp), coef.float() * lp, zero).sum()
     if ent_coef is not None:
         loss = loss + (torch.where(valid, ent_coef.float(), zero) * ent).sum()
     return loss
@@ -878,6 +900,8 @@ def linear_token_logprobs_loss(
     return_entropy: bool = False,
     mask: Bool[Tensor, "*batch"] | None = None,
     temperature: float = 1.0,
+    top_k: int | Int[Tensor, "*batch"] | None = None,
+    top_p: float | Float[Tensor, "*batch"] | None = None,
     ignore_index: int = -100,
     process_group: Any = None,
     allreduce_grad_hidden: bool = True,
@@ -906,6 +930,12 @@ def linear_token_logprobs_loss(
         return_entropy: return the entropy even without ``entropy_coef``.
         Others: as in ``linear_token_logprobs``.
 
+    Sampling-mask replay (``top_k`` / ``top_p``, as in ``linear_token_logprobs``): ``logp`` and ``entropy`` are
+    those of the engine's processed distribution. A label outside the kept set has ``logp = −inf`` in the result
+    (count them with ``torch.isneginf(res.logp)``) and adds no ``coef·logp`` term to ``loss`` or its gradient (its
+    entropy term stays); the kept sets take the masked dense path here (one extra GEMM on Triton for the
+    thresholds).
+
     Returns ``LogprobsLoss(loss, logp, entropy)``; ``loss`` is fp32 and differentiable w.r.t. ``hidden`` and
     ``weight``; masked positions contribute nothing (their coefficients are ignored, NaN there cannot leak).
     """
@@ -916,12 +946,14 @@ def linear_token_logprobs_loss(
     c = _check_coef("coef", coef, lead, hidden.device)
     ec = _check_coef("entropy_coef", entropy_coef, lead, hidden.device) if entropy_coef is not None else None
     has_ent = bool(return_entropy) or ec is not None
+    sm = check_sampling(top_k, top_p, lead, shard_offset(weight.shape[0], process_group)[1], y != ignore_index)
     if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
         loss, lp, ent = LinearTokenLogprobsLossFunction.apply(
             h, w, y, c, ec, temperature, int(ignore_index), has_ent, backend, process_group,
-            bool(allreduce_grad_hidden),
+            bool(allreduce_grad_hidden), sm,
         )  # fmt: skip
     else:
-        lp, ent, _ = _forward(h, w, y, 1.0 / temperature, int(ignore_index), has_ent, backend, process_group)
+        lp, ent, _ = _forward(h, w, y, 1.0 / temperature, int(ignore_index), has_ent, backend, process_group,
+                              sm)  # fmt: skip
         loss = _loss_value(lp, ent, y != ignore_index, c, ec)
     return LogprobsLoss(loss, lp.reshape(lead), ent.reshape(lead) if has_ent else None)

@@ -114,6 +114,19 @@ def _sampling_case(backend, rank, n, hdim, vocab):
     _check(f"{tag} entropy", ent, ent_ref, 1e-5)
     _check(f"{tag} grad hidden", gh, gh_ref, 1e-5)
     _check(f"{tag} grad weight shard", gw, gw_ref[rank * shard : (rank + 1) * shard], 1e-5)
+    # the fused-loss path with the same replay: the same loss terms and gradients, formed in the forward
+    from rlblocks.kernels import linear_token_logprobs_loss
+
+    h = hidden.clone().requires_grad_()
+    w = weight[rank * shard : (rank + 1) * shard].clone().requires_grad_()
+    res = linear_token_logprobs_loss(h, w, labels, c1, entropy_coef=c2, temperature=0.8, top_k=k, top_p=p,
+                                     process_group=dist.group.WORLD, backend=backend)
+    res.loss.backward()
+    if not torch.equal(torch.isneginf(res.logp), out_ref):
+        raise AssertionError(f"{tag} fused: outside labels differ from the unsharded ones")
+    _check(f"{tag} fused logp", res.logp[keep], lp_ref[keep], 1e-5)
+    _check(f"{tag} fused grad hidden", h.grad, gh_ref, 1e-5)
+    _check(f"{tag} fused grad weight shard", w.grad, gw_ref[rank * shard : (rank + 1) * shard], 1e-5)
 
 
 def _worker(rank, init_file, backends):
