@@ -4,7 +4,10 @@ Ops are imported lazily, so ``import rlblocks.kernels`` imports neither triton n
 file: ``logprobs.py``, ``linear_logprobs.py``, ``kl.py``, ``linear_kl.py``, each holding its Triton kernels, its
 autograd.Function, its chunked torch path and the public wrapper):
 
-- ``token_logprobs(logits, labels, ...)``: label log-prob (+ entropy) from logits.
+- ``token_logprobs(logits, labels, ...)``: label log-prob (+ entropy) from logits; with ``top_k`` / ``top_p`` (the
+  engine's sampling parameters) under the distribution the engine sampled from (sampling-mask replay,
+  ``_sampling.py``; the same parameters on ``linear_token_logprobs``, ``linear_token_logprobs_loss`` and
+  ``causal_lm_logprobs``).
 - ``linear_token_logprobs(hidden, weight, labels, ..., process_group=None)``: the same from hidden states and the LM
   head without materialising ``[N, V]``; vocab-parallel aware.
 - ``linear_token_logprobs_loss(hidden, weight, labels, coef, entropy_coef=...)``: the fused-loss path for losses
@@ -17,7 +20,8 @@ autograd.Function, its chunked torch path and the public wrapper):
   HF causal LM aligned with ``rlblocks.rollout.RolloutBatch``, through ``linear_token_logprobs``.
 
 Shared pieces: ``_common.py`` (host-side checks, chunk sizes, merging partial softmax stats, the backward's
-vocab-chunk loop) and ``_tiles.py`` (Triton tile helpers and autotune configs).
+vocab-chunk loop), ``_sampling.py`` (the top-k / top-p kept sets as per-row thresholds) and ``_tiles.py`` (Triton
+tile helpers and autotune configs).
 """
 
 from __future__ import annotations

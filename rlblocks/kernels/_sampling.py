@@ -16,10 +16,12 @@ GEMM, a Triton tile against a cuBLAS chunk) selects the same set unless that gap
 
 Thresholds come from each row's largest values (``resolve_thresholds``): the ``C`` largest (``torch.topk``) settle
 every row whose kept set, and the first dropped value after it, lie among them; the other rows (a nucleus wider than
-the candidates, ``k >= C``) are sorted whole (``dense_thresholds``). Cumulative masses are summed in float64, so the
+the candidates) get a second, wider top-k (``WIDE_CANDIDATES``), and what that does not settle is sorted whole
+(``select``). Cumulative masses are summed in float64, so the
 kept set is the exact-arithmetic one of these logits; the engine's fp32 cumulative sum can differ only for a token
 whose preceding mass is within fp32 rounding of ``p``. Ties straddling the top-p boundary are all kept here, where
-vLLM's sort keeps some of them in an arbitrary order.
+vLLM's sort keeps some of them in an arbitrary order. With a vocab-parallel head, ``group_thresholds`` takes the
+candidates from every rank's shard.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from rlblocks.errors import ArgumentError
 NEG_INF = float("-inf")
 # Candidates per row taken first (``torch.topk``); rows whose kept set reaches past them are sorted whole.
 DENSE_CANDIDATES = 64
+# Second, wider candidate count for the rows the first does not settle (top-p alone over a flat distribution).
+WIDE_CANDIDATES = 1024
 
 
 class SamplingMask:
@@ -217,13 +221,59 @@ def select(z: Float[Tensor, "R V"], mask: SamplingMask, valid: Bool[Tensor, " R"
     active = (mask.k > 0) | (mask.p < 1.0)
     if bool(unres.any()):
         rows = unres.nonzero().squeeze(1)
-        full = torch.sort(z.index_select(0, rows), dim=1, descending=True).values
-        tau[rows] = resolve_thresholds(full, mask.rows(rows), complete=True)[0]
+        zr = z.index_select(0, rows)
+        if c < WIDE_CANDIDATES < v:
+            # a wide nucleus: a larger top-k (partial selection, O(V + C log C)) settles most rows before a sort
+            sub = mask.rows(rows)
+            t2, u2 = resolve_thresholds(torch.topk(zr, WIDE_CANDIDATES, dim=1, sorted=True).values, sub,
+                                        m[rows] if m is not None else None, s[rows] if s is not None else None,
+                                        complete=False)  # fmt: skip
+            tau[rows] = t2
+            rows, zr = rows[u2], zr[u2]
+        if rows.numel():
+            full = torch.sort(zr, dim=1, descending=True).values
+            tau[rows] = resolve_thresholds(full, mask.rows(rows), complete=True)[0]
         return Selection(tau, None, None)
     if bool((valid & ~active).any()):
         return Selection(tau, None, None)
     keep = valid.unsqueeze(1) & (cand >= tau.unsqueeze(1))
     return Selection(tau, torch.where(keep, cand, NEG_INF), idx)
+
+
+def group_thresholds(
+    z: Float[Tensor, "R Vl"], mask: SamplingMask, group, c: int
+) -> Float[Tensor, " R"]:
+    """Thresholds of rows whose logits are vocab-sharded over ``group`` (``z``: this rank's ``[R, V_local]`` block of
+    ``logits / T``; the same rows on every rank). Each rank's ``c`` largest values are all-gathered and the global
+    ``c`` largest taken from them; top-p alone gets the global normaliser from an all-reduce of ``(max, Σexp)``.
+    Rows these do not settle gather their whole rows and are sorted. Every rank computes the same thresholds from
+    the same gathered values, so the collectives agree on which rows need the full gather."""
+    import torch.distributed as dist
+
+    from rlblocks.kernels._common import allreduce_stats
+
+    vl = z.shape[1]
+    world = dist.get_world_size(group=group)
+    loc = torch.topk(z, min(c, vl), dim=1, sorted=False).values.contiguous()
+    parts = [torch.empty_like(loc) for _ in range(world)]
+    dist.all_gather(parts, loc, group=group)
+    allc = torch.cat(parts, dim=1)
+    cand = torch.topk(allc, min(c, allc.shape[1]), dim=1, sorted=True).values
+    m = s = None
+    if bool(((mask.p < 1.0) & (mask.k <= 0)).any()):
+        ml = z.amax(dim=1)
+        sl = torch.exp(z - torch.where(torch.isfinite(ml), ml, 0.0).unsqueeze(1)).sum(dim=1)
+        m, s, _, _ = allreduce_stats(ml, sl, None, None, group)
+    complete = cand.shape[1] >= vl * world
+    tau, unres = resolve_thresholds(cand, mask, m, s, complete=complete)
+    if not complete and bool(unres.any()):
+        rows = unres.nonzero().squeeze(1)
+        zr = z.index_select(0, rows).contiguous()
+        full = [torch.empty_like(zr) for _ in range(world)]
+        dist.all_gather(full, zr, group=group)
+        srt = torch.sort(torch.cat(full, dim=1), dim=1, descending=True).values
+        tau[rows] = resolve_thresholds(srt, mask.rows(rows), complete=True)[0]
+    return tau
 
 
 def dense_thresholds(

@@ -58,9 +58,11 @@ from rlblocks.kernels._common import (
     zero_ignored_rows,
 )
 from rlblocks.kernels._sampling import (
+    ChunkedSelection,
     Replay,
     check_sampling,
     chunked_select,
+    group_thresholds,
     mask_below,
     new_replay,
     num_candidates,
@@ -159,12 +161,14 @@ if triton_available():
             yl = tl.load(yl_ptr + rows64, mask=row_ok, other=-1)
             lse = tl.load(lse_ptr + rows64, mask=row_ok, other=0.0)
             g = tl.load(g_ptr + rows64, mask=row_ok, other=0.0)
-            z = acc * inv_temp
-            lp = z - lse[:, None]
+            lp = acc * inv_temp - lse[:, None]
             p = tl.exp(lp)
-            if HAS_TAU:  # outside the kept set: p = 0 (lp stays finite, so p·(lp + H) has no 0·(−inf))
-                tau = tl.load(tau_ptr + rows64, mask=row_ok, other=-float("inf"))
-                p = tl.where(z >= tau[:, None], p, 0.0)
+            if HAS_TAU:
+                # Outside the kept set: p = 0 (lp stays finite, so p·(lp + H) has no 0·(−inf)). The test is
+                # z − lse >= tau − lse, so no second [BLOCK_N, BLOCK_V] tile of z stays live (with it, the 128×128
+                # entropy config spilled on triton 3.6); the threshold's midpoint placement absorbs the rounding.
+                lo = tl.load(tau_ptr + rows64, mask=row_ok, other=-float("inf")) - lse
+                p = tl.where(lp >= lo[:, None], p, 0.0)
             if HAS_ENT:
                 k = tl.load(k_ptr + rows64, mask=row_ok, other=0.0)
                 ent = tl.load(ent_ptr + rows64, mask=row_ok, other=0.0)
@@ -279,7 +283,7 @@ def _torch_rows(n: int, v: int) -> int:
     return max(1, min(rows_per_chunk(v), max(8, -(-n // 2))))
 
 
-def _fwd_stats_torch(h, w, idx, owns, inv_temp, has_ent, sm=None):
+def _fwd_stats_torch(h, w, idx, owns, inv_temp, has_ent, sm=None, group=None):
     # One [rows, V] fp32 buffer: logits, shifted in place; exp(z − m) exists only one column block at a time.
     # Sampling-mask replay: a chunk whose kept sets lie among each row's candidates is reduced from them alone
     # (sparse; its stats are written as m = lse, s = 1, a = −H); any other chunk gets −inf outside its kept sets.
@@ -288,16 +292,25 @@ def _fwd_stats_torch(h, w, idx, owns, inv_temp, has_ent, sm=None):
     w32 = w.float()
     m, s, zy = (torch.empty(n, dtype=torch.float32, device=h.device) for _ in range(3))
     a = torch.empty(n, dtype=torch.float32, device=h.device) if has_ent else None
-    rep = new_replay(n, num_candidates(sm, v), h.device) if sm is not None else None
+    v_all = v if group is None else shard_offset(v, group)[1]
+    rep = new_replay(n, num_candidates(sm, v_all), h.device) if sm is not None else None
     step = _torch_rows(n, v)
     zbuf = torch.empty(min(step, n), v, dtype=torch.float32, device=h.device)
-    col = cols_per_block(min(step, n)) if has_ent else v
+    # Entropy: exp(z − m) one column block at a time into a reused buffer of at most half the chunk (a small chunk
+    # must not double its memory), then z·e in place; few, large ops (on a busy CPU each op's fixed cost counts).
+    col = min(2 * cols_per_block(min(step, n)), max(256, -(-v // 2))) if has_ent else v
+    ebuf = torch.empty(min(step, n), min(col, v), dtype=torch.float32, device=h.device) if has_ent else None
     for r0 in range(0, n, step):
         sl = slice(r0, min(r0 + step, n))
         c = sl.stop - sl.start
         z = torch.mm(h[sl].float() * inv_temp, w32.t(), out=zbuf[:c])
         zy[sl] = torch.where(owns[sl], z.gather(1, idx[sl].unsqueeze(1)).squeeze(1), 0.0)
-        if sm is not None:
+        if sm is not None and group is not None:  # vocab-parallel: global thresholds, the masked dense path
+            rep.tau[sl] = group_thresholds(z, sm.rows(sl), group, rep.vals.shape[1])
+            mask_below(z, rep.tau[sl])
+            # the label's owner masks it (other ranks hold 0 there, the SUM's neutral value)
+            zy[sl] = torch.where(owns[sl] & (zy[sl] < rep.tau[sl]), float("-inf"), zy[sl])
+        elif sm is not None:
             sel = select(z, sm.rows(sl), owns[sl], rep.vals.shape[1])
             rep.tau[sl] = sel.tau
             if sel.sparse:
@@ -311,22 +324,22 @@ def _fwd_stats_torch(h, w, idx, owns, inv_temp, has_ent, sm=None):
             mask_below(z, sel.tau)
             zy[sl] = torch.where(zy[sl] >= sel.tau, zy[sl], float("-inf"))
         mc = z.amax(dim=1)
-        z.sub_(mc.unsqueeze(1))
+        # a vocab shard may hold none of a row's kept set (max −inf): shift by 0 there, so its s and a are 0
+        z.sub_(torch.where(torch.isfinite(mc), mc, 0.0).unsqueeze(1))
         m[sl] = mc
         if not has_ent:
             s[sl] = z.exp_().sum(dim=1)
             continue
-        sc = torch.zeros(c, dtype=torch.float32, device=h.device)
-        ac = torch.zeros(c, dtype=torch.float32, device=h.device)
+        if sm is not None:  # −inf entries (outside the kept set): e = 0 there, so a finite z makes e·z = 0
+            z.clamp_(min=_LOWEST)
+        sc = None
         for j in range(0, v, col):
             zb = z[:, j : j + col]
-            e = torch.exp(zb)
-            sc += e.sum(dim=1)
-            if sm is not None:  # −inf entries (outside the kept set): e = 0 there, so a finite z makes e·z = 0
-                zb.clamp_(min=_LOWEST)
-            ac += torch.linalg.vecdot(e, zb)
+            e = torch.exp(zb, out=ebuf[:c, : zb.shape[1]])
+            sc = e.sum(dim=1) if sc is None else sc.add_(e.sum(dim=1))
+            zb.mul_(e)  # e·(z − m): z is not needed after this block
         s[sl] = sc
-        a[sl] = ac
+        a[sl] = z.sum(dim=1)
     return m, s, a, zy, rep
 
 
@@ -426,6 +439,17 @@ def _bwd_torch(h, w, idx, owns, lse, ent, g, k, inv_temp, need_h, need_w, rep=No
     return gh, gw
 
 
+def _triton_group_thresholds(h0, w, inv_temp, sm, group):
+    """Vocab-parallel thresholds for the Triton kernels, from fp32 row chunks of this rank's logits (the same
+    chunks on every rank, so the collectives of ``group_thresholds`` line up)."""
+    n, v = h0.shape[0], w.shape[0]
+    c = num_candidates(sm, shard_offset(v, group)[1])
+    rows = rows_per_chunk(v)
+    taus = [group_thresholds(mm_fp32(h0[r0 : r0 + rows], w.t()).mul_(inv_temp), sm.rows(slice(r0, r0 + rows)),
+                             group, c) for r0 in range(0, n, rows)]  # fmt: skip
+    return torch.cat(taus).contiguous()
+
+
 def _triton_select(h0, w, inv_temp, sm, valid, idx):
     """Kept sets for the Triton path, from fp32 row chunks of ``z = (h0 @ wᵀ)/T`` (cuBLAS, ≤ 64 MiB of logits at a
     time): when every row's kept set lies among its candidates, the outputs follow from them and no kernel runs;
@@ -452,7 +476,11 @@ def _forward(h, w, y, inv_temp, ignore_index, has_ent, backend, group, sm=None):
     rep = None
     if backend == "triton" and h.shape[0] > 0:
         yl = torch.where(owns, y_loc, -1)
-        cs = _triton_select(h0, w, inv_temp, sm, owns, idx) if sm is not None else None
+        cs = None
+        if sm is not None and group is not None:
+            cs = ChunkedSelection(_triton_group_thresholds(h0, w, inv_temp, sm, group), None, None, None)
+        elif sm is not None:
+            cs = _triton_select(h0, w, inv_temp, sm, owns, idx)
         if cs is not None and cs.vals is not None:  # every row sparse: sampling-mask stats from the candidates
             m, _, e_c = sparse_stats(cs.vals, cs.zy, cs.tau, owns, has_ent)
             s = torch.ones_like(m)
@@ -464,7 +492,7 @@ def _forward(h, w, y, inv_temp, ignore_index, has_ent, backend, group, sm=None):
             m, s, a, zy, _ = _fwd_stats_triton(h0, w, yl, inv_temp, has_ent, tau=rep.tau if rep else None)
     else:
         yl = None
-        m, s, a, zy, rep = _fwd_stats_torch(h0, w, idx, owns, inv_temp, has_ent, sm)
+        m, s, a, zy, rep = _fwd_stats_torch(h0, w, idx, owns, inv_temp, has_ent, sm, group)
     if group is not None:
         m, s, a, extra = allreduce_stats(m, s, a, zy.unsqueeze(0), group)
         zy = extra[0]
@@ -577,10 +605,19 @@ def linear_token_logprobs(
     ``S`` (vLLM's sampler order; the convention of ``rlblocks.rollout.types``); see ``token_logprobs`` for the exact
     rules. Gradients flow through kept entries only. A label outside ``S`` gets ``logp = −inf`` and no gradient
     through ``logp``; ``return_outside=True`` also returns the bool ``outside`` (last in the tuple; count them with
-    ``outside.sum()``, drop them with ``mask & ~outside``). The kept set needs each row's largest logits, so the
-    Triton path computes one extra ``[rows, V]`` fp32 chunk of logits per ~64 MiB (cuBLAS) to find the per-row
-    thresholds (one more GEMM in the forward); the torch path finds them in the chunk it already holds. Not
-    available with ``process_group`` (the thresholds would need the whole vocabulary's largest logits).
+    ``outside.sum()``, drop them with ``mask & ~outside``). The kept set needs each row's largest logits: the
+    torch path finds them (``torch.topk``) in the logits chunk it already holds; the Triton path forms fp32 row
+    chunks of logits (≤ 64 MiB, cuBLAS) for them. When every row's kept set lies among its ``C`` largest logits
+    (always with a top-k: ``C = k + 1``; else 64), the outputs follow from those candidates, which are saved
+    (12 B each: ``[N, C]`` values and ids) so the backward is a gather / index-add of ``C`` weight rows per token,
+    with no logits recomputation; other rows (top-p alone over a wide nucleus, unfiltered rows next to filtered
+    ones) take the dense path with entries below a per-row threshold masked (on Triton: one extra GEMM in the
+    forward). With ``process_group`` every row takes the dense path: each rank's largest logits are
+    all-gathered for the global thresholds (top-p alone also all-reduces the row normaliser, and a row those do
+    not settle all-gathers its whole row), then each rank masks its shard.
+    The kept sets cost a few host syncs per row chunk (the candidate count, the rows the candidates do not
+    settle), so the replay path is not meant for ``torch.compile(fullgraph=True)``; without ``top_k`` / ``top_p``
+    nothing changes.
 
     Masked positions (``mask`` false, or ``labels == ignore_index``) give 0 for both outputs and no gradient;
     their hidden rows are replaced by 0 before any product (NaN/inf there cannot leak). Differentiable w.r.t.
@@ -615,7 +652,7 @@ def linear_token_logprobs(
     Raises ``ValueError`` (``ArgumentError``) naming the argument for non-floating inputs, mismatched dtypes or
     devices, a ``weight`` whose second dimension is not ``hidden.shape[-1]``, a labels/mask shape other than
     ``hidden.shape[:-1]``, a label out of range (one host sync; skipped under ``torch.compile``), a ``top_k`` /
-    ``top_p`` of the wrong type, shape or range, or ``top_k`` / ``top_p`` together with ``process_group``.
+    ``top_p`` of the wrong type, shape or range.
 
     Returns ``logp``, or a tuple ``(logp, entropy)``, ``(logp, outside)`` or ``(logp, entropy, outside)``.
     """
@@ -623,10 +660,7 @@ def linear_token_logprobs(
         hidden, weight, labels, mask, temperature, ignore_index, backend, process_group
     )
     lead = hidden.shape[:-1]
-    sm = check_sampling(top_k, top_p, lead, weight.shape[0], y != ignore_index)
-    if sm is not None and process_group is not None:
-        raise ArgumentError("top_k/top_p: sampling-mask replay is not available with process_group (vocab-parallel "
-                            "weight); pass process_group=None with the full weight, or top_k=None and top_p=None")
+    sm = check_sampling(top_k, top_p, lead, shard_offset(weight.shape[0], process_group)[1], y != ignore_index)
     if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
         lp, ent = LinearTokenLogprobsFunction.apply(
             h, w, y, temperature, int(ignore_index), bool(return_entropy), backend, process_group,
@@ -672,7 +706,7 @@ def _coef_terms(valid, coef, ent_coef, rows):
     return g, k
 
 
-def _fused_torch(h0, w, idx, owns, valid, coef, ent_coef, inv_temp, has_ent, group, need_h, need_w):
+def _fused_torch(h0, w, idx, owns, valid, coef, ent_coef, inv_temp, has_ent, group, need_h, need_w, sm=None):
     """Per row chunk: logits (one fp32 GEMM), their stats, and at once the gradient ``∂L/∂z`` with the known
     coefficients, contracted into both gradients — the logits are never recomputed."""
     n, hdim = h0.shape
@@ -685,22 +719,31 @@ def _fused_torch(h0, w, idx, owns, valid, coef, ent_coef, inv_temp, has_ent, gro
     zbuf = torch.empty(min(step, n), v, dtype=torch.float32, device=h0.device)
     pbuf = torch.empty_like(zbuf) if ent_coef is not None else None
     col = cols_per_block(min(step, n))
+    n_cand = num_candidates(sm, v if group is None else shard_offset(v, group)[1]) if sm is not None else 0
     for r0 in range(0, n, step):
         sl = slice(r0, min(r0 + step, n))
         c = sl.stop - sl.start
         hc = h0[sl].float() * inv_temp
         z = torch.mm(hc, w32.t(), out=zbuf[:c])
         zy = torch.where(owns[sl], z.gather(1, idx[sl].unsqueeze(1)).squeeze(1), 0.0)
+        if sm is not None:  # sampling-mask replay: −inf outside the kept sets (the dense path)
+            if group is not None:
+                tau = group_thresholds(z, sm.rows(sl), group, n_cand)
+            else:
+                tau = select(z, sm.rows(sl), owns[sl], n_cand).tau
+            mask_below(z, tau)
+            zy = torch.where(owns[sl] & (zy < tau), float("-inf"), zy)
         m = z.amax(dim=1)
-        z.sub_(m.unsqueeze(1))
+        m_loc = torch.where(torch.isfinite(m), m, 0.0)  # a shard may hold none of a row's kept set
+        z.sub_(m_loc.unsqueeze(1))
         s = torch.zeros(c, device=h0.device)
         a = torch.zeros(c, device=h0.device) if has_ent else None
         for j in range(0, v, col):
             e = torch.exp(z[:, j : j + col])
             s += e.sum(dim=1)
-            if has_ent:
-                a += torch.linalg.vecdot(e, z[:, j : j + col])
-        m_loc = m
+            if has_ent:  # a −inf entry has e = 0: a finite stand-in keeps e·z at 0
+                zb = z[:, j : j + col] if sm is None else z[:, j : j + col].clamp(min=_LOWEST)
+                a += torch.linalg.vecdot(e, zb)
         if group is not None:
             m, s, a, extra = allreduce_stats(m, s, a, zy.unsqueeze(0), group)
             zy = extra[0]
@@ -709,15 +752,17 @@ def _fused_torch(h0, w, idx, owns, valid, coef, ent_coef, inv_temp, has_ent, gro
         lp[sl] = torch.where(valid[sl], zy - lse, 0.0)
         if has_ent:
             ent[sl] = torch.where(valid[sl], log_s - a / s, 0.0)
-        g, k = _coef_terms(valid, coef, ent_coef, sl)
+        g, k = _coef_terms(valid & ~torch.isneginf(lp), coef, ent_coef, sl)
+        if k is not None:
+            k = torch.where(valid[sl], ent_coef[sl].float(), 0.0)
         z.sub_((lse - m_loc).unsqueeze(1))  # z − m_local − (lse − m_local) = log p
         _grad_chunk_torch(z, pbuf[:c] if pbuf is not None else None, hc, w32, idx[sl], owns[sl], g, k,
                           ent[sl] if k is not None else None, inv_temp, gh[sl] if need_h else None, gw, need_h,
-                          need_w)  # fmt: skip
+                          need_w, masked=sm is not None)  # fmt: skip
     return lp, ent, gh, gw
 
 
-def _fused_triton(h0, w, yl, owns, valid, coef, ent_coef, inv_temp, has_ent, group, need_h, need_w):
+def _fused_triton(h0, w, yl, owns, valid, coef, ent_coef, inv_temp, has_ent, group, need_h, need_w, sm=None):
     """Per row chunk: the forward kernel stores ``e = exp(z − m_tile)`` (one GEMM), the per-row lse is merged from
     the tile stats, ``_fused_grad_kernel`` turns ``e`` into ``∂L/∂z`` in place, and cuBLAS contracts it into
     ``grad_hidden`` (fp32) and ``grad_weight`` (fp32 across chunks)."""
@@ -736,11 +781,18 @@ def _fused_triton(h0, w, yl, owns, valid, coef, ent_coef, inv_temp, has_ent, gro
     gw = None
     if need_w:
         gw = torch.empty_like(w) if single and h0.dtype != torch.float16 else torch.zeros(v, hdim, device=dev)
+    tau = None
+    if sm is not None:  # sampling-mask replay: per-row thresholds first (fp32 logits chunks, cuBLAS)
+        if group is not None:
+            tau = _triton_group_thresholds(h0, w, inv_temp, sm, group)
+        else:
+            tau = _triton_select(h0, w, inv_temp, sm, owns, torch.where(owns, yl, 0)).tau
     for r0 in range(0, n, rows):
         sl = slice(r0, min(r0 + rows, n))
         c = sl.stop - sl.start
         hc = h0[sl]
-        m, s, a, zy, (mt, block_v) = _fwd_stats_triton(hc, w, yl[sl], inv_temp, has_ent, e_out=ebuf[:c])
+        m, s, a, zy, (mt, block_v) = _fwd_stats_triton(hc, w, yl[sl], inv_temp, has_ent, e_out=ebuf[:c],
+                                                       tau=tau[sl].contiguous() if tau is not None else None)
         if group is not None:
             m, s, a, extra = allreduce_stats(m, s, a, zy.unsqueeze(0), group)
             zy = extra[0]
@@ -750,7 +802,9 @@ def _fused_triton(h0, w, yl, owns, valid, coef, ent_coef, inv_temp, has_ent, gro
         ent_c = log_s - a / s if has_ent else lse
         if has_ent:
             ent[sl] = torch.where(valid[sl], ent_c, 0.0)
-        g, k = _coef_terms(valid, coef, ent_coef, sl)
+        g, k = _coef_terms(valid & ~torch.isneginf(lp), coef, ent_coef, sl)  # a label outside: no logp term
+        if k is not None:
+            k = torch.where(valid[sl], ent_coef[sl].float(), 0.0)
         bound = g.abs() if k is None else g.abs() + k.abs() * (0.5 + ent_c.clamp_min(0))
         scale = grad_scale(bound, h0.dtype)
         gz = gbuf[:c]
@@ -779,7 +833,7 @@ class LinearTokenLogprobsLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, coef, ent_coef, temperature, ignore_index, has_ent, backend, group,
-                reduce_gh):  # fmt: skip
+                reduce_gh, sm):  # fmt: skip
         inv_temp = 1.0 / temperature
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         v_local = weight.shape[0]
@@ -791,11 +845,11 @@ class LinearTokenLogprobsLossFunction(torch.autograd.Function):
         if backend == "triton" and hidden.shape[0] > 0:
             yl = torch.where(owns, y_loc, -1)
             lp, ent, gh, gw = _fused_triton(h0, weight, yl, owns, valid, coef, ent_coef, inv_temp, has_ent, group,
-                                            need_h, need_w)  # fmt: skip
+                                            need_h, need_w, sm)  # fmt: skip
         else:
             idx = torch.where(owns, y_loc, 0)
             lp, ent, gh, gw = _fused_torch(h0, weight, idx, owns, valid, coef, ent_coef, inv_temp, has_ent, group,
-                                           need_h, need_w)  # fmt: skip
+                                           need_h, need_w, sm)  # fmt: skip
         if need_h and group is not None and reduce_gh:
             import torch.distributed as dist
 
@@ -811,12 +865,14 @@ class LinearTokenLogprobsLossFunction(torch.autograd.Function):
         go = g_loss.float() if g_loss is not None else None
         gh = None if gh is None or go is None else (gh.float() * go).to(gh.dtype)
         gw = None if gw is None or go is None else (gw.float() * go).to(gw.dtype)
-        return gh, gw, None, None, None, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None, None, None, None
 
 
 def _loss_value(lp, ent, valid, coef, ent_coef):
+    """The loss over valid tokens; a label outside the sampling mask (``logp = −inf``) adds no ``coef·logp`` term
+    (it is reported by its ``−inf`` in the returned ``logp``)."""
     zero = torch.zeros((), dtype=torch.float32, device=lp.device)
-    loss = (torch.where(valid, coef.float(), zero) * lp).sum()
+    loss = torch.where(valid & ~torch.isneginf(lp), coef.float() * lp, zero).sum()
     if ent_coef is not None:
         loss = loss + (torch.where(valid, ent_coef.float(), zero) * ent).sum()
     return loss
@@ -844,6 +900,8 @@ def linear_token_logprobs_loss(
     return_entropy: bool = False,
     mask: Bool[Tensor, "*batch"] | None = None,
     temperature: float = 1.0,
+    top_k: int | Int[Tensor, "*batch"] | None = None,
+    top_p: float | Float[Tensor, "*batch"] | None = None,
     ignore_index: int = -100,
     process_group: Any = None,
     allreduce_grad_hidden: bool = True,
@@ -872,6 +930,12 @@ def linear_token_logprobs_loss(
         return_entropy: return the entropy even without ``entropy_coef``.
         Others: as in ``linear_token_logprobs``.
 
+    Sampling-mask replay (``top_k`` / ``top_p``, as in ``linear_token_logprobs``): ``logp`` and ``entropy`` are
+    those of the engine's processed distribution. A label outside the kept set has ``logp = −inf`` in the result
+    (count them with ``torch.isneginf(res.logp)``) and adds no ``coef·logp`` term to ``loss`` or its gradient (its
+    entropy term stays); the kept sets take the masked dense path here (one extra GEMM on Triton for the
+    thresholds).
+
     Returns ``LogprobsLoss(loss, logp, entropy)``; ``loss`` is fp32 and differentiable w.r.t. ``hidden`` and
     ``weight``; masked positions contribute nothing (their coefficients are ignored, NaN there cannot leak).
     """
@@ -882,12 +946,14 @@ def linear_token_logprobs_loss(
     c = _check_coef("coef", coef, lead, hidden.device)
     ec = _check_coef("entropy_coef", entropy_coef, lead, hidden.device) if entropy_coef is not None else None
     has_ent = bool(return_entropy) or ec is not None
+    sm = check_sampling(top_k, top_p, lead, shard_offset(weight.shape[0], process_group)[1], y != ignore_index)
     if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
         loss, lp, ent = LinearTokenLogprobsLossFunction.apply(
             h, w, y, c, ec, temperature, int(ignore_index), has_ent, backend, process_group,
-            bool(allreduce_grad_hidden),
+            bool(allreduce_grad_hidden), sm,
         )  # fmt: skip
     else:
-        lp, ent, _ = _forward(h, w, y, 1.0 / temperature, int(ignore_index), has_ent, backend, process_group)
+        lp, ent, _ = _forward(h, w, y, 1.0 / temperature, int(ignore_index), has_ent, backend, process_group,
+                              sm)  # fmt: skip
         loss = _loss_value(lp, ent, y != ignore_index, c, ec)
     return LogprobsLoss(loss, lp.reshape(lead), ent.reshape(lead) if has_ent else None)

@@ -308,6 +308,9 @@ def token_logprobs(
     choice of ``S`` is piecewise constant, so gradients flow through kept entries only:
     ``∂logp/∂z_j = δ_jy − p̃_j`` for ``j ∈ S`` and 0 outside. ``top_k <= 0`` (or ``>= V``) and ``top_p == 1``
     switch a filter off; both take a Python scalar or a per-token tensor of ``labels``' shape.
+    The kept sets cost a few host syncs per row chunk (the candidate count, the rows the candidates do not
+    settle), so the replay path is not meant for ``torch.compile(fullgraph=True)``; without ``top_k`` / ``top_p``
+    nothing changes.
 
     A label outside ``S`` (the engine sampled a token the trainer's logits exclude, or a label at a ``−inf``
     logit) is reported, not clamped: its ``logp`` is ``−inf`` and it gets no gradient through ``logp``;

@@ -42,6 +42,32 @@ def ref_vocab_kl(student, teacher, valid, kind, beta=0.5, temperature=1.0):
     return torch.where(valid, out, 0.0)
 
 
+def ref_processed(z: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """float64 log-probs of vLLM's processed distribution per row (``z`` already divided by the temperature)."""
+    z = z.double()
+    v = z.shape[-1]
+    use_k = (k > 0) & (k < v)
+    kk = torch.where(use_k, k, v).clamp(1, v)
+    kth = z.sort(-1, descending=True).values.gather(-1, (kk - 1).unsqueeze(-1))
+    z = torch.where(use_k.unsqueeze(-1) & (z < kth), float("-inf"), z)
+    srt, idx = z.sort(-1)  # ascending, as vLLM's apply_top_k_top_p
+    cum = srt.softmax(-1).cumsum(-1)
+    drop = (cum <= 1 - p.double().unsqueeze(-1)) & (p < 1).unsqueeze(-1)
+    drop[:, -1] = False
+    z = z.masked_fill(torch.zeros_like(drop).scatter(-1, idx, drop), float("-inf"))
+    return z.log_softmax(-1)
+
+
+def ref_outputs(lsm: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor):
+    """(logp with −inf outside, entropy, outside) from processed float64 log-probs; 0 at ignored rows. Both
+    outputs are differentiable w.r.t. the logits that produced ``lsm`` (no 0·(−inf) in the graph)."""
+    lp = lsm.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
+    pr = lsm.exp()
+    ent = -(pr * torch.where(pr > 0, lsm, 0.0)).sum(-1)
+    outside = valid & torch.isneginf(lp)
+    return torch.where(valid, lp, 0.0), torch.where(valid, ent, 0.0), outside
+
+
 def make_labels(shape, vocab, frac_ignored=0.2, seed=0):
     g = torch.Generator().manual_seed(seed)
     y = torch.randint(0, vocab, shape, generator=g)
@@ -67,6 +93,8 @@ def ref():
         token_logprobs=ref_token_logprobs,
         linear=ref_linear,
         vocab_kl=ref_vocab_kl,
+        processed=ref_processed,
+        processed_outputs=ref_outputs,
         make_labels=make_labels,
         assert_close=assert_close,
         IGNORE=IGNORE,

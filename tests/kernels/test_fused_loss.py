@@ -92,3 +92,41 @@ def test_bad_coefficients():
         linear_token_logprobs_loss(h, w, y, torch.ones(4, requires_grad=True))
     with pytest.raises(ValueError, match=r"entropy_coef: expected a floating-point"):
         linear_token_logprobs_loss(h, w, y, torch.ones(4), entropy_coef=torch.ones(4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("kind", ["sparse_set", "per_token"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=NEEDS_TRITON)])
+def test_sampling_replay_matches_fp64(ref, small_chunks, monkeypatch, backend, kind):
+    """top_k / top_p on the fused-loss path: loss, logp, entropy and both gradients of the processed distribution
+    against float64; a label outside the kept set is −inf in logp and adds no coef·logp term."""
+    from rlblocks.kernels import _common
+
+    monkeypatch.setattr(_common, "FUSED_CHUNK_BYTES", 16 * 200 * 4)  # several row chunks
+    n, hdim, vocab, temp = 45, 24, 200, 0.8
+    hidden, weight, labels, mask, coef, ecoef = _inputs(ref, (n,), hdim, vocab, seed=9)
+    k, p = torch.full((n,), 15), torch.full((n,), 0.8)
+    if kind == "per_token":
+        k[::4], p[::4] = -1, 1.0
+        k[1::4], p[1::4] = -1, 0.95
+    valid = mask & (labels != ref.IGNORE)
+    hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    with torch.no_grad():
+        lsm0 = ref.processed(torch.where(valid.unsqueeze(1), hr, 0.0) @ wr.T / temp, k, p)
+    labels = torch.where(valid, torch.where(torch.arange(n) % 3 == 0, labels, lsm0.argmax(1)), labels)
+    lsm = ref.processed(torch.where(valid.unsqueeze(1), hr, 0.0) @ wr.T / temp, k, p)
+    want_lp, want_ent, want_out = ref.processed_outputs(lsm, torch.where(valid, labels, 0), valid)
+    live = valid & ~want_out
+    want_loss = (torch.where(live, coef.double() * want_lp, 0.0)).sum() + torch.where(valid, ecoef.double() * want_ent,
+                                                                                       0.0).sum()  # fmt: skip
+    want_loss.backward()
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    res = linear_token_logprobs_loss(h, w, labels, coef, entropy_coef=ecoef, mask=mask, temperature=temp, top_k=k,
+                                     top_p=p, backend=backend)  # fmt: skip
+    res.loss.backward()
+    assert want_out.any() and live.any()
+    assert torch.equal(torch.isneginf(res.logp), want_out)
+    ref.assert_close(res.logp[live], want_lp[live], 1e-5, "logp")
+    ref.assert_close(res.entropy, want_ent, 1e-5, "entropy")
+    ref.assert_close(res.loss, want_loss, 1e-5, "loss")
+    ref.assert_close(h.grad, hr.grad, 1e-5, "grad hidden")
+    ref.assert_close(w.grad, wr.grad, 1e-5, "grad weight")

@@ -135,3 +135,35 @@ def test_inputs_on_another_device_than_the_current_one(ref):
         lp.sum().backward()
     want = linear_token_logprobs(hidden, weight, labels, backend="triton")
     ref.assert_close(lp.cpu(), want.cpu(), 1e-6, "logp on cuda:1")
+
+
+@pytest.mark.parametrize("kind", ["sparse", "dense"])
+def test_sampling_replay_cuda(ref, kind):
+    """Sampling-mask replay on CUDA: ``sparse`` (top_k=20, top_p=0.8 everywhere: the kept sets come from the
+    candidates, no kernel runs) and ``dense`` (some rows unfiltered: the Triton kernels take the thresholds),
+    fp32 against the float64 processed distribution."""
+    n, hdim, vocab, temp = 600, 256, 20011, 0.9
+    hidden, weight, _ = _inputs(ref, n, hdim, vocab, torch.float32, seed=5)
+    k = torch.full((n,), 20, device="cuda")
+    p = torch.full((n,), 0.8, device="cuda")
+    if kind == "dense":
+        k[::7], p[::7] = -1, 1.0
+    hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    lsm = ref.processed((hr @ wr.T) / temp, k, p)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    labels = torch.multinomial(lsm.detach().exp().float(), 1, generator=g).squeeze(1)
+    labels[1::9] = torch.randint(0, vocab, (len(labels[1::9]),), device="cuda", generator=g)  # mostly outside
+    valid = torch.ones(n, dtype=torch.bool, device="cuda")
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent, out = linear_token_logprobs(h, w, labels, temperature=temp, top_k=k, top_p=p, return_entropy=True,
+                                         return_outside=True, backend="triton")  # fmt: skip
+    want_lp, want_ent, want_out = ref.processed_outputs(lsm, labels, valid)
+    assert torch.equal(out, want_out) and out.any()
+    c1 = torch.randn(n, device="cuda", dtype=torch.float64)
+    ((torch.where(out, 0.0, lp.double()) * c1).sum() + ent.double().sum()).backward()
+    ((torch.where(want_out, 0.0, want_lp) * c1).sum() + want_ent.sum()).backward()
+    keep = ~out
+    ref.assert_close(lp[keep], want_lp[keep], FP32_TOL["lp"], "logp")
+    ref.assert_close(ent, want_ent, FP32_TOL["ent"], "entropy")
+    ref.assert_close(h.grad, hr.grad, 2e-5, "grad hidden")
+    ref.assert_close(w.grad, wr.grad, 2e-5, "grad weight")

@@ -118,3 +118,27 @@ def test_bad_input(models):
         causal_lm_logprobs(model, ids, plens, mask[:2])
     with pytest.raises(ValueError, match=r"temperature"):
         causal_lm_logprobs(model, ids, plens, mask, temperature=0.0)
+
+
+def test_sampling_replay_matches_processed_fp64(models, ref):
+    """top_k / top_p reach linear_token_logprobs: the log-probs are those of the model's own logits / T, top-k,
+    top-p, renormalised (float64 reference); tokens outside the kept set are flagged and −inf."""
+    model, model64 = models
+    ids, plens, mask = _batch(ROWS)
+    with torch.no_grad():
+        lp, outside = causal_lm_logprobs(model, ids, plens, mask, temperature=TEMP, top_k=12, top_p=0.9,
+                                         return_outside=True)  # fmt: skip
+    n_out = 0
+    for i, (prompt, resp) in enumerate(ROWS):
+        with torch.no_grad():
+            z = model64(torch.tensor([prompt + resp])).logits[0] / TEMP
+        p = len(prompt)
+        rows = z[p - 1 : p - 1 + len(resp)]
+        lsm = ref.processed(rows, torch.full((len(resp),), 12), torch.full((len(resp),), 0.9))
+        want = lsm[torch.arange(len(resp)), torch.tensor(resp)]
+        n = len(resp)
+        assert torch.equal(outside[i, :n], torch.isneginf(want)) and not outside[i, n:].any()
+        fin = torch.isfinite(want)
+        torch.testing.assert_close(lp[i, :n][fin].double(), want[fin], atol=2e-5, rtol=0)
+        n_out += int((~fin).sum())
+    assert 0 < n_out < int(mask.sum())  # the check sees both kinds of tokens

@@ -1,6 +1,6 @@
 """Sampling-mask replay (top-k / top-p) in token_logprobs and linear_token_logprobs, against a float64 reference that
-applies vLLM's sampler rule literally (sort ascending, drop where the inclusive cumulative sum is <= 1 − p), on the
-torch path and on the Triton kernels under the interpreter."""
+applies vLLM's sampler rule literally (``ref.processed`` in conftest.py: sort ascending, drop where the inclusive
+cumulative sum is <= 1 − p), on the torch path and on the Triton kernels under the interpreter."""
 
 from __future__ import annotations
 
@@ -16,33 +16,6 @@ NEEDS_TRITON = pytest.mark.skipif(
     not (triton_available() and interpret_mode()), reason="needs triton and TRITON_INTERPRET=1 (CPU tensors)"
 )
 BACKENDS = ["torch", pytest.param("triton", marks=NEEDS_TRITON)]
-NEG = float("-inf")
-
-
-def ref_processed(z: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """float64 log-probs of vLLM's processed distribution per row (``z`` already divided by the temperature)."""
-    z = z.double()
-    v = z.shape[-1]
-    use_k = (k > 0) & (k < v)
-    kk = torch.where(use_k, k, v).clamp(1, v)
-    kth = z.sort(-1, descending=True).values.gather(-1, (kk - 1).unsqueeze(-1))
-    z = torch.where(use_k.unsqueeze(-1) & (z < kth), NEG, z)
-    srt, idx = z.sort(-1)  # ascending, as vLLM's apply_top_k_top_p
-    cum = srt.softmax(-1).cumsum(-1)
-    drop = (cum <= 1 - p.double().unsqueeze(-1)) & (p < 1).unsqueeze(-1)
-    drop[:, -1] = False
-    z = z.masked_fill(torch.zeros_like(drop).scatter(-1, idx, drop), NEG)
-    return z.log_softmax(-1)
-
-
-def ref_outputs(lsm: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor):
-    """(logp with −inf outside, entropy, outside) from processed float64 log-probs; 0 at ignored rows. Both
-    outputs are differentiable w.r.t. the logits that produced ``lsm`` (no 0·(−inf) in the graph)."""
-    lp = lsm.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
-    pr = lsm.exp()
-    ent = -(pr * torch.where(pr > 0, lsm, 0.0)).sum(-1)
-    outside = valid & torch.isneginf(lp)
-    return torch.where(valid, lp, 0.0), torch.where(valid, ent, 0.0), outside
 
 
 def _params(n, kind, seed=0):
@@ -82,15 +55,23 @@ def _labels(lsm, n, v, seed):
     return y
 
 
-@pytest.mark.parametrize("kind", ["both", "k", "p", "p_wide", "per_token"])
-def test_thresholds_select_vllm_kept_set(kind):
+@pytest.mark.parametrize("kind", ["both", "k", "p", "p_wide", "per_token", "two_stage"])
+def test_thresholds_select_vllm_kept_set(ref, kind):
     n, v = 48, 700
     z = torch.randn(n, v, generator=torch.Generator().manual_seed(1)) * 2.5
-    k, p = _params(n, kind)
+    if kind == "two_stage":  # nuclei past the 64 candidates, some settled by the wider top-k, some sorted whole
+        v = 3000
+        z = torch.randn(n, v, generator=torch.Generator().manual_seed(1)) * 1.5
+        k, p = None, torch.tensor([0.6, 0.999] * (n // 2))
+        lsm = ref.processed(z, torch.full((n,), -1), p)
+        sizes = torch.isfinite(lsm).sum(1)
+        assert (sizes[0::2] > 64).all() and (sizes[0::2] < 1024).all() and (sizes[1::2] >= 1024).all()
+    else:
+        k, p = _params(n, kind)
     sm = check_sampling(k, p, torch.Size([n]), v, torch.ones(n, dtype=torch.bool))
     tau = dense_thresholds(z.clone(), sm)
     got = mask_below(z.clone(), tau)
-    want = ref_processed(z, _flat(k, n, -1, torch.long), _flat(p, n, 1.0, torch.float32))
+    want = ref.processed(z, _flat(k, n, -1, torch.long), _flat(p, n, 1.0, torch.float32))
     assert torch.equal(torch.isneginf(got), torch.isneginf(want))
     if kind == "p_wide":
         assert torch.isfinite(want).sum(1).min() > 64  # really exercises the rows the candidates cannot settle
@@ -122,20 +103,20 @@ def _check(lp, ent, out, want_lp, want_ent, want_out, valid, atol=1e-5):
 
 @pytest.mark.parametrize("kind", ["both", "per_token", "p_wide"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_token_logprobs_replay_matches_fp64(small_chunks, backend, kind):
+def test_token_logprobs_replay_matches_fp64(ref, small_chunks, backend, kind):
     n, v, temp = 41, 300, 0.7
     logits = torch.randn(n, v, generator=torch.Generator().manual_seed(2)) * 3
     k, p = _params(n, kind)
     kf, pf = _flat(k, n, -1, torch.long), _flat(p, n, 1.0, torch.float32)
     xr = logits.double().requires_grad_()
-    lsm = ref_processed(xr / temp, kf, pf)
+    lsm = ref.processed(xr / temp, kf, pf)
     y = _labels(lsm.detach(), n, v, 3)
     valid = y != -100
     logits[~valid] = float("nan")  # padding may hold garbage
     x = logits.clone().requires_grad_()
     lp, ent, out = token_logprobs(x, y, temperature=temp, top_k=k, top_p=p, return_entropy=True,
                                   return_outside=True, backend=backend)  # fmt: skip
-    want_lp, want_ent, want_out = ref_outputs(lsm, y, valid)
+    want_lp, want_ent, want_out = ref.processed_outputs(lsm, y, valid)
     _check(lp, ent, out, want_lp.detach(), want_ent.detach(), want_out, valid)
     # gradients: the loss uses logp only where the label is kept (the documented way to drop outside labels)
     c1, c2 = torch.randn(n, dtype=torch.float64), torch.randn(n, dtype=torch.float64)
@@ -160,7 +141,7 @@ def test_outside_label_gets_no_gradient_through_logp(backend):
 @pytest.mark.parametrize("kind", ["both", "per_token"])
 @pytest.mark.parametrize(("backend", "n", "hdim", "v"), [("torch", 70, 48, 530),
                                                          pytest.param("triton", 37, 32, 200, marks=NEEDS_TRITON)])
-def test_linear_token_logprobs_replay_matches_fp64(small_chunks, backend, n, hdim, v, kind):
+def test_linear_token_logprobs_replay_matches_fp64(ref, small_chunks, backend, n, hdim, v, kind):
     temp = 0.8
     g = torch.Generator().manual_seed(4)
     h = torch.randn(n, hdim, generator=g)
@@ -168,16 +149,16 @@ def test_linear_token_logprobs_replay_matches_fp64(small_chunks, backend, n, hdi
     k, p = _params(n, kind, seed=5)
     kf, pf = _flat(k, n, -1, torch.long), _flat(p, n, 1.0, torch.float32)
     hr, wr = h.double().requires_grad_(), w.double().requires_grad_()
-    lsm = ref_processed((hr @ wr.T) / temp, kf, pf)
+    lsm = ref.processed((hr @ wr.T) / temp, kf, pf)
     y = _labels(lsm.detach(), n, v, 6)
     valid = y != -100
     hr_masked = torch.where(valid.unsqueeze(1), hr, 0.0)
-    lsm = ref_processed((hr_masked @ wr.T) / temp, kf, pf)
+    lsm = ref.processed((hr_masked @ wr.T) / temp, kf, pf)
     h[~valid] = float("nan")
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
     lp, ent, out = linear_token_logprobs(hh, ww, y, temperature=temp, top_k=k, top_p=p, return_entropy=True,
                                          return_outside=True, backend=backend)  # fmt: skip
-    want_lp, want_ent, want_out = ref_outputs(lsm, y, valid)
+    want_lp, want_ent, want_out = ref.processed_outputs(lsm, y, valid)
     _check(lp, ent, out, want_lp.detach(), want_ent.detach(), want_out, valid)
     c1, c2 = torch.randn(n, dtype=torch.float64), torch.randn(n, dtype=torch.float64)
     ((torch.where(out, 0.0, lp.double()) * c1).sum() + (ent.double() * c2).sum()).backward()
@@ -218,7 +199,7 @@ def test_bad_sampling_arguments_raise():
 
 
 @pytest.mark.parametrize("op", ["token", "linear"])
-def test_sparse_and_dense_chunks_in_one_call(small_chunks, op):
+def test_sparse_and_dense_chunks_in_one_call(ref, small_chunks, op):
     """Chunks whose kept sets lie among the candidates take the sparse path (no logits recomputation in the
     backward), others the masked dense one; both in one call, against float64."""
     from rlblocks.kernels import linear_logprobs, logprobs
@@ -230,12 +211,12 @@ def test_sparse_and_dense_chunks_in_one_call(small_chunks, op):
     p = torch.full((n,), 0.85)
     k[60:], p[60:] = -1, torch.where(torch.arange(n - 60) % 3 == 0, 1.0, 0.9)  # off rows, and top-p alone
     hr, wr = h.double().requires_grad_(), w.double().requires_grad_()
-    lsm = ref_processed((hr @ wr.T) / temp, k, p)
+    lsm = ref.processed((hr @ wr.T) / temp, k, p)
     y = _labels(lsm.detach(), n, v, 9)
     valid = y != -100
     xr = torch.where(valid.unsqueeze(1), hr, 0.0) @ wr.T
-    lsm = ref_processed(xr / temp, k, p)
-    want_lp, want_ent, want_out = ref_outputs(lsm, y, valid)
+    lsm = ref.processed(xr / temp, k, p)
+    want_lp, want_ent, want_out = ref.processed_outputs(lsm, y, valid)
     if op == "token":
         x = (h @ w.T).detach().requires_grad_()
         rep = logprobs._fwd_torch(x.detach(), y, valid, 1 / temp, True, check_sampling(k, p, y.shape, v, valid))[3]

@@ -72,6 +72,63 @@ def _case(backend, rank, n, hdim, vocab, entropy):
         _check(f"{tag} fused grad weight shard", w.grad, gw_ref[rank * shard : (rank + 1) * shard], 1e-5)
 
 
+def _sampling_case(backend, rank, n, hdim, vocab):
+    """Sampling-mask replay with a vocab-sharded head: the same kept sets, log-probs, outside flags, entropy and
+    gradients as unsharded. Per-token parameters: top-k + top-p, top-p alone (wide nuclei, the full-row gather),
+    and unfiltered rows."""
+    from rlblocks.kernels import linear_token_logprobs
+
+    g = torch.Generator().manual_seed(11)
+    hidden = torch.randn(n, hdim, generator=g)
+    weight = torch.randn(vocab, hdim, generator=g) / hdim**0.5 * 2
+    with torch.no_grad():
+        z = hidden @ weight.T
+    labels = z.argmax(1)
+    labels[1::4] = torch.randint(0, vocab, (len(labels[1::4]),), generator=g)  # mostly outside the kept sets
+    labels[::9] = -100
+    k = torch.full((n,), 9)
+    p = torch.full((n,), 0.85)
+    k[2::3], p[2::3] = -1, 0.999  # top-p alone over a wide nucleus
+    k[::5], p[::5] = -1, 1.0  # unfiltered
+    c1, c2 = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    shard = vocab // WORLD
+
+    def run(w_full_or_shard, group):
+        h = hidden.clone().requires_grad_()
+        w = w_full_or_shard.clone().requires_grad_()
+        lp, ent, out = linear_token_logprobs(h, w, labels, temperature=0.8, top_k=k, top_p=p, return_entropy=True,
+                                             return_outside=True, process_group=group, backend=backend)
+        ((torch.where(out, 0.0, lp) * c1).sum() + (ent * c2).sum()).backward()
+        return lp.detach(), ent.detach(), out, h.grad, w.grad
+
+    lp, ent, out, gh, gw = run(weight[rank * shard : (rank + 1) * shard], dist.group.WORLD)
+    lp_ref, ent_ref, out_ref, gh_ref, gw_ref = run(weight, None)
+    tag = f"[{backend} rank{rank} sampling]"
+    if not torch.equal(out, out_ref) or not out.any():
+        bad = (out != out_ref).nonzero().squeeze(1)[:5].tolist()
+        raise AssertionError(f"{tag} outside flags differ from the unsharded ones (or none outside): "
+                             f"{int(out.sum())} vs {int(out_ref.sum())}, rows {bad}, lp {lp[bad].tolist()} vs "
+                             f"{lp_ref[bad].tolist()}")
+    keep = ~out
+    _check(f"{tag} logp", lp[keep], lp_ref[keep], 1e-5)
+    _check(f"{tag} entropy", ent, ent_ref, 1e-5)
+    _check(f"{tag} grad hidden", gh, gh_ref, 1e-5)
+    _check(f"{tag} grad weight shard", gw, gw_ref[rank * shard : (rank + 1) * shard], 1e-5)
+    # the fused-loss path with the same replay: the same loss terms and gradients, formed in the forward
+    from rlblocks.kernels import linear_token_logprobs_loss
+
+    h = hidden.clone().requires_grad_()
+    w = weight[rank * shard : (rank + 1) * shard].clone().requires_grad_()
+    res = linear_token_logprobs_loss(h, w, labels, c1, entropy_coef=c2, temperature=0.8, top_k=k, top_p=p,
+                                     process_group=dist.group.WORLD, backend=backend)
+    res.loss.backward()
+    if not torch.equal(torch.isneginf(res.logp), out_ref):
+        raise AssertionError(f"{tag} fused: outside labels differ from the unsharded ones")
+    _check(f"{tag} fused logp", res.logp[keep], lp_ref[keep], 1e-5)
+    _check(f"{tag} fused grad hidden", h.grad, gh_ref, 1e-5)
+    _check(f"{tag} fused grad weight shard", w.grad, gw_ref[rank * shard : (rank + 1) * shard], 1e-5)
+
+
 def _worker(rank, init_file, backends):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
@@ -79,6 +136,7 @@ def _worker(rank, init_file, backends):
             n, hdim, vocab = (150, 32, 1000) if backend == "torch" else (21, 32, 256)
             for entropy in (False, True):
                 _case(backend, rank, n, hdim, vocab, entropy)
+            _sampling_case(backend, rank, n, hdim, vocab)
     finally:
         dist.destroy_process_group()
 
