@@ -77,7 +77,7 @@ def test_resume_through_the_prefix_cache_keeps_the_routing():
         return await task
 
     res = asyncio.run(run())
-    assert res.num_submissions == 2 and engine.stats.prefix_cache_hits == 1
+    assert res.num_submissions == 2 and engine.stats()['prefix_cache_hits'] == 1
     assert res.routed_experts.shape == (len(prompt) + 19, 4, 2)
     worst, _ = _replay_mismatch(model, build_batch([res], pad_id=0))
     assert worst <= 1e-4, worst
