@@ -119,6 +119,11 @@ class Bench:
         dt = time.perf_counter() - t0
         return dt, bt["input_ids"].shape[0], bt["input_ids"].shape[1]
 
+    def close(self) -> None:
+        """Stop the engine's step task on its own loop (else it is destroyed pending at exit)."""
+        self.loop.run_until_complete(self.engine.aclose())
+        self.loop.close()
+
     def sync(self) -> tuple[float, float]:
         t0 = time.perf_counter()
         tensors = [(n.removeprefix("lm."), t) for n, t in full_tensors(self.policy)]
@@ -141,6 +146,7 @@ def _busy_trainer(path: str, ready, go, busy, stop) -> None:
             bench.train(16, 24, rng)
         else:
             busy.clear()
+    bench.close()
 
 
 def measure_contention(bench: Bench, path: str, reps: int, rng: random.Random) -> tuple[float, list[float]]:
@@ -249,6 +255,7 @@ def main() -> None:
         print(f"rep {rep + 1}/{args.reps} done ({time.perf_counter() - t_start:.0f} s)", flush=True)
     contention, ratios = (measure_contention(bench, path, args.contention_reps, rng) if args.contention_reps
                           else (0.0, []))
+    bench.close()
     print(f"host contention: together/alone = {' '.join(f'{r:.2f}' for r in ratios)} -> c = {contention:.2f}")
     out: dict = {"prompt_len_mean": prompt_len, "reps": args.reps, "hardware": {}, "raw": {},
                  "contention_ratios": ratios, "loadavg": os.getloadavg()}
