@@ -293,6 +293,26 @@ def mean_metrics(records: list[dict[str, Tensor]]) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------------------ engines
+def seed_rank(seed: int, rank: int) -> None:
+    """Seed torch and Python's global ``random`` for this rank. The engines draw the sampling seed of every request
+    that has none from the global ``random``, so without this a run of one seed does not repeat."""
+    torch.manual_seed(seed + rank)
+    random.seed(seed + rank)
+
+
+def prompts_per_rank(cfg: Any, world: int) -> int:
+    """``--prompts-per-step`` split over ``world`` ranks, refused when it does not divide or leaves fewer samples
+    per rank than ``--mini-batches``."""
+    if cfg.prompts_per_step % world:
+        raise ArgumentError(f"--prompts-per-step: expected a multiple of the world size {world}, "
+                            f"got {cfg.prompts_per_step}")
+    n_local = cfg.prompts_per_step // world
+    if cfg.mini_batches > n_local * cfg.group_size:
+        raise ArgumentError(f"--mini-batches: expected at most the samples per rank ({n_local * cfg.group_size}), "
+                            f"got {cfg.mini_batches}")
+    return n_local
+
+
 def model_max_len(path: str) -> int:
     """The positions of the checkpoint at ``path`` (``max_position_embeddings`` of its HF config)."""
     from transformers import AutoConfig

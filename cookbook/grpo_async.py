@@ -68,6 +68,7 @@ from common import (
     parse_flags,
     policy_loss,
     resolve_max_model_len,
+    seed_rank,
     until_eos,
 )
 
@@ -874,8 +875,7 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.mini_batches > cfg.prompts_per_step // n_train * cfg.group_size:
         raise ArgumentError(f"--mini-batches: expected at most the samples per trainer rank "
                             f"({cfg.prompts_per_step // n_train * cfg.group_size}), got {cfg.mini_batches}")
-    torch.manual_seed(cfg.seed + rank)
-    random.seed(cfg.seed + rank)
+    seed_rank(cfg.seed, rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     # every rank creates every group, in the same order
     train_ranks = list(range(n_train))

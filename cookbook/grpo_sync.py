@@ -51,7 +51,9 @@ from common import (
     opt,
     parse_flags,
     policy_loss,
+    prompts_per_rank,
     resolve_max_model_len,
+    seed_rank,
     until_eos,
 )
 
@@ -220,15 +222,8 @@ def main(argv: list[str] | None = None) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-    if cfg.prompts_per_step % world:
-        raise ArgumentError(f"--prompts-per-step: expected a multiple of the world size {world}, "
-                            f"got {cfg.prompts_per_step}")
-    n_local = cfg.prompts_per_step // world
-    if cfg.mini_batches > n_local * cfg.group_size:
-        raise ArgumentError(f"--mini-batches: expected at most the samples per rank ({n_local * cfg.group_size}), "
-                            f"got {cfg.mini_batches}")
-    torch.manual_seed(cfg.seed + rank)
-    random.seed(cfg.seed + rank)  # the engine draws each unseeded request's sampling seed from it: a run repeats
+    n_local = prompts_per_rank(cfg, world)
+    seed_rank(cfg.seed, rank)  # also the engine's seeds of unseeded requests: a run repeats
     rng = random.Random(cfg.seed * 1000 + rank)
     files = RunFiles(cfg.runs_dir, cfg.name)
 

@@ -59,7 +59,7 @@ from torch import Tensor, nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import data
 import toy
-from common import RunFiles, opt, parse_flags
+from common import RunFiles, opt, parse_flags, prompts_per_rank, seed_rank
 
 from rlblocks.errors import ArgumentError
 from rlblocks.kernels import causal_lm_logprobs
@@ -711,14 +711,8 @@ def on_rank0_then_all(rank: int, fn):
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_flags(Config, argv, check=check_flags)
     rank, world, device = setup_dist()
-    if cfg.prompts_per_step % world:
-        raise ArgumentError(f"--prompts-per-step: expected a multiple of the world size {world}, "
-                            f"got {cfg.prompts_per_step}")
-    n_local = cfg.prompts_per_step // world
-    if cfg.mini_batches > n_local * cfg.group_size:
-        raise ArgumentError(f"--mini-batches: expected at most the samples per rank ({n_local * cfg.group_size}), "
-                            f"got {cfg.mini_batches}")
-    torch.manual_seed(cfg.seed + rank)
+    n_local = prompts_per_rank(cfg, world)
+    seed_rank(cfg.seed, rank)  # also the engine's seeds of unseeded requests: a run repeats
     rng = random.Random(cfg.seed * 1000 + rank)
     files = RunFiles(cfg.runs_dir, cfg.name)
     say = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
