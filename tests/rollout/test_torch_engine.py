@@ -98,7 +98,7 @@ async def _settle(engine, turns=5):
     """Let the engine act on what was just submitted, without a wall-clock wait: a few event-loop turns carry a new
     request into the engine and let its loop task see it (a step it wrongly started would be running by then), and
     ``abort([])`` (a no-op: no request named) takes the engine lock between steps, i.e. waits for such a step to end
-    and record its token. A request that must wait then has no token and is not done, however loaded the box."""
+    and record its token. A request that must wait then has no token and is not done, however busy the machine."""
     for _ in range(turns):
         await asyncio.sleep(0)
     await engine.abort([])
@@ -408,7 +408,7 @@ def test_pause_abort_races_many_requests(tiny_model):
                 pause = asyncio.ensure_future(engine.pause("abort"))
             # jitter in event-loop turns, not seconds: submissions land at different points of the engine's step
             # (lock, forward in its thread, result), and as a step takes at least two turns, no request can reach
-            # its 30 tokens before the pause, however loaded the box
+            # its 30 tokens before the pause, however busy the machine
             for _ in range(i % 3):
                 await asyncio.sleep(0)
         await pause

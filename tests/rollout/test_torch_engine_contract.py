@@ -49,7 +49,7 @@ async def settle(engine, turns=5):
     """Let the engine act on what was just submitted, without a wall-clock wait: a few event-loop turns carry a new
     request into the engine and let its loop task see it (a step it wrongly started would be running by then), and
     ``abort([])`` (a no-op: no request named) takes the engine lock between steps, i.e. waits for such a step to end
-    and record its token. A request that must wait then has no token and is not done, however loaded the box."""
+    and record its token. A request that must wait then has no token and is not done, however busy the machine."""
     for _ in range(turns):
         await asyncio.sleep(0)
     await engine.abort([])

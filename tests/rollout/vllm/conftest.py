@@ -123,7 +123,7 @@ def hf_state(hf_model):
 @pytest.fixture(scope="session")
 def wait_tokens():
     """``await wait_tokens(engine, task, rid, k)``: until in-flight request ``rid`` (the one ``task`` awaits) has
-    produced ``k`` tokens; returns the count. An event to wait on instead of a sleep: on a busy box a sleep may end
+    produced ``k`` tokens; returns the count. An event to wait on instead of a sleep: on a busy machine a sleep may end
     before the first token or after the last one. Fails if the request returns first; ``run``'s timeout is the
     hang guard."""
 
