@@ -56,7 +56,13 @@ version) and only then sets ``version``.
 returns its partial output, every KV cache is dropped; level 1 moves the weights to CPU on CUDA (on CPU they are
 already in host memory, so only the KV caches are freed) and ``wake()`` moves them back; level 2 frees the
 parameters' storage on any device, and after ``wake()`` the engine generates again only once a complete update has
-loaded weights (the re-allocated parameters hold NaN until then, so a leak would be visible).
+loaded weights (the re-allocated parameters hold NaN until then, so a leak would be visible). Each parameter is
+re-allocated with the layout it had before the sleep: shape, strides, dtype, device and the alignment of its address
+modulo 64 bytes. The alignment matters because BLAS kernels choose their code path, and with it the order in which
+they add, by the operands' addresses: measured on a 2-core x86 CPU, MKL's SSE4.2 GEMV (a one-token decode step) gives
+other last bits for a weight 8 bytes past a 16-byte boundary (where ``from_pretrained`` of a safetensors checkpoint
+put every tensor) than for the same weight on a 64-byte boundary (where a fresh allocation lands). With the layout
+kept, an engine given back the weights it had computes the same bits as before the sleep.
 ``close()`` returns the partial output of every request in flight (``finish_reason="abort"``) and frees the KV
 caches; later calls raise :class:`~rlblocks.errors.EngineError`.
 An engine is bound to one event loop at a time; using it from a new loop (a second ``asyncio.run``) abandons the
@@ -202,6 +208,32 @@ def _left_pad_stack(kvs: list[KV]) -> tuple[list[Tensor], list[Tensor], list[int
     return keys, values, [width - t for t in lengths]
 
 
+_ALIGN = 64  # bytes: a cache line, and the widest SIMD vector (AVX-512) a kernel may align its loads to
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where a level-2 sleep found a parameter: enough to re-allocate it so that kernels take the same path."""
+
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    misalign: int  # data_ptr() % _ALIGN
+
+    @classmethod
+    def of(cls, t: Tensor) -> _Placement:
+        return cls(t.shape, t.stride(), t.dtype, t.data_ptr() % _ALIGN)
+
+    def nan_tensor(self, device: torch.device) -> Tensor:
+        """A NaN-filled tensor of this shape, strides and dtype whose first element is ``misalign`` bytes past a
+        ``_ALIGN``-byte boundary (over-allocated by ``_ALIGN`` bytes to make room for the shift)."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        span = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride)) if all(self.shape) else 0
+        buf = torch.full((span + _ALIGN // itemsize,), float("nan"), dtype=self.dtype, device=device)
+        shift = ((self.misalign - buf.data_ptr()) % _ALIGN) // itemsize
+        return buf.as_strided(self.shape, self.stride, shift)
+
+
 def _make_cache(kv: KV | None):
     """An HF ``DynamicCache`` holding ``kv`` without copying it (the model appends to it with ``torch.cat``)."""
     from transformers import DynamicCache
@@ -273,7 +305,7 @@ class TorchEngine:
         self._layout = WeightLayout.from_module(model)
         self._stats = EngineStats()
         self._state = Lifecycle("TorchEngine")
-        self._discarded: list[tuple[torch.nn.Parameter, torch.Size, torch.dtype]] = []  # level-2 sleep
+        self._discarded: list[tuple[torch.nn.Parameter, _Placement]] = []  # level-2 sleep
         self._routing = RoutingRecorder(model) if record_routing else None
         self._seqs: dict[str, _Seq] = {}  # every request in flight, in submission order
         self._batch: _Batch | None = None  # the decode batch (batched mode)
@@ -449,16 +481,17 @@ class TorchEngine:
             if level == 1 and on_device:
                 self.model.to("cpu")
             if level == 2:
-                self._discarded = [(p, p.shape, p.dtype) for p in self.model.parameters()]
-                for p, _, dtype in self._discarded:
-                    p.data = torch.empty(0, dtype=dtype, device=p.device)
+                self._discarded = [(p, _Placement.of(p)) for p in self.model.parameters()]
+                for p, placement in self._discarded:
+                    p.data = torch.empty(0, dtype=placement.dtype, device=p.device)
             if on_device and torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
     async def wake(self) -> None:
         """Undo :meth:`sleep`: level 1 brings the weights back and generation resumes (unless :meth:`pause` was
-        called before the sleep); level 2 re-allocates the parameters (NaN-filled) and generation resumes after the
-        next complete :meth:`update_weights`. A no-op when awake."""
+        called before the sleep); level 2 re-allocates the parameters (NaN-filled, each with the shape, strides,
+        dtype and 64-byte address alignment it had before the sleep, so that kernels take the same code path) and
+        generation resumes after the next complete :meth:`update_weights`. A no-op when awake."""
         self._state.check_open()
         self._bind_loop()
         async with self._lock:
@@ -467,8 +500,8 @@ class TorchEngine:
             if self._state.sleep_level == 1 and self._device.type != "cpu":
                 self.model.to(self._device)
             if self._state.sleep_level == 2:
-                for p, shape, dtype in self._discarded:
-                    p.data = torch.full(shape, float("nan"), dtype=dtype, device=self._device)
+                for p, placement in self._discarded:  # the layout of before the sleep: the same kernel paths
+                    p.data = placement.nan_tensor(self._device)
                 self._discarded = []
                 self.model.to(self._device)  # buffers too, had they moved
             self._state.on_wake()

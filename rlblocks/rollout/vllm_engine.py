@@ -415,7 +415,33 @@ class VLLMEngine:
         return StatsView(self._stats, "VLLMEngine")
 
     def in_flight_ids(self) -> list[str]:
+        """The request ids submitted and not yet returned, in submission order."""
         return list(self._inflight)
+
+    def num_output_tokens(self, request_id: str) -> int | None:
+        """Tokens generated so far by an in-flight request, or ``None`` if it is not in flight (0 while it waits in
+        this client or before vLLM has registered it).
+
+        Counted from the engine core's outputs as this process has received them: vLLM's output processor sees every
+        step's tokens even though ``generate`` is handed only the final output, so the count lags the core by the
+        outputs still in transit. A request frozen by ``pause("keep")`` keeps its count."""
+        state = self._inflight.get(request_id)
+        if state is None:
+            return None
+        taken = len(state.tokens)  # delta-streaming fallback: the deltas generate() has taken
+        if state.internal_id is None:
+            return taken
+        processor = getattr(self._llm, "output_processor", None)
+        record = getattr(processor, "request_states", {}).get(state.internal_id)
+        detok = getattr(record, "detokenizer", None)
+        if detok is not None:
+            return int(detok.num_output_tokens())
+        # vLLM has finished it: its output waits in the request's queue for generate() to take it
+        pending = getattr(state.queue, "output", None)
+        outputs = getattr(pending, "outputs", None)
+        if outputs:
+            return len(outputs[0].token_ids) + (taken if not self._engine_labels else 0)
+        return taken
 
     # ------------------------------------------------------------------ generation
     def _sampling_params(self, sp: SamplingParams, prompt_len: int) -> Any:

@@ -51,7 +51,9 @@ class Recorder:
 def test_1000_random_latencies_and_failures():
     n, bound = 1000, 32
     fn = Recorder(n, seed=1234)
-    pool = RewardPool(fn, max_concurrency=bound, timeout=0.05, retries=1, cancel_grace=1.0)
+    # ok calls take at most 3 ms; the timeout only has to tell them from a hang, with room for a busy machine to
+    # stall this event loop (a spurious timeout would show as a retry of an ok sample)
+    pool = RewardPool(fn, max_concurrency=bound, timeout=0.5, retries=1, cancel_grace=1.0)
     samples = [Sample(f"r{i}", metadata={"i": i}) for i in range(n)]
     results = asyncio.run(pool.ascore(samples))
 
@@ -172,11 +174,12 @@ def test_process_pool_kills_hangs_survives_crashes_and_keeps_order():
 
 
 def test_process_pool_timeout_counts_from_the_start_not_the_queue():
-    # 6 calls of 0.3 s on ONE worker: the last waits ~1.5 s in the queue, more than the 1 s timeout, yet passes.
-    samples = [Sample("x", metadata={"i": i, "mode": "ok", "sleep": 0.3}) for i in range(6)]
-    with RewardPool(reward_helpers.behave, max_concurrency=6, timeout=1.0, processes=1) as pool:
+    # 8 calls of 0.4 s on ONE worker: the last waits ~2.8 s in the queue, more than the 2 s timeout, yet passes
+    # (each call itself has 1.6 s to spare for a busy machine).
+    samples = [Sample("x", metadata={"i": i, "mode": "ok", "sleep": 0.4}) for i in range(8)]
+    with RewardPool(reward_helpers.behave, max_concurrency=8, timeout=2.0, processes=1) as pool:
         results = pool.score(samples)
-    assert [r.score for r in results] == [float(i) for i in range(6)]
+    assert [r.score for r in results] == [float(i) for i in range(8)]
 
 
 @pytest.mark.parametrize(

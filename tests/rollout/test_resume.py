@@ -166,10 +166,12 @@ def test_abort_before_first_token_then_resume(tiny_model):
         ref = await engine.generate(GenerationRequest("ref", [1, 40], sp))
         await engine.pause("keep")
         task = asyncio.ensure_future(resumable_generate(engine, GenerationRequest("z", [1, 40], sp)))
-        await asyncio.sleep(0.01)
+        while engine.num_output_tokens("z") is None:  # until the request is in flight (held: the engine is paused)
+            await asyncio.sleep(0)
         assert await engine.abort(["z"]) == ["z"]  # zero tokens produced
-        await asyncio.sleep(0.02)
-        assert not task.done()
+        for _ in range(5):  # event-loop turns, not seconds: the client sees the abort, and must wait for the resume
+            await asyncio.sleep(0)
+        assert not task.done() and engine.is_paused
         await engine.resume()
         return ref, await task
 

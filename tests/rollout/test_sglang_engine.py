@@ -450,11 +450,14 @@ def test_control_calls_do_not_queue_behind_generations(fake):
         gens = [asyncio.ensure_future(eng.generate(GenerationRequest(f"g{i}", [1, 3], sp))) for i in range(2)]
         await wait_tokens(fake, "g0@", 2)
         await wait_tokens(fake, "g1@", 2)
-        await asyncio.wait_for(eng.pause("abort"), 2.0)  # both generate threads are busy: control has its own
+        # Both generate threads are busy: control has its own. Had the pause queued behind a generation, that
+        # generation would have run to its 500 tokens first and returned "length" (an event, not a deadline).
+        await eng.pause("abort")
         await eng.resume()
         return await asyncio.gather(*gens)
 
-    assert all(g.finish_reason == "abort" for g in run(main()))
+    gens = run(main())
+    assert all(g.finish_reason == "abort" and g.num_output_tokens < 500 for g in gens)
 
 
 # ---------------------------------------------------------------- sleep, wake, close, protocol

@@ -94,6 +94,16 @@ async def _wait_tokens(engine, rid, k):
         await asyncio.sleep(0.0005)
 
 
+async def _settle(engine, turns=5):
+    """Let the engine act on what was just submitted, without a wall-clock wait: a few event-loop turns carry a new
+    request into the engine and let its loop task see it (a step it wrongly started would be running by then), and
+    ``abort([])`` (a no-op: no request named) takes the engine lock between steps, i.e. waits for such a step to end
+    and record its token. A request that must wait then has no token and is not done, however busy the machine."""
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    await engine.abort([])
+
+
 async def _resubmit(engine, part: Generation, sp: SamplingParams, rid: str) -> Generation:
     """The AReaL re-submission, written out by hand: prompt + partial output, remaining budget."""
     left = sp.max_new_tokens - part.num_output_tokens
@@ -372,7 +382,7 @@ def test_request_submitted_concurrently_with_pause_is_never_lost(tiny_model):
         g1 = await t1
         # submitted while paused: waits for resume, then completes
         t2 = asyncio.ensure_future(engine.generate(GenerationRequest("b", PROMPTS[0], sp)))
-        await asyncio.sleep(0.05)
+        await _settle(engine)
         assert not t2.done() and engine.num_output_tokens("b") == 0
         # pause and generate racing in one gather, both orders
         g3, _ = await asyncio.gather(engine.generate(GenerationRequest("c", PROMPTS[1], sp)), engine.resume())
@@ -396,7 +406,11 @@ def test_pause_abort_races_many_requests(tiny_model):
             tasks.append(asyncio.ensure_future(engine.generate(GenerationRequest(f"r{i}", PROMPTS[i % 6], sp))))
             if i == 8:
                 pause = asyncio.ensure_future(engine.pause("abort"))
-            await asyncio.sleep(0.002 * (i % 3))
+            # jitter in event-loop turns, not seconds: submissions land at different points of the engine's step
+            # (lock, forward in its thread, result), and as a step takes at least two turns, no request can reach
+            # its 30 tokens before the pause, however busy the machine
+            for _ in range(i % 3):
+                await asyncio.sleep(0)
         await pause
         late_done = [t.done() for t in tasks[9:]]
         await engine.resume()
@@ -439,7 +453,7 @@ def test_abort_all_and_keep_pause_resume_matches_uninterrupted(tiny_model):
         await _wait_tokens(engine, "k", 3)
         await engine.pause("keep")
         frozen = engine.num_output_tokens("k")
-        await asyncio.sleep(0.02)
+        await _settle(engine)
         assert engine.num_output_tokens("k") == frozen and not t.done()
         await engine.resume()
         kept = await t
@@ -476,8 +490,8 @@ def test_sleep_wake_and_reuse_across_event_loops(tiny_model):
     async def main():
         await engine.sleep()
         t = asyncio.ensure_future(engine.generate(GenerationRequest("s", PROMPTS[0], greedy(6))))
-        await asyncio.sleep(0.02)
-        assert not t.done()
+        await _settle(engine)
+        assert not t.done() and engine.num_output_tokens("s") == 0
         await engine.wake()
         return await t
 

@@ -45,6 +45,16 @@ async def wait_tokens(engine, rid, k):
         await asyncio.sleep(0.0005)
 
 
+async def settle(engine, turns=5):
+    """Let the engine act on what was just submitted, without a wall-clock wait: a few event-loop turns carry a new
+    request into the engine and let its loop task see it (a step it wrongly started would be running by then), and
+    ``abort([])`` (a no-op: no request named) takes the engine lock between steps, i.e. waits for such a step to end
+    and record its token. A request that must wait then has no token and is not done, however busy the machine."""
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    await engine.abort([])
+
+
 # ---------------------------------------------------------------- the weight-update rule
 def test_nan_weights_are_refused_and_nothing_changes(tiny_model):
     engine = TorchEngine(tiny_model, version=2)
@@ -309,8 +319,8 @@ def test_sleep_level_1_aborts_in_flight_keeps_weights_and_version(tiny_model):
         part = await running  # returned at sleep, partial output kept
         assert engine.is_paused and engine.stats()["steps"] > 0
         waiting = asyncio.ensure_future(engine.generate(GenerationRequest("w", PROMPT, greedy(12))))
-        await asyncio.sleep(0.02)
-        assert not waiting.done()  # asleep: new requests wait
+        await settle(engine)
+        assert not waiting.done() and engine.num_output_tokens("w") == 0  # asleep: new requests wait
         with pytest.raises(EngineError, match="asleep"):
             await engine.resume()
         with pytest.raises(EngineError, match="asleep"):
@@ -350,8 +360,8 @@ def test_sleep_level_2_discards_weights_until_a_complete_update(tiny_model, make
         assert all(bool(torch.isnan(p).all()) for p in tiny_model.parameters())  # re-allocated, poisoned
         assert engine.is_paused
         waiting = asyncio.ensure_future(engine.generate(GenerationRequest("w", PROMPT, greedy(12))))
-        await asyncio.sleep(0.02)
-        assert not waiting.done()
+        await settle(engine)
+        assert not waiting.done() and engine.num_output_tokens("w") == 0
         with pytest.raises(EngineError, match="discarded the weights"):
             await engine.resume()
         with pytest.raises(WeightUpdateError, match="must be complete"):
@@ -364,8 +374,8 @@ def test_sleep_level_2_discards_weights_until_a_complete_update(tiny_model, make
         await engine.sleep(2)
         await engine.wake()
         again = asyncio.ensure_future(engine.generate(GenerationRequest("w2", PROMPT, greedy(12))))
-        await asyncio.sleep(0.02)
-        assert not again.done()
+        await settle(engine)
+        assert not again.done() and engine.num_output_tokens("w2") == 0
         await engine.update_weights(new.items(), version=3)
         return part, after, await again
 
@@ -387,10 +397,95 @@ def test_sleep_keeps_a_pause_of_the_caller(tiny_model):
         await engine.wake()
         still = engine.is_paused
         t = asyncio.ensure_future(engine.generate(GenerationRequest("p", PROMPT, greedy(4))))
-        await asyncio.sleep(0.02)
-        waited = not t.done()
+        await settle(engine)
+        waited = not t.done() and engine.num_output_tokens("p") == 0
         await engine.resume()
         return still, waited, await t
 
     still, waited, g = run(main())
     assert still and waited and g.num_output_tokens == 4
+
+
+def misplaced(model, byte_offset=8):
+    """Move every parameter into storage whose first element is ``byte_offset`` bytes past a 64-byte boundary and
+    give ``lm_head.weight`` column-major strides: a layout other than the one a fresh allocation would get."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            shape, n = p.shape, p.numel()
+            buf = torch.empty(n + 32)
+            shift = ((byte_offset - buf.data_ptr()) % 64) // 4
+            if name == "lm_head.weight":
+                p.data = buf[shift : shift + n].view(shape[1], shape[0]).t().copy_(p)
+            else:
+                p.data = buf[shift : shift + n].view(shape).copy_(p)
+    return model
+
+
+def test_sleep_level_2_reallocates_each_parameter_with_its_layout(tiny_model):
+    model = misplaced(tiny_model)
+    layout = {n: (p.shape, p.stride(), p.dtype, p.data_ptr() % 64) for n, p in model.named_parameters()}
+    assert layout["lm_head.weight"][1] == (1, 64) and {a for *_, a in layout.values()} == {8}
+    weights = snapshot(model)
+    engine = TorchEngine(model)
+
+    async def main():
+        before = await engine.generate(GenerationRequest("a", PROMPT, greedy(12)))
+        await engine.sleep(2)
+        await engine.wake()
+        woke = {n: (p.shape, p.stride(), p.dtype, p.data_ptr() % 64) for n, p in model.named_parameters()}
+        await engine.update_weights(weights.items(), version=1)
+        return before, woke, await engine.generate(GenerationRequest("b", PROMPT, greedy(12)))
+
+    before, woke, after = run(main())
+    assert woke == layout
+    assert after.output_ids == before.output_ids and after.output_logprobs == before.output_logprobs
+
+
+SSE42_SCRIPT = """
+import asyncio, json, sys
+import torch
+from transformers import AutoModelForCausalLM
+from rlblocks.rollout import GenerationRequest, SamplingParams, TorchEngine
+
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+weights = {n: t.detach().clone() for n, t in model.state_dict().items()}
+perturbed = {n: t + 0.05 * torch.randn(t.shape, generator=torch.Generator().manual_seed(1)) for n, t in weights.items()}
+fresh = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+fresh.load_state_dict(perturbed)
+engine = TorchEngine(model)
+req = lambda rid: GenerationRequest(rid, [1, 5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=12))
+
+async def main():
+    out = {"before": (await engine.generate(req("a"))).output_logprobs}
+    await engine.sleep(2)
+    await engine.wake()
+    await engine.update_weights(weights.items(), version=1)
+    out["same"] = (await engine.generate(req("b"))).output_logprobs
+    await engine.sleep(2)
+    await engine.wake()
+    await engine.update_weights(perturbed.items(), version=2)
+    out["perturbed"] = (await engine.generate(req("c"))).output_logprobs
+    out["fresh"] = (await TorchEngine(fresh).generate(req("d"))).output_logprobs
+    print(json.dumps(out))
+
+asyncio.run(main())
+"""
+
+
+def test_sleep_level_2_is_bit_exact_on_alignment_sensitive_kernels(tiny_hf_dir):
+    """MKL's SSE4.2 kernels (what MKL runs on x86 CPUs without AVX2) give a one-row GEMM other last bits for a
+    weight that is not 16-byte aligned: a level-2 sleep must give each parameter back the address alignment it was
+    loaded with, or the logits after sleep/wake/update leave those of an engine that never slept."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", SSE42_SCRIPT, tiny_hf_dir], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["same"] == out["before"]
+    assert out["perturbed"] == out["fresh"] and out["perturbed"] != out["before"]

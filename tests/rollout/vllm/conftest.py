@@ -9,6 +9,7 @@ handler to one event loop, so the tests drive the engine through the session loo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import os
 import time
@@ -117,3 +118,47 @@ def other_model(hf_model):
 def hf_state(hf_model):
     """The original weights, to restore the shared engine after a test that changes them."""
     return {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
+
+
+@pytest.fixture(scope="session")
+def wait_tokens():
+    """``await wait_tokens(engine, task, rid, k)``: until in-flight request ``rid`` (the one ``task`` awaits) has
+    produced ``k`` tokens; returns the count. An event to wait on instead of a sleep: on a busy machine a sleep may end
+    before the first token or after the last one. Fails if the request returns first; ``run``'s timeout is the
+    hang guard."""
+
+    async def _wait(engine, task, rid: str, k: int) -> int:
+        while not task.done():
+            n = engine.num_output_tokens(rid)
+            if n is not None and n >= k:
+                return n
+            await asyncio.sleep(0.002)
+        pytest.fail(f"request {rid!r} returned before it had produced {k} tokens: {task.result()}")
+
+    return _wait
+
+
+@pytest.fixture(autouse=True)
+def _shared_engine_left_usable(request):
+    """A test that fails half-way (its scenario raised after ``pause()`` or with requests in flight) must not leave
+    the shared engine paused or busy: every later test would fail with it (waiting for a resume until its timeout,
+    or batched with a leftover request, which changes the last bits of its logits)."""
+    if "vllm_engine" not in request.fixturenames:
+        yield
+        return
+    from rlblocks.errors import EngineError
+
+    engine, run = request.getfixturevalue("vllm_engine"), request.getfixturevalue("run")
+    yield
+
+    async def tidy():
+        with contextlib.suppress(EngineError):  # closed (the shutdown test) or asleep at level 2: nothing to tidy
+            if engine.num_in_flight:
+                await engine.abort(None)
+            while engine.num_in_flight:  # the aborted requests return their partial output
+                await asyncio.sleep(0.01)
+            if engine.is_paused:
+                await engine.wake()  # a no-op when awake
+                await engine.resume()
+
+    run(tidy())

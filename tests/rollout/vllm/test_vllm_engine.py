@@ -51,10 +51,29 @@ def load_into(model, state):
     return model
 
 
-async def generate_when_running(engine, request, *, after_s: float):
+async def generate_when_running(engine, request, wait_tokens, *, tokens: int = 1):
+    """Submit ``request`` and return its task once it has produced ``tokens`` tokens (it is running in vLLM)."""
     task = asyncio.ensure_future(engine.generate(request))
-    await asyncio.sleep(after_s)
+    await wait_tokens(engine, task, request.request_id, tokens)
     return task
+
+
+async def frozen_mid_generation(engine, rid, n, wait_tokens, attempts=3):
+    """Submit a greedy request for ``n`` tokens, wait until it has produced two, then ``pause("keep")``. Returns
+    ``(task, request id)`` with the request frozen before half its budget. The pause can only land after the
+    request finished if this process stalls for about ``n`` engine steps; such a try is dropped (resumed, awaited)
+    and another made, so that the caller always gets a request that really was frozen mid-generation."""
+    for attempt in range(attempts):
+        r = f"{rid}-{attempt}"
+        task = asyncio.ensure_future(engine.generate(req(r, n)))
+        await wait_tokens(engine, task, r, 2)
+        await engine.pause(mode="keep")
+        frozen = engine.num_output_tokens(r)
+        if not task.done() and frozen is not None and frozen < n // 2:
+            return task, r
+        await engine.resume()
+        await task
+    pytest.fail(f"could not freeze a request of {n} tokens mid-generation in {attempts} tries")
 
 
 def test_greedy_matches_hf_and_logprobs(vllm_engine, hf_model, run):
@@ -87,23 +106,23 @@ def test_seeded_sampling_is_reproducible(vllm_engine, run):
     assert a.output_ids == b.output_ids
 
 
-def test_interrupt_and_resume_is_bit_identical(vllm_engine, run):
+def test_interrupt_and_resume_is_bit_identical(vllm_engine, run, wait_tokens):
     """Abort by id mid-generation; ``resumable_generate`` re-submits prompt + partial with the remaining budget."""
     from rlblocks.rollout import resumable_generate
 
     n = 160
     full = run(vllm_engine.generate(req("full", n)))
 
-    async def scenario(rid, after_s):
+    async def scenario(rid):
         task = asyncio.ensure_future(resumable_generate(vllm_engine, req(rid, n)))
-        await asyncio.sleep(after_s)
-        assert await vllm_engine.abort([rid]) == [rid]
-        return await task
+        await wait_tokens(vllm_engine, task, rid, 2)
+        aborted = await vllm_engine.abort([rid])
+        return aborted, await task
 
-    for after_s in (0.25, 0.1, 0.5, 0.05):  # the abort must land mid-generation; retry with other timings
-        res = run(scenario(f"cut-{after_s}", after_s))
+    for attempt in range(3):  # the abort misses only if the request finished first (this process stalled n steps)
+        aborted, res = run(scenario(f"cut-{attempt}"))
         k = res.resubmitted_tokens - len(PROMPT)  # tokens produced before the abort
-        if res.num_submissions == 2 and 0 < k < n:
+        if aborted and res.num_submissions == 2 and 0 < k < n:
             break
     else:
         pytest.fail("could not abort a request mid-generation")
@@ -113,37 +132,45 @@ def test_interrupt_and_resume_is_bit_identical(vllm_engine, run):
     assert set(res.output_versions) == {vllm_engine.version}
 
 
-def test_resumable_generate_over_pause_abort(vllm_engine, run):
+def test_resumable_generate_over_pause_abort(vllm_engine, run, wait_tokens):
     """``pause(mode="abort")`` returns partial output; the client loop waits for resume and finishes exactly."""
     from rlblocks.rollout import resumable_generate
 
-    n = 120
+    n = 160
     full = run(vllm_engine.generate(req("rg-full", n)))
 
-    async def scenario():
-        task = asyncio.ensure_future(resumable_generate(vllm_engine, req("rg", n)))
-        await asyncio.sleep(0.2)
+    async def scenario(rid):
+        task = asyncio.ensure_future(resumable_generate(vllm_engine, req(rid, n)))
+        await wait_tokens(vllm_engine, task, rid, 2)
         await vllm_engine.pause(mode="abort")
         assert vllm_engine.is_paused
-        await asyncio.sleep(0.1)
+        # the partial output went back to the client, which re-submitted it: the new submission (0 new tokens)
+        # waits in the paused engine
+        while vllm_engine.num_output_tokens(rid) != 0 and not task.done():
+            await asyncio.sleep(0.002)
         await vllm_engine.resume()
         return await task
 
-    res = run(scenario())
-    assert res.num_submissions >= 2
+    for attempt in range(3):  # the pause misses only if the request finished first (this process stalled n steps)
+        res = run(scenario(f"rg-{attempt}"))
+        if res.num_submissions >= 2:
+            break
+    else:
+        pytest.fail("could not pause a request mid-generation")
     assert res.output_ids == full.output_ids
     assert res.finish_reason == "length"
 
 
-def test_pause_keep_resume_is_bit_identical(vllm_engine, run):
-    n = 120
+def test_pause_keep_resume_is_bit_identical(vllm_engine, run, wait_tokens):
+    n = 200
     full = run(vllm_engine.generate(req("keep-full", n)))
 
     async def scenario():
-        task = await generate_when_running(vllm_engine, req("keep", n), after_s=0.2)
-        await vllm_engine.pause(mode="keep")
+        task, rid = await frozen_mid_generation(vllm_engine, "keep", n, wait_tokens)
+        # Frozen with more than n/2 tokens to go: no output still in transit from before the pause can finish it,
+        # so a request done after this window ran on while paused (a window for a negative check, not a deadline).
         await asyncio.sleep(0.1)
-        assert not task.done()
+        assert not task.done() and vllm_engine.num_output_tokens(rid) < n
         await vllm_engine.resume()
         return await task
 
@@ -180,9 +207,9 @@ def test_abort_zero_tokens_and_unknown_id(vllm_engine, run):
     assert g.output_logprobs == [] and g.output_versions == []
 
 
-def test_abort_unknown_id_leaves_running_request_alone(vllm_engine, run):
+def test_abort_unknown_id_leaves_running_request_alone(vllm_engine, run, wait_tokens):
     async def scenario():
-        task = await generate_when_running(vllm_engine, req("bystander", 60), after_s=0.05)
+        task = await generate_when_running(vllm_engine, req("bystander", 60), wait_tokens)
         assert await vllm_engine.abort(["bystander-0", "bystander-x"]) == []
         return await task
 
@@ -190,10 +217,11 @@ def test_abort_unknown_id_leaves_running_request_alone(vllm_engine, run):
     assert g.finish_reason == "length" and g.num_output_tokens == 60
 
 
-def test_abort_all_and_duplicate_id(vllm_engine, run):
+def test_abort_all_and_duplicate_id(vllm_engine, run, wait_tokens):
     async def scenario():
-        tasks = [await generate_when_running(vllm_engine, req(f"all-{i}", 200), after_s=0.0) for i in range(3)]
-        await asyncio.sleep(0.2)
+        tasks = [asyncio.ensure_future(vllm_engine.generate(req(f"all-{i}", 200))) for i in range(3)]
+        for i, task in enumerate(tasks):  # all three running
+            await wait_tokens(vllm_engine, task, f"all-{i}", 1)
         with pytest.raises(ArgumentError, match="already in flight"):
             await vllm_engine.generate(req("all-0", 4))
         aborted = await vllm_engine.abort(None)
@@ -206,9 +234,9 @@ def test_abort_all_and_duplicate_id(vllm_engine, run):
     assert vllm_engine.num_in_flight == 0
 
 
-def test_request_submitted_concurrently_with_pause_is_not_lost(vllm_engine, run):
+def test_request_submitted_concurrently_with_pause_is_not_lost(vllm_engine, run, wait_tokens):
     async def scenario():
-        running = await generate_when_running(vllm_engine, req("race-a", 200), after_s=0.1)
+        running = await generate_when_running(vllm_engine, req("race-a", 200), wait_tokens)
         late = asyncio.ensure_future(vllm_engine.generate(req("race-b", 20)))
         await vllm_engine.pause(mode="abort")
         await asyncio.sleep(0.05)
@@ -258,14 +286,15 @@ def state_of(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def test_weight_update_during_pause_switches_version_and_policy(vllm_engine, hf_model, hf_state, other_model, run):
+def test_weight_update_during_pause_switches_version_and_policy(
+    vllm_engine, hf_model, hf_state, other_model, run, wait_tokens
+):
     new_model, new_state = other_model, state_of(other_model)
     v0 = vllm_engine.version
     n = 120
 
     async def scenario():
-        task = await generate_when_running(vllm_engine, req("upd", n), after_s=0.25)
-        await vllm_engine.pause(mode="keep")
+        task, _ = await frozen_mid_generation(vllm_engine, "upd", n, wait_tokens)
         await vllm_engine.update_weights(new_state.items(), version=v0 + 1)
         assert vllm_engine.version == v0 + 1
         await vllm_engine.resume()
@@ -316,16 +345,16 @@ def test_partial_update_of_whole_modules(vllm_engine, hf_state, other_model, run
         run(vllm_engine.update_weights(hf_state.items(), version=v0 + 2))
 
 
-def test_delta_streaming_fallback_tags_versions(vllm_engine, hf_state, run):
+def test_delta_streaming_fallback_tags_versions(vllm_engine, hf_state, run, wait_tokens):
     """The path for vLLM builds without engine-side version spans: deltas tagged on arrival."""
-    ref = run(vllm_engine.generate(req("fb-ref", 64)))
+    n = 120
+    ref = run(vllm_engine.generate(req("fb-ref", n)))
     v0 = vllm_engine.version
     vllm_engine._engine_labels = False
     try:
 
         async def scenario():
-            task = await generate_when_running(vllm_engine, req("fb", 64), after_s=0.15)
-            await vllm_engine.pause(mode="keep")
+            task, _ = await frozen_mid_generation(vllm_engine, "fb", n, wait_tokens)
             await vllm_engine.update_weights(hf_state.items(), version=v0 + 1)  # same weights, new version
             await vllm_engine.resume()
             return await task
@@ -336,6 +365,7 @@ def test_delta_streaming_fallback_tags_versions(vllm_engine, hf_state, run):
     assert g.output_ids == ref.output_ids
     assert (g.logprobs_tensor() - ref.logprobs_tensor()).abs().max().item() < 1e-4
     assert g.output_versions == sorted(g.output_versions) and set(g.output_versions) <= {v0, v0 + 1}
+    assert g.output_versions[0] == v0 and g.output_versions[-1] == v0 + 1  # frozen mid-generation by the update
 
 
 def test_sleep_wake_pause_and_resume(vllm_engine, run):
@@ -351,13 +381,15 @@ def test_sleep_wake_pause_and_resume(vllm_engine, run):
     assert g.finish_reason == "length" and g.num_output_tokens == 8
 
 
-def test_level_2_sleep_never_resumes_a_kept_request_on_discarded_weights(vllm_engine, hf_model, hf_state, run):
+def test_level_2_sleep_never_resumes_a_kept_request_on_discarded_weights(
+    vllm_engine, hf_model, hf_state, run, wait_tokens
+):
     """vLLM's wake_up resumes its scheduler by itself; a request frozen with keep would then run on the weights a
     level-2 sleep discarded. The engine aborts every request at sleep and holds new ones until a complete update."""
     v = vllm_engine.version
 
     async def scenario():
-        kept = await generate_when_running(vllm_engine, req("lvl2-kept", 200), after_s=0.2)
+        kept = await generate_when_running(vllm_engine, req("lvl2-kept", 200), wait_tokens)
         await vllm_engine.pause(mode="keep")
         await vllm_engine.sleep(level=2)
         part = await kept  # aborted by the sleep, partial output kept
@@ -391,22 +423,26 @@ def test_level_2_sleep_never_resumes_a_kept_request_on_discarded_weights(vllm_en
     assert not vllm_engine.is_paused
 
 
-def test_protocol_members_and_deprecated_call_forms(vllm_engine, run):
+def test_protocol_members_and_deprecated_call_forms(vllm_engine, run, wait_tokens):
     from rlblocks.rollout.types import RolloutEngine
 
     assert isinstance(vllm_engine, RolloutEngine)
 
     async def scenario():
-        task = await generate_when_running(vllm_engine, req("proto", 200), after_s=0.05)
+        assert vllm_engine.num_output_tokens("proto") is None  # not in flight
+        task = await generate_when_running(vllm_engine, req("proto", 200), wait_tokens, tokens=3)
         n = vllm_engine.num_in_flight
         with pytest.warns(DeprecationWarning, match=r"num_in_flight\(\)"):
             called = vllm_engine.num_in_flight()
+        seen = vllm_engine.num_output_tokens("proto")
         await vllm_engine.abort(["proto"])
-        await task
-        return n, called
+        part = await task
+        return n, called, seen, part
 
-    n, called = run(scenario())
+    n, called, seen, part = run(scenario())
     assert n == called == 1 and vllm_engine.num_in_flight == 0
+    # the count a caller waits on: tokens received so far, never more than the request returns
+    assert 3 <= seen <= part.num_output_tokens < 200 and vllm_engine.num_output_tokens("proto") is None
     stats = vllm_engine.stats()
     assert isinstance(stats, dict) and stats["requests"] > 0 and stats["output_tokens"] > 0
     with pytest.warns(DeprecationWarning, match=r"stats\.requests"):

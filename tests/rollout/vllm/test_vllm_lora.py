@@ -47,10 +47,11 @@ def check_policy(model, prompt, output, logprobs):
     assert (torch.tensor(logprobs, dtype=torch.float64) - chosen).abs().max().item() < 1e-3
 
 
-def test_lora_versions_retention_and_no_swap_under_running_request(vllm_engine, hf_model, run, tmp_path):
+def test_lora_versions_retention_and_no_swap_under_running_request(vllm_engine, hf_model, run, tmp_path, wait_tokens):
     from rlblocks.sync import lora_state
 
     a, b, c = (make_adapter(hf_model, s) for s in (11, 12, 13))
+    long_n = 240  # PROMPT + 240 < max_model_len
     v = vllm_engine.version
     base = run(vllm_engine.generate(req("lora-base", 24)))
     try:
@@ -61,17 +62,21 @@ def test_lora_versions_retention_and_no_swap_under_running_request(vllm_engine, 
         assert ga.output_ids != base.output_ids
         check_policy(a, PROMPT, ga.output_ids, ga.output_logprobs)
 
+        c_dir = tmp_path / "adapter_c"
+        c.save_pretrained(str(c_dir))
+
         async def swap_while_running():
-            running = asyncio.ensure_future(vllm_engine.generate(req("lora-a-long", 150)))
-            await asyncio.sleep(0.3)
-            assert not running.done()
+            running = asyncio.ensure_future(vllm_engine.generate(req("lora-a-long", long_n)))
+            await wait_tokens(vllm_engine, running, "lora-a-long", 2)  # running under a
             await vllm_engine.update_lora(lora_state(b), version=v + 2)
-            fresh = await vllm_engine.generate(req("lora-b", 32))
-            # max_staleness=1: v+1 must stay while its request runs, even after v+3 arrives.
-            b_dir = tmp_path / "adapter_c"
-            c.save_pretrained(str(b_dir))
-            await vllm_engine.update_lora(str(b_dir), version=v + 3)
+            fresh = await vllm_engine.generate(req("lora-b", 32))  # runs beside lora-a-long
+            # max_staleness=1: v+1 must stay while its request runs, even after v+3 arrives. Frozen, the request
+            # is still in flight when v+3 is registered, however slowly this process ran meanwhile.
+            await vllm_engine.pause(mode="keep")
+            assert not running.done() and vllm_engine.num_output_tokens("lora-a-long") < long_n
+            await vllm_engine.update_lora(str(c_dir), version=v + 3)
             assert v + 1 in vllm_engine.registered_lora_versions()
+            await vllm_engine.resume()
             return await running, fresh
 
         long_a, gb = run(swap_while_running())
@@ -84,10 +89,15 @@ def test_lora_versions_retention_and_no_swap_under_running_request(vllm_engine, 
         gc = run(vllm_engine.generate(req("lora-c", 32)))
         assert set(gc.output_versions) == {v + 3}
         check_policy(c, PROMPT, gc.output_ids, gc.output_logprobs)
-        run(asyncio.sleep(0.1))  # let the deferred removal of v+1 run
-        assert vllm_engine.registered_lora_versions() == [v + 2, v + 3]
-        ids = run(vllm_engine.llm.list_loras())
-        assert set(ids) == {v + 3, v + 4}  # lora_int_id = version + 1
+
+        async def removed():  # v+1 is removed once its last request returned, in a task of its own
+            while True:
+                ids = await vllm_engine.llm.list_loras()
+                if vllm_engine.registered_lora_versions() == [v + 2, v + 3] and set(ids) == {v + 3, v + 4}:
+                    return
+                await asyncio.sleep(0.01)
+
+        run(removed())  # lora_int_id = version + 1; run's timeout is the hang guard
 
         with pytest.raises(ValueError, match="version"):
             run(vllm_engine.update_lora(lora_state(a), version=v))

@@ -13,12 +13,12 @@ from rlblocks.rollout import GenerationRequest, SamplingParams
 pytestmark = pytest.mark.vllm
 
 
-def test_aclose_returns_partials_then_every_call_raises(vllm_engine, run):
+def test_aclose_returns_partials_then_every_call_raises(vllm_engine, run, wait_tokens):
     async def scenario():
         running = asyncio.ensure_future(
             vllm_engine.generate(GenerationRequest("close-me", [1, 10, 11, 12], SamplingParams(max_new_tokens=200)))
         )
-        await asyncio.sleep(0.3)
+        await wait_tokens(vllm_engine, running, "close-me", 1)
         await vllm_engine.aclose()
         part = await running
         await vllm_engine.aclose()  # idempotent
