@@ -19,8 +19,8 @@ Processes and threads (a fair comparison gives every loop the same ones; the his
 
 Thread counts are pinned with ``OMP_NUM_THREADS`` (``grpo_async.py`` also sets ``cpu_count // world`` = 1 itself).
 
-Repetitions are interleaved (``sync-1p, sync-2p, …, async4`` then again), because the 2-core box is shared and its
-load drifts: adjacent runs see similar load, so each ratio is computed within one repetition and the median over
+Repetitions are interleaved (``sync-1p, sync-2p, …, async4`` then again), because the load of a small CPU machine
+drifts: adjacent runs see similar load, so each ratio is computed within one repetition and the median over
 repetitions is reported (with the min–max range). Trained tokens/s = Σ tokens_trained / Σ step_seconds over the
 steps after the first two (warm-up) and before the last (whose time includes the held-out evaluation).
 """
