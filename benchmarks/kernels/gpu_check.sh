@@ -1,27 +1,27 @@
 #!/usr/bin/env bash
-# rlblocks.kernels on one lent H200, in one go from a cold Triton cache (budget: 8 minutes).
+# rlblocks.kernels on one H200-class GPU, in one go from a cold Triton cache (about 8 minutes).
 #
 #   bash benchmarks/kernels/gpu_check.sh              # on the GPU machine (from the repository root or anywhere)
 #   bash benchmarks/kernels/gpu_check.sh --validate   # on a CPU machine: every step at toy size (CI runs this)
 #
-# The GPU machine has no package registry and its own python3 (torch + CUDA, triton, pytest, ...): the script uses
-# that python3 with PYTHONPATH=<repo> (never a virtual environment). liger-kernel (>= 0.8.2; older versions give
+# It needs no package registry and no virtual environment: it runs the machine's own python3 (torch + CUDA, triton,
+# pytest, ...) with PYTHONPATH=<repo>. liger-kernel (>= 0.8.2; older versions give
 # wrong gradients with reduction="none") travels as a wheel in the git-ignored .whl/ folder and is installed into
 # /tmp/site with pip --no-index. Fetch it once on a machine with the registry, from the repository root:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl "liger-kernel>=0.8.2"
-# (the device tool then carries .whl: name it in `carry`). Without the wheel the liger rows say "skipped".
+# and copy .whl/ to the GPU machine with the repository. Without the wheel the liger rows say "skipped".
 #
 # Steps (none aborts the others; each has its own time limit, and results are written as they are measured):
 #   1 env      python, torch, CUDA, GPU, triton and liger versions
-#   2 liger    install the carried wheel
+#   2 liger    install the wheel from .whl/
 #   3 goal     the goal case first: T=8192 H=4096 V=131072 bf16, naive / liger / liger_sum / rlblocks /
 #              rlblocks_fused, forward and forward+backward
 #   4 tests    tests/kernels/test_gpu.py: the Triton kernels on CUDA against float64 references
 #   5 more     entropy and no-grad at the goal shape, then V=151936 H=896, V=32000, V=128256 H=8192
 #   6 table    the summary table of every measured row (TF/s and % of 989 TF/s with 6NHV for forward+backward,
 #              the executed-FLOPs TF/s, memory as a multiple of the bf16 logits, max error against float64)
-# Output under $OUT (at most 8 files: the device tool brings back 8): summary.txt, goal.log, tests.log, more.log,
+# Output under $OUT (8 files): summary.txt, goal.log, tests.log, more.log,
 # kernels_gpu-goal.{csv,json}, kernels_gpu-more.{csv,json}. Env: PY (python3), OUT, SAMPLES (20), BUDGET_S (480).
 set -uo pipefail  # no -e: a failing step is recorded and the next one runs
 
@@ -74,7 +74,7 @@ if sys.argv[1] == "gpu" and not torch.cuda.is_available():
 PY
 if (( ${PIPESTATUS[0]} != 0 )); then note "== env: FAILED"; exit 2; fi
 
-# 2 liger from the carried wheel
+# 2 liger from the wheel in .whl/
 SITE=/tmp/site
 if [[ "$MODE" == validate ]]; then SITE="$(mktemp -d)"; fi
 if compgen -G ".whl/liger_kernel-*.whl" > /dev/null; then

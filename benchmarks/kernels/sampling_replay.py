@@ -1,6 +1,6 @@
 """Cost of sampling-mask replay (top-k / top-p) in ``linear_token_logprobs`` against the unfiltered op, side by side.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/kernels/sampling_replay.py            # CPU goal case, ~5 min loaded
+    PYTHONPATH=. .venv/bin/python benchmarks/kernels/sampling_replay.py            # CPU goal case, a few minutes
     PYTHONPATH=. .venv/bin/python benchmarks/kernels/sampling_replay.py --T 512 --H 64 --V 16384 --samples 5
 
 Variants, run interleaved (the order rotates every sample) on the same inputs:

@@ -5,7 +5,7 @@
 
 ``--run R`` repeats R times: measure the cost model (``measure_cpu_costs.py``, one pass over every configuration),
 then run every variant of ``benchmarks/cookbook/async_vs_sync.py`` once. Cost measurement and benchmark are
-interleaved because the 2-core box is shared and its load drifts over minutes: each repetition's prediction uses
+interleaved because the load of a small CPU machine drifts over minutes: each repetition's prediction uses
 the costs measured just before its runs, each ratio (measured and predicted) is taken within one repetition, and the
 medians over repetitions are compared. Expect noise; the min–max over repetitions is printed.
 
@@ -127,7 +127,7 @@ def main() -> None:
         c = json.loads(Path(costs_files[min(i, len(costs_files) - 1)]).read_text())
         for rep in range(len(next(iter(m["variants"].values()))["runs"])):
             pairs.append((c, m["config"], {v: d["runs"][rep]["tokens_per_s"] for v, d in m["variants"].items()}))
-    # Host contention is a property of the box's load over the whole experiment, and one alone/together pair is
+    # Host contention is a property of the machine's load over the whole experiment, and one alone/together pair is
     # very noisy (load bursts are sub-second), so every pair of every repetition is pooled into one median.
     all_ratios = [r for c, _, _ in pairs for r in c.get("contention_ratios", [])]
     pooled_c = max(0.0, statistics.median(all_ratios) - 1.0) if all_ratios else 0.0

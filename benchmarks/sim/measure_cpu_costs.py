@@ -17,14 +17,14 @@ What is timed (with the cookbook's tiny warm-start model, the model the async/sy
 - host contention: the same generate call timed alone and while a second process runs trainer steps non-stop
   (both 1 thread), alternately, with one child process toggled between busy and idle so that each pair is
   measured seconds apart; ``host_contention = median(together / alone) − 1``
-  (:attr:`rlblocks.sched.sim.Hardware.host_contention`: on a box shared with other people's work, two busy
-  processes slow each other even with a core each).
+  (:attr:`rlblocks.sched.sim.Hardware.host_contention`: on a small machine that also runs other work, two
+  busy processes slow each other even with a core each).
 
 Each thread count in ``--threads`` (torch intra-op threads; the cookbook's async loop runs 1 per process) gives one
-:class:`rlblocks.sched.sim.Hardware`. The box is shared and noisy: every configuration is measured ``--reps`` times,
-INTERLEAVED (all configurations and thread counts once, in a shuffled order, then again), and the median is fitted,
-so a burst of load from other processes spreads over all configurations instead of biasing one. The fit residuals
-are printed; the JSON holds the raw timings too.
+:class:`rlblocks.sched.sim.Hardware`. Timings on a small CPU machine are noisy: every configuration is measured
+``--reps`` times, INTERLEAVED (all configurations and thread counts once, in a shuffled order, then again), and the
+median is fitted, so a burst of load from other processes spreads over all configurations instead of biasing one.
+The fit residuals are printed; the JSON holds the raw timings too.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ partial rollout (interruptible generation), plus η = 2 with dynamic sampling (3
 
 Printed next to AReaL's published end-to-end figures (Fu et al., "AReaL", arXiv:2505.24298): up to 2.77× over
 synchronous systems on the same GPUs; 7B math training 52.1 h → 25.4 h (2.05×); interruptible generation +12 % (1.5B)
-and +17 % (7B) throughput. A projection, not a measurement: see the caveats in the README.
+and +17 % (7B) throughput. A projection, not a measurement: see the caveats in docs/simulator.md.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--etas", default="0,1,2,4")
-    ap.add_argument("--markdown", action="store_true", help="print the table as markdown (for the README)")
+    ap.add_argument("--markdown", action="store_true", help="print the table as markdown (for the docs)")
     args = ap.parse_args()
     hw = gpu_like(args.model)
     work = Workload(lengths=Lengths.lognormal(args.median, args.p99, maximum=args.max_len),

@@ -1,7 +1,7 @@
 """Broadcast of a ~500 MB model over gloo between 2 local processes (separately started, own sync group).
 
 Run: .venv/bin/python benchmarks/sync/bench_broadcast.py [--mb 500] [--reps 7] [--threads 1]
-Compares, in one run (methods interleaved rep by rep, so that load changes on the shared box hit all alike):
+Compares, in one run (methods interleaved rep by rep, so that load changes on the machine hit all alike):
   raw single buffer          one broadcast of one pre-allocated uint8 buffer holding every byte, the same already
                              faulted-in buffer every rep on both sides (the ceiling; a receiver that keeps the
                              tensors cannot reuse it)

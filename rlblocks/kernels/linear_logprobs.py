@@ -928,7 +928,8 @@ def linear_token_logprobs_loss(
         coef: ``[...]`` per-token coefficient of ``logp`` in the loss (a constant: it must not require grad).
         entropy_coef: optional ``[...]`` coefficient of the entropy (e.g. ``−β/num_tokens`` for a bonus).
         return_entropy: return the entropy even without ``entropy_coef``.
-        Others: as in ``linear_token_logprobs``.
+
+    The other arguments are those of ``linear_token_logprobs``.
 
     Sampling-mask replay (``top_k`` / ``top_p``, as in ``linear_token_logprobs``): ``logp`` and ``entropy`` are
     those of the engine's processed distribution. A label outside the kept set has ``logp = −inf`` in the result

@@ -5,7 +5,9 @@ plus 0-dim metrics, aggregation with explicit global normalisers, fp32 accumulat
 syncs (every function compiles with ``torch.compile(fullgraph=True)``).
 """
 
-from rlblocks.losses.advantages import (
+from __future__ import annotations
+
+from .advantages import (
     discounted_returns,
     gae,
     gdpo_advantages,
@@ -17,20 +19,20 @@ from rlblocks.losses.advantages import (
     rloo_advantages,
     whiten,
 )
-from rlblocks.losses.aggregation import AGG_MODES, aggregate
-from rlblocks.losses.correction import rollout_correction
-from rlblocks.losses.distill import distill_advantages
-from rlblocks.losses.kl import AdaptiveKLController, FixedKLController, kl_estimate
-from rlblocks.losses.masks import off_policy_sequence_mask, overlong_penalty, top_entropy_mask, zero_variance_groups
-from rlblocks.losses.mismatch import mismatch_metrics
-from rlblocks.losses.offpolicy import (
+from .aggregation import AGG_MODES, aggregate
+from .correction import rollout_correction
+from .distill import distill_advantages
+from .kl import AdaptiveKLController, FixedKLController, kl_estimate
+from .masks import off_policy_sequence_mask, overlong_penalty, top_entropy_mask, zero_variance_groups
+from .mismatch import mismatch_metrics
+from .offpolicy import (
     dppo_loss,
     dppo_mask,
     geometric_sequence_mask,
     icepop_correction,
     outlier_sequence_mask,
 )
-from rlblocks.losses.policy import (
+from .policy import (
     cispo_loss,
     decoupled_ppo_loss,
     gmpo_loss,

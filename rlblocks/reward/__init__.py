@@ -9,7 +9,7 @@
 - :class:`RewardModel` — an HF sequence-classification model (or a causal LM + scalar head), batched,
   padding-aware, on any device (imported on first use: it needs torch).
 - :class:`RewardPool` — concurrency bound, input order, timeouts, retries, ``stats()``; asyncio for async rewards,
-  killable worker processes for synchronous CPU-bound ones (:class:`~rlblocks.reward.workers.ProcessWorkers`).
+  killable worker processes for synchronous CPU-bound ones (:class:`ProcessWorkers`).
 - :class:`WeightedReward`, :class:`FormatReward`, :class:`OverlongPenalty` — combinators.
 
 ``import rlblocks.reward`` imports only the standard library and rlblocks' small modules: no torch, transformers
@@ -19,17 +19,24 @@ fast. ``math-verify`` is the optional extra ``pip install rlblocks[reward]``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from rlblocks.reward.code import CodeReward, CodeTest, code_reward, extract_code, outputs_match
-from rlblocks.reward.combine import FormatReward, OverlongPenalty, WeightedReward
-from rlblocks.reward.math import MathReward, check_math, extract_answer, math_reward
-from rlblocks.reward.pool import RewardPool
-from rlblocks.reward.types import RewardFn, RewardResult, Sample
-from rlblocks.reward.workers import ProcessWorkers, RewardTimeout, WorkerCrashed, WorkerError
+from .code import CodeReward, CodeTest, code_reward, extract_code, outputs_match
+from .combine import FormatReward, OverlongPenalty, WeightedReward
+from .math import MathReward, check_math, extract_answer, math_reward
+from .pool import RewardPool
+from .types import RewardFn, RewardResult, Sample
+from .workers import ProcessWorkers
 
 if TYPE_CHECKING:
-    from rlblocks.reward.model import RewardModel
+    from .model import RewardModel
+
+# heavy (torch; transformers when a checkpoint is loaded): name -> module, imported on first access, so that a
+# verifier worker process that imports rlblocks.reward starts without torch
+_LAZY = {
+    "RewardModel": ".model",
+}
 
 __all__ = [
     "CodeReward",
@@ -42,11 +49,8 @@ __all__ = [
     "RewardModel",
     "RewardPool",
     "RewardResult",
-    "RewardTimeout",
     "Sample",
     "WeightedReward",
-    "WorkerCrashed",
-    "WorkerError",
     "check_math",
     "code_reward",
     "extract_answer",
@@ -56,10 +60,13 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    # RewardModel needs torch; load it on first use so the package itself stays light.
-    if name == "RewardModel":
-        from rlblocks.reward.model import RewardModel
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value  # later lookups skip __getattr__
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-        return RewardModel
-    raise AttributeError(f"module 'rlblocks.reward' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

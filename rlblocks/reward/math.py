@@ -177,7 +177,9 @@ class MathReward:
             first call, each importing math-verify once.
         memory_bytes: ``RLIMIT_AS`` of each worker (default 2 GiB): sympy expanding a huge power fails with
             ``MemoryError`` (an error result) instead of taking the machine's memory.
-        float_rounding, numeric_precision, strict: passed to :func:`check_math`.
+        float_rounding: passed to :func:`check_math`.
+        numeric_precision: passed to :func:`check_math`.
+        strict: passed to :func:`check_math`.
 
     ``sample.reference`` is the reference answer. ``close()`` stops the workers (idempotent; also at exit; a
     later call starts new ones). In a :class:`~rlblocks.reward.RewardPool`, give the pool a timeout well above

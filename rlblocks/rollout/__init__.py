@@ -1,66 +1,119 @@
-"""Rollout engines with interrupt/resume, per-token policy versions, logprobs and weight updates.
+"""Rollout: engines with interrupt/resume and per-token policy versions, batches, multi-turn agents, the capture
+gateway, and MoE routing replay.
 
-Engines are imported lazily: ``from rlblocks.rollout import VLLMEngine`` imports vllm only when asked for.
+- Engine protocol and types: :class:`RolloutEngine`, :class:`SamplingParams`, :class:`GenerationRequest`,
+  :class:`Generation`; engines :class:`TorchEngine`, :class:`VLLMEngine`, :class:`SGLangEngine`; :class:`Router`;
+  the client-side resume loop :func:`resumable_generate`.
+- Training tensors: :class:`RolloutBatch` / :func:`build_batch`.
+- Multi-turn agents: :class:`Trajectory`, :func:`run_episode`, :class:`ToolEnv`, :class:`Tool`, the reference chat
+  templates; :class:`Gateway`, an OpenAI-compatible server that captures trajectories.
+- MoE routing replay (R3): :class:`RoutingRecorder`, :func:`replay_routing` and the record helpers.
+
+``VLLMEngine`` (vllm) and ``Gateway`` (its HTTP server) are imported on first use; everything else is imported here
+and needs only torch (transformers is imported inside the functions that load a model or a tokenizer).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .agent import (
+    Env,
+    Episode,
+    EpisodeStats,
+    StepResult,
+    Tool,
+    ToolCall,
+    ToolEnv,
+    calculator_tool,
+    generate_turn,
+    parse_tool_calls,
+    python_tool,
+    run_episode,
+)
 from .batch import RolloutBatch, build_batch
+from .chat_templates import HERMES_TEMPLATE, LLAMA3_TEMPLATE
+from .resume import ResumableResult, resumable_generate
+from .router import Router
+from .routing import (
+    RoutingRecorder,
+    concat_routing,
+    pad_routing,
+    replay_routing,
+    response_routing,
+    route_flip_fraction,
+    routing_dtype,
+)
+from .sglang_engine import SGLangEngine
+from .torch_engine import TorchEngine
+from .trajectory import Trajectory, render_chat, to_tensors, trajectory_rows
 from .types import FinishReason, Generation, GenerationRequest, RolloutEngine, SamplingParams
 
+if TYPE_CHECKING:
+    from .gateway import Gateway
+    from .vllm_engine import VLLMEngine, nccl_trainer_init, nccl_trainer_send
+
+# heavy (vllm; the gateway's HTTP server): name -> module, imported on first access
 _LAZY = {
-    "resumable_generate": ".resume",
-    "ResumableResult": ".resume",
-    "TorchEngine": ".torch_engine",
-    "VLLMEngine": ".vllm_engine",
-    "SGLangEngine": ".sglang_engine",
-    "Router": ".router",
-    # multi-turn agents: trajectories, episodes and tools, the capture gateway, reference chat templates
-    "PrefixMismatchError": ".trajectory",
-    "Trajectory": ".trajectory",
-    "render_chat": ".trajectory",
-    "to_tensors": ".trajectory",
-    "trajectory_rows": ".trajectory",
-    "Env": ".agent",
-    "Episode": ".agent",
-    "EpisodeStats": ".agent",
-    "StepResult": ".agent",
-    "Tool": ".agent",
-    "ToolCall": ".agent",
-    "ToolEnv": ".agent",
-    "calculator_tool": ".agent",
-    "generate_turn": ".agent",
-    "parse_tool_calls": ".agent",
-    "python_tool": ".agent",
-    "run_episode": ".agent",
     "Gateway": ".gateway",
-    "HERMES_TEMPLATE": ".chat_templates",
-    "LLAMA3_TEMPLATE": ".chat_templates",
-    # MoE routing replay (R3): record the engine's experts, force them in the training forward
-    "RoutingRecorder": ".routing",
-    "concat_routing": ".routing",
-    "pad_routing": ".routing",
-    "replay_routing": ".routing",
-    "response_routing": ".routing",
-    "route_flip_fraction": ".routing",
+    "VLLMEngine": ".vllm_engine",
+    "nccl_trainer_init": ".vllm_engine",
+    "nccl_trainer_send": ".vllm_engine",
 }
 
 __all__ = [
+    "HERMES_TEMPLATE",
+    "LLAMA3_TEMPLATE",
+    "Env",
+    "Episode",
+    "EpisodeStats",
     "FinishReason",
+    "Gateway",
     "Generation",
     "GenerationRequest",
+    "ResumableResult",
     "RolloutBatch",
     "RolloutEngine",
+    "Router",
+    "RoutingRecorder",
+    "SGLangEngine",
     "SamplingParams",
+    "StepResult",
+    "Tool",
+    "ToolCall",
+    "ToolEnv",
+    "TorchEngine",
+    "Trajectory",
+    "VLLMEngine",
     "build_batch",
-    *_LAZY,
+    "calculator_tool",
+    "concat_routing",
+    "generate_turn",
+    "nccl_trainer_init",
+    "nccl_trainer_send",
+    "pad_routing",
+    "parse_tool_calls",
+    "python_tool",
+    "render_chat",
+    "replay_routing",
+    "response_routing",
+    "resumable_generate",
+    "route_flip_fraction",
+    "routing_dtype",
+    "run_episode",
+    "to_tensors",
+    "trajectory_rows",
 ]
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value  # later lookups skip __getattr__
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

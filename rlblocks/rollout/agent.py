@@ -704,16 +704,17 @@ async def run_episode(
         sampling: per-turn sampling (``max_new_tokens`` is the per-turn budget; ``stop_token_ids`` defaults to
             the tokenizer's EOS, which should be the chat template's end-of-turn token). Give each episode of a
             group its own ``seed`` (or none): equal seeds sample equal episodes.
-        max_turns: most model turns. max_total_tokens: most tokens in the sequence the engine extends (default:
-            the engine's ``max_model_len`` when it has one, so a long episode ends with ``"max_tokens"`` instead of
-            a refused request).
+        max_turns: most model turns.
+        max_total_tokens: most tokens in the sequence the engine extends (default: the engine's ``max_model_len``
+            when it has one, so a long episode ends with ``"max_tokens"`` instead of a refused request).
         session_id: sent with every request (default: a fresh uuid); ``group_id`` is stored on the trajectory.
         env_timeout: seconds for each ``reset``/``step`` (None: no limit).
         on_mismatch: what to do when an observation's rendering does not extend the trajectory exactly
             (``"branch"``: keep the segment, start a new one, count it; ``"raise"``: raise
             :class:`~rlblocks.rollout.trajectory.PrefixMismatchError`).
         stop_texts: texts that end a turn (the closing tool-call tag).
-        mask_stale, max_submissions: passed to :func:`generate_turn`.
+        mask_stale: passed to :func:`generate_turn`.
+        max_submissions: passed to :func:`generate_turn`.
         stats: an :class:`EpisodeStats` that records the episode.
         template_kwargs: extra variables for the chat template.
     """

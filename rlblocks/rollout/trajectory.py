@@ -125,7 +125,8 @@ class Trajectory:
         prompt_ids: the initial context (at least one token); its tokens have role ``"prompt"`` and turn 0.
         messages: the chat messages ``prompt_ids`` was rendered from (kept for :meth:`append_messages`).
         tools: the tool schemas given to the chat template (kept for :meth:`append_messages`).
-        session_id, group_id: identifiers carried along (``group_id``: the prompt group for advantages).
+        session_id: an identifier carried along.
+        group_id: an identifier carried along (the prompt group for advantages).
 
     ``reward`` (float or None) and ``info`` (dict) are free for the caller; :func:`to_tensors` uses ``reward`` as
     the row reward when every trajectory has one.

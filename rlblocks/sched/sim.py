@@ -329,8 +329,8 @@ class Hardware:
     ``sync`` is the disaggregated weight push (trainer to engines over the network); ``sync_colocated`` the
     in-place update of a colocated engine. ``kv_capacity_tokens`` and ``max_batch`` are per engine.
 
-    ``host_contention`` ``c`` models devices that share one host, like processes on a small CPU box that also runs
-    other people's work: while ``n`` devices are busy at once, each progresses at ``1 / (1 + c·(n − 1))`` of its
+    ``host_contention`` ``c`` models devices that share one host, like processes on a small CPU machine that also
+    runs other work: while ``n`` devices are busy at once, each progresses at ``1 / (1 + c·(n − 1))`` of its
     speed alone (processor sharing: with ``L`` other runnable processes saturating the cores, ``c = 1 / (1 + L)``).
     The costs are those of ONE busy device. ``c = 0`` (the default, and right for GPUs): devices are independent.
     """
@@ -516,7 +516,7 @@ def gpu_like(
 def cpu_like() -> Hardware:
     """A CPU-like cost model: decode is compute and host-overhead bound (cost grows with the batch, no weight-read
     floor), so a shrinking batch wastes little — the opposite of a GPU. The numbers are the order of magnitude
-    measured for the cookbook's tiny model with one torch thread per process on this project's 2-core CI box
+    measured for the cookbook's tiny model with one torch thread per process on a 2-core x86 CPU
     (``benchmarks/sim/measure_cpu_costs.py`` measures your machine and writes a :class:`Hardware` JSON to use
     instead)."""
     return Hardware(

@@ -1,47 +1,56 @@
 """Moving weights from training to inference: buckets, broadcast across jobs, colocated shared-memory handoff,
-delta sync, LoRA sync, resharding.
+delta sync, LoRA sync, resharding (FSDP2 full tensors, megatron-core <-> HF).
 
-Names are imported lazily so that ``import rlblocks.sync`` stays light (no peft, megatron or transformers).
-``rlblocks.sync.megatron`` is a submodule: ``from rlblocks.sync.megatron import hf_to_megatron``.
+- :func:`pack_buckets` / :func:`unpack_bucket`: flat ``uint8`` buckets with JSON-safe metadata, bit-exact.
+- :func:`init_sync_group`, :class:`WeightSender`, :class:`WeightReceiver`: a broadcast group of its own (never the
+  default process group), manifest checked on every rank before a byte moves.
+- :class:`HandoffSender`, :func:`update_from_handoff`, :func:`open_handoff`: colocated trainer and engine share the
+  buckets (POSIX shared memory on the CPU, CUDA IPC on a GPU).
+- :class:`DeltaEncoder`, :class:`DeltaDecoder`, :class:`DirectoryTransport`, :class:`GroupDeltaTransport`: sparse
+  delta packets with checksums, and their transports.
+- :func:`lora_state`, :func:`merge_lora`, :class:`LoraSyncer`, :func:`split_lora_message`: LoRA adapters only.
+- :func:`full_tensors` (FSDP2), :func:`hf_to_megatron`, :func:`megatron_to_hf`, :func:`megatron_to_hf_streaming`.
+
+Every module here needs only torch (peft is imported inside :func:`lora_state`; megatron-core is never imported).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .broadcast import SyncGroup, WeightReceiver, WeightSender, init_sync_group
+from .buckets import Bucket, TensorMeta, pack_buckets, unpack_bucket
+from .delta import DeltaDecoder, DeltaEncoder, DeltaPacket
+from .delta_transport import DirectoryTransport, GroupDeltaTransport
+from .fsdp import full_tensors
+from .handoff import HandoffMessage, HandoffSender, open_handoff, update_from_handoff
+from .lora import LoraSyncer, lora_state, merge_lora, split_lora_message
+from .megatron import GPTDims, gpt_dims, hf_to_megatron, megatron_to_hf, megatron_to_hf_streaming
 
-_LAZY = {
-    "Bucket": ".buckets",
-    "TensorMeta": ".buckets",
-    "pack_buckets": ".buckets",
-    "unpack_bucket": ".buckets",
-    "init_sync_group": ".broadcast",
-    "SyncGroup": ".broadcast",
-    "WeightSender": ".broadcast",
-    "WeightReceiver": ".broadcast",
-    "SyncError": ".broadcast",
-    "SyncMismatchError": ".broadcast",
-    "DeltaEncoder": ".delta",
-    "DeltaDecoder": ".delta",
-    "DeltaPacket": ".delta",
-    "DeltaError": ".delta",
-    "DirectoryTransport": ".delta_transport",
-    "GroupDeltaTransport": ".delta_transport",
-    "lora_state": ".lora",
-    "merge_lora": ".lora",
-    "LoraSyncer": ".lora",
-    "split_lora_message": ".lora",
-    "full_tensors": ".fsdp",
-    "HandoffSender": ".handoff",
-    "HandoffMessage": ".handoff",
-    "open_handoff": ".handoff",
-    "update_from_handoff": ".handoff",
-}
-
-__all__ = list(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = [
+    "Bucket",
+    "DeltaDecoder",
+    "DeltaEncoder",
+    "DeltaPacket",
+    "DirectoryTransport",
+    "GPTDims",
+    "GroupDeltaTransport",
+    "HandoffMessage",
+    "HandoffSender",
+    "LoraSyncer",
+    "SyncGroup",
+    "TensorMeta",
+    "WeightReceiver",
+    "WeightSender",
+    "full_tensors",
+    "gpt_dims",
+    "hf_to_megatron",
+    "init_sync_group",
+    "lora_state",
+    "megatron_to_hf",
+    "megatron_to_hf_streaming",
+    "merge_lora",
+    "open_handoff",
+    "pack_buckets",
+    "split_lora_message",
+    "unpack_bucket",
+    "update_from_handoff",
+]

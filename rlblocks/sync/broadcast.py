@@ -464,7 +464,7 @@ class ReceiveBufferPool:
     """Fresh-looking receive buffers that are recycled only once nothing references them (CPU only).
 
     Why: a receive buffer that is new memory is dominated by its first touch. The kernel faults (and zeroes) it
-    in 4 KiB pages as the bytes arrive: ~90 ms per 64 MiB on the 2-core CI box, where writing memory that is
+    in 4 KiB pages as the bytes arrive: ~90 ms per 64 MiB on a 2-core x86 CPU, where writing memory that is
     already faulted in takes ~6 ms, so a 0.5 GB transfer paid ~3x its wire time in page faults.
 
     How: each block is an anonymous ``mmap``; :meth:`take` hands out a *new* tensor over it

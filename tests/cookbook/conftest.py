@@ -24,7 +24,7 @@ def demo_model_dir(tmp_path_factory) -> str:
     import toy
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: a second thread only contends with the other processes on a busy box
+    torch.set_num_threads(1)  # tiny matmuls: a second thread only contends with the other processes on a loaded CPU
     try:
         settings = toy.WarmStart(max_steps=1500, target_train_accuracy=0.2)
         return toy.warm_start(tmp_path_factory.mktemp("demo_model"), settings, log=lambda s: None)

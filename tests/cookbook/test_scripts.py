@@ -131,7 +131,7 @@ def test_help_states_each_losss_own_clip_defaults():
 
 @pytest.mark.parametrize("loop", ["grpo_async", "grpo_sync"])
 def test_demo_runs_are_step_governed(loop):
-    # a wall-clock budget makes the demo's result depend on how loaded the machine is (a loaded 2-core box ran
+    # a wall-clock budget makes the demo's result depend on how loaded the machine is (a loaded 2-core CPU ran
     # fewer steps and learned less); the default run is a fixed number of steps, the clock only an opt-in limit
     import importlib
 

@@ -57,7 +57,7 @@ def test_fp32_matches_fp64(ref, small_chunks, backend, lead, vocab, entropy):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_torch_path(ref, dtype):
     lp, ent, want_lp, want_ent, g, want_g, _ = _run(ref, "torch", (4, 63), 4099, 1.3, True, dtype=dtype, seed=1)
-    # references use the same rounded inputs in float64 (DESIGN §3 tolerances)
+    # references use the same rounded inputs in float64; the tolerances are those of low-precision inputs
     ref.assert_close(lp, want_lp, 1e-3, "logp")
     ref.assert_close(ent, want_ent, 5e-3, "entropy")
     assert g.dtype == dtype

@@ -1,7 +1,7 @@
 """SGLangEngine against SGLang 0.5.23: contract tests against SGLang's own request/response types and
 sampling-parameter checks (vendored in ``sglang_0_5_23``), and behaviour tests against ``fake_sglang``, a fake server
-that enforces what the real one enforces (see its docstring for the source line of each rule). The lent GPU machine
-cannot install SGLang either, so these are the check; ``test_real_sglang_server_*`` runs only with
+that enforces what the real one enforces (see its docstring for the source line of each rule). A machine without
+registry access cannot install SGLang either, so these are the check; ``test_real_sglang_server_*`` runs only with
 RLBLOCKS_SGLANG_URL set."""
 
 import asyncio

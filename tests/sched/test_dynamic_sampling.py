@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from rlblocks.sched import DynamicSampler, InsufficientGroupsError, nonzero_reward_variance
+from rlblocks.errors import InsufficientGroupsError
+from rlblocks.sched import DynamicSampler, nonzero_reward_variance
 
 
 def test_default_filter_is_exact_zero_variance():

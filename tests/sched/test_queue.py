@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from rlblocks.sched import QueueClosed, QueueFull, StalenessQueue
+from rlblocks.errors import QueueClosed, QueueFull
+from rlblocks.sched import StalenessQueue
 
 
 def test_oldest_first_by_version_then_arrival():

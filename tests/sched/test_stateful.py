@@ -13,7 +13,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from rlblocks.sched import QueueFull, StalenessController, StalenessQueue
+from rlblocks.errors import QueueFull
+from rlblocks.sched import StalenessController, StalenessQueue
 
 
 class SchedMachine(RuleBasedStateMachine):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlblocks.errors import SyncError, SyncMismatchError
 from rlblocks.sync import WeightReceiver, WeightSender, init_sync_group
-from rlblocks.sync.broadcast import SyncError, SyncMismatchError
 from rlblocks.sync.buckets import tensor_spec
 
 from ._launch import run_ranks

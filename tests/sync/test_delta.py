@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
+from rlblocks.errors import DeltaError
 from rlblocks.sync import DeltaDecoder, DeltaEncoder, DeltaPacket
-from rlblocks.sync.delta import DeltaError
 
 INT = {4: torch.int32, 2: torch.int16}
 

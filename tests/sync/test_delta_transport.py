@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
+from rlblocks.errors import DeltaError
 from rlblocks.sync import DeltaDecoder, DeltaEncoder, DeltaPacket, DirectoryTransport
-from rlblocks.sync.delta import DeltaError
 
 
 def _walk(n_versions, *, size=4096, density=0.05, seed=0, full_every=None):

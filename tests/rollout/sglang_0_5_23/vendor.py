@@ -2,8 +2,8 @@
 
 Why vendored: ``sglang==0.5.23`` installed without its dependencies does not import on a CPU machine (the package
 ``__init__`` pulls in FlashInfer/CUDA patches, ``sglang.srt.managers.io_struct`` imports the scheduler, multimodal
-processors and torchvision), and the machines CI and the lent GPU run on have no registry access for its dependency
-tree. So only the request/response *types* and the sampling-parameter checks are kept here, copied byte for byte:
+processors and torchvision), and its dependency tree is not installed where the tests run. So only the
+request/response *types* and the sampling-parameter checks are kept here, copied byte for byte:
 
 - ``api_types.py``: ``sglang/api/v1/api_types.py`` (the generated JSON contract of ``/generate``, ``/abort_request``
   and ``/model_info``, with the decoders the server runs on every ``/generate`` body), whole file.
