@@ -138,25 +138,19 @@ def _outcome(test: CodeTest, r: SandboxResult, compare: str) -> dict[str, Any]:
         rec["status"] = "sandbox_error"
         rec["error"] = r.error
         return rec
-    checked = test.assertion is not None
-    before = " before every assertion had run" if checked and not r.checks_passed else ""
+    unfinished = test.assertion is not None and not r.checks_passed
+    before = " before the assertions had finished" if unfinished else ""
     if r.limit in _LIMIT_STATUS:
         rec["status"] = _LIMIT_STATUS[r.limit]
         rec["reason"] = f"stopped by the {r.limit} limit{before}"
-    elif checked and not r.checks_passed:
-        if r.returncode == 0:
-            rec["status"] = "early_exit"
-            rec["reason"] = ("the program ended the process with status 0 before every assertion had run (the "
-                             "checker's marker did not come back)")
-        else:
-            rec["status"] = "runtime_error"
-            how = f"killed by {r.signal}" if r.signal else f"exit status {r.returncode}"
-            err = _last_line(r.stderr)
-            rec["reason"] = f"{how}{before}" + (f": {err}" if err else "")
-    elif r.returncode != 0:
+    elif unfinished and r.returncode == 0:
+        rec["status"] = "early_exit"
+        rec["reason"] = ("the program ended the process with status 0 before every assertion had run (the "
+                         "checker's marker did not come back)")
+    elif unfinished or r.returncode != 0:
         rec["status"] = "runtime_error"
-        how = f"killed by {r.signal}" if r.signal else f"exit status {r.returncode}"
         err = _last_line(r.stderr)
+        how = f"killed by {r.signal}{before}" if r.signal else f"exit status {r.returncode}"
         rec["reason"] = how + (f": {err}" if err else "")
     elif test.stdout is not None and r.stdout_truncated_bytes:
         rec["status"] = "output_limit"
