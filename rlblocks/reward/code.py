@@ -9,8 +9,9 @@ A test (:class:`CodeTest`) is either
 - stdin/stdout (APPS, CodeContests, LiveCodeBench style): the program reads ``stdin``; it passes when it exits with
   status 0 and its stdout equals ``stdout`` under the chosen comparison; or
 - an assertion (HumanEval, MBPP style): ``assertion`` (e.g. ``"assert add(2, 3) == 5"``) runs after the program,
-  in its namespace, as the sandbox's ``checks``; it passes only when the per-run random marker printed after the
-  assertion comes back (:attr:`~rlblocks.sandbox.SandboxResult.checks_passed`). A program that ends the process
+  in its namespace, as the sandbox's ``checks`` (the program then runs in a worker thread, so it cannot install
+  signal handlers); it passes only when the per-run random marker printed after the assertion comes back
+  (:attr:`~rlblocks.sandbox.SandboxResult.checks_passed`). A program that ends the process
   first (``os._exit(0)``, ``sys.exit(0)``, ``atexit.register(os._exit, 0)``, ``SystemExit`` raised inside the
   test), patches ``print`` or ``sys.stdout``, kills its interpreter or prints a guessed marker scores 0 for that
   test, with the reason recorded; or both (the program's stdout, without the marker, must also match).

@@ -24,7 +24,7 @@ rlimits         CPU time (SIGXCPU, then SIGKILL a second later), address space (
 wall clock      at ``wall_seconds`` the host kills the sandbox's init: the kernel then kills every process of the
                 PID namespace, a ``setsid()`` child included; output readers have their own timeout, so a call
                 returns within about ``wall_seconds + 1`` s whatever the program does
-environment     cleared (``PATH``, ``HOME``, ``TMPDIR``, ``LANG`` only); ``python -I -B``
+environment     cleared (``PATH``, ``HOME``, ``TMPDIR``, ``LANG`` only); ``python -I -S -B``
 audit hook      (PEP 578, second layer) refuses subprocesses and sockets unless allowed, every ``ctypes`` symbol
                 look-up and call and the import of ``ctypes``/``cffi``, native extensions from the scratch
                 directory, crafted code objects, opening process memory under /proc
@@ -401,7 +401,7 @@ async def arun_python(
             "tool": support["tool"] if use_bwrap else "none", "bwrap": use_bwrap, "cgroup": cgroup is not None,
             "allow_network": limits.allow_network, "allow_subprocesses": limits.allow_subprocesses,
             "limits": dataclasses.asdict(limits), "max_created_files": limits.max_created_files,
-            "require": list(_REQUIRED if strict else ()),
+            "require": list(_REQUIRED if strict else ()), "host_uid": os.getuid(),
         }
         if strict and not with_seccomp:
             cfg["require"].remove("seccomp")
@@ -431,7 +431,7 @@ async def arun_python(
                 pass_fds.append(fd)
                 argv += ["--seccomp", str(fd)]
             argv += ["--chdir", scratch, *_bwrap.final_args(), "--",
-                     python, "-I", "-B", "-c", _BOOT]
+                     python, "-I", "-S", "-B", "-c", _BOOT]
             cwd = None
         else:
             _sweep_weak_dirs()
@@ -444,7 +444,7 @@ async def arun_python(
                 target.write_bytes(content.encode() if isinstance(content, str) else bytes(content))
             cfg["program"] = str(program)
             env.update({"HOME": str(work), "TMPDIR": str(work)})
-            argv = [python, "-I", "-B", "-c", _BOOT]
+            argv = [python, "-I", "-S", "-B", "-c", _BOOT]
             cwd = str(work)
         argv.append(json.dumps(cfg))
         if cgroup is not None:

@@ -1,4 +1,4 @@
-"""The first code the sandboxed interpreter runs: ``python -I -c <this file's text> <config JSON>``.
+"""The first code the sandboxed interpreter runs: ``python -I -S -B -c <this file's text> <config JSON>``.
 
 It runs single-threaded, before any untrusted byte is read, and imports only the standard library (rlblocks
 itself is not visible inside the sandbox). In order it
@@ -22,12 +22,41 @@ handler of its own can see a frame, ``/proc/*/mem`` cannot be opened, and no nat
 """
 
 
+def _site(os, sys):
+    """What ``site`` does at start-up (the interpreter runs with ``-S``), except running the import lines of
+    ``.pth`` files and ``sitecustomize``: they configure the host's environment (an editable install's import
+    finder, for one, pulls in pathlib, re and urllib at every start) and are no part of the program's."""
+    import site
+
+    def addpackage(sitedir, name, known_paths, _site=site):
+        try:
+            with open(os.path.join(sitedir, name), encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except (OSError, UnicodeDecodeError):
+            return known_paths
+        for line in lines:
+            line = line.rstrip()
+            if not line or line.startswith(("#", "import ", "import\t")):
+                continue
+            path, case = _site.makepath(sitedir, line)
+            if known_paths is not None and case not in known_paths and os.path.exists(path):
+                sys.path.append(path)
+                known_paths.add(case)
+        return known_paths
+
+    site.addpackage = addpackage
+    site.execsitecustomize = site.execusercustomize = lambda: None
+    site.main()
+
+
 def _main():
-    import json
     import os
+    import sys
+
+    _site(os, sys)
+    import json
     import resource
     import stat
-    import sys
 
     cfg = json.loads(sys.argv[1])
     secret = None
@@ -59,7 +88,9 @@ def _main():
     if strict_layers:
         uid_map = read("/proc/self/uid_map").split()
         found["user_namespace"] = len(uid_map) >= 3 and uid_map[:3] != ["0", "0", "4294967295"]
-        host_uid = int(uid_map[1]) if len(uid_map) >= 3 else os.getuid()
+        # (the map names the parent namespace's ids, and --disable-userns nests one namespace more: the host's
+        # uid is what the host says it is, bubblewrap not being setuid)
+        host_uid = cfg["host_uid"]
         found["pid_namespace"] = os.getpid() == 2  # bubblewrap's init is 1, the program 2
         found["seccomp"] = proc_status.get("Seccomp", "").strip() == "2"
         found["no_capabilities"] = all(int(proc_status.get(k, "1"), 16) == 0 for k in ("CapEff", "CapPrm", "CapBnd"))

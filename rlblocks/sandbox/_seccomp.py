@@ -25,6 +25,7 @@ of about 40 instructions, assembled and range-checked below and exercised by the
 
 from __future__ import annotations
 
+import functools
 import platform
 import struct
 
@@ -93,6 +94,7 @@ def _assemble(program: list[tuple]) -> bytes:
     return bytes(out)
 
 
+@functools.lru_cache(maxsize=4)
 def filter_program(machine: str | None = None) -> bytes:
     """The filter for ``machine`` (default: this one) as raw ``struct sock_filter`` bytes, the format bubblewrap's
     ``--seccomp FD`` reads. Raises ``ValueError`` for an architecture without a filter."""

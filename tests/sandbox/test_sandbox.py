@@ -6,6 +6,7 @@ layers only bubblewrap gives are skipped where it cannot start, with the reason.
 import asyncio
 import glob
 import os
+import subprocess
 import tempfile
 import time
 import uuid
@@ -103,7 +104,13 @@ def test_fork_bomb_is_bounded_even_with_subprocesses_allowed():
         "        print('refused after', n, flush=True); break\n    if pid == 0:\n        time.sleep(60)\n    n += 1\n"
     )
     limits = SandboxLimits(allow_subprocesses=True, max_processes=8, wall_seconds=3, cpu_seconds=3, isolation=ISO)
-    r = run_python(code, limits=limits)
+    others = [subprocess.Popen(["sleep", "60"]) for _ in range(24)]  # this user has more processes than 8
+    try:
+        r = run_python(code, limits=limits)
+    finally:
+        for p in others:
+            p.kill()
+            p.wait()
     if r.isolation.get("processes") not in ("cgroup", "rlimit-userns"):
         pytest.skip(f"no kernel process limit here (isolation={r.isolation}); the audit hook refuses fork by default")
     # the budget is the run's own: the program and at most 7 children, however many processes this user has
