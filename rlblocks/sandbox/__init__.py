@@ -72,6 +72,9 @@ _ISOLATION = ("strict", "weak")
 _BOOT = (Path(__file__).with_name("_boot.py")).read_text(encoding="utf-8")
 _TAIL = 256  # bytes of each stream kept beyond the cap, so that the checks' marker survives a flood of output
 _REFUSED_RC = 97  # the bootstrap's exit status when a required layer is missing
+# Seconds each step of the clean-up after the wall clock may take (reap, empty the cgroup, drain the pipes): three
+# steps stay under the one second a call may run past wall_seconds.
+_GRACE = 0.3
 _WEAK_PREFIX = "rlblocks-sandbox-"
 # Layers a strict run requires (checked again inside, before the program is read).
 _REQUIRED = ("user_namespace", "pid_namespace", "seccomp", "no_capabilities", "no_new_privs", "read_only_root",
@@ -189,22 +192,28 @@ def _cgroup_possible() -> bool:
     return _CGROUP_OK[0]
 
 
-async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, int, bytes]:
-    """The first ``cap`` bytes, the count of the rest, and the last ``_TAIL`` bytes of the stream."""
-    kept = bytearray()
-    tail = bytearray()
-    dropped = 0
-    while True:
-        chunk = await stream.read(65536)
-        if not chunk:
-            return bytes(kept), dropped, bytes(tail)
-        room = cap - len(kept)
-        if room > 0:
-            kept += chunk[:room]
-        over = chunk[max(room, 0):]
-        dropped += len(over)
-        if over:
-            tail = (tail + over)[-_TAIL:]
+class _Capture:
+    """One output stream: the first ``cap`` bytes, the count of the rest, and its last ``_TAIL`` bytes; what was
+    read so far stays available when reading is stopped."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.kept = bytearray()
+        self.tail = bytearray()
+        self.dropped = 0
+
+    async def pump(self, stream: asyncio.StreamReader) -> None:
+        while True:
+            chunk = await stream.read(65536)
+            if not chunk:
+                return
+            room = self.cap - len(self.kept)
+            if room > 0:
+                self.kept += chunk[:room]
+            over = chunk[max(room, 0):]
+            self.dropped += len(over)
+            if over:
+                self.tail = (self.tail + over)[-_TAIL:]
 
 
 def _check_run_args(code: object, stdin: object, args: object, files: object, python: object,
@@ -457,9 +466,8 @@ async def arun_python(
             if fd in fds:
                 fds.remove(fd)
                 os.close(fd)
-        cap = limits.max_output_bytes
-        readers = asyncio.ensure_future(asyncio.gather(_read_capped(proc.stdout, cap),
-                                                       _read_capped(proc.stderr, cap)))
+        out_cap, err_cap = _Capture(limits.max_output_bytes), _Capture(limits.max_output_bytes)
+        readers = asyncio.ensure_future(asyncio.gather(out_cap.pump(proc.stdout), err_cap.pump(proc.stderr)))
 
         async def feed() -> None:
             try:
@@ -482,23 +490,25 @@ async def arun_python(
                     return
 
         timed_out = False
-        waiters = [asyncio.ensure_future(asyncio.gather(feed(), proc.wait()))]
+        # The run ends when the process exits, not when its pipes close: a stray descendant may hold them.
+        waiters = [asyncio.ensure_future(_exited(proc))]
         if work is not None:
             waiters.append(asyncio.ensure_future(watch_disk()))
+        feeder = asyncio.ensure_future(feed())
         try:
             done, _ = await asyncio.wait(waiters, timeout=limits.wall_seconds, return_when=asyncio.FIRST_COMPLETED)
             timed_out = not done
         finally:
-            for w in waiters:
+            for w in [*waiters, feeder]:
                 w.cancel()
+            await asyncio.gather(*waiters, feeder, return_exceptions=True)
             await _kill(proc, cgroup, group=work is not None)
         try:
-            (out, out_dropped, out_tail), (err, err_dropped, _) = await asyncio.wait_for(readers, 0.5)
-        except asyncio.TimeoutError:  # a descendant outside every kill still holds a pipe: stop reading
-            readers.cancel()
-            out, out_dropped, out_tail, err, err_dropped = b"", 0, b"", b"", 0
-            for t in (proc.stdout, proc.stderr):
-                t.feed_eof()
+            await asyncio.wait_for(readers, _GRACE)
+        except asyncio.TimeoutError:  # a descendant outside every kill still holds a pipe: stop reading there
+            pass
+        out, out_dropped, out_tail = bytes(out_cap.kept), out_cap.dropped, bytes(out_cap.tail)
+        err, err_dropped = bytes(err_cap.kept), err_cap.dropped
         seconds = time.perf_counter() - t0
         os.set_blocking(status_r, False)
         try:
@@ -550,8 +560,12 @@ async def arun_python(
         # Every path (a result, an interpreter that would not start, a cancelled call) kills what is left and
         # removes the cgroup and the directory, and closes every descriptor: a long run of code rewards must not
         # pile up processes, cgroups, temporary files or descriptors.
-        if proc is not None and proc.returncode is None:
-            await _kill(proc, cgroup, group=work is not None)
+        if proc is not None:
+            if proc.returncode is None:
+                await _kill(proc, cgroup, group=work is not None)
+            transport = getattr(proc, "_transport", None)  # its pipes, should a stray process still hold them
+            if transport is not None:
+                transport.close()
         for fd in fds:
             try:
                 os.close(fd)
@@ -561,6 +575,31 @@ async def arun_python(
             cgroup.remove()
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+async def _exited(proc: asyncio.subprocess.Process) -> None:
+    """Returns when the process has exited (a pidfd becomes readable), whoever still holds its pipes."""
+    loop = asyncio.get_running_loop()
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # no pidfds (Linux < 5.3), or already reaped
+        while proc.returncode is None:
+            await asyncio.sleep(0.01)
+        return
+    done = loop.create_future()
+    loop.add_reader(pidfd, lambda: done.done() or done.set_result(None))
+    try:
+        await done
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+
+
+async def _reaped(proc: asyncio.subprocess.Process, timeout: float) -> None:
+    """Wait (at most ``timeout``) until asyncio has reaped the process and knows its exit status."""
+    deadline = time.monotonic() + timeout
+    while proc.returncode is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.002)
 
 
 async def _kill(proc: asyncio.subprocess.Process, cgroup: PidsCgroup | None, *, group: bool) -> None:
@@ -582,11 +621,8 @@ async def _kill(proc: asyncio.subprocess.Process, cgroup: PidsCgroup | None, *, 
         except (ProcessLookupError, PermissionError):
             pass
     if cgroup is not None:
-        cgroup.kill(timeout=0.5)
-    try:
-        await asyncio.wait_for(proc.wait(), 0.5)
-    except asyncio.TimeoutError:
-        pass
+        cgroup.kill(timeout=_GRACE)
+    await _reaped(proc, _GRACE)
 
 
 def run_python(code: str, **kwargs) -> SandboxResult:

@@ -174,8 +174,8 @@ class PidsCgroup:
     def remove(self) -> None:
         """Kill what is left and remove the directory (retried briefly: the kernel frees exiting tasks
         asynchronously)."""
-        self.kill()
-        for _ in range(100):
+        self.kill(timeout=0.2)
+        for _ in range(40):
             try:
                 self.path.rmdir()
                 return
