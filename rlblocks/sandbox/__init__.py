@@ -387,24 +387,23 @@ async def arun_python(
     marker: str | None = None
     proc: asyncio.subprocess.Process | None = None
 
-    def pipe_with(data: bytes) -> int:
-        r, w = os.pipe()
-        fds.extend((r, w))
-        os.write(w, data)  # small: it fits the pipe's buffer
-        os.close(w)
-        fds.remove(w)
-        return r
+    def passed_file(data: bytes) -> int:
+        # an anonymous in-memory file (no size limit, unlike a pipe's buffer, and no path anyone could open)
+        fd = _memfd(data)
+        fds.append(fd)
+        pass_fds.append(fd)
+        return fd
 
     try:
         extra = 1 if checks is not None else 0  # the worker thread the checks run in
         cgroup = PidsCgroup.create(limits.max_processes + extra + (2 if use_bwrap else 1))
         status_r, status_w = os.pipe()
         fds += [status_r, status_w]
+        pass_fds = [status_w]
         secret_fd = -1
         if checks is not None:
             marker = secrets.token_hex(16)
-            secret_fd = pipe_with(json.dumps({"marker": marker, "checks": list(checks)}).encode())
-        pass_fds = [status_w] + ([secret_fd] if secret_fd >= 0 else [])
+            secret_fd = passed_file(json.dumps({"marker": marker, "checks": list(checks)}).encode())
         cfg = {
             "status_fd": status_w, "secret_fd": secret_fd, "args": list(args), "mode": limits.isolation,
             "tool": support["tool"] if use_bwrap else "none", "bwrap": use_bwrap, "cgroup": cgroup is not None,
@@ -430,15 +429,10 @@ async def arun_python(
                     if d not in made:
                         made.add(d)
                         argv += ["--dir", f"{scratch}/{d}"]
-                data = content.encode() if isinstance(content, str) else bytes(content)
-                fd = _memfd(data)
-                fds.append(fd)
-                pass_fds.append(fd)
+                fd = passed_file(content.encode() if isinstance(content, str) else bytes(content))
                 argv += ["--file", str(fd), f"{scratch}/{rel}"]
             if with_seccomp:
-                fd = pipe_with(_seccomp.filter_program())
-                pass_fds.append(fd)
-                argv += ["--seccomp", str(fd)]
+                argv += ["--seccomp", str(passed_file(_seccomp.filter_program()))]
             argv += ["--chdir", scratch, *_bwrap.final_args(), "--",
                      python, "-I", "-S", "-B", "-c", _BOOT]
             cwd = None

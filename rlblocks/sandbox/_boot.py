@@ -3,7 +3,8 @@
 It runs single-threaded, before any untrusted byte is read, and imports only the standard library (rlblocks
 itself is not visible inside the sandbox). In order it
 
-1. reads the run's secret (a per-run marker and the checks, see below) from an inherited pipe and closes it;
+1. reads the run's secret (a per-run marker and the checks, see below) from an inherited in-memory file and
+   closes it;
 2. checks the kernel layers the host asked for (PID, user and network namespaces, seccomp, a read-only root, a
    size-limited scratch directory, no capabilities) and reports what it found on the status pipe; a missing
    required layer stops it here, before the program is even read;
