@@ -48,6 +48,19 @@ def test_strict_isolation_reports_every_layer_in_force():
     assert r.stdout.split()[0] == "2"  # bubblewrap's init is 1 in the sandbox's PID namespace
 
 
+@needs_strict
+@pytest.mark.skipif(os.geteuid() != 0, reason="as root the per-run cgroup is the only process limit")
+def test_the_sandbox_refuses_before_the_program_when_a_layer_is_not_in_force(monkeypatch):
+    """The first code inside checks every layer again: without its cgroup, a root run has no process limit, and
+    the program is not even read."""
+    from rlblocks.sandbox import _cgroup
+
+    monkeypatch.setattr(_cgroup.PidsCgroup, "create", classmethod(lambda cls, n: None))
+    marker = f"ran-{uuid.uuid4().hex}"
+    with pytest.raises(SandboxUnavailable, match="process_limit"):
+        run_python(f"open({marker!r}, 'w'); print({marker!r})", limits=FAST)
+
+
 def test_strict_isolation_refuses_where_bubblewrap_is_missing(monkeypatch):
     """No binary: a clear error naming the missing layer, nothing run; weak isolation still works when asked
     for, and says that it is weak."""
