@@ -161,3 +161,12 @@ def test_extract_code_and_compare():
         CodeReward(compare="fuzzy")
     with pytest.raises(ArgumentError, match="stdout/assertion"):
         CodeTest(stdin="1")
+
+
+def test_no_isolation_is_an_error_result_not_a_score(monkeypatch):
+    """Where strict isolation cannot be had, the reward is an error (the infrastructure failed), never a 0 that
+    would train the policy away from a correct program."""
+    monkeypatch.setenv("RLBLOCKS_BWRAP", "/nonexistent/bwrap")
+    r = run(CodeReward(SandboxLimits(cpu_seconds=1, wall_seconds=4)), fenced("print(3)"), ADD[:1])
+    assert not r.ok and r.score is None and "SandboxUnavailable" in r.error and "bubblewrap" in r.error
+    assert r.details["tests"][0]["status"] == "sandbox_error"
