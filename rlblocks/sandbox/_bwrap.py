@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rlblocks.sandbox import _seccomp
 
-__all__ = ["SCRATCH", "Probe", "bind_args", "find_bwrap", "probe", "python_prefixes"]
+__all__ = ["SCRATCH", "Probe", "base_args", "bind_args", "final_args", "find_bwrap", "probe", "python_prefixes"]
 
 SCRATCH = "/tmp"
 """Where the run's size-limited tmpfs is mounted inside the sandbox: its working directory, ``HOME`` and
