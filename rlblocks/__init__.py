@@ -8,7 +8,7 @@ Sub-packages (import the one you need; none is imported here, so ``import rlbloc
 - ``rlblocks.sync``    weight movement: buckets, broadcast, delta, LoRA, resharding
 - ``rlblocks.sched``   staleness-bounded admission and queue, partial rollouts, dynamic sampling, packing
 - ``rlblocks.reward``  verifiers and reward models as bounded async services
-- ``rlblocks.sandbox`` untrusted code in a separate, limited process
+- ``rlblocks.sandbox`` untrusted code in a separate process inside a bubblewrap sandbox
 
 Every exception raised on purpose derives from ``rlblocks.RLBlocksError`` (see ``rlblocks.errors``).
 """

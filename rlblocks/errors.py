@@ -15,6 +15,7 @@ against the built-ins keeps working:
 | ``QueueFull`` | ``queue.Full`` | a bounded queue is at capacity |
 | ``QueueClosed`` | ``RuntimeError`` | ``put`` on a closed queue |
 | ``InsufficientGroupsError`` | ``RuntimeError`` | dynamic sampling could not fill its target |
+| ``SandboxUnavailable`` | ``RuntimeError`` | the sandbox cannot put its isolation layers in force here (the message names the missing ones) |
 
 The same failure raises the same class from every engine and transport: a refused weight update is a
 ``WeightUpdateError`` whether TorchEngine, VLLMEngine, SGLangEngine or a sync receiver refused it.
@@ -32,6 +33,7 @@ __all__ = [
     "QueueClosed",
     "QueueFull",
     "RLBlocksError",
+    "SandboxUnavailable",
     "SyncError",
     "SyncMismatchError",
     "WeightUpdateError",
@@ -77,3 +79,9 @@ class QueueClosed(RLBlocksError, RuntimeError):
 
 class InsufficientGroupsError(RLBlocksError, RuntimeError):
     """Dynamic sampling finished with fewer accepted groups than its target and was told not to proceed."""
+
+
+class SandboxUnavailable(RLBlocksError, RuntimeError):
+    """The sandbox refused to run untrusted code: a required isolation layer (bubblewrap, a namespace, seccomp, a
+    per-sandbox process limit) cannot be put in force on this machine. The message names the missing layers and
+    how to opt into the weaker isolation explicitly."""

@@ -1,26 +1,36 @@
 """Code rewards: run the candidate program against test cases in the sandbox; score = fraction of tests passed.
 
-The program never runs in this process: every test is one run of :func:`rlblocks.sandbox.arun_python` — a fresh,
-limited interpreter (CPU time, memory, file size and wall-clock limits; fork and network refused, in a network
-namespace where the kernel allows; writes outside its temporary directory refused; the directory removed
-afterwards). See :mod:`rlblocks.sandbox` for the layers and ``details["isolation"]`` for those in force.
+The program never runs in this process: every test is one run of :func:`rlblocks.sandbox.arun_python` — a fresh
+interpreter in a bubblewrap sandbox (namespaces, seccomp, a read-only root, CPU, memory, disk, process and
+wall-clock limits; see :mod:`rlblocks.sandbox` and ``details["isolation"]`` for the layers in force).
 
 A test (:class:`CodeTest`) is either
 
 - stdin/stdout (APPS, CodeContests, LiveCodeBench style): the program reads ``stdin``; it passes when it exits with
   status 0 and its stdout equals ``stdout`` under the chosen comparison; or
-- an assertion (HumanEval, MBPP style): ``assertion`` (e.g. ``"assert add(2, 3) == 5"``) is appended to the
-  program; it passes when the whole exits with status 0.
+- an assertion (HumanEval, MBPP style): ``assertion`` (e.g. ``"assert add(2, 3) == 5"``) runs after the program,
+  in its namespace, as the sandbox's ``checks`` (the program then runs in a worker thread, so it cannot install
+  signal handlers); it passes only when the per-run random marker printed after the assertion comes back
+  (:attr:`~rlblocks.sandbox.SandboxResult.checks_passed`). A program that ends the process
+  first (``os._exit(0)``, ``sys.exit(0)``, ``atexit.register(os._exit, 0)``, ``SystemExit`` raised inside the
+  test), patches ``print`` or ``sys.stdout``, kills its interpreter or prints a guessed marker scores 0 for that
+  test, with the reason recorded; or both (the program's stdout, without the marker, must also match).
 
 The program is the last fenced code block of the response (```` ```python ````, ```` ```py ```` or a bare
 ```` ``` ````), or the whole response when it has none.
 
 Per-test outcomes (``details["tests"]``, in test order): ``status`` is one of ``passed``, ``wrong_answer``,
-``runtime_error``, ``timeout`` (wall clock), ``cpu_limit``, ``memory_limit``, ``file_size_limit``,
-``output_limit`` (stdout longer than the sandbox keeps: cannot be checked, counts as failed); with ``seconds``,
-``returncode`` and the tail of ``stderr`` for failures. ``score = passed / total``; ``components``:
-``pass_rate`` and ``all_passed`` (1.0 or 0.0). A test that the sandbox could not even start makes the whole
-result an error (the infrastructure failed, not the program), as does a reference that is not a list of tests.
+``runtime_error``, ``early_exit`` (exit status 0 before every assertion had run), ``timeout`` (wall clock: never a
+wrong answer), ``cpu_limit``, ``memory_limit``, ``file_size_limit``, ``disk_limit``, ``output_limit`` (stdout
+longer than the sandbox keeps: cannot be checked, counts as failed); with ``seconds``, ``returncode``, and for
+failures a ``reason`` and the tail of ``stderr``. ``score = passed / total``; ``components``: ``pass_rate`` and
+``all_passed`` (1.0 or 0.0). A test that the sandbox could not run (no isolation here, an interpreter that would
+not start) makes the whole result an error (the infrastructure failed, not the program), as does a reference that
+is not a list of tests.
+
+Not covered, as in every harness that runs assertions in the program's namespace: a program can shadow a name the
+assertion uses, or return an object whose ``__eq__`` is always true; stdin/stdout tests compare text and are immune
+to both.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlblocks._checks import check_bool, check_int
-from rlblocks.errors import ArgumentError
+from rlblocks.errors import ArgumentError, SandboxUnavailable
 from rlblocks.reward.types import RewardResult, Sample
 from rlblocks.sandbox import SandboxLimits, SandboxResult, arun_python
 
@@ -47,7 +57,7 @@ _STDERR_TAIL = 500
 
 @dataclass(frozen=True)
 class CodeTest:
-    """One test: ``stdin`` and the expected ``stdout``, or an ``assertion`` appended to the program (or both)."""
+    """One test: ``stdin`` and the expected ``stdout``, or an ``assertion`` run after the program (or both)."""
 
     stdin: str = ""
     stdout: str | None = None
@@ -114,7 +124,13 @@ def outputs_match(got: str, expected: str, compare: str = "lines") -> bool:
     return got == expected
 
 
-_LIMIT_STATUS = {"wall": "timeout", "cpu": "cpu_limit", "memory": "memory_limit", "file_size": "file_size_limit"}
+_LIMIT_STATUS = {"wall": "timeout", "cpu": "cpu_limit", "memory": "memory_limit", "file_size": "file_size_limit",
+                 "disk": "disk_limit"}
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:200] if lines else ""
 
 
 def _outcome(test: CodeTest, r: SandboxResult, compare: str) -> dict[str, Any]:
@@ -123,14 +139,26 @@ def _outcome(test: CodeTest, r: SandboxResult, compare: str) -> dict[str, Any]:
         rec["status"] = "sandbox_error"
         rec["error"] = r.error
         return rec
+    unfinished = test.assertion is not None and not r.checks_passed
+    before = " before the assertions had finished" if unfinished else ""
     if r.limit in _LIMIT_STATUS:
         rec["status"] = _LIMIT_STATUS[r.limit]
-    elif r.returncode != 0:
+        rec["reason"] = f"stopped by the {r.limit} limit{before}"
+    elif unfinished and r.returncode == 0:
+        rec["status"] = "early_exit"
+        rec["reason"] = ("the program ended the process with status 0 before every assertion had run (the "
+                         "checker's marker did not come back)")
+    elif unfinished or r.returncode != 0:
         rec["status"] = "runtime_error"
+        err = _last_line(r.stderr)
+        how = f"killed by {r.signal}{before}" if r.signal else f"exit status {r.returncode}"
+        rec["reason"] = how + (f": {err}" if err else "")
     elif test.stdout is not None and r.stdout_truncated_bytes:
         rec["status"] = "output_limit"
+        rec["reason"] = f"stdout longer than {len(r.stdout)} bytes ({r.stdout_truncated_bytes} more were dropped)"
     elif test.stdout is not None and not outputs_match(r.stdout, test.stdout, compare):
         rec["status"] = "wrong_answer"
+        rec["reason"] = f"stdout differs from the expected output ({compare} comparison)"
     else:
         rec["status"] = "passed"
     if rec["status"] != "passed":
@@ -145,7 +173,8 @@ class CodeReward:
 
     Args:
         limits: :class:`~rlblocks.sandbox.SandboxLimits` of EACH test run (default: 2 s CPU, 6 s wall, 512 MiB,
-            16 MiB files, no subprocesses, no network).
+            16 MiB files, 64 MiB scratch, no subprocesses, no network, strict isolation; assertion tests need
+            ``allow_subprocesses=False``).
         compare: stdout comparison, ``"lines"`` (default), ``"tokens"`` or ``"exact"`` (see
             :func:`outputs_match`).
         concurrency: tests of one sample run at once (default 1; the pool already runs samples concurrently).
@@ -198,9 +227,13 @@ class CodeReward:
         gate = asyncio.Semaphore(self.concurrency)
 
         async def run(test: CodeTest) -> SandboxResult:
-            code = program if test.assertion is None else f"{program}\n\n{test.assertion}\n"
+            checks = None if test.assertion is None else [test.assertion]
             async with gate:
-                return await arun_python(code, stdin=test.stdin, limits=self.limits, python=self.python)
+                try:
+                    return await arun_python(program, stdin=test.stdin, limits=self.limits, python=self.python,
+                                             checks=checks)
+                except (SandboxUnavailable, ArgumentError) as e:  # the infrastructure, not the program
+                    return SandboxResult(None, "", "", 0.0, error=f"{type(e).__name__}: {e}")
 
         runs = await asyncio.gather(*(run(t) for t in tests))
         outcomes = [_outcome(t, r, self.compare) for t, r in zip(tests, runs)]

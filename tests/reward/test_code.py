@@ -3,16 +3,20 @@
 import asyncio
 import glob
 import os
+import subprocess
 import tempfile
 import time
+import uuid
 
 import pytest
 
 from rlblocks.errors import ArgumentError
 from rlblocks.reward import CodeReward, CodeTest, RewardPool, Sample, extract_code, outputs_match
-from rlblocks.sandbox import SandboxLimits
+from rlblocks.sandbox import SandboxLimits, isolation_support
 
-FAST = CodeReward(SandboxLimits(cpu_seconds=1, wall_seconds=4, memory_bytes=256 << 20))
+# strict isolation where bubblewrap can start here; else the weak mode, asked for explicitly
+ISO = "strict" if isolation_support()["available"] else "weak"
+FAST = CodeReward(SandboxLimits(cpu_seconds=1, wall_seconds=4, memory_bytes=256 << 20, isolation=ISO))
 ADD = [{"input": "1 2\n", "output": "3\n"}, {"input": "10 -4\n", "output": "6"}, CodeTest(stdin="0 0", stdout="0")]
 
 
@@ -58,9 +62,11 @@ def test_infinite_loop_is_stopped():
 
 
 def test_sleeping_program_is_stopped_at_the_wall_clock():
-    r = run(CodeReward(SandboxLimits(cpu_seconds=5, wall_seconds=1)), "import time; time.sleep(60)",
-            [{"input": "", "output": ""}])
-    assert r.details["tests"][0]["status"] == "timeout" and r.score == 0.0
+    r = run(CodeReward(SandboxLimits(cpu_seconds=5, wall_seconds=1, isolation=ISO)), "import time; time.sleep(60)",
+            [{"input": "", "output": ""}, CodeTest(assertion="assert True")])
+    for t in r.details["tests"]:  # a timeout, never a wrong answer, whatever kind of test it is
+        assert t["status"] == "timeout" and "wall" in t["reason"], t
+    assert r.score == 0.0
 
 
 def test_memory_bomb_is_refused():
@@ -73,8 +79,26 @@ def test_fork_bomb_is_refused_and_leaves_no_process():
     r = run(FAST, code, [{"input": "", "output": "never"}])
     assert r.score == 0.0 and r.details["tests"][0]["status"] == "runtime_error"
     assert "not allowed" in r.details["tests"][0]["stderr"]
-    time.sleep(0.2)
-    assert not glob.glob("/sys/fs/cgroup/pids/rlblocks-sandbox-*")
+    assert not glob.glob(f"/sys/fs/cgroup/pids/**/rlblocks-sandbox-{os.getpid()}-*", recursive=True)
+
+
+def test_fork_bomb_with_subprocesses_allowed_is_bounded_per_run_while_this_user_forks():
+    """The process budget is the run's own (a pids cgroup, or RLIMIT_NPROC counted in the sandbox's user
+    namespace): 20 other processes of this user, more than the run's budget of 6, change nothing."""
+    others = [subprocess.Popen(["sleep", "60"]) for _ in range(20)]
+    try:
+        code = ("import os, time\nn = 0\nwhile True:\n    try:\n        pid = os.fork()\n    except OSError:\n"
+                "        print(n); break\n    if pid == 0:\n        time.sleep(60)\n    n += 1\n")
+        reward = CodeReward(SandboxLimits(cpu_seconds=2, wall_seconds=6, max_processes=6, allow_subprocesses=True,
+                                          isolation=ISO))
+        r = run(reward, code, [{"input": "", "output": "5"}])
+    finally:
+        for p in others:
+            p.kill()
+            p.wait()
+    if r.details["isolation"].get("processes") not in ("cgroup", "rlimit-userns"):
+        pytest.skip(f"no kernel process limit here: {r.details['isolation']}")
+    assert r.score == 1.0, r.details  # exactly the program and 5 children, then fork fails
 
 
 def test_network_is_unreachable():
@@ -83,21 +107,25 @@ def test_network_is_unreachable():
     assert r.score == 0.0 and r.details["tests"][0]["status"] == "runtime_error"
 
 
-def test_writes_outside_the_temporary_directory_fail_and_the_directory_is_removed():
-    target = os.path.join(tempfile.gettempdir(), f"rlblocks-reward-escape-{os.getpid()}")
-    code = f"import os\nprint(os.getcwd())\nopen({target!r}, 'w').write('x')\nprint('wrote')"
+def test_writes_outside_the_scratch_directory_fail_and_nothing_written_survives():
+    name = f"rlblocks-reward-escape-{uuid.uuid4().hex}"
+    code = f"import os\nopen('/usr/{name}', 'w').write('x')\nprint('wrote')"
     r = run(FAST, code, [{"input": "", "output": "wrote"}])
     assert r.score == 0.0 and r.details["tests"][0]["status"] == "runtime_error"
-    assert not os.path.exists(target)
-    # inside its own directory the program may write; the directory is gone afterwards
-    code = "import os\nopen('out.txt', 'w').write('ok')\nprint(open('out.txt').read(), os.getcwd())"
+    assert not os.path.exists(f"/usr/{name}")
+    # the host's temporary directory is never written (strict: it is the sandbox's own /tmp)
+    host_tmp = os.path.join(tempfile.gettempdir(), name)
+    run(FAST, f"open({host_tmp!r}, 'w').write('x')", [{"input": "", "output": ""}])
+    assert not os.path.exists(host_tmp)
+    # inside its own directory the program may write; nothing of it is left afterwards
+    code = f"import os\nopen({name!r}, 'w').write('ok')\nprint(open({name!r}).read(), os.path.abspath({name!r}))"
     r = run(FAST, code, [{"input": "", "output": "nothing"}])
     out = r.details["tests"][0]["stdout"].split()
-    assert out[0] == "ok" and not os.path.exists(out[1])
+    assert out[0] == "ok" and out[1].endswith(name) and not os.path.exists(out[1])
 
 
 def test_file_size_and_output_limits():
-    reward = CodeReward(SandboxLimits(file_bytes=1 << 20, max_output_bytes=1000))
+    reward = CodeReward(SandboxLimits(file_bytes=1 << 20, max_output_bytes=1000, isolation=ISO))
     r = run(reward, "open('big', 'wb').write(b'x' * (4 << 20))", [{"input": "", "output": ""}])
     assert r.details["tests"][0]["status"] == "file_size_limit"
     r = run(reward, "print('y' * 5000)", [{"input": "", "output": "y" * 5000}])
@@ -133,3 +161,12 @@ def test_extract_code_and_compare():
         CodeReward(compare="fuzzy")
     with pytest.raises(ArgumentError, match="stdout/assertion"):
         CodeTest(stdin="1")
+
+
+def test_no_isolation_is_an_error_result_not_a_score(monkeypatch):
+    """Where strict isolation cannot be had, the reward is an error (the infrastructure failed), never a 0 that
+    would train the policy away from a correct program."""
+    monkeypatch.setenv("RLBLOCKS_BWRAP", "/nonexistent/bwrap")
+    r = run(CodeReward(SandboxLimits(cpu_seconds=1, wall_seconds=4)), fenced("print(3)"), ADD[:1])
+    assert not r.ok and r.score is None and "SandboxUnavailable" in r.error and "bubblewrap" in r.error
+    assert r.details["tests"][0]["status"] == "sandbox_error"

@@ -12,9 +12,10 @@ import tempfile
 import pytest
 
 from rlblocks.errors import ArgumentError
-from rlblocks.sandbox import SandboxLimits, run_python
+from rlblocks.sandbox import SandboxLimits, isolation_support, run_python
 
-FAST = SandboxLimits(cpu_seconds=1, wall_seconds=5)
+ISO = "strict" if isolation_support()["available"] else "weak"
+FAST = SandboxLimits(cpu_seconds=1, wall_seconds=5, isolation=ISO)
 
 BAD = [
     ("cpu_seconds", lambda: SandboxLimits(cpu_seconds=math.nan)),
@@ -24,6 +25,10 @@ BAD = [
     # a permission must be a bool: "no" is truthy and would have opened the network
     ("allow_network", lambda: SandboxLimits(allow_network="no")),
     ("allow_subprocesses", lambda: SandboxLimits(allow_subprocesses=1)),
+    ("isolation", lambda: SandboxLimits(isolation="none")),  # only "strict" or "weak"; never silently weaker
+    ("isolation", lambda: SandboxLimits(isolation=True)),
+    ("disk_bytes", lambda: SandboxLimits(disk_bytes=100)),
+    ("max_created_files", lambda: SandboxLimits(max_created_files=0)),
     ("code", lambda: run_python(None)),
     ("stdin", lambda: run_python("print(1)", stdin=b"x")),
     ("stdin", lambda: run_python("print(1)", stdin=None)),
@@ -35,7 +40,15 @@ BAD = [
     ("files", lambda: run_python("print(1)", files={"/etc/passwd": "x"})),
     ("files", lambda: run_python("print(1)", files={"": "x"})),
     ("limits", lambda: run_python("print(1)", limits={"cpu_seconds": 1})),
+    ("files", lambda: run_python("print(1)", files={"a/../b": "x"})),
+    ("files", lambda: run_python("print(1)", files={"./main.py": "x"})),
     ("python", lambda: run_python("print(1)", python=3)),
+    ("checks", lambda: run_python("print(1)", checks="assert True")),  # one str would be read as characters
+    ("checks", lambda: run_python("print(1)", checks=[])),
+    (r"checks\[0\]", lambda: run_python("print(1)", checks=[b"assert True"])),
+    # a child process could read the marker from the checker's memory
+    ("allow_subprocesses=False", lambda: run_python("print(1)", checks=["assert True"],
+                                                     limits=SandboxLimits(allow_subprocesses=True))),
 ]
 
 
@@ -46,7 +59,7 @@ def test_refused_and_named(arg, call):
 
 
 def _leftovers() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "rlblocks-sandbox-*")))
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), f"rlblocks-sandbox-{os.getpid()}-*")))
 
 
 def _open_fds() -> int:
@@ -70,10 +83,10 @@ def test_a_program_that_prints_the_words_of_a_limit_is_not_stopped_by_one():
     "MemoryError" (e.g. after catching one) and exit 0."""
     code = ("import sys\ntry:\n    x = bytearray(1 << 40)\nexcept MemoryError as e:\n"
             "    print('MemoryError caught', file=sys.stderr)\nprint('File too large', file=sys.stderr)\nprint('ok')")
-    r = run_python(code, limits=SandboxLimits(memory_bytes=256 << 20, cpu_seconds=2))
+    r = run_python(code, limits=SandboxLimits(memory_bytes=256 << 20, cpu_seconds=2, isolation=ISO))
     assert r.ok and r.limit is None and r.stdout.strip() == "ok" and "MemoryError" in r.stderr
     # a program the limit really stopped still reports it
-    r = run_python("x = bytearray(1 << 40)", limits=SandboxLimits(memory_bytes=256 << 20, cpu_seconds=2))
+    r = run_python("x = bytearray(1 << 40)", limits=SandboxLimits(memory_bytes=256 << 20, cpu_seconds=2, isolation=ISO))
     assert r.limit == "memory" and r.returncode == 1
 
 
