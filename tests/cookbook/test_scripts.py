@@ -131,7 +131,7 @@ def test_demo_runs_are_step_governed(loop):
     assert parse_flags(mod.Config, ["--time-limit", "60"], check=mod.check_flags).time_limit == 60
 
 
-LOOPS = ["grpo_sync", "grpo_async", "ppo"]
+LOOPS = ["grpo_sync", "grpo_async", "ppo", "agent_async", "agent_gateway"]
 
 
 @pytest.mark.parametrize("loop", LOOPS)
