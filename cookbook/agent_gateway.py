@@ -57,8 +57,8 @@ class Config:
 
     name: str = opt("agent-gateway", "run name: files go to <runs-dir>/<name>/")
     runs_dir: str = opt("runs", "where run directories live")
-    model: str = opt("", "HF checkpoint directory whose tokenizer has a chat template; empty: the cached demo warm "
-                         "start")
+    model: str = opt("", "HF checkpoint directory whose tokenizer has a chat template; empty: the tiny demo model, "
+                         "warm-started and cached (the agent demo's)")
     steps: int = opt(8, "optimizer steps")
     prompts_per_step: int = opt(8, "B: problems per step")
     group_size: int = opt(8, "K: agent sessions per problem")

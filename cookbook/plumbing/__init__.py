@@ -33,12 +33,11 @@ from .distributed import (
 from .engines import check_max_model_len, length_budget, make_engine, model_max_len, resolve_max_model_len, until_eos
 from .flags import check_at_least, every, opt, parse_flags
 from .losses import CORRECTION_CAP, POLICY_LOSSES, check_loss_flags, loss_defaults, policy_loss
-from .messages import CONTROL, Inbox, Outbox, RolloutEnd, Stale, Stop, Weights, recv_control, send_control
+from .messages import Inbox, Outbox, RolloutEnd, Stale, Stop, Weights, recv_control, send_control
 from .policy import PolicyLogprobs, decoder_layers, load_hf, load_tokenizer, shard
 from .runs import Progress, RunFiles, mean_metrics
 
 __all__ = [
-    "CONTROL",
     "CORRECTION_CAP",
     "POLICY_LOSSES",
     "Inbox",

@@ -19,13 +19,14 @@ def opt(default: Any, help: str = "", choices: tuple | None = None, type: type |
 def parse_flags(cls: type, argv: list[str] | None = None, check: Callable[[Any], None] | None = None) -> Any:
     """Build an ``argparse`` parser from the fields of dataclass ``cls`` and return an instance.
 
-    Each field becomes ``--field-name`` (bools get ``--x/--no-x``; choices come from ``field.metadata["choices"]``;
-    a field whose default is ``None`` takes its type from ``field.metadata["type"]``). Help texts are literal
-    (a ``%`` is shown as is) and end with the default. ``check(cfg)`` may raise :class:`ArgumentError` for flag
-    combinations; the parser then exits with status 2 and the message, like any other bad flag.
+    The description is the first paragraph of ``cls``' docstring. Each field becomes ``--field-name`` (bools get
+    ``--x/--no-x``; choices come from ``field.metadata["choices"]``; a field whose default is ``None`` takes its type
+    from ``field.metadata["type"]``). Help texts are literal (a ``%`` is shown as is) and end with the default.
+    ``check(cfg)`` may raise :class:`ArgumentError` for flag combinations; the parser then exits with status 2 and
+    the message, like any other bad flag.
     """
-    parser = argparse.ArgumentParser(description=(cls.__doc__ or "").strip().splitlines()[0],
-                                     formatter_class=_DefaultsHelp)
+    summary = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())  # the docstring's first paragraph
+    parser = argparse.ArgumentParser(description=summary, formatter_class=_DefaultsHelp)
     for f in dataclasses.fields(cls):
         # argparse %-formats help strings (for %(default)s): escape the text's own percent signs
         helptext = f.metadata.get("help", "").replace("%", "%%")

@@ -167,3 +167,27 @@ def test_every_loop_parses_its_flags_from_one_dataclass(loop, capsys):
     assert e.value.code == 0
     for f in dataclasses.fields(mod.Config):
         assert "--" + f.name.replace("_", "-") in out, f.name
+
+
+def _makefile_loop_commands() -> list[tuple[str, list[str]]]:
+    """``(loop module, argv)`` of every cookbook loop the Makefile's recipes run (continued lines joined)."""
+    text = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    out = []
+    for line in text.splitlines():
+        for word in line.split():
+            if word.startswith("cookbook/") and word.endswith(".py") and word != "cookbook/plot.py":
+                out.append((Path(word).stem, line.split(word, 1)[1].split()))
+    return out
+
+
+def test_makefile_demos_run_loops_with_flags_they_accept():
+    import importlib
+
+    from plumbing import parse_flags
+
+    commands = _makefile_loop_commands()
+    assert {m for m, _ in commands} >= {"grpo_async", "agent_async", "ppo", "grpo_sync"}, commands
+    for module, argv in commands:
+        mod = importlib.import_module(module)
+        cfg = parse_flags(mod.Config, argv, check=mod.check_flags)
+        assert cfg.name.startswith("demo"), (module, argv)
