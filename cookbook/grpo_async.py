@@ -28,7 +28,8 @@ rollout ranks with ``WeightSender`` (``--sync full``), as ``DeltaPacket`` s (``-
 η = 0 is synchronous RL.
 
 Files: ``runs/<name>/metrics.jsonl`` (one line per step), ``summary.json``, ``ckpt.pt`` (``--resume``).
-Lines a user changes for a real model or task are marked ``REAL MODEL:``.
+Lines a user changes for a real model or task are marked ``REAL MODEL:``. The whole loop (rollout side, trainer side,
+main) is this one file, so that it reads top to bottom; what every loop shares is in ``plumbing/``.
 """
 
 from __future__ import annotations

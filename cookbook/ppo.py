@@ -33,6 +33,8 @@ One step (:func:`main` reads as this list):
 
 Files: ``runs/<name>/metrics.jsonl`` (one line per step), ``summary.json``, ``ckpt.pt``, as the GRPO loops write
 them (``python cookbook/plot.py runs/<name>``). Lines a user changes for a real model or task say ``REAL MODEL:``.
+The whole pipeline (the reward-model stage, the roles, one PPO step, main) is this one file, so that it reads top to
+bottom; what every loop shares is in ``plumbing/``.
 """
 
 from __future__ import annotations
