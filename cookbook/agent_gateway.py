@@ -10,53 +10,82 @@ each session's trajectory token for token (the re-sent history is checked agains
 reward, to a ``StalenessQueue`` (η = 0: synchronous). The trainer takes the step's trajectories, computes the same
 GRPO loss as ``agent_async.py`` and loads the new weights into the engine. Held-out accuracy is measured before and
 after with greedy ``run_episode`` on the same engine.
+
+Repeatable: every request carries a sampling seed drawn from ``--seed`` (the gateway passes it to the engine), and
+the trainer takes the step's trajectories in session order, whatever order the sessions finished in. With
+``--batch-invariant`` the engine runs every sequence in its own forward, so a sequence's log-probs do not depend on
+which requests shared a step (CPU matrix kernels give a row different last bits at different batch sizes): two runs
+of one seed then train bit-identical weights.
+
+Files: ``runs/<name>/metrics.jsonl`` (one line per step), ``summary.json`` (with the gateway's counters),
+``policy/`` (the trained model and tokenizer).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
-import sys
 import time
-from pathlib import Path
+from dataclasses import dataclass
 
-import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import agent_task as task
+import torch
+from plumbing import (
+    RunFiles,
+    check_at_least,
+    load_hf,
+    load_tokenizer,
+    make_engine,
+    model_max_len,
+    opt,
+    parse_flags,
+    seed_rank,
+    setup_dist,
+)
 
-from rlblocks.rollout import Gateway, TorchEngine
-from rlblocks.rollout.agent import calculator, calculator_tool
+from rlblocks.rollout import Gateway, calculator_tool
 from rlblocks.sched import StalenessQueue
 
 
-def parse_flags(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=(__doc__ or "").strip().splitlines()[0])
-    p.add_argument("--name", default="agent-gateway", help="run name: files go to <runs-dir>/<name>/")
-    p.add_argument("--runs-dir", default="runs", help="where run directories live")
-    p.add_argument("--model", default="", help="checkpoint directory; empty: the cached demo warm start")
-    p.add_argument("--steps", type=int, default=8, help="optimizer steps")
-    p.add_argument("--prompts-per-step", type=int, default=8, help="B: problems per step")
-    p.add_argument("--group-size", type=int, default=8, help="K: agent sessions per problem")
-    p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
-    p.add_argument("--heldout", type=int, default=300, help="held-out problems evaluated before and after")
-    p.add_argument("--warmstart-target", type=float, default=0.2, help="warm start stopping accuracy")
-    p.add_argument("--seed", type=int, default=0, help="seed")
-    return p.parse_args(argv)
+@dataclass
+class Config:
+    """Synchronous GRPO on the calculator tool task, driven by openai-client agents through the gateway (flags are
+    generated from these fields)."""
+
+    name: str = opt("agent-gateway", "run name: files go to <runs-dir>/<name>/")
+    runs_dir: str = opt("runs", "where run directories live")
+    model: str = opt("", "HF checkpoint directory whose tokenizer has a chat template; empty: the tiny demo model, "
+                         "warm-started and cached (the agent demo's)")
+    steps: int = opt(8, "optimizer steps")
+    prompts_per_step: int = opt(8, "B: problems per step")
+    group_size: int = opt(8, "K: agent sessions per problem")
+    lr: float = opt(3e-4, "AdamW learning rate")
+    grad_clip: float = opt(1.0, "max grad norm")
+    heldout: int = opt(300, "held-out problems evaluated before and after")
+    warmstart_target: float = opt(0.2, "warm start: stop once greedy accuracy on SFT problems reaches this")
+    batch_invariant: bool = opt(False, "every sequence in its own engine forward: runs of one seed train "
+                                       "bit-identical weights (several times slower)")
+    seed: int = opt(0, "seed")
 
 
-async def agent(client, http, base_url: str, session_id: str, a: int, b: int, group: int) -> tuple[float, int]:
+def check_flags(cfg: Config) -> None:
+    """Flag values that cannot work (refused before anything starts)."""
+    check_at_least(cfg, 1, "steps", "prompts_per_step", "group_size", "heldout")
+
+
+async def agent(client, http, base_url: str, session_id: str, a: int, b: int, group: int,
+                seed: int) -> tuple[float, int]:
     """An ordinary OpenAI tool-calling agent. Returns (reward, tool calls); posts the reward to the gateway."""
     messages = [{"role": "user", "content": f"{a}*{b}"}]
-    tools = [calculator_tool("calc").schema()]
+    calc = calculator_tool("calc")
     reward, calls = 0.0, 0
     for _ in range(task.MAX_TURNS):
         r = await client.chat.completions.create(
-            model="policy", messages=messages, tools=tools, temperature=1.0, max_tokens=task.TURN_TOKENS,
-            extra_headers={"X-Session-Id": session_id})
+            model="policy", messages=messages, tools=[calc.schema()], temperature=1.0, max_tokens=task.TURN_TOKENS,
+            seed=seed, extra_headers={"X-Session-Id": session_id})
         msg = r.choices[0].message
         if not msg.tool_calls:
             reward = float((msg.content or "").strip() == str(a * b))
@@ -65,7 +94,7 @@ async def agent(client, http, base_url: str, session_id: str, a: int, b: int, gr
         for call in msg.tool_calls:
             calls += 1
             try:
-                result = calculator(**json.loads(call.function.arguments))
+                result = calc.fn(**json.loads(call.function.arguments))
             except Exception as e:  # the model sees the error, as from any tool
                 result = f"error: {type(e).__name__}: {e}"
             messages.append({"role": "tool", "tool_call_id": call.id, "name": call.function.name, "content": result})
@@ -75,73 +104,87 @@ async def agent(client, http, base_url: str, session_id: str, a: int, b: int, gr
     return reward, calls
 
 
-async def main_async(args: argparse.Namespace) -> dict:
+async def run(cfg: Config, path: str) -> dict:
+    """The whole run on one event loop (the engine's and the gateway's), from the checkpoint at ``path``."""
     import httpx
     import openai
 
-    path = args.model or task.warm_start(os.path.join(args.runs_dir, "warmstart-agent"),
-                                         task.WarmStart(target_train_accuracy=args.warmstart_target))
-    tok, policy = task.load(path)
-    _, served = task.load(path)
+    # ---- set-up: policy, engine, queue, optimiser, run files
+    tok = load_tokenizer(path, chat=True)  # a tokenizer without a chat template is refused, naming --model
+    cpu = torch.device("cpu")
+    policy = load_hf(path, cpu)[1]
     policy.train()
-    engine = TorchEngine(served.eval(), max_batch_size=4096)
+    engine = make_engine("torch", path, cpu, max_model_len=model_max_len(path), max_batch_size=4096,
+                         batch_invariant=cfg.batch_invariant)
     q = StalenessQueue(max_staleness=0)
-    optim = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
-    heldout = task.split_problems()["heldout"][: args.heldout]
+    optim = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
+    heldout = task.split_problems()["heldout"][: cfg.heldout]
     held_set = set(task.split_problems()["heldout"])
-    rng = random.Random(args.seed)
-    run_dir = Path(args.runs_dir) / args.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    rng = random.Random(cfg.seed)
+    files = RunFiles(cfg.runs_dir, cfg.name)
+    files.fresh()
     acc_before = await task.eval_accuracy(engine, tok, heldout)
     print(f"held-out accuracy before: {acc_before:.3f}", flush=True)
     t0 = time.time()
+    n = cfg.prompts_per_step * cfg.group_size
     async with Gateway(engine, tok, model="policy", queue=q) as gw:
         client = openai.AsyncOpenAI(base_url=gw.url, api_key="unused", max_retries=0, timeout=120)
         async with httpx.AsyncClient(timeout=120) as http:
-            for step in range(args.steps):
+            for step in range(cfg.steps):
+                # ---- 1. B·K agent sessions through the gateway, each with its own sampling seed
                 ts = time.perf_counter()
-                problems = [task.rl_problem(rng, held_set) for _ in range(args.prompts_per_step)]
+                problems = [task.rl_problem(rng, held_set) for _ in range(cfg.prompts_per_step)]
+                seeds = [rng.getrandbits(62) for _ in range(n)]
                 results = await asyncio.gather(*[
-                    agent(client, http, gw.url, f"s{step}-g{g}-k{k}", a, b, g)
-                    for g, (a, b) in enumerate(problems) for k in range(args.group_size)])
-                n = args.prompts_per_step * args.group_size
+                    agent(client, http, gw.url, f"s{step}-g{g}-k{k}", a, b, g, seeds[g * cfg.group_size + k])
+                    for g, (a, b) in enumerate(problems) for k in range(cfg.group_size)])
+                # ---- 2. the step's trajectories, in session order (not the order they finished in)
                 trajs = q.get_batch(n, current_version=step, timeout=10)
-                assert len(trajs) == n, f"expected {n} finished sessions in the queue, got {len(trajs)}"
+                if len(trajs) != n:
+                    raise RuntimeError(f"expected {n} finished sessions in the queue, got {len(trajs)}")
+                trajs.sort(key=lambda t: t.session_id)
                 for t in trajs:
                     t.group_id = int(t.info["group"])
                 gen_s = time.perf_counter() - ts
+                # ---- 3. GRPO over the trajectories, then the new weights into the engine
                 optim.zero_grad(set_to_none=True)
                 m = task.grpo_backward(policy, trajs, tok.pad_token_id)
-                torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
                 optim.step()
                 await engine.update_weights(list(policy.state_dict().items()), version=step + 1)
-                rec = {"step": step + 1, "reward": sum(r for r, _ in results) / n,
+                rec = {"step": step + 1, "version": step + 1, "reward": sum(r for r, _ in results) / n,
                        "tool_calls_per_episode": sum(c for _, c in results) / n, "loss": m["loss"],
-                       "tokens_trained": m["tokens_trained"], "generate_seconds": gen_s,
-                       "step_seconds": time.perf_counter() - ts,
+                       "grad_norm": float(grad_norm), "tokens_trained": m["tokens_trained"],
+                       "generate_seconds": gen_s, "step_seconds": time.perf_counter() - ts,
                        "prefix_mismatches": sum(t.prefix_mismatches for t in trajs)}
-                with open(run_dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+                files.log(rec)
                 print(f"step {step + 1}: reward {rec['reward']:.3f}  tool calls/episode "
                       f"{rec['tool_calls_per_episode']:.2f}  {rec['step_seconds']:.1f} s", flush=True)
             stats = gw.stats()
         await client.close()
     acc_after = await task.eval_accuracy(engine, tok, heldout)
-    summary = {"accuracy_before": acc_before, "accuracy_after": acc_after, "steps": args.steps,
-               "wall_seconds": time.time() - t0, "gateway": stats, "config": vars(args)}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"held-out accuracy after {args.steps} steps through the gateway: {acc_after:.3f} "
+    await engine.aclose()
+    summary = {"accuracy_before": acc_before, "accuracy_after": acc_after, "steps": cfg.steps,
+               "wall_seconds": time.time() - t0, "gateway": stats, "config": dataclasses.asdict(cfg)}
+    files.write_summary(summary)
+    policy.save_pretrained(files.dir / "policy")  # the trained policy, loadable with from_pretrained
+    tok.save_pretrained(files.dir / "policy")
+    print(f"held-out accuracy after {cfg.steps} steps through the gateway: {acc_after:.3f} "
           f"(before {acc_before:.3f}); sessions {stats.get('sessions_finished', 0)}, prefix mismatches "
-          f"{stats.get('prefix_mismatches', 0)}; summary: {run_dir / 'summary.json'}", flush=True)
+          f"{stats.get('prefix_mismatches', 0)}; summary: {files.summary}", flush=True)
     return summary
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_flags(argv)
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(1)
-    return asyncio.run(main_async(args))
+    cfg = parse_flags(Config, argv, check=check_flags)
+    setup_dist(threads=1, cpu=True)  # one process, one thread: the tiny model gains nothing from more
+    # the warm start (cached) evaluates with its own event loops, so it runs before this run's loop starts
+    path = cfg.model or task.warm_start(os.path.join(cfg.runs_dir, "warmstart-agent"),
+                                        task.WarmStart(target_train_accuracy=cfg.warmstart_target),
+                                        log=lambda s: print(s, flush=True))
+    load_tokenizer(path, chat=True)  # refused before anything starts
+    seed_rank(cfg.seed, 0)  # after the warm start, which seeds and draws on its own when it is not cached yet
+    return asyncio.run(run(cfg, path))
 
 
 if __name__ == "__main__":

@@ -34,9 +34,17 @@ from torch import Tensor
 
 from rlblocks.kernels import linear_token_logprobs
 from rlblocks.losses import aggregate, grpo_advantages, ppo_clip_loss
-from rlblocks.rollout import SamplingParams, TorchEngine
-from rlblocks.rollout.agent import EpisodeStats, ToolEnv, calculator_tool, run_episode
-from rlblocks.rollout.trajectory import Trajectory, to_tensors, trajectory_rows
+from rlblocks.rollout import (
+    EpisodeStats,
+    SamplingParams,
+    ToolEnv,
+    TorchEngine,
+    Trajectory,
+    calculator_tool,
+    run_episode,
+    to_tensors,
+    trajectory_rows,
+)
 from rlblocks.sched import token_budget_microbatches
 
 LO, HI = 100, 1000
@@ -128,12 +136,6 @@ def build_model(tokenizer, *, seed: int = 0):
                       head_dim=32, max_position_embeddings=MODEL["context"], pad_token_id=tokenizer.pad_token_id,
                       eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
     return LlamaForCausalLM(cfg)
-
-
-def load(path: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
 # ------------------------------------------------------------------------------------------------ evaluation

@@ -35,13 +35,11 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import toy
 
 from rlblocks.errors import ArgumentError

@@ -35,8 +35,9 @@ import os
 from typing import Any
 
 import torch
-from common import global_counts, load_hf, mean_metrics, policy_loss
+from grpo import minibatches, optimizer_update
 from jaxtyping import Float
+from plumbing import global_counts, load_hf, mean_metrics, policy_loss
 from torch import Tensor, nn
 
 from rlblocks.errors import ArgumentError
@@ -177,37 +178,31 @@ def distill_step(cfg: Any, policy: nn.Module, optim: torch.optim.Optimizer, bt: 
         adv = distill_advantages(rollout_logp, t_logp, mask, discount=cfg.distill_discount or None)
         if task_adv is not None:
             adv = adv + w * task_adv[:, None]
-    shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
     per_update: list[dict[str, Tensor]] = []
-    for _epoch in range(cfg.ppo_epochs):
-        order = torch.randperm(mask.shape[0], generator=shuffle) if cfg.mini_batches > 1 else None
-        for rows in (order.tensor_split(cfg.mini_batches) if order is not None else [slice(None)]):
-            mb_mask, mb_rollout = mask[rows], rollout_logp[rows]
-            mb = {k: bt[k][rows] for k in ("input_ids", "attention_mask")}
-            if dense:
-                hidden, weight = hidden_states(policy.lm, mb)
-                per_tok = linear_vocab_kl(hidden, weight, t_hidden[rows], t_weight, kind="reverse",
-                                          temperature=temperature, mask=mb_mask)
-                m: dict[str, Tensor] = {"distill_kl_dense": per_tok.sum() / mb_mask.sum().clamp(min=1)}
-                if task_adv is not None:
-                    logp = linear_token_logprobs(hidden, weight, labels[rows], temperature=temperature)
-                    old = logp.detach() if old_logp is None else old_logp[rows]
-                    pg, pm = policy_loss(cfg, logp, old, task_adv[rows], mb_mask, rollout_logp=mb_rollout)
-                    per_tok = per_tok + w * pg
-                    m.update(pm)
-            else:
-                logp = policy(mb["input_ids"], mb["attention_mask"], labels[rows])
+    for rows in minibatches(cfg, mask.shape[0], step):
+        mb_mask, mb_rollout = mask[rows], rollout_logp[rows]
+        mb = {k: bt[k][rows] for k in ("input_ids", "attention_mask")}
+        if dense:
+            hidden, weight = hidden_states(policy.lm, mb)
+            per_tok = linear_vocab_kl(hidden, weight, t_hidden[rows], t_weight, kind="reverse",
+                                      temperature=temperature, mask=mb_mask)
+            m: dict[str, Tensor] = {"distill_kl_dense": per_tok.sum() / mb_mask.sum().clamp(min=1)}
+            if task_adv is not None:
+                logp = linear_token_logprobs(hidden, weight, labels[rows], temperature=temperature)
                 old = logp.detach() if old_logp is None else old_logp[rows]
-                per_tok, m = policy_loss(cfg, logp, old, adv[rows], mb_mask, rollout_logp=mb_rollout)
-            n = global_counts(mb_mask, group)
-            loss = aggregate(per_tok, mb_mask, mode=cfg.agg, num_tokens=n["tokens"], num_seqs=n["seqs"],
-                             max_len=n["max_len"])
-            optim.zero_grad(set_to_none=True)
-            (loss * grad_scale).backward()
-            m["grad_norm"] = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
-            optim.step()
-            m["loss"] = loss.detach()
-            per_update.append({k: v.detach() for k, v in m.items()})
+                pg, pm = policy_loss(cfg, logp, old, task_adv[rows], mb_mask, rollout_logp=mb_rollout)
+                per_tok = per_tok + w * pg
+                m.update(pm)
+        else:
+            logp = policy(mb["input_ids"], mb["attention_mask"], labels[rows])
+            old = logp.detach() if old_logp is None else old_logp[rows]
+            per_tok, m = policy_loss(cfg, logp, old, adv[rows], mb_mask, rollout_logp=mb_rollout)
+        n = global_counts(mb_mask, group)
+        loss = aggregate(per_tok, mb_mask, mode=cfg.agg, num_tokens=n["tokens"], num_seqs=n["seqs"],
+                         max_len=n["max_len"])
+        m["grad_norm"] = optimizer_update(policy, optim, loss, grad_scale=grad_scale, grad_clip=cfg.grad_clip)
+        m["loss"] = loss.detach()
+        per_update.append({k: v.detach() for k, v in m.items()})
     metrics = mean_metrics(per_update)
     if dense:  # the KL before this step's first update, comparable from step to step
         metrics["distill_kl_dense"] = float(per_update[0]["distill_kl_dense"])

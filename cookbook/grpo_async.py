@@ -10,34 +10,34 @@ as the ``StalenessController`` admits them (AReaL: at most ``(η + v + 1)·B`` g
 version v), each sample through ``resumable_generate``. Finished groups are scored (exact match), optionally
 filtered by a ``DynamicSampler`` (zero-variance groups are rejected, freeing their slot, at most
 ``--dynamic-max-rounds`` × B per batch; then the batch proceeds with the groups as they come) and sent to trainer rank 0
-with ``send_object_list`` on a gloo group (lossless pickles). A receiver thread waits for control messages
-(:class:`Weights`, :class:`Stale`, :class:`Stop`) on a separate sync group; an update runs
+through an ``Outbox`` (``send_object_list`` on a gloo group: lossless pickles). A receiver thread waits for the typed
+control messages ``Weights``, ``Stale``, ``Stop`` (``cookbook/plumbing/messages.py``) on a separate sync group; an
+update runs
 *pause → update_weights(version) → resume* on the engine. With ``--partial-rollout`` the interrupted generations are
 resumed by ``resumable_generate`` under the new weights (tokens keep the version that produced them); without it
 they restart from the prompt (their tokens are counted as discarded), so each sample comes from a single version.
 
-Trainer rank 0: a thread per rollout rank receives groups into a ``StalenessQueue`` keyed by the group's OLDEST
-token version. Each step (:func:`trainer_main`) takes ``B`` groups with ``current_version − version ≤ η``
+Trainer rank 0: an ``Inbox`` (a thread per rollout rank) receives groups into a ``StalenessQueue`` keyed by the
+group's OLDEST token version. Each step (:func:`trainer_main`) takes ``B`` groups with ``current_version − version ≤ η``
 (re-checked at consumption; stale ones are counted and their admission slots given back to their rollout rank),
-scatters them over the trainer ranks, and every trainer rank runs :func:`grpo_step`: GRPO advantages, π_old once,
+scatters them over the trainer ranks, and every trainer rank runs ``grpo_step`` (``cookbook/grpo.py``, the update
+``grpo_sync.py`` runs too): GRPO advantages, π_old once,
 then ``--ppo-epochs`` × ``--mini-batches`` optimizer updates of the clipped loss with ``linear_token_logprobs`` and
 globally normalised aggregation (FSDP2 ``fully_shard`` when T > 1). The new weights (``full_tensors``) go to the
 rollout ranks with ``WeightSender`` (``--sync full``), as ``DeltaPacket`` s (``--sync delta``) or as LoRA adapters.
 η = 0 is synchronous RL.
 
 Files: ``runs/<name>/metrics.jsonl`` (one line per step), ``summary.json``, ``ckpt.pt`` (``--resume``).
-Lines a user changes for a real model or task are marked ``REAL MODEL:``.
+Lines a user changes for a real model or task are marked ``REAL MODEL:``. The whole loop (rollout side, trainer side,
+main) is this one file, so that it reads top to bottom; what every loop shares is in ``plumbing/``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
-import queue as pyqueue
 import random
-import sys
 import threading
 import time
 from collections import Counter
@@ -46,34 +46,50 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import toy
-from common import (
+from grpo import grpo_step
+from plumbing import (
     CORRECTION_CAP,
+    Inbox,
+    Outbox,
     PolicyLogprobs,
     Progress,
+    RolloutEnd,
     RunFiles,
+    Stale,
+    Stop,
+    Weights,
     all_reduce,
     batch_tensors,
+    broadcast_flag,
+    check_at_least,
     check_loss_flags,
-    global_counts,
+    check_max_model_len,
+    close_dist,
+    decoder_layers,
+    every,
     group_record,
+    join_sync_group,
     length_budget,
     load_hf,
+    load_tokenizer,
     loss_defaults,
     make_engine,
-    mean_metrics,
     opt,
     parse_flags,
-    policy_loss,
+    pick_port,
+    prompts_per_rank,
+    rank0_first,
+    recv_control,
     resolve_max_model_len,
     seed_rank,
+    send_control,
+    setup_dist,
+    shard,
     until_eos,
 )
 
 from rlblocks.errors import ArgumentError
-from rlblocks.losses import aggregate, grpo_advantages, kl_estimate, mismatch_metrics, rollout_correction
 from rlblocks.rollout import GenerationRequest, SamplingParams, resumable_generate
 from rlblocks.sched import DynamicSampler, StalenessController, StalenessQueue
 from rlblocks.sync import (
@@ -84,10 +100,9 @@ from rlblocks.sync import (
     WeightReceiver,
     WeightSender,
     full_tensors,
-    init_sync_group,
     merge_lora,
+    split_lora_message,
 )
-from rlblocks.sync.lora import split_lora_message
 
 
 @dataclass
@@ -123,8 +138,7 @@ class Config:
     eps_high: float | None = opt(None, "clip offset above 1 (ratio ≤ 1 + eps_high); default: the loss's own "
                                        f"({loss_defaults('eps_high')})", type=float)
     rollout_weight_cap: float | None = opt(None, "--loss decoupled only: drop tokens whose π_old/π_rollout "
-                                                 "exceeds this (AReaL); default: no cap", type=float,
-                                           old_flags=("--behav-weight-cap",))
+                                                 "exceeds this (AReaL); default: no cap", type=float)
     correction: str = opt("none", "train/rollout mismatch correction on ρ = π_old/π_rollout", ("tis", "mis", "none"))
     correction_cap: float | None = opt(None, f"--correction tis|mis only: tis truncates ρ at this, mis masks tokens "
                                              f"with ρ outside [1/cap, cap]; default {CORRECTION_CAP}", type=float)
@@ -139,7 +153,8 @@ class Config:
     temperature: float = opt(1.0, "sampling temperature (log-probs use the same)")
     max_new_tokens: int = opt(6, "response budget")
     length_tail: float = opt(0.0, "benchmark: >0 forces lognormal response lengths with this median (p99/p50≈10)")
-    eval_every: int = opt(50, "held-out greedy accuracy every N steps (and at the end)")
+    eval_every: int = opt(50, "held-out greedy accuracy every N steps, and before and after RL (0: only before "
+                              "and after)")
     save_every: int = opt(20, "checkpoint every N steps (0: never)")
     resume: bool = opt(False, "continue from runs/<name>/ckpt.pt")
     seed: int = opt(0, "seed")
@@ -150,88 +165,8 @@ class Config:
 def check_flags(cfg: Config) -> None:
     """Flag combinations that cannot work (raised before any process group is created)."""
     check_loss_flags(cfg)
-    if cfg.dynamic_max_rounds < 0:
-        raise ArgumentError(f"--dynamic-max-rounds: expected an int >= 0, got {cfg.dynamic_max_rounds}")
-    if cfg.max_model_len < 0:
-        raise ArgumentError(f"--max-model-len: expected 0 (the model's positions) or more, got {cfg.max_model_len}")
-
-
-# ================================================================================================ messages
-# Trainer rank 0 → every rollout rank, on the sync group: one control message, then its payload (if any).
-@dataclass(frozen=True)
-class Weights:
-    """New weights follow: ``kind`` full buckets, a delta packet or LoRA adapters, committed as ``version``.
-    ``first`` marks a run's first push (fresh or resumed): the admission counters restart at ``version`` and each
-    rollout rank's groups already waiting in the trainer's queue (``queued``, by rank) count as admitted."""
-
-    version: int
-    kind: str
-    first: bool = False
-    queued: dict[int, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Stale:
-    """Groups the trainer dropped as stale (older than η when their batch was taken), by rollout rank. Each rank
-    discards them from its controller's accepted count (``on_discard``), which frees their admission slots."""
-
-    groups: dict[int, int]
-
-
-@dataclass(frozen=True)
-class Stop:
-    """Training is over: stop admitting, cancel what is in flight, report counters."""
-
-
-CONTROL = {cls.__name__: cls for cls in (Weights, Stale, Stop)}
-
-
-def send_control(sync_group, msg: Weights | Stale | Stop) -> None:
-    sync_group.broadcast_bytes(json.dumps({"type": type(msg).__name__, **dataclasses.asdict(msg)}).encode(), 0)
-
-
-def recv_control(sync_group) -> Weights | Stale | Stop:
-    d = json.loads(sync_group.broadcast_bytes(None, 0))
-    cls = CONTROL[d.pop("type")]
-    for k in ("queued", "groups"):  # JSON object keys are strings; ranks are ints
-        if k in d:
-            d[k] = {int(r): int(n) for r, n in d[k].items()}
-    return cls(**d)
-
-
-# Rollout rank → trainer rank 0, on the sample group: group records (``group_record`` dicts), then one RolloutEnd.
-@dataclass(frozen=True)
-class RolloutEnd:
-    """The last message of a rollout rank: its counters (samples/tokens generated, filtered, discarded, ...)."""
-
-    rank: int
-    counters: dict[str, float]
-
-
-# ================================================================================================ setup
-def setup_dist() -> tuple[int, int, torch.device]:
-    """Default group: NCCL on GPUs, gloo on CPU. Returns (rank, world, device)."""
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend=backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-    return rank, world, device
-
-
-def policy_path(cfg: Config, rank: int) -> str:
-    """The checkpoint every rank loads: ``--model`` or the cached warm start (built once, by rank 0)."""
-    if cfg.model:
-        return cfg.model
-    root = os.path.join(cfg.runs_dir, "warmstart")
-    if rank == 0:
-        toy.warm_start(root, log=lambda s: print(s, flush=True))
-    dist.barrier()
-    return toy.warm_start(root)
+    check_at_least(cfg, 0, "dynamic_max_rounds", "eval_every", "save_every")
+    check_max_model_len(cfg.max_model_len)
 
 
 # ================================================================================================ rollout side
@@ -255,7 +190,7 @@ class Rollout:
                                        max_rounds=cfg.dynamic_max_rounds) if cfg.dynamic_sampling else None)
         self.pairs = toy.split_pairs()["rl"]  # REAL MODEL: your prompts (with whatever the reward needs)
         self.rng = random.Random(cfg.seed * 1000 + rank)
-        self.outbox: pyqueue.Queue = pyqueue.Queue()
+        self.outbox = Outbox(sample_group)  # to trainer rank 0, by a thread
         self.counter = 0
         self.counters = Counter()
         self.first_weights = asyncio.Event()
@@ -329,9 +264,8 @@ class Rollout:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         recv = threading.Thread(target=self._control_thread, args=(loop,), daemon=True)
-        send = threading.Thread(target=self._send_thread, daemon=True)
         recv.start()
-        send.start()
+        self.outbox.start()
         await self.first_weights.wait()
         tasks: set[asyncio.Task] = set()
         while not self.stopping:
@@ -352,19 +286,10 @@ class Rollout:
         self.counters["groups_cancelled_at_stop"] = len(tasks)
         # CPU seconds of this process (all its threads): on a shared machine, a load-independent measure of the work
         self.counters["cpu_seconds"] = time.process_time()
-        self.outbox.put(None)
-        send.join()
+        self.outbox.close(RolloutEnd(self.rank, dict(self.counters)))
         recv.join()
 
-    # ---------------------------------------------------------------- threads
-    def _send_thread(self) -> None:
-        while True:
-            rec = self.outbox.get()
-            if rec is None:
-                dist.send_object_list([RolloutEnd(self.rank, dict(self.counters))], dst=0, group=self.sample_group)
-                return
-            dist.send_object_list([rec], dst=0, group=self.sample_group)
-
+    # ---------------------------------------------------------------- weights and control messages
     def _control_thread(self, loop: asyncio.AbstractEventLoop) -> None:
         """Receive control messages and weights from trainer rank 0; apply them on the engine's loop."""
         g = self.sync_group
@@ -427,8 +352,8 @@ class Rollout:
 
 
 def rollout_main(cfg: Config, rank: int, n_train: int, device, sample_group, path: str, port: int) -> None:
-    tok = load_hf_tokenizer(path)
-    sync_group = join_sync_group(cfg, rank, n_train, port)
+    tok = load_tokenizer(path)
+    sync_group = join_sync_group(rank, n_train, cfg.rollout_ranks + n_train, port, backend=sync_backend(cfg))
     max_model_len = resolve_max_model_len(cfg.max_model_len, path)
 
     async def main():
@@ -442,128 +367,13 @@ def rollout_main(cfg: Config, rank: int, n_train: int, device, sample_group, pat
     asyncio.run(main())
 
 
-def load_hf_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-def join_sync_group(cfg: Config, rank: int, n_train: int, port: int):
-    """Trainer rank 0 (sync rank 0) + every rollout rank (sync rank 1 + i), on its own TCPStore at ``port``."""
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    backend = "nccl" if torch.cuda.is_available() and cfg.engine == "torch" else "gloo"
-    sync_rank = 0 if rank == 0 else rank - n_train + 1
-    return init_sync_group(master_addr=addr, master_port=port, world_size=cfg.rollout_ranks + 1, rank=sync_rank,
-                           backend=backend, timeout=600.0)
-
-
-def pick_sync_port(cfg: Config, rank: int) -> int:
-    """Rank 0 picks the weight-sync port (``--sync-port``, or a free one) and tells every rank."""
-    port = cfg.sync_port
-    if rank == 0 and port == 0:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-    box = [port]
-    dist.broadcast_object_list(box, src=0)
-    return int(box[0])
-
-
-# ================================================================================================ the RL update
-def grpo_step(cfg: Config, policy: torch.nn.Module, optim: torch.optim.Optimizer, bt: dict[str, torch.Tensor], *,
-              ref_policy: torch.nn.Module | None = None, group=None, grad_scale: float = 1.0,
-              step: int = 0) -> dict[str, float]:
-    """One GRPO update on this rank's share of a batch; returns its metrics, averaged over the optimizer updates.
-
-    1. Advantages ``A_i = (r_i − mean_g r) / (std_g r + 1e-6)`` within each prompt group (``grpo_advantages``);
-       a group never straddles trainer ranks, so these are the whole batch's advantages.
-    2. π_old, the trainer's log-probs before the first update, computed once (no grad) and fixed for every epoch:
-       the ratio ``exp(logp − old_logp)`` moves away from 1 over the updates and the clip acts. With a single update
-       (``ppo_epochs = mini_batches = 1``) π_old = π_θ numerically, so ``logp.detach()`` serves (no extra forward).
-    3. ``ppo_epochs`` passes, each over ``mini_batches`` random splits of the samples. Per mini-batch:
-       ``policy_loss`` (clip offsets from 1); the train/rollout correction on ρ = π_old/π_rollout (tis: weights
-       ``min(ρ, cap)``; mis: tokens with ρ outside [1/cap, cap] masked); ``+ kl_coef · k3(π_θ ‖ π_ref)`` per token;
-       ``aggregate`` with the mini-batch's GLOBAL normalisers (token and sequence counts summed over the trainer
-       ranks, so the ranks' losses add up to the mini-batch's loss); one backward, scaled by ``grad_scale`` (FSDP
-       averages gradients over the ranks); grad-norm clip; optimizer step.
-    """
-    mask, rollout_logp = bt["mask"], bt["rollout_logp"]
-    adv = grpo_advantages(bt["rewards"], bt["group_ids"])  # [B], one per sample
-    n_updates = cfg.ppo_epochs * cfg.mini_batches
-    with torch.no_grad():
-        old_logp = policy(bt["input_ids"], bt["attention_mask"], bt["labels"]) if n_updates > 1 else None
-        ref_logp = (ref_policy(bt["input_ids"], bt["attention_mask"], bt["labels"])
-                    if ref_policy is not None and cfg.kl_coef > 0 else None)
-    shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-    per_update: list[dict[str, torch.Tensor]] = []
-    for _epoch in range(cfg.ppo_epochs):
-        order = torch.randperm(mask.shape[0], generator=shuffle) if cfg.mini_batches > 1 else None
-        for rows in (order.tensor_split(cfg.mini_batches) if order is not None else [slice(None)]):
-            mb_mask, mb_rollout = mask[rows], rollout_logp[rows]
-            logp = policy(bt["input_ids"][rows], bt["attention_mask"][rows], bt["labels"][rows])
-            old = logp.detach() if old_logp is None else old_logp[rows]
-            per_tok, m = policy_loss(cfg, logp, old, adv[rows], mb_mask, rollout_logp=mb_rollout)
-            keep = mb_mask
-            if cfg.correction != "none":
-                cap = cfg.correction_cap or CORRECTION_CAP
-                mode = "truncate" if cfg.correction == "tis" else "mask"
-                w, keep, cm = rollout_correction(old, mb_rollout, mb_mask, level="token", mode=mode, upper=cap,
-                                                 lower=None if mode == "truncate" else 1.0 / cap)
-                per_tok = per_tok * w
-                m.update({f"correction_{k}": v for k, v in cm.items()})
-            if ref_logp is not None:
-                kl = torch.where(mb_mask, kl_estimate(logp, ref_logp[rows], kind="k3"), 0.0)
-                per_tok = per_tok + cfg.kl_coef * kl
-                m["kl_ref_k3"] = kl.sum() / mb_mask.sum().clamp(min=1)
-            n = global_counts(mb_mask, group)
-            loss = aggregate(per_tok, keep, mode=cfg.agg, num_tokens=n["tokens"], num_seqs=n["seqs"],
-                             max_len=n["max_len"])
-            optim.zero_grad(set_to_none=True)
-            (loss * grad_scale).backward()
-            m["grad_norm"] = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
-            optim.step()
-            m["loss"] = loss.detach()
-            per_update.append({k: v.detach() for k, v in m.items()})
-    metrics = mean_metrics(per_update)
-    # train/rollout mismatch of π_old (the weights that should have produced the samples) against the engine's
-    mm = mismatch_metrics(old_logp if old_logp is not None else old, rollout_logp, mask)
-    metrics.update({f"mismatch_{k}": float(v) for k, v in mm.items()})
-    metrics["ppo_updates"] = n_updates
-    return metrics
+def sync_backend(cfg: Config) -> str:
+    """The weight-sync group's backend: NCCL between GPU trainer and GPU TorchEngine, else gloo (vLLM and SGLang
+    receive the weights on the host and load them themselves)."""
+    return "nccl" if torch.cuda.is_available() and cfg.engine == "torch" else "gloo"
 
 
 # ================================================================================================ trainer side
-class Inbox:
-    """Trainer rank 0: one thread per rollout rank receives groups into the StalenessQueue (nothing dropped)."""
-
-    def __init__(self, n_train: int, world: int, sample_group, q: StalenessQueue, generated: int) -> None:
-        self.q, self.generated, self.ended = q, generated, {}
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._loop, args=(r, sample_group), daemon=True)
-                        for r in range(n_train, world)]
-        for t in self.threads:
-            t.start()
-
-    def _loop(self, src: int, group) -> None:
-        while True:
-            box = [None]
-            dist.recv_object_list(box, src=src, group=group)
-            rec = box[0]
-            if isinstance(rec, RolloutEnd):
-                with self.lock:
-                    self.ended[src] = rec.counters
-                return
-            self.q.put(rec, rec["version"])
-            with self.lock:
-                self.generated += len(rec["samples"])
-
-    def join(self) -> None:
-        for t in self.threads:
-            t.join()
-
-
 @dataclass
 class Trainer:
     """What a trainer rank holds between steps (built by :func:`setup_trainer`). The queue, the inbox and the
@@ -623,28 +433,22 @@ def setup_trainer(cfg: Config, rank: int, world: int, n_train: int, device, grou
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         peft_model = get_peft_model(lm, LoraConfig(r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank,
                                                    target_modules=targets, lora_dropout=0.0))
-    ckpt = None
-    if cfg.resume and files.ckpt.exists():
-        ckpt = torch.load(files.ckpt, weights_only=False)
+    ckpt = files.load() if cfg.resume else None
+    if ckpt is not None:
         missing, unexpected = lm.load_state_dict(ckpt["model"], strict=False)
         if unexpected or any(k in dict(lm.named_parameters()) for k in missing):
-            raise ValueError(f"{files.ckpt}: parameters missing {missing} or unexpected {unexpected}")
+            raise ArgumentError(f"--resume: {files.ckpt} does not fit --model: parameters missing {missing} or "
+                                f"unexpected {unexpected}")
     elif rank == 0 and not cfg.resume:
         files.fresh()
     dist.barrier(groups["train"])
     policy = PolicyLogprobs(lm, cfg.temperature)
     eval_lm = lm
     if n_train > 1:
-        from torch.distributed.fsdp import fully_shard
-
         # REAL MODEL: rank 0 keeps a whole unsharded copy only to run the held-out greedy evaluation with HF
         # ``generate``; a real model would evaluate through the rollout engine instead (it already has the weights).
         eval_lm = load_hf(path, device)[1] if rank == 0 else None
-        # REAL MODEL: ``lm.model.layers`` is where Llama/Qwen-style HF models keep their decoder blocks (one FSDP
-        # unit each); other architectures name the list differently (e.g. ``transformer.h``).
-        for layer in lm.model.layers:
-            fully_shard(layer, mesh=groups["mesh"])
-        fully_shard(policy, mesh=groups["mesh"])
+    shard(policy, decoder_layers(lm), n_train, mesh=groups.get("mesh"))
     ref = None
     if cfg.kl_coef > 0:
         ref = PolicyLogprobs(load_hf(path, device)[1].eval(), cfg.temperature).requires_grad_(False)
@@ -671,11 +475,11 @@ def setup_trainer(cfg: Config, rank: int, world: int, n_train: int, device, grou
         t.queue = StalenessQueue(max_staleness=cfg.max_staleness, on_stale=on_stale)
         if ckpt is not None:
             t.queue.load_state_dict(ckpt["queue"])
-        t.sync_group = join_sync_group(cfg, rank, n_train, port)
+        t.sync_group = join_sync_group(rank, n_train, world, port, backend=sync_backend(cfg))
         t.sender = WeightSender(t.sync_group, 0, bucket_bytes=64 << 20)
         t.transport = GroupDeltaTransport(t.sync_group, 0)
         t.syncer = LoraSyncer(t.sender.send, keep=cfg.max_staleness + 1)
-        t.inbox = Inbox(n_train, world, groups["sample"], t.queue, generated=t.counters["samples_generated"])
+        t.inbox = Inbox(range(n_train, world), groups["sample"], t.queue, generated=t.counters["samples_generated"])
     return t
 
 
@@ -728,7 +532,7 @@ def set_lr(t: Trainer) -> None:
     if not cfg.lr_decay:
         return
     by_time = (time.time() - t.t_rl) / cfg.time_limit if cfg.time_limit else 0.0
-    prog = torch.tensor([max(t.step / cfg.steps, by_time)])
+    prog = torch.tensor([max(t.step / cfg.steps, by_time)], device=t.device)  # NCCL moves CUDA tensors only
     dist.broadcast(prog, src=0, group=t.group)
     for pg in t.optim.param_groups:
         pg["lr"] = cfg.lr * max(0.1, 1.0 - 0.9 * min(float(prog.item()), 1.0))
@@ -759,7 +563,7 @@ def evaluate(t: Trainer, tensors) -> float:
 def log_step(t: Trainer, tensors, stats: dict, m: dict[str, float], batch: list[dict], timings: dict[str, float],
              done: bool) -> None:
     """Rank 0: held-out accuracy (every ``--eval-every`` steps and at the end), one line of metrics.jsonl, the bar."""
-    acc = evaluate(t, tensors) if (t.step % t.cfg.eval_every == 0 or done) else None
+    acc = evaluate(t, tensors) if (every(t.step, t.cfg.eval_every) or done) else None
     t.last_acc = acc if acc is not None else t.last_acc
     step_s = time.perf_counter() - timings["start"]
     t.files.log({
@@ -801,8 +605,8 @@ def finish(t: Trainer) -> None:
     send_control(t.sync_group, Stop())
     t.inbox.join()
     rollout = Counter()
-    for c in t.inbox.ended.values():
-        rollout.update(c)
+    for end in t.inbox.ended.values():
+        rollout.update(end.counters)
     cfg, q = t.cfg, t.queue
     summary = {
         "accuracy_before": t.accuracy_before, "accuracy_after": t.last_acc, "wall_seconds": t.wall_seconds(),
@@ -846,13 +650,12 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
         tensors, timings["sync"] = push_weights(t)
         t.counters["samples_trained"] += stats["samples"]
         t.counters["max_staleness_seen"] = max(t.counters["max_staleness_seen"], stats["max_age"])
-        done = torch.tensor([t.step >= cfg.steps or (cfg.time_limit > 0 and time.time() - t.t_rl > cfg.time_limit)])
-        dist.broadcast(done, src=0, group=t.group)  # rank 0's clock decides for every trainer rank
-        done = bool(done.item())
+        done = t.step >= cfg.steps or (cfg.time_limit > 0 and time.time() - t.t_rl > cfg.time_limit)
+        done = broadcast_flag(done, group=t.group, device=device)  # rank 0's clock decides for every trainer rank
         if t.is0:
             log_step(t, tensors, stats, m, batch, timings, done)
             bar.update({"reward": stats["reward"], "acc": t.last_acc, "stale": stats["max_age"]})
-        if cfg.save_every and (t.step % cfg.save_every == 0 or done):
+        if cfg.save_every and (every(t.step, cfg.save_every) or done):
             save_checkpoint(t, tensors)
         if done:
             break
@@ -865,18 +668,14 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_flags(Config, argv, check=check_flags)
     rank, world, device = setup_dist()
+    if world < 2:
+        raise ArgumentError(f"world: expected >= 2 processes under torchrun (trainer ranks, then --rollout-ranks "
+                            f"rollout ranks), got {world}")
     n_train = world - cfg.rollout_ranks
     if n_train < 1 or cfg.rollout_ranks < 1:
-        raise ArgumentError(f"--rollout-ranks: expected 1..{world - 1} for a world of {world}, "
-                            f"got {cfg.rollout_ranks}")
-    if cfg.prompts_per_step % n_train or cfg.prompts_per_step % cfg.rollout_ranks:
-        raise ArgumentError(f"--prompts-per-step: expected a multiple of the trainer ({n_train}) and rollout "
-                            f"({cfg.rollout_ranks}) rank counts, got {cfg.prompts_per_step}")
-    if cfg.mini_batches > cfg.prompts_per_step // n_train * cfg.group_size:
-        raise ArgumentError(f"--mini-batches: expected at most the samples per trainer rank "
-                            f"({cfg.prompts_per_step // n_train * cfg.group_size}), got {cfg.mini_batches}")
-    seed_rank(cfg.seed, rank)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        raise ArgumentError(f"--rollout-ranks: expected 1..{world - 1} for a world of {world} (trainer ranks and "
+                            f"rollout ranks under one torchrun), got {cfg.rollout_ranks}")
+    prompts_per_rank(cfg, n_train, rollout_ranks=cfg.rollout_ranks)
     # every rank creates every group, in the same order
     train_ranks = list(range(n_train))
     groups = {
@@ -887,14 +686,16 @@ def main(argv: list[str] | None = None) -> None:
         from torch.distributed.device_mesh import DeviceMesh
 
         groups["mesh"] = DeviceMesh(device.type, train_ranks)
-    path = policy_path(cfg, rank)
-    port = pick_sync_port(cfg, rank)
+    path = cfg.model or rank0_first(rank, lambda: toy.warm_start(os.path.join(cfg.runs_dir, "warmstart"),
+                                                                 log=lambda s: print(s, flush=True)))
+    port = pick_port(cfg.sync_port, rank)
+    seed_rank(cfg.seed, rank)  # after the warm start (it seeds and draws when not cached); the engine's seeds too
     if rank < n_train:
         trainer_main(cfg, rank, world, n_train, device, groups, path, port)
     else:
         rollout_main(cfg, rank, n_train, device, groups["sample"], path, port)
     dist.barrier(groups["sample"])
-    dist.destroy_process_group()
+    close_dist()
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@
 Every rank holds the policy (FSDP2 ``fully_shard`` when there is more than one rank) and an in-process rollout
 engine (``--engine torch|vllm``; ``sglang`` drives a server you started next to the trainer). Each step, each rank
 generates its share of the ``B`` prompt groups (``K`` samples each), scores them (exact match), and runs
-:func:`grpo_step`: GRPO advantages, π_old once, then ``--ppo-epochs`` × ``--mini-batches`` optimizer updates with
-``linear_token_logprobs`` log-probs and globally normalised aggregation. It then gathers the new weights
-(``full_tensors``) and loads them into its engine (``update_weights``, version = step). Every trained token was
+``grpo_step`` (``cookbook/grpo.py``, the update ``grpo_async.py`` runs too): GRPO advantages, π_old once, then
+``--ppo-epochs`` × ``--mini-batches`` optimizer updates with ``linear_token_logprobs`` log-probs and globally
+normalised aggregation. It then gathers the new weights (``full_tensors``) and loads them into its engine
+(``update_weights``, version = step). Every trained token was
 sampled by the weights of the step's start (``max_staleness_seen`` is 0); the only train/rollout gap is numerical
 (``--correction`` handles it).
 
@@ -22,43 +23,44 @@ import asyncio
 import dataclasses
 import os
 import random
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import distill
+import torch
 import toy
-from common import (
+from grpo import grpo_step
+from plumbing import (
     CORRECTION_CAP,
     PolicyLogprobs,
     Progress,
     RunFiles,
     all_reduce,
     batch_tensors,
+    broadcast_flag,
+    check_at_least,
     check_loss_flags,
-    global_counts,
+    check_max_model_len,
+    close_dist,
+    decoder_layers,
+    every,
     group_record,
     length_budget,
     load_hf,
     loss_defaults,
     make_engine,
-    mean_metrics,
     opt,
     parse_flags,
-    policy_loss,
     prompts_per_rank,
+    rank0_first,
     resolve_max_model_len,
     seed_rank,
+    setup_dist,
+    shard,
     until_eos,
 )
 
-from rlblocks.errors import ArgumentError
-from rlblocks.losses import aggregate, grpo_advantages, kl_estimate, mismatch_metrics, rollout_correction
 from rlblocks.rollout import GenerationRequest, SamplingParams, resumable_generate
 from rlblocks.sync import full_tensors
 
@@ -86,8 +88,7 @@ class Config:
     eps_high: float | None = opt(None, "clip offset above 1 (ratio ≤ 1 + eps_high); default: the loss's own "
                                        f"({loss_defaults('eps_high')})", type=float)
     rollout_weight_cap: float | None = opt(None, "--loss decoupled only: drop tokens whose π_old/π_rollout "
-                                                 "exceeds this (AReaL); default: no cap", type=float,
-                                           old_flags=("--behav-weight-cap",))
+                                                 "exceeds this (AReaL); default: no cap", type=float)
     correction: str = opt("none", "train/rollout mismatch correction on ρ = π_old/π_rollout", ("tis", "mis", "none"))
     correction_cap: float | None = opt(None, f"--correction tis|mis only: tis truncates ρ at this, mis masks tokens "
                                              f"with ρ outside [1/cap, cap]; default {CORRECTION_CAP}", type=float)
@@ -100,7 +101,8 @@ class Config:
     temperature: float = opt(1.0, "sampling temperature (log-probs use the same)")
     max_new_tokens: int = opt(6, "response budget")
     length_tail: float = opt(0.0, "benchmark: >0 forces lognormal response lengths with this median (p99/p50≈10)")
-    eval_every: int = opt(10, "held-out greedy accuracy every N steps (and at the end)")
+    eval_every: int = opt(10, "held-out greedy accuracy every N steps, and before and after RL (0: only before "
+                              "and after)")
     seed: int = opt(0, "seed")
     quiet: bool = opt(False, "no progress bar")
     # on-policy distillation (cookbook/distill.py): the same loop, with a frozen teacher scoring the student's samples
@@ -116,8 +118,8 @@ def check_flags(cfg: Config) -> None:
     """Flag combinations that cannot work (raised before anything starts)."""
     check_loss_flags(cfg)
     distill.check_distill_flags(cfg)
-    if cfg.max_model_len < 0:
-        raise ArgumentError(f"--max-model-len: expected 0 (the model's positions) or more, got {cfg.max_model_len}")
+    check_max_model_len(cfg.max_model_len)
+    check_at_least(cfg, 0, "eval_every")
 
 
 # ================================================================================================ rollout
@@ -146,96 +148,18 @@ async def rollout_step(cfg: Config, engine, tok, pairs, rng: random.Random, n_gr
     return list(await asyncio.gather(*[one_group(i) for i in range(n_groups)]))
 
 
-# ================================================================================================ the RL update
-def grpo_step(cfg: Config, policy: torch.nn.Module, optim: torch.optim.Optimizer, bt: dict[str, torch.Tensor], *,
-              ref_policy: torch.nn.Module | None = None, group=None, grad_scale: float = 1.0,
-              step: int = 0) -> dict[str, float]:
-    """One GRPO update on this rank's share of a batch; returns its metrics, averaged over the optimizer updates.
-
-    1. Advantages ``A_i = (r_i − mean_g r) / (std_g r + 1e-6)`` within each prompt group (``grpo_advantages``);
-       a group never straddles trainer ranks, so these are the whole batch's advantages.
-    2. π_old, the trainer's log-probs before the first update, computed once (no grad) and fixed for every epoch:
-       the ratio ``exp(logp − old_logp)`` moves away from 1 over the updates and the clip acts. With a single update
-       (``ppo_epochs = mini_batches = 1``) π_old = π_θ numerically, so ``logp.detach()`` serves (no extra forward).
-    3. ``ppo_epochs`` passes, each over ``mini_batches`` random splits of the samples. Per mini-batch:
-       ``policy_loss`` (clip offsets from 1); the train/rollout correction on ρ = π_old/π_rollout (tis: weights
-       ``min(ρ, cap)``; mis: tokens with ρ outside [1/cap, cap] masked); ``+ kl_coef · k3(π_θ ‖ π_ref)`` per token;
-       ``aggregate`` with the mini-batch's GLOBAL normalisers (token and sequence counts summed over the trainer
-       ranks, so the ranks' losses add up to the mini-batch's loss); one backward, scaled by ``grad_scale`` (FSDP
-       averages gradients over the ranks); grad-norm clip; optimizer step.
-    """
-    mask, rollout_logp = bt["mask"], bt["rollout_logp"]
-    adv = grpo_advantages(bt["rewards"], bt["group_ids"])  # [B], one per sample
-    n_updates = cfg.ppo_epochs * cfg.mini_batches
-    with torch.no_grad():
-        old_logp = policy(bt["input_ids"], bt["attention_mask"], bt["labels"]) if n_updates > 1 else None
-        ref_logp = (ref_policy(bt["input_ids"], bt["attention_mask"], bt["labels"])
-                    if ref_policy is not None and cfg.kl_coef > 0 else None)
-    shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-    per_update: list[dict[str, torch.Tensor]] = []
-    for _epoch in range(cfg.ppo_epochs):
-        order = torch.randperm(mask.shape[0], generator=shuffle) if cfg.mini_batches > 1 else None
-        for rows in (order.tensor_split(cfg.mini_batches) if order is not None else [slice(None)]):
-            mb_mask, mb_rollout = mask[rows], rollout_logp[rows]
-            logp = policy(bt["input_ids"][rows], bt["attention_mask"][rows], bt["labels"][rows])
-            old = logp.detach() if old_logp is None else old_logp[rows]
-            per_tok, m = policy_loss(cfg, logp, old, adv[rows], mb_mask, rollout_logp=mb_rollout)
-            keep = mb_mask
-            if cfg.correction != "none":
-                cap = cfg.correction_cap or CORRECTION_CAP
-                mode = "truncate" if cfg.correction == "tis" else "mask"
-                w, keep, cm = rollout_correction(old, mb_rollout, mb_mask, level="token", mode=mode, upper=cap,
-                                                 lower=None if mode == "truncate" else 1.0 / cap)
-                per_tok = per_tok * w
-                m.update({f"correction_{k}": v for k, v in cm.items()})
-            if ref_logp is not None:
-                kl = torch.where(mb_mask, kl_estimate(logp, ref_logp[rows], kind="k3"), 0.0)
-                per_tok = per_tok + cfg.kl_coef * kl
-                m["kl_ref_k3"] = kl.sum() / mb_mask.sum().clamp(min=1)
-            n = global_counts(mb_mask, group)
-            loss = aggregate(per_tok, keep, mode=cfg.agg, num_tokens=n["tokens"], num_seqs=n["seqs"],
-                             max_len=n["max_len"])
-            optim.zero_grad(set_to_none=True)
-            (loss * grad_scale).backward()
-            m["grad_norm"] = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
-            optim.step()
-            m["loss"] = loss.detach()
-            per_update.append({k: v.detach() for k, v in m.items()})
-    metrics = mean_metrics(per_update)
-    # train/rollout mismatch of π_old (the weights that should have produced the samples) against the engine's
-    mm = mismatch_metrics(old_logp if old_logp is not None else old, rollout_logp, mask)
-    metrics.update({f"mismatch_{k}": float(v) for k, v in mm.items()})
-    metrics["ppo_updates"] = n_updates
-    return metrics
-
-
 # ================================================================================================ main
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_flags(Config, argv, check=check_flags)
-    distributed = "RANK" in os.environ
-    if distributed:
-        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
-    rank = dist.get_rank() if distributed else 0
-    world = dist.get_world_size() if distributed else 1
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+    rank, world, device = setup_dist()
     n_local = prompts_per_rank(cfg, world)
-    seed_rank(cfg.seed, rank)  # also the engine's seeds of unseeded requests: a run repeats
     rng = random.Random(cfg.seed * 1000 + rank)
     files = RunFiles(cfg.runs_dir, cfg.name)
+    say = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
 
     # ---- set-up: checkpoint, policy (FSDP2 over the ranks), engine in this process, reference, optimiser
-    path = cfg.model
-    if not path:
-        root = os.path.join(cfg.runs_dir, "warmstart")
-        if rank == 0:
-            toy.warm_start(root, log=lambda s: print(s, flush=True))
-        if distributed:
-            dist.barrier()
-        path = toy.warm_start(root)
+    path = cfg.model or rank0_first(rank, lambda: toy.warm_start(os.path.join(cfg.runs_dir, "warmstart"), log=say))
+    seed_rank(cfg.seed, rank)  # after the warm start (it seeds and draws when not cached); the engine's seeds too
     max_model_len = resolve_max_model_len(cfg.max_model_len, path)
     tok, lm = load_hf(path, device)
     loop = asyncio.new_event_loop()  # the engine is created in, and always driven by, this loop
@@ -250,16 +174,10 @@ def main(argv: list[str] | None = None) -> None:
     policy = PolicyLogprobs(lm, cfg.temperature)
     eval_lm = lm
     if world > 1:
-        from torch.distributed.fsdp import fully_shard
-
         # REAL MODEL: rank 0 keeps a whole unsharded copy only to run the held-out greedy evaluation with HF
         # ``generate``; a real model would evaluate through its rollout engine instead.
         eval_lm = load_hf(path, device)[1] if rank == 0 else None
-        # REAL MODEL: ``lm.model.layers`` is where Llama/Qwen-style HF models keep their decoder blocks (one FSDP
-        # unit each); other architectures name the list differently (e.g. ``transformer.h``).
-        for layer in lm.model.layers:
-            fully_shard(layer)
-        fully_shard(policy)
+    shard(policy, decoder_layers(lm), world)
     ref = None
     if cfg.kl_coef > 0:
         ref = PolicyLogprobs(load_hf(path, device)[1].eval(), cfg.temperature).requires_grad_(False)
@@ -274,11 +192,10 @@ def main(argv: list[str] | None = None) -> None:
         return toy.heldout_accuracy(eval_lm, tok)
 
     acc_before = evaluate() if rank == 0 else 0.0
-    if rank == 0:
-        print(f"held-out accuracy before RL: {acc_before:.3f}", flush=True)
+    say(f"held-out accuracy before RL: {acc_before:.3f}")
     teacher_acc = toy.heldout_accuracy(teacher, tok) if teacher is not None and rank == 0 else None
     if teacher_acc is not None:
-        print(f"teacher held-out accuracy: {teacher_acc:.3f}", flush=True)
+        say(f"teacher held-out accuracy: {teacher_acc:.3f}")
     last_acc = acc_before
     bar = Progress(cfg.steps, 0, enabled=rank == 0 and not cfg.quiet)
     t_start = time.time()
@@ -314,12 +231,9 @@ def main(argv: list[str] | None = None) -> None:
                        "samples_generated": int(sums[3]), "tokens_generated": int(sums[4]),
                        "resubmissions": int(sums[5])})
         done = step >= cfg.steps or (cfg.time_limit > 0 and time.time() - t_start > cfg.time_limit)
-        if distributed:
-            flag = torch.tensor([int(done)])
-            dist.broadcast(flag, 0)
-            done = bool(flag.item())
+        done = broadcast_flag(done, device=device)  # rank 0's clock decides for every rank
         if rank == 0:
-            acc = evaluate() if (step % cfg.eval_every == 0 or done) else None
+            acc = evaluate() if (every(step, cfg.eval_every) or done) else None
             last_acc = acc if acc is not None else last_acc
             step_s = time.perf_counter() - t0
             reward = sums[0].item() / max(sums[1].item(), 1)
@@ -349,13 +263,12 @@ def main(argv: list[str] | None = None) -> None:
             "teacher_accuracy": teacher_acc,
         }
         files.write_summary(summary)
-        print(f"held-out accuracy before RL: {acc_before:.3f}  after {step} steps: {last_acc:.3f}  "
-              f"({100 * (last_acc - acc_before):+.1f} points, {summary['wall_seconds']:.0f} s)", flush=True)
+        say(f"held-out accuracy before RL: {acc_before:.3f}  after {step} steps: {last_acc:.3f}  "
+            f"({100 * (last_acc - acc_before):+.1f} points, {summary['wall_seconds']:.0f} s)")
     # release the engine inside the loop that drives it (its step task, vLLM's output handler), then the loop
     loop.run_until_complete(engine.aclose())
     loop.close()
-    if distributed:
-        dist.destroy_process_group()
+    close_dist()
 
 
 if __name__ == "__main__":

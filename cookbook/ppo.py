@@ -29,10 +29,12 @@ One step (:func:`main` reads as this list):
 4. :func:`ppo_update`: ``--ppo-epochs`` × ``--mini-batches`` updates; per mini-batch the actor's clipped loss
    (``ppo_clip_loss``, + β·``low_var_kl`` with ``--kl-in loss``) and the critic's clipped value loss
    (``value_loss``), each aggregated with the mini-batch's global token count and stepped by its own optimiser.
-5. :func:`push_weights`: ``full_tensors`` → ``engine.update_weights(version=step)``.
+5. :func:`weights_to_engine`: ``full_tensors`` → ``engine.update_weights(version=step)``.
 
 Files: ``runs/<name>/metrics.jsonl`` (one line per step), ``summary.json``, ``ckpt.pt``, as the GRPO loops write
 them (``python cookbook/plot.py runs/<name>``). Lines a user changes for a real model or task say ``REAL MODEL:``.
+The whole pipeline (the reward-model stage, the roles, one PPO step, main) is this one file, so that it reads top to
+bottom; what every loop shares is in ``plumbing/``.
 """
 
 from __future__ import annotations
@@ -51,15 +53,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from jaxtyping import Bool, Float, Int
-from torch import Tensor, nn
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import data
+import torch
 import toy
-from common import RunFiles, opt, parse_flags, prompts_per_rank, seed_rank
+from jaxtyping import Bool, Float, Int
+from plumbing import (
+    RunFiles,
+    all_reduce,
+    broadcast_flag,
+    check_at_least,
+    check_max_model_len,
+    close_dist,
+    decoder_layers,
+    every,
+    load_hf,
+    make_engine,
+    opt,
+    parse_flags,
+    prompts_per_rank,
+    rank0_first,
+    resolve_max_model_len,
+    seed_rank,
+    setup_dist,
+    shard,
+)
+from torch import Tensor, nn
 
 from rlblocks.errors import ArgumentError
 from rlblocks.kernels import causal_lm_logprobs
@@ -120,7 +138,8 @@ class Config:
     grad_clip: float = opt(1.0, "max grad norm (each model)")
     temperature: float = opt(1.0, "sampling temperature (log-probs use the same)")
     max_new_tokens: int = opt(6, "response budget")
-    eval_every: int = opt(25, "held-out greedy accuracy every N steps (and at the end)")
+    eval_every: int = opt(25, "held-out greedy accuracy every N steps, and before and after RL (0: only before "
+                              "and after)")
     save_every: int = opt(0, "checkpoint every N steps (0: at the end only)")
     seed: int = opt(0, "seed")
     quiet: bool = opt(False, "no progress line")
@@ -128,17 +147,15 @@ class Config:
 
 def check_flags(cfg: Config) -> None:
     """Flag combinations that cannot work (raised before anything starts)."""
-    for name in ("ppo_epochs", "mini_batches", "steps", "prompts_per_step", "group_size", "max_new_tokens",
-                 "eval_every", "rm_steps", "rm_batch", "rm_samples"):
-        if getattr(cfg, name) < 1:
-            raise ArgumentError(f"--{name.replace('_', '-')}: expected an int >= 1, got {getattr(cfg, name)}")
+    check_at_least(cfg, 1, "ppo_epochs", "mini_batches", "steps", "prompts_per_step", "group_size", "max_new_tokens",
+                   "rm_steps", "rm_batch", "rm_samples")
+    check_at_least(cfg, 0, "eval_every", "save_every")
     for name in ("gamma", "lam"):
         if not 0.0 <= getattr(cfg, name) <= 1.0:
             raise ArgumentError(f"--{name}: expected a value in [0, 1], got {getattr(cfg, name)}")
     if cfg.kl_coef < 0:
         raise ArgumentError(f"--kl-coef: expected >= 0, got {cfg.kl_coef}")
-    if cfg.max_model_len < 0:
-        raise ArgumentError(f"--max-model-len: expected 0 (the model's positions) or more, got {cfg.max_model_len}")
+    check_max_model_len(cfg.max_model_len)
     if cfg.reward == "rm" and cfg.prompts and not cfg.reward_model:
         raise ArgumentError("--reward-model: --reward rm with --prompts needs a reward-model checkpoint (the "
                             "reward-model stage here trains one for the toy task only)")
@@ -195,12 +212,7 @@ class Critic(nn.Module):
 
 def load_actor(path: str, device: torch.device, temperature: float) -> tuple[Any, nn.Module]:
     """Tokenizer and actor (an :class:`Actor` around ``AutoModelForCausalLM``) from an HF checkpoint directory."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    # REAL MODEL: fp32 suits the tiny CPU demo. On GPUs load bf16 (``dtype=torch.bfloat16``) or keep fp32 master
-    # weights and give ``fully_shard`` a ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``.
-    tok = AutoTokenizer.from_pretrained(path)
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    tok, lm = load_hf(path, device)
     return tok, Actor(lm, temperature)
 
 
@@ -213,23 +225,10 @@ def load_critic(path: str, device: torch.device) -> Critic:
     return Critic(body, body.config.hidden_size).to(device)
 
 
-def decoder_layers(module: nn.Module) -> nn.ModuleList:
-    """The decoder blocks of an :class:`Actor` or a :class:`Critic` (one FSDP2 unit each)."""
-    # REAL MODEL: ``model.layers`` is where Llama/Qwen-style HF models keep their decoder blocks; other
-    # architectures name the list differently (e.g. ``transformer.h``).
-    body = module.lm.model if isinstance(module, Actor) else module.body
-    return body.layers
-
-
-def shard(module: nn.Module, world: int) -> nn.Module:
-    """FSDP2 ``fully_shard`` of each decoder layer, then of the whole module, when there is more than one rank."""
-    if world > 1:
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in decoder_layers(module):
-            fully_shard(layer)
-        fully_shard(module)
-    return module
+def shard_role(module: Actor | Critic, world: int) -> nn.Module:
+    """FSDP2 ``fully_shard`` of an :class:`Actor`'s or a :class:`Critic`'s decoder layers, then of the whole role,
+    when there is more than one rank."""
+    return shard(module, decoder_layers(module.lm if isinstance(module, Actor) else module.body), world)
 
 
 # ================================================================================================ stage 1: reward model
@@ -486,20 +485,12 @@ def rollout(cfg: Config, engine: TorchEngine, tok, task: data.Task, rng: random.
     return batch, rows, [list(g.output_ids) for g in gens]
 
 
-def all_sum(x: Tensor) -> Tensor:
-    """Sum over the ranks (identity in a single process); float64 so counts and sums stay exact."""
-    x = x.to(torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(x)
-    return x
-
-
 def whiten_global(x: Float[Tensor, "B T"], mask: Bool[Tensor, "B T"], eps: float = 1e-8) -> Float[Tensor, "B T"]:
     """``(x − μ)·rsqrt(σ² + eps)`` with μ and the unbiased σ² of the valid entries of the WHOLE batch (the sums are
     all-reduced over the ranks): ``rlblocks.losses.whiten``'s formula, which uses one rank's entries only.
     0 at masked positions."""
     xs = torch.where(mask, x, 0.0)
-    s = all_sum(torch.stack([mask.sum().to(x.dtype), xs.sum(), (xs * xs).sum()]))
+    s = all_reduce(torch.stack([mask.sum().to(x.dtype), xs.sum(), (xs * xs).sum()]).to(torch.float64))
     n, mean = s[0], s[1] / s[0].clamp(min=1)
     var = (s[2] - n * mean * mean) / (n - 1).clamp(min=1)
     return torch.where(mask, (xs - mean.to(x.dtype)) * torch.rsqrt(var.to(x.dtype) + eps), 0.0)
@@ -550,7 +541,7 @@ def make_experience(cfg: Config, actor: nn.Module, critic: nn.Module, ref: nn.Mo
 
 def global_tokens(mask: Bool[Tensor, "B T"]) -> Tensor:
     """Valid tokens of a mini-batch over all ranks (the aggregation normaliser: the ranks' losses add up)."""
-    return all_sum(mask.sum()).to(torch.float32)
+    return all_reduce(mask.sum().to(torch.float64)).to(torch.float32)  # float64: counts stay exact
 
 
 def ppo_update(cfg: Config, actor: nn.Module, critic: nn.Module, actor_opt: torch.optim.Optimizer,
@@ -606,7 +597,7 @@ def ppo_update(cfg: Config, actor: nn.Module, critic: nn.Module, actor_opt: torc
     return out
 
 
-def push_weights(actor: nn.Module, engine: TorchEngine, version: int, loop: asyncio.AbstractEventLoop) -> float:
+def weights_to_engine(actor: nn.Module, engine: TorchEngine, version: int, loop: asyncio.AbstractEventLoop) -> float:
     """Gather the actor's full weights (an FSDP collective) and load them into this rank's engine."""
     t0 = time.perf_counter()
     tensors = [(n.removeprefix("lm."), t) for n, t in full_tensors(actor)]
@@ -623,7 +614,7 @@ def experience_stats(exp: Experience, checker_scores: Tensor | None) -> dict[str
     ret, val = torch.where(m, exp.returns, 0.0), torch.where(m, exp.old_values, 0.0)
     err = ret - val
     cs = checker_scores if checker_scores is not None else torch.zeros_like(exp.scores)
-    s = all_sum(torch.stack([
+    s = all_reduce(torch.stack([
         torch.tensor(float(exp.scores.numel()), device=m.device), exp.scores.sum(), cs.sum(), m.sum().float(), kl,
         val.sum(), ret.sum(), (ret * ret).sum(), err.sum(), (err * err).sum(),
     ]).to(torch.float64)).tolist()
@@ -660,7 +651,7 @@ def role_bytes(module: nn.Module | None, optim: torch.optim.Optimizer | None = N
             "optimizer": tensor_bytes(opt_state)}
 
 
-def set_lr(cfg: Config, optims: list[tuple[torch.optim.Optimizer, float]], step: int) -> None:
+def decay_lrs(cfg: Config, optims: list[tuple[torch.optim.Optimizer, float]], step: int) -> None:
     """Linear decay from each optimiser's base lr to 10% of it over ``--steps`` (with ``--lr-decay``)."""
     frac = max(0.1, 1.0 - 0.9 * min(step / cfg.steps, 1.0)) if cfg.lr_decay else 1.0
     for optim, base in optims:
@@ -668,7 +659,7 @@ def set_lr(cfg: Config, optims: list[tuple[torch.optim.Optimizer, float]], step:
             pg["lr"] = base * frac
 
 
-def save_checkpoint(files: RunFiles, actor: nn.Module, critic: nn.Module, actor_opt, critic_opt, step: int,
+def save_roles(files: RunFiles, actor: nn.Module, critic: nn.Module, actor_opt, critic_opt, step: int,
                     world: int, rank: int) -> None:
     """``ckpt.pt``: actor and critic weights (HF names) and both optimisers' states, gathered to full tensors."""
     if world > 1:
@@ -686,64 +677,35 @@ def save_checkpoint(files: RunFiles, actor: nn.Module, critic: nn.Module, actor_
 
 
 # ================================================================================================ main
-def setup_dist() -> tuple[int, int, torch.device]:
-    if "RANK" in os.environ:
-        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        return rank, world, torch.device("cuda", torch.cuda.current_device())
-    # the cores split over the ranks, unless OMP_NUM_THREADS says otherwise (on a box shared with other jobs, one
-    # thread: OpenMP threads that wait for each other on an oversubscribed CPU slow a tiny model down manyfold)
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    return rank, world, torch.device("cpu")
-
-
-def on_rank0_then_all(rank: int, fn):
-    """Run ``fn`` on rank 0 first (it may build and cache a checkpoint), then on the others (they read the cache)."""
-    out = fn() if rank == 0 else None
-    if dist.is_initialized():
-        dist.barrier()
-    return out if rank == 0 else fn()
-
-
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_flags(Config, argv, check=check_flags)
     rank, world, device = setup_dist()
     n_local = prompts_per_rank(cfg, world)
-    seed_rank(cfg.seed, rank)  # also the engine's seeds of unseeded requests: a run repeats
     rng = random.Random(cfg.seed * 1000 + rank)
     files = RunFiles(cfg.runs_dir, cfg.name)
     say = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
 
     # ---- checkpoints: the actor's (warm start), the reward model's (stage 1)
-    path = cfg.model or on_rank0_then_all(rank, lambda: toy.warm_start(os.path.join(cfg.runs_dir, "warmstart"),
-                                                                       log=say))
+    path = cfg.model or rank0_first(rank, lambda: toy.warm_start(os.path.join(cfg.runs_dir, "warmstart"), log=say))
     rm_path, rm_stats = cfg.reward_model, {}
     if cfg.reward == "rm" and not rm_path:
         stage = RewardModelStage(steps=cfg.rm_steps, batch=cfg.rm_batch, lr=cfg.rm_lr, lm_coef=cfg.rm_lm_coef,
                                  samples=cfg.rm_samples,
                                  seed=cfg.seed)
-        rm_path = on_rank0_then_all(rank, lambda: reward_model_stage(
+        rm_path = rank0_first(rank, lambda: reward_model_stage(
             stage, path, os.path.join(cfg.runs_dir, "reward_model"), device, log=say))
     if cfg.reward == "rm" and (Path(rm_path) / "reward_stats.json").exists():
         rm_stats = json.loads((Path(rm_path) / "reward_stats.json").read_text())
         say(f"reward model {rm_path}: held-out pairwise accuracy {rm_stats['pairwise_accuracy']:.3f}")
+    seed_rank(cfg.seed, rank)  # after the cached stages (they seed and draw when built); the engine's seeds too
 
     # ---- roles: actor, critic, reference, reward; the engine in this process
     tok, actor = load_actor(path, device, cfg.temperature)
-    from transformers import AutoConfig
-
-    positions = int(AutoConfig.from_pretrained(path).max_position_embeddings)
-    if cfg.max_model_len > positions:
-        raise ArgumentError(f"--max-model-len: expected at most the model's {positions} positions, "
-                            f"got {cfg.max_model_len}")
-    max_model_len = cfg.max_model_len or positions
+    max_model_len = resolve_max_model_len(cfg.max_model_len, path)
     task = data.load_task(tok, prompts=cfg.prompts, eval_prompts=cfg.eval_prompts, chat=cfg.chat)
     data.check_fits(task, max_model_len)
     loop = asyncio.new_event_loop()  # the engine binds to the loop that first drives it: always this one
-    engine = TorchEngine.from_pretrained(path, device=device, max_batch_size=1024, max_model_len=max_model_len)
+    engine = make_engine("torch", path, device, max_model_len=max_model_len)
     critic = load_critic(cfg.critic_model or path, device)
     ref = None
     if cfg.kl_coef > 0:
@@ -752,9 +714,9 @@ def main(argv: list[str] | None = None) -> None:
     # the held-out metric: exact match on the toy task, math_reward on a --prompts file
     checker = scorer.verifier if scorer.verifier is not None and (cfg.reward == "math" or not cfg.prompts) else \
         data.make_verifier("math" if cfg.prompts else "verifier", tok)
-    actor, critic = shard(actor, world), shard(critic, world)
+    actor, critic = shard_role(actor, world), shard_role(critic, world)
     if ref is not None:
-        ref = shard(ref, world)
+        ref = shard_role(ref, world)
     actor_opt = torch.optim.AdamW(actor.parameters(), lr=cfg.lr, weight_decay=0.0)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
     if rank == 0:
@@ -770,7 +732,7 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.time()
     for step in range(cfg.steps):
         t0 = time.perf_counter()
-        set_lr(cfg, [(actor_opt, cfg.lr), (critic_opt, cfg.critic_lr)], step)
+        decay_lrs(cfg, [(actor_opt, cfg.lr), (critic_opt, cfg.critic_lr)], step)
         # ---- 1-2. rollout and reward
         batch, prompts, outputs = rollout(cfg, engine, tok, task, rng, n_local, step, rank, loop, device)
         gen_s = time.perf_counter() - t0
@@ -789,17 +751,14 @@ def main(argv: list[str] | None = None) -> None:
                       "reference": role_bytes(ref), "reward_model": role_bytes(scorer.rm.model if scorer.rm else None),
                       "engine": role_bytes(engine.model)}
         # ---- 5. weights into the colocated engine (version = step + 1)
-        sync_s = push_weights(actor, engine, step + 1, loop)
+        sync_s = weights_to_engine(actor, engine, step + 1, loop)
         st = experience_stats(exp, checked)
         totals.update({"samples_generated": st["samples"], "samples_trained": st["samples"],
                        "tokens_trained": st["tokens"]})
         done = step + 1 >= cfg.steps or (cfg.time_limit > 0 and time.time() - t_start > cfg.time_limit)
-        if world > 1:
-            flag = torch.tensor([int(done)], device=device)  # on the device: NCCL moves CUDA tensors only
-            dist.broadcast(flag, 0)  # rank 0's clock decides for every rank
-            done = bool(flag.item())
+        done = broadcast_flag(done, device=device)  # rank 0's clock decides for every rank
         if rank == 0:
-            acc = evaluate() if ((step + 1) % cfg.eval_every == 0 or done) else None
+            acc = evaluate() if (every(step + 1, cfg.eval_every) or done) else None
             last_acc = acc if acc is not None else last_acc
             step_s = time.perf_counter() - t0
             files.log({
@@ -816,8 +775,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"\rstep {step + 1}/{cfg.steps} score {st['score']:+.3f} train acc {st['train_accuracy']:.3f} "
                       f"held-out {last_acc:.3f} clipfrac {m['clipfrac']:.3f} vf_mse {m['vf_mse']:.3f}",
                       end="" if not done else "\n", file=sys.stderr, flush=True)
-        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or done:
-            save_checkpoint(files, actor, critic, actor_opt, critic_opt, step + 1, world, rank)
+        if every(step + 1, cfg.save_every) or done:
+            save_roles(files, actor, critic, actor_opt, critic_opt, step + 1, world, rank)
         if done:
             break
     steps_done = step + 1
@@ -839,8 +798,7 @@ def main(argv: list[str] | None = None) -> None:
     if checker is not scorer.verifier:
         checker.close()
     loop.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    close_dist()
 
 
 if __name__ == "__main__":

@@ -26,16 +26,18 @@ from types import SimpleNamespace
 
 import torch
 
+# the cookbook's modules import each other by name (their folder is sys.path[0] when a loop runs as a script)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cookbook"))
 import data
 import ppo
 import toy
 
 from rlblocks.losses import aggregate, grpo_advantages, ppo_clip_loss
+from rlblocks.rollout import TorchEngine
 
 
 def rollout(path: str, tok, loop) -> tuple:
-    engine = ppo.TorchEngine.from_pretrained(path, device="cpu", max_batch_size=1024)
+    engine = TorchEngine.from_pretrained(path, device="cpu", max_batch_size=1024)
     task = data.load_task(tok)
     cfg = SimpleNamespace(temperature=1.0, max_new_tokens=6, group_size=4)
     batch, prompts, outputs = ppo.rollout(cfg, engine, tok, task, random.Random(0), 16, 0, 0, loop,

@@ -43,14 +43,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+# the cookbook's modules import each other by name (their folder is sys.path[0] when a loop runs as a script)
 sys.path.insert(0, str(ROOT / "cookbook"))
 
 import toy  # noqa: E402
-from common import PolicyLogprobs, batch_tensors, group_record, load_hf  # noqa: E402
-from grpo_async import grpo_step  # noqa: E402
+from grpo import grpo_step  # noqa: E402
+from plumbing import PolicyLogprobs, batch_tensors, group_record, load_hf  # noqa: E402
 
-from rlblocks.rollout import GenerationRequest, SamplingParams, TorchEngine  # noqa: E402
-from rlblocks.rollout.types import Generation  # noqa: E402
+from rlblocks.rollout import Generation, GenerationRequest, SamplingParams, TorchEngine  # noqa: E402
 from rlblocks.sched.sim import DecodeCost, Hardware, PrefillCost, SyncCost, TrainCost  # noqa: E402
 from rlblocks.sync import full_tensors  # noqa: E402
 

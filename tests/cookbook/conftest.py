@@ -1,5 +1,10 @@
 """Cookbook fixtures: the demo's own model (the toy Llama with its 64 positions and char tokenizer), briefly
-warm-started so that some sampled answers are right and GRPO advantages are not all zero."""
+warm-started so that some sampled answers are right and GRPO advantages are not all zero.
+
+``cookbook/`` goes first on ``sys.path`` here, once for every cookbook test: the loops import their shared
+``plumbing`` package and the task modules (``toy``, ``data``, ``agent_task``) by name, as they do when they run as
+scripts (a script's own folder is the first entry of ``sys.path``).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ from pathlib import Path
 import pytest
 
 COOKBOOK = Path(__file__).resolve().parents[2] / "cookbook"
+if str(COOKBOOK) not in sys.path:
+    sys.path.insert(0, str(COOKBOOK))
 
 
 @pytest.fixture(scope="session")
@@ -19,8 +26,6 @@ def demo_model_dir(tmp_path_factory) -> str:
     12 groups all lack it with probability ~0.3 % (300 steps gave ~3 %: a run of 12 groups then often had none,
     and a test that needs non-zero advantages failed at random)."""
     import torch
-
-    sys.path.insert(0, str(COOKBOOK))
     import toy
 
     threads = torch.get_num_threads()

@@ -9,14 +9,10 @@ versions, and is dropped as stale when the trainer reaches it.
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
-from pathlib import Path
 
-import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cookbook"))
 import grpo_async
+import pytest
 
 from rlblocks.sched import StalenessQueue
 

@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cookbook"))
 import distill
 import grpo_sync
+import pytest
+import torch
 import toy
-from common import PolicyLogprobs, batch_tensors, parse_flags
+from plumbing import PolicyLogprobs, batch_tensors, parse_flags
 
 from rlblocks.errors import ArgumentError
 

@@ -1,21 +1,17 @@
-"""The loops' RL update (``grpo_step``) against an independent float64 implementation of PPO-clip GRPO, and the
-policy-loss flags against direct calls of the library's losses."""
+"""The GRPO update (``cookbook/grpo.py``'s ``grpo_step``, the one both GRPO loops run) against an independent
+float64 implementation of PPO-clip GRPO, and the policy-loss flags against direct calls of the library's losses."""
 
 from __future__ import annotations
 
-import inspect
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
-import torch
-from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cookbook"))
+import grpo
 import grpo_async
 import grpo_sync
-from common import POLICY_LOSSES, policy_loss
+import pytest
+import torch
+from plumbing import POLICY_LOSSES, Stale, Stop, Weights, policy_loss, recv_control, send_control
+from torch import nn
 
 B, L, V = 8, 7, 5  # 2 groups × 4 samples, sequence length, vocabulary
 
@@ -108,13 +104,12 @@ def reference_update(cfg, w0, ref_w, bt, lr, step):
         dict(ppo_epochs=2, mini_batches=2, kl_coef=0.5),
     ],
 )
-@pytest.mark.parametrize("loop", [grpo_async, grpo_sync])
-def test_grpo_step_matches_float64_reference(loop, kw):
+def test_grpo_step_matches_float64_reference(kw):
     cfg, bt, lr, step = cfg_of(**kw), make_batch(), 2.0, 5
     policy = TablePolicy(0)
     ref = TablePolicy(7).requires_grad_(False) if cfg.kl_coef else None
     w0 = policy.w.detach().clone()
-    m = loop.grpo_step(cfg, policy, torch.optim.SGD(policy.parameters(), lr=lr), bt, ref_policy=ref, step=step)
+    m = grpo.grpo_step(cfg, policy, torch.optim.SGD(policy.parameters(), lr=lr), bt, ref_policy=ref, step=step)
     expect = reference_update(cfg, w0, ref.w if ref is not None else None, bt, lr, step)
     torch.testing.assert_close(policy.w.detach(), expect, rtol=1e-10, atol=1e-12)
     assert m["ppo_updates"] == cfg.ppo_epochs * cfg.mini_batches
@@ -124,9 +119,9 @@ def test_grpo_step_matches_float64_reference(loop, kw):
         assert m["clipfrac_low"] + m["clipfrac_high"] > 0.0
 
 
-def test_both_loops_share_one_update():
-    # the update is written out in each loop file (so each reads top to bottom); the two copies must not drift
-    assert inspect.getsource(grpo_async.grpo_step) == inspect.getsource(grpo_sync.grpo_step)
+def test_both_loops_run_the_one_update():
+    # one grpo_step, in cookbook/grpo.py: both loops call that function, not a copy of it
+    assert grpo_sync.grpo_step is grpo.grpo_step and grpo_async.grpo_step is grpo.grpo_step
 
 
 def _loss_inputs():
@@ -187,10 +182,9 @@ def test_control_messages_round_trip():
             return self.data
 
     g = Loopback()
-    for msg in (grpo_async.Weights(version=3, kind="delta"), grpo_async.Weights(7, "full", True, {1: 2, 3: 0}),
-                grpo_async.Stale({1: 4}), grpo_async.Stop()):
-        grpo_async.send_control(g, msg)
-        assert grpo_async.recv_control(g) == msg
+    for msg in (Weights(version=3, kind="delta"), Weights(7, "full", True, {1: 2, 3: 0}), Stale({1: 4}), Stop()):
+        send_control(g, msg)
+        assert recv_control(g) == msg
 
 
 def _records() -> list[dict]:
@@ -211,7 +205,7 @@ def _records() -> list[dict]:
 def test_batch_tensors_next_token_layout():
     # reference: the layout written out element by element (token t of a row's output is the label at
     # position len(prompt) - 1 + t, whose input is position len(prompt) - 1 + t of prompt + output)
-    from common import batch_tensors
+    from plumbing import batch_tensors
 
     recs, pad = _records(), 0
     bt = batch_tensors(recs, pad, torch.device("cpu"))
@@ -235,7 +229,7 @@ def test_batch_tensors_next_token_layout():
 
 def test_policy_logprobs_match_the_models_own_logits():
     # reference: the HF model's full logits, log-softmax in float64, gathered at each label
-    from common import PolicyLogprobs, batch_tensors
+    from plumbing import PolicyLogprobs, batch_tensors
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from rlblocks.errors import ArgumentError

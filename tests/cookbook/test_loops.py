@@ -141,6 +141,35 @@ def test_sync_ppo_epochs_clip(demo_model_dir, tmp_path):
     assert max(r["clipfrac_low"] + r["clipfrac_high"] for r in rows) > 0
 
 
+# what differs between two runs of one seed: the clock
+TIMING = ("step_seconds", "generate_seconds", "train_seconds", "sync_seconds", "reward_seconds", "queue_wait_seconds",
+          "tokens_per_s", "wall_seconds", "cpu_seconds", "rl_seconds_this_run", "config", "memory_bytes_per_rank")
+
+
+def untimed(x):
+    """``x`` (a metrics row or a summary) without its wall-clock figures and run settings."""
+    if isinstance(x, dict):
+        return {k: untimed(v) for k, v in x.items() if k not in TIMING}
+    return x
+
+
+def test_sync_loop_repeats_for_a_seed_and_evaluates_before_and_after_with_eval_every_zero(demo_model_dir,
+                                                                                          tmp_path):
+    # the synchronous loop is deterministic on CPU: two runs of one seed log the same numbers to the last bit
+    # (rewards, losses, grad norms, clip fractions, held-out accuracy), a third with another seed does not;
+    # --eval-every 0 evaluates before the first step and after the last, never in between
+    flags = ["--steps", "3", "--ppo-epochs", "2", "--mini-batches", "2", "--lr", "3e-3", "--eval-every", "0"]
+    for name, seed in (("a", "0"), ("b", "0"), ("c", "1")):
+        _run(_sync_cmd(demo_model_dir, tmp_path, name, *flags, "--seed", seed))
+    (ra, sa), (rb, sb), (rc, _) = (_read(tmp_path, n) for n in "abc")
+    _check_common(ra, sa, 3, 0)
+    assert [r["heldout_acc"] is not None for r in ra] == [False, False, True]
+    assert sa["accuracy_after"] == ra[-1]["heldout_acc"]
+    assert [untimed(r) for r in ra] == [untimed(r) for r in rb] and untimed(sa) == untimed(sb)
+    assert any(r["reward"] > 0 for r in ra)  # advantages are not all zero: the updates moved the weights
+    assert [untimed(r) for r in ra] != [untimed(r) for r in rc]
+
+
 @pytest.mark.parametrize(
     ("eta", "flags"),
     [

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "cookbook"))
 
 # a deprecated rlblocks name (the library's DeprecationWarnings all start with "rlblocks:") fails the test
 pytestmark = pytest.mark.filterwarnings("error:rlblocks:DeprecationWarning")
@@ -55,7 +54,7 @@ def test_help(script: Path):
 def test_ignored_or_bad_flags_are_refused(loop, argv, flag, capsys):
     import importlib
 
-    from common import parse_flags
+    from plumbing import parse_flags
 
     mod = importlib.import_module(loop)
     with pytest.raises(SystemExit) as e:
@@ -68,7 +67,7 @@ def test_ignored_or_bad_flags_are_refused(loop, argv, flag, capsys):
 def test_accepted_flags_reach_the_config(loop):
     import importlib
 
-    from common import parse_flags
+    from plumbing import parse_flags
 
     mod = importlib.import_module(loop)
     cfg = parse_flags(mod.Config, ["--loss", "decoupled", "--rollout-weight-cap", "3", "--eps-low", "0.1",
@@ -81,27 +80,16 @@ def test_accepted_flags_reach_the_config(loop):
 
 
 @pytest.mark.parametrize("loop", ["grpo_async", "grpo_sync"])
-def test_old_flag_spelling_still_works_warns_and_is_hidden(loop, capsys):
+def test_unknown_flags_are_refused(loop, capsys):
+    # no hidden spellings: a flag that is not a field of the loop's Config is an error, not an alias
     import importlib
 
-    from common import parse_flags
+    from plumbing import parse_flags
 
     mod = importlib.import_module(loop)
-    with pytest.warns(DeprecationWarning, match="--behav-weight-cap.*--rollout-weight-cap"):
-        cfg = parse_flags(mod.Config, ["--loss", "decoupled", "--behav-weight-cap", "3"], check=mod.check_flags)
-    assert cfg.rollout_weight_cap == 3.0
-    with pytest.raises(SystemExit) as e:  # the check applies to the old spelling too
-        with pytest.warns(DeprecationWarning):
-            parse_flags(mod.Config, ["--loss", "ppo", "--behav-weight-cap", "3"], check=mod.check_flags)
-    assert e.value.code == 2 and "--rollout-weight-cap" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:  # both spellings at once: refused, not one silently chosen
-        parse_flags(mod.Config, ["--loss", "decoupled", "--rollout-weight-cap", "2", "--behav-weight-cap", "3"],
-                    check=mod.check_flags)
-    assert e.value.code == 2 and "--behav-weight-cap" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        parse_flags(mod.Config, ["--help"])
-    out = capsys.readouterr().out
-    assert "--rollout-weight-cap" in out and "--behav-weight-cap" not in out
+    with pytest.raises(SystemExit) as e:
+        parse_flags(mod.Config, ["--loss", "decoupled", "--behav-weight-cap", "3"], check=mod.check_flags)
+    assert e.value.code == 2 and "unrecognized arguments: --behav-weight-cap" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("loop", ["grpo_async", "grpo_sync"])
@@ -109,7 +97,7 @@ def test_new_flag_spelling_does_not_warn(loop):
     import importlib
     import warnings
 
-    from common import parse_flags
+    from plumbing import parse_flags
 
     mod = importlib.import_module(loop)
     with warnings.catch_warnings():
@@ -121,7 +109,7 @@ def test_new_flag_spelling_does_not_warn(loop):
 def test_help_states_each_losss_own_clip_defaults():
     import inspect
 
-    from common import POLICY_LOSSES, loss_defaults
+    from plumbing import POLICY_LOSSES, loss_defaults
 
     text = loss_defaults("eps_high")
     for name, fn in POLICY_LOSSES.items():
@@ -135,9 +123,71 @@ def test_demo_runs_are_step_governed(loop):
     # fewer steps and learned less); the default run is a fixed number of steps, the clock only an opt-in limit
     import importlib
 
-    from common import parse_flags
+    from plumbing import parse_flags
 
     mod = importlib.import_module(loop)
     cfg = parse_flags(mod.Config, [], check=mod.check_flags)
     assert cfg.time_limit == 0 and cfg.steps > 0
     assert parse_flags(mod.Config, ["--time-limit", "60"], check=mod.check_flags).time_limit == 60
+
+
+LOOPS = ["grpo_sync", "grpo_async", "ppo", "agent_async", "agent_gateway"]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_eval_every_zero_means_before_and_after_only(loop, capsys):
+    # --eval-every 0 is a valid setting in every loop (no periodic evaluation), a negative value is refused
+    import importlib
+
+    from plumbing import every, parse_flags
+
+    mod = importlib.import_module(loop)
+    if "eval_every" not in {f for f in mod.Config.__dataclass_fields__}:
+        pytest.skip(f"{loop} evaluates before and after only")
+    assert parse_flags(mod.Config, ["--eval-every", "0"], check=mod.check_flags).eval_every == 0
+    assert not any(every(step, 0) for step in range(1, 100))
+    assert [s for s in range(1, 10) if every(s, 3)] == [3, 6, 9]
+    with pytest.raises(SystemExit) as e:
+        parse_flags(mod.Config, ["--eval-every", "-1"], check=mod.check_flags)
+    assert e.value.code == 2 and "--eval-every" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_every_loop_parses_its_flags_from_one_dataclass(loop, capsys):
+    # one flag machinery for every loop: --help lists every Config field, with its default
+    import dataclasses
+    import importlib
+
+    from plumbing import parse_flags
+
+    mod = importlib.import_module(loop)
+    with pytest.raises(SystemExit) as e:
+        parse_flags(mod.Config, ["--help"], check=mod.check_flags)
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    for f in dataclasses.fields(mod.Config):
+        assert "--" + f.name.replace("_", "-") in out, f.name
+
+
+def _makefile_loop_commands() -> list[tuple[str, list[str]]]:
+    """``(loop module, argv)`` of every cookbook loop the Makefile's recipes run (continued lines joined)."""
+    text = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    out = []
+    for line in text.splitlines():
+        for word in line.split():
+            if word.startswith("cookbook/") and word.endswith(".py") and word != "cookbook/plot.py":
+                out.append((Path(word).stem, line.split(word, 1)[1].split()))
+    return out
+
+
+def test_makefile_demos_run_loops_with_flags_they_accept():
+    import importlib
+
+    from plumbing import parse_flags
+
+    commands = _makefile_loop_commands()
+    assert {m for m, _ in commands} >= {"grpo_async", "agent_async", "ppo", "grpo_sync"}, commands
+    for module, argv in commands:
+        mod = importlib.import_module(module)
+        cfg = parse_flags(mod.Config, argv, check=mod.check_flags)
+        assert cfg.name.startswith("demo"), (module, argv)

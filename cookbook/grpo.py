@@ -1,0 +1,114 @@
+"""The GRPO update both GRPO loops run (``grpo_sync.py``, ``grpo_async.py``), read top to bottom.
+
+One call of :func:`grpo_step` is one policy version: the whole update on this rank's share of a batch.
+
+1. **Advantages** ``A_i = (r_i − mean_g r) / (std_g r + 1e-6)`` within each prompt group (``grpo_advantages``); a
+   group never straddles trainer ranks, so these are the whole batch's advantages.
+2. **π_old**, the trainer's log-probs before the first update, computed once (no grad) and fixed for every epoch:
+   the ratio ``exp(logp − old_logp)`` moves away from 1 over the updates and the clip acts. With a single update
+   (``ppo_epochs = mini_batches = 1``) π_old = π_θ numerically, so ``logp.detach()`` serves (no extra forward).
+   π_ref (``--kl-coef > 0``) is computed once too.
+3. **Epochs × mini-batches**: ``ppo_epochs`` passes, each over ``mini_batches`` random splits of the samples
+   (:func:`minibatches`). Per mini-batch:
+
+   a. **loss**: ``policy_loss`` of ``--loss`` (clip offsets from 1);
+   b. **correction** of the train/rollout mismatch on ρ = π_old/π_rollout (tis: weights ``min(ρ, cap)``; mis:
+      tokens with ρ outside [1/cap, cap] masked);
+   c. **KL**: ``+ kl_coef · k3(π_θ ‖ π_ref)`` per token;
+   d. **aggregation**: ``aggregate`` with the mini-batch's GLOBAL normalisers (token and sequence counts summed
+      over the trainer ranks, so the ranks' losses add up to the mini-batch's loss);
+   e. **optimizer update**: one backward, scaled by ``grad_scale`` (FSDP averages gradients over the ranks);
+      grad-norm clip; optimizer step.
+4. **Metrics**: each one averaged over the updates, plus the train/rollout mismatch of π_old.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from plumbing import CORRECTION_CAP, global_counts, mean_metrics, policy_loss
+from torch import Tensor
+
+from rlblocks.losses import aggregate, grpo_advantages, kl_estimate, mismatch_metrics, rollout_correction
+
+
+def grpo_step(cfg: Any, policy: torch.nn.Module, optim: torch.optim.Optimizer, bt: dict[str, Tensor], *,
+              ref_policy: torch.nn.Module | None = None, group=None, grad_scale: float = 1.0,
+              step: int = 0) -> dict[str, float]:
+    """One GRPO update (the module docstring's steps) on this rank's share of a batch (``batch_tensors``);
+    ``policy``/``ref_policy`` map ``(input_ids, attention_mask, labels)`` to per-token log-probs (``PolicyLogprobs``).
+    Returns the metrics, averaged over the optimizer updates."""
+    mask, rollout_logp = bt["mask"], bt["rollout_logp"]
+
+    def logprobs(module: torch.nn.Module, rows: Any = slice(None)) -> Tensor:
+        return module(bt["input_ids"][rows], bt["attention_mask"][rows], bt["labels"][rows])
+
+    # 1. advantages, one per sample
+    adv = grpo_advantages(bt["rewards"], bt["group_ids"])
+    # 2. π_old (only when there is more than one update) and π_ref, fixed for the whole step
+    n_updates = cfg.ppo_epochs * cfg.mini_batches
+    with torch.no_grad():
+        old_logp = logprobs(policy) if n_updates > 1 else None
+        ref_logp = logprobs(ref_policy) if ref_policy is not None and cfg.kl_coef > 0 else None
+    # 3. epochs × mini-batches
+    per_update: list[dict[str, Tensor]] = []
+    for rows in minibatches(cfg, mask.shape[0], step):
+        mb_mask, mb_rollout = mask[rows], rollout_logp[rows]
+        logp = logprobs(policy, rows)
+        old = logp.detach() if old_logp is None else old_logp[rows]
+        # 3a. loss
+        per_tok, m = policy_loss(cfg, logp, old, adv[rows], mb_mask, rollout_logp=mb_rollout)
+        # 3b. train/rollout correction
+        keep = mb_mask
+        if cfg.correction != "none":
+            cap = cfg.correction_cap or CORRECTION_CAP
+            mode = "truncate" if cfg.correction == "tis" else "mask"
+            w, keep, cm = rollout_correction(old, mb_rollout, mb_mask, level="token", mode=mode, upper=cap,
+                                             lower=None if mode == "truncate" else 1.0 / cap)
+            per_tok = per_tok * w
+            m.update({f"correction_{k}": v for k, v in cm.items()})
+        # 3c. KL penalty to the reference
+        if ref_logp is not None:
+            kl = torch.where(mb_mask, kl_estimate(logp, ref_logp[rows], kind="k3"), 0.0)
+            per_tok = per_tok + cfg.kl_coef * kl
+            m["kl_ref_k3"] = kl.sum() / mb_mask.sum().clamp(min=1)
+        # 3d. aggregation with the global normalisers
+        n = global_counts(mb_mask, group)
+        loss = aggregate(per_tok, keep, mode=cfg.agg, num_tokens=n["tokens"], num_seqs=n["seqs"],
+                         max_len=n["max_len"])
+        # 3e. optimizer update
+        m["grad_norm"] = optimizer_update(policy, optim, loss, grad_scale=grad_scale, grad_clip=cfg.grad_clip)
+        m["loss"] = loss.detach()
+        per_update.append({k: v.detach() for k, v in m.items()})
+    # 4. metrics; the train/rollout mismatch of π_old (the weights that should have produced the samples)
+    metrics = mean_metrics(per_update)
+    mm = mismatch_metrics(old_logp if old_logp is not None else old, rollout_logp, mask)
+    metrics.update({f"mismatch_{k}": float(v) for k, v in mm.items()})
+    metrics["ppo_updates"] = n_updates
+    return metrics
+
+
+def minibatches(cfg: Any, n: int, step: int) -> Iterator[Tensor | slice]:
+    """The rows of each optimizer update of a step: ``cfg.ppo_epochs`` passes over ``n`` samples, each a fresh
+    random permutation cut into ``cfg.mini_batches`` parts (one pass over every row, ``slice(None)``, when
+    ``mini_batches = 1``). The permutations come from a generator seeded with ``seed · 1000003 + step``, so a step
+    splits its batch the same way on every run of a seed."""
+    shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    for _epoch in range(cfg.ppo_epochs):
+        if cfg.mini_batches == 1:
+            yield slice(None)
+            continue
+        yield from torch.randperm(n, generator=shuffle).tensor_split(cfg.mini_batches)
+
+
+def optimizer_update(model: torch.nn.Module, optim: torch.optim.Optimizer, loss: Tensor, *, grad_scale: float,
+                     grad_clip: float) -> Tensor:
+    """``zero_grad``, backward of ``loss · grad_scale``, grad-norm clip to ``grad_clip``, optimizer step. Returns
+    the gradient norm before clipping."""
+    optim.zero_grad(set_to_none=True)
+    (loss * grad_scale).backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optim.step()
+    return grad_norm

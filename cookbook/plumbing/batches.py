@@ -1,0 +1,82 @@
+"""What travels from rollout to trainer: a finished prompt group as a plain record, and the batch tensors a
+trainer step reads (next-token layout)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rlblocks.rollout import Generation, build_batch
+
+
+def group_record(uid: str, pair: tuple[int, int], prompt_ids: list[int], gens: list, rewards: list[float],
+                 rank: int) -> dict:
+    """A finished prompt group as a plain, picklable dict (what travels from rollout to trainer and into the
+    queue's checkpoint). ``version`` is the OLDEST token version of the group (the staleness key)."""
+    # REAL MODEL: ``pair`` is the toy task's (a, b), kept for inspection only; store your prompt's reference answer
+    # or dataset index here (nothing in the trainer reads it).
+    samples = [
+        {
+            "output_ids": list(g.output_ids),
+            "output_logprobs": list(g.output_logprobs),
+            "output_versions": list(g.output_versions),
+            "finish_reason": g.finish_reason,
+            "reward": float(r),
+        }
+        for g, r in zip(gens, rewards)
+    ]
+    versions = [v for s in samples for v in s["output_versions"]]
+    return {
+        "uid": uid,
+        "pair": tuple(pair),
+        "prompt_ids": list(prompt_ids),
+        "samples": samples,
+        "version": min(versions) if versions else 0,
+        "rank": rank,
+    }
+
+
+def batch_tensors(groups: list[dict], pad_id: int, device: torch.device) -> dict[str, Tensor]:
+    """Right-padded tensors for a list of group records, built by ``rlblocks.rollout.build_batch`` (one row per
+    sample, every output token trained, group ``i`` of the list is group id ``i``), in the next-token layout the
+    loops' log-prob module uses.
+
+    Returns ``input_ids``/``attention_mask`` ``[B, L]`` (``L >= 2``), and over the ``L-1`` next-token positions:
+    ``labels`` (response tokens, else -100), ``mask`` (bool), ``rollout_logp`` (engine logprobs, 0 elsewhere),
+    ``versions`` (token versions, -1 elsewhere); per sequence: ``rewards``, ``group_ids`` (index of the group).
+    Response token ``t`` of row ``b`` (``RolloutBatch``' ``[B, T]`` layout) sits at next-token position
+    ``prompt_lens[b] − 1 + t``.
+    """
+    gens, gids, rewards = [], [], []
+    for gi, g in enumerate(groups):
+        for k, s in enumerate(g["samples"]):
+            gens.append(Generation(f"{g['uid']}/{k}", list(g["prompt_ids"]), list(s["output_ids"]),
+                                   list(s["output_logprobs"]), list(s["output_versions"]), s["finish_reason"]))
+            gids.append(gi)
+            rewards.append(s["reward"])
+    rb = build_batch(gens, pad_id=pad_id, group_ids=gids, rewards=rewards)
+    b, width = rb.input_ids.shape
+    extra = max(0, 2 - width)  # at least one next-token position, even for one-token prompts with no output
+    input_ids = torch.nn.functional.pad(rb.input_ids, (0, extra), value=pad_id)
+    attention = torch.nn.functional.pad(rb.attention_mask, (0, extra)).long()
+    width += extra
+    # next-token position of each response token; padding slots go to a sink column (index width − 1), dropped
+    t = torch.arange(rb.response_ids.shape[1])
+    pos = torch.where(rb.response_mask, rb.prompt_lens[:, None] - 1 + t, width - 1)
+
+    def to_positions(x: Tensor, fill) -> Tensor:
+        out = torch.full((b, width), fill, dtype=x.dtype)
+        return out.scatter_(1, pos, torch.where(rb.response_mask, x, fill))[:, :-1]
+
+    labels = to_positions(rb.response_ids, -100)
+    out = {
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "labels": labels,
+        "mask": labels != -100,
+        "rollout_logp": to_positions(rb.rollout_logp, 0.0),
+        "versions": to_positions(rb.versions, -1),
+        "rewards": rb.rewards,
+        "group_ids": rb.group_ids,
+    }
+    return {k: v.to(device) for k, v in out.items()}

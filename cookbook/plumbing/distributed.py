@@ -1,0 +1,126 @@
+"""Processes: the default process group and device, seeding, the per-rank share of a batch, the weight-sync group
+between trainer rank 0 and the rollout ranks, and the collectives the trainer steps use."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from jaxtyping import Bool
+from torch import Tensor
+
+from rlblocks.errors import ArgumentError
+from rlblocks.sync import init_sync_group
+
+T = TypeVar("T")
+
+
+def setup_dist(*, threads: int | None = None, cpu: bool = False) -> tuple[int, int, torch.device]:
+    """Join the default process group when started by ``torchrun`` (NCCL on GPUs, gloo on CPU); a plain
+    ``python`` start is one process. Returns ``(rank, world, device)``; the device is ``cuda:LOCAL_RANK`` when CUDA
+    is there (and ``cpu`` is false), else the CPU.
+
+    CPU threads per process: ``threads`` when given; else ``OMP_NUM_THREADS`` when set (``torchrun`` sets 1 for
+    several processes), else the cores split over the ranks (OpenMP threads that wait for each other on an
+    oversubscribed CPU slow a tiny model down manyfold); one process keeps torch's default.
+    """
+    gpu = torch.cuda.is_available() and not cpu
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if gpu else "gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    elif world > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        return rank, world, torch.device("cuda", torch.cuda.current_device())
+    return rank, world, torch.device("cpu")
+
+
+def close_dist() -> None:
+    """Leave the default process group (when there is one)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def seed_rank(seed: int, rank: int) -> None:
+    """Seed torch and Python's global ``random`` for this rank. The engines draw the sampling seed of every request
+    that has none from the global ``random``, so without this a run of one seed does not repeat."""
+    torch.manual_seed(seed + rank)
+    random.seed(seed + rank)
+
+
+def prompts_per_rank(cfg: Any, world: int, rollout_ranks: int = 0) -> int:
+    """``--prompts-per-step`` split over ``world`` trainer ranks (and, when given, over ``rollout_ranks`` rollout
+    ranks too), refused when it does not divide or leaves fewer samples per trainer rank than ``--mini-batches``."""
+    if cfg.prompts_per_step % world or (rollout_ranks and cfg.prompts_per_step % rollout_ranks):
+        counts = (f"the trainer ({world}) and rollout ({rollout_ranks}) rank counts" if rollout_ranks
+                  else f"the world size {world}")
+        raise ArgumentError(f"--prompts-per-step: expected a multiple of {counts}, got {cfg.prompts_per_step}")
+    n_local = cfg.prompts_per_step // world
+    if cfg.mini_batches > n_local * cfg.group_size:
+        raise ArgumentError(f"--mini-batches: expected at most the samples per rank ({n_local * cfg.group_size}), "
+                            f"got {cfg.mini_batches}")
+    return n_local
+
+
+def rank0_first(rank: int, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on rank 0 first (it may build and cache a checkpoint), then on the others (they read the cache)."""
+    out = fn() if rank == 0 else None
+    if dist.is_initialized():
+        dist.barrier()
+    return out if rank == 0 else fn()
+
+
+def pick_port(requested: int, rank: int) -> int:
+    """A TCP port every rank agrees on: ``requested``, or (0) a free one picked by rank 0 and broadcast."""
+    port = requested
+    if rank == 0 and port == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+    box = [port]
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])
+
+
+def join_sync_group(rank: int, n_train: int, world: int, port: int, *, backend: str = "gloo"):
+    """The weight-sync group: trainer rank 0 (sync rank 0) and every rollout rank ``r`` (sync rank
+    ``r − n_train + 1``), on its own TCPStore at ``port`` of ``MASTER_ADDR``. Call it on those ranks only."""
+    return init_sync_group(master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), master_port=port,
+                           world_size=world - n_train + 1, rank=0 if rank == 0 else rank - n_train + 1,
+                           backend=backend, timeout=600.0)
+
+
+# ------------------------------------------------------------------------------------------------ collectives
+def all_reduce(x: Tensor, op=None, group=None) -> Tensor:
+    """All-reduce (SUM by default) over ``group`` when torch.distributed is up with more than one member."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(x, op=op or dist.ReduceOp.SUM, group=group)
+    return x
+
+
+def global_counts(mask: Bool[Tensor, "B T"], group=None) -> dict[str, Tensor]:
+    """Token count, sequence count and longest response over all trainer ranks (the aggregation normalisers), so
+    the ranks' losses add up to the loss of the whole (mini-)batch."""
+    sums = torch.tensor([float(mask.sum()), float(mask.shape[0])], dtype=torch.float64)
+    mx = torch.tensor([float(mask.sum(-1).max()) if mask.numel() else 0.0], dtype=torch.float64)
+    all_reduce(sums, group=group)
+    all_reduce(mx, op=dist.ReduceOp.MAX if dist.is_available() else None, group=group)
+    dev = mask.device
+    return {"tokens": sums[0].to(dev), "seqs": sums[1].to(dev), "max_len": mx[0].to(dev)}
+
+
+def broadcast_flag(flag: bool, group=None, device: torch.device | None = None) -> bool:
+    """Rank 0's ``flag`` on every rank of ``group`` (e.g. rank 0's clock decides when a run is done)."""
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
+        return flag
+    t = torch.tensor([int(flag)], device=device)  # on the device: NCCL moves CUDA tensors only
+    dist.broadcast(t, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+    return bool(t.item())
