@@ -13,9 +13,11 @@ it without pulling torch into a verifier worker process. Tensor checks live in :
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 import sys
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Mapping
 
 from rlblocks.errors import ArgumentError
 
@@ -24,13 +26,19 @@ __all__ = [
     "check_bool",
     "check_int",
     "check_int_list",
+    "check_logprob_list",
     "check_optional_int",
     "check_real",
     "check_real_list",
     "check_seconds",
+    "check_state_keys",
     "check_str_pair",
     "check_timeout",
 ]
+
+MAX_WAIT_SECONDS = threading.TIMEOUT_MAX
+"""The longest wait the platform's locks and ``select`` take (about 292 years on 64-bit Linux); a longer timeout
+raises ``OverflowError`` from inside the wait."""
 
 
 def _is_bool(value: object) -> bool:
@@ -112,6 +120,16 @@ def check_real_list(name: str, values: Iterable[object]) -> list[float]:
     return [check_real(f"{name}[{i}]", v) for i, v in enumerate(values)]
 
 
+def check_logprob_list(name: str, values: Iterable[object]) -> list[float]:
+    """Every element a log-probability, as Python floats: a real number that is not NaN and not ``+inf``
+    (``log p <= 0``; ``−inf``, a probability that underflowed, is kept). The message names the first bad index."""
+    out = check_real_list(name, values)
+    for i, v in enumerate(out):
+        if math.isnan(v) or v == math.inf:
+            raise ArgumentError(f"{name}[{i}]: expected a log-probability (a number <= 0, not NaN), got {v}")
+    return out
+
+
 def check_bool(name: str, value: object) -> bool:
     """``True`` or ``False`` only (a truthy string or number is a caller's mistake, not a flag)."""
     if not isinstance(value, bool):
@@ -123,26 +141,55 @@ def check_seconds(name: str, value: object, *, allow_zero: bool = False, allow_n
     """A finite number of seconds ``> 0`` (``>= 0`` with ``allow_zero``; ``None`` passes with ``allow_none``).
 
     Infinity is refused: a deadline of ``now + inf`` overflows ``select`` / ``wait_for`` (``OverflowError``), and a
-    timeout that can never fire must be written ``None`` where the function allows it."""
+    timeout that can never fire must be written ``None`` where the function allows it. So is anything longer than
+    :data:`MAX_WAIT_SECONDS`, which overflows the same waits."""
     if value is None and allow_none:
         return None
     ok = not _is_bool(value) and isinstance(value, (int, float)) and math.isfinite(value) and (
         value >= 0 if allow_zero else value > 0)
-    if not ok:
+    if not ok or value > MAX_WAIT_SECONDS:
         want = ">= 0" if allow_zero else "> 0"
         none = "None or " if allow_none else ""
-        raise ArgumentError(f"{name}: expected {none}a finite number of seconds {want}, got {value!r}")
+        raise ArgumentError(
+            f"{name}: expected {none}a finite number of seconds {want} and <= {MAX_WAIT_SECONDS:.0f}, got {value!r}"
+        )
     return float(value)  # type: ignore[arg-type]
 
 
 def check_timeout(value: object) -> float | None:
-    """``None`` (no limit), or a number of seconds >= 0; ``math.inf`` means no limit and is returned as ``None``
-    (the condition variables underneath cannot wait an infinite time: ``OverflowError``)."""
+    """``None`` (no limit), or a number of seconds >= 0 (numpy floats and ints included), as a float or ``None``.
+
+    ``math.inf``, and any timeout longer than :data:`MAX_WAIT_SECONDS` (about 292 years), means no limit and is
+    returned as ``None``: the condition variables underneath cannot wait that long (``OverflowError``), and a
+    wait that long cannot end by timing out within the life of a process anyway."""
     if value is None:
         return None
-    if _is_bool(value) or not isinstance(value, (int, float)) or not (value >= 0):
+    v = float(value) if isinstance(value, numbers.Real) and not _is_bool(value) else None
+    if v is None or not (v >= 0):
         raise ArgumentError(f"timeout: expected None or a number of seconds >= 0, got {value!r}")
-    return None if math.isinf(value) else float(value)
+    return None if v > MAX_WAIT_SECONDS else v
+
+
+def check_state_keys(owner: str, state: object, required: Iterable[str], optional: Iterable[str] = ()) -> Mapping:
+    """``state`` (a checkpoint read back by ``owner.load_state_dict``) as a mapping holding every ``required`` key
+    and nothing outside ``required`` and ``optional``.
+
+    A missing key would otherwise surface as a bare ``KeyError`` deep in the restore, and an unknown one (a
+    misspelt key, or a checkpoint of another block) would be ignored; both raise :class:`ArgumentError` naming
+    ``owner``, the key, and the keys expected. Used for nested dicts too (``owner`` then names the path, e.g.
+    ``"StalenessQueue.load_state_dict: state['counters']"``)."""
+    required, optional = tuple(required), tuple(optional)
+    if not isinstance(state, Mapping):
+        raise ArgumentError(f"{owner}: expected a dict (a state_dict()), got {type(state).__name__}")
+    expected = ", ".join(repr(k) for k in (*required, *optional))
+    missing = [k for k in required if k not in state]
+    if missing:
+        raise ArgumentError(f"{owner}: missing key {missing[0]!r} (expected the keys {expected})")
+    allowed = set(required) | set(optional)
+    extra = sorted((k for k in state if k not in allowed), key=repr)
+    if extra:
+        raise ArgumentError(f"{owner}: unexpected key {extra[0]!r} (expected the keys {expected})")
+    return state
 
 
 def check_str_pair(name: str, value: object) -> tuple[str, str]:

@@ -18,6 +18,7 @@ Conventions used by every op in this package:
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from rlblocks._checks import check_bool, check_int
 from rlblocks._validate import as_bool_mask, check_floating, check_tensor, shape_str
 from rlblocks.errors import ArgumentError
 
@@ -106,11 +108,19 @@ def check_float_input(name: str, x: Tensor) -> Tensor:
 
 
 def check_temperature(temperature: float) -> float:
-    if isinstance(temperature, (Tensor, bool)) or not isinstance(temperature, (int, float)):
+    """A finite host number > 0 (Python or numpy int/float; a tensor would need a host sync, a bool is a mistake)."""
+    if isinstance(temperature, (Tensor, bool)) or not isinstance(temperature, numbers.Real):
         raise ArgumentError(f"temperature: expected a Python float > 0, got {type(temperature).__name__}")
     if not temperature > 0 or temperature != temperature or temperature == float("inf"):
         raise ArgumentError(f"temperature: expected a finite float > 0, got {temperature}")
     return float(temperature)
+
+
+def check_flags(**flags: object) -> None:
+    """Each keyword a real ``True`` / ``False`` (``return_entropy="no"`` or ``1`` is a caller's mistake, and a
+    truthy string would switch an output on)."""
+    for name, value in flags.items():
+        check_bool(name, value)
 
 
 def check_labels(
@@ -121,6 +131,7 @@ def check_labels(
     The value check reads the tensor (one host sync of a single bool); it is skipped while ``torch.compile`` traces
     and when ``validate=False``. Returns the flattened int64 labels.
     """
+    check_int("ignore_index", ignore_index, what="an int (the label value of ignored positions)")
     check_tensor("labels", labels)
     if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
         raise ArgumentError(f"labels: expected an integer tensor, got dtype {labels.dtype}")

@@ -26,12 +26,14 @@ candidates from every rank's shard.
 
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple
 
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from rlblocks._checks import as_int
 from rlblocks._validate import shape_str
 from rlblocks.errors import ArgumentError
 
@@ -75,10 +77,13 @@ def _as_param(name: str, x, lead: torch.Size, device: torch.device, integer: boo
         if x.device != device:
             raise ArgumentError(f"{name}: expected the device of the inputs ({device}), got {x.device}")
         return x
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or (integer and not isinstance(x, int)):
-        want = "an int (<= 0 disables top-k)" if integer else "a float in (0, 1] (1 disables top-p)"
-        raise ArgumentError(f"{name}: expected {want}, or a tensor of the labels' shape, got {x!r}")
-    return x
+    # host scalars: Python or numpy numbers (a numpy int is an int; a bool, or a float top-k, is a mistake)
+    if integer and as_int(x) is not None:
+        return as_int(x)
+    if not integer and not isinstance(x, bool) and isinstance(x, numbers.Real):  # numpy bools are not Real
+        return float(x)
+    want = "an int (<= 0 disables top-k)" if integer else "a float in (0, 1] (1 disables top-p)"
+    raise ArgumentError(f"{name}: expected {want}, or a tensor of the labels' shape, got {x!r}")
 
 
 def check_sampling(
@@ -136,6 +141,11 @@ def resolve_thresholds(
 
     ``tau`` lies strictly between the smallest kept value ``lo`` and the largest dropped one ``hi`` (their fp32
     midpoint, or ``lo`` itself when the midpoint rounds onto ``hi``); ``−inf`` when nothing is dropped.
+
+    A row holding a NaN logit has no kept set: its ``tau`` is NaN (settled), and every kept test is written
+    ``~(z < tau)``, which keeps everything against a NaN threshold, so the NaN reaches the row's normaliser and its
+    outputs are NaN instead of a finite log-prob of an arbitrary set (``torch.topk`` and ``sort`` rank NaN above
+    every number, so it is always among the candidates).
     """
     r, c = cand.shape
     k, p = mask.k, mask.p
@@ -169,12 +179,14 @@ def resolve_thresholds(
     mid = (0.5 * (lo.double() + hi.double())).float()
     tau = torch.where(torch.isfinite(hi), torch.where(mid > hi, mid, lo), lo)
     active = use_k | use_p
+    nan_row = torch.isnan(cand).any(1)
+    nan = torch.full_like(tau, float("nan"))
     if complete:
         # nothing after the kept set (or only −inf logits, which have probability 0 either way)
         tau = torch.where(active & torch.isfinite(hi), tau, torch.full_like(tau, NEG_INF))
-        return tau, torch.zeros(r, dtype=torch.bool, device=cand.device)
-    unres = active & ((use_k & (n_in_k >= c)) | (n_keep >= c))
-    tau = torch.where(active, tau, torch.full_like(tau, NEG_INF))
+        return torch.where(active & nan_row, nan, tau), torch.zeros(r, dtype=torch.bool, device=cand.device)
+    unres = active & ((use_k & (n_in_k >= c)) | (n_keep >= c)) & ~nan_row
+    tau = torch.where(active, torch.where(nan_row, nan, tau), torch.full_like(tau, NEG_INF))
     return tau, unres
 
 
@@ -236,7 +248,7 @@ def select(z: Float[Tensor, "R V"], mask: SamplingMask, valid: Bool[Tensor, " R"
         return Selection(tau, None, None)
     if bool((valid & ~active).any()):
         return Selection(tau, None, None)
-    keep = valid.unsqueeze(1) & (cand >= tau.unsqueeze(1))
+    keep = valid.unsqueeze(1) & ~(cand < tau.unsqueeze(1))
     return Selection(tau, torch.where(keep, cand, NEG_INF), idx)
 
 
@@ -298,10 +310,10 @@ def sparse_stats(
     sm = e.sum(1)
     log_s = torch.log(torch.where(valid, sm, 1.0))
     lse = torch.where(valid, top + log_s, 0.0)
-    lp = torch.where(valid, torch.where(zy >= tau, zy - lse, NEG_INF), 0.0)
+    lp = torch.where(valid, torch.where(zy < tau, NEG_INF, zy - lse), 0.0)
     ent = None
     if has_ent:
-        a = (e * torch.where(e > 0, d, 0.0)).sum(1)
+        a = (e * torch.where(e == 0, 0.0, d)).sum(1)
         ent = torch.where(valid, log_s - a / torch.where(valid, sm, 1.0), 0.0)
     return lse, lp, ent
 
@@ -316,7 +328,7 @@ def sparse_grad(
     p = torch.exp(lp)
     gz = -g.unsqueeze(1) * p
     if k is not None:
-        gz = gz - k.unsqueeze(1) * p * torch.where(p > 0, lp + ent.unsqueeze(1), 0.0)
+        gz = gz - k.unsqueeze(1) * p * torch.where(p == 0, 0.0, lp + ent.unsqueeze(1))
     return gz
 
 

@@ -12,7 +12,8 @@
 - ``row_configs`` / ``tile_configs`` and ``keep_one_fp32_config``: the autotune sets.
 
 Every reduction here is ``−inf``-safe: an entry whose logit is ``−inf`` has ``exp = 0`` and its ``0·(−inf)``
-terms are replaced by 0, and a running max that is still ``−inf`` (nothing but masked entries so far) never
+terms are replaced by 0 (tested as ``exp == 0``, never ``exp > 0``, so a NaN entry is not mistaken for one and
+reaches the sums), and a running max that is still ``−inf`` (nothing but masked entries so far) never
 enters an exponent. That is what makes masked vocabularies valid input, and it is the hook for sampling-mask
 replay: turning the entries outside a top-k / top-p set into ``−inf`` before ``online_update`` is all a kernel
 has to add.
@@ -98,7 +99,7 @@ def tile_stats(z, HAS_ENT: tl.constexpr):
     s = tl.sum(e, axis=1)
     a = tl.zeros_like(s)
     if HAS_ENT:
-        a = tl.sum(tl.where(e > 0, e * (z - m_use[:, None]), 0.0), axis=1)
+        a = tl.sum(tl.where(e == 0, 0.0, e * (z - m_use[:, None])), axis=1)
     return m, s, a, e
 
 
@@ -118,7 +119,7 @@ def online_update(m, s, a, z, HAS_ENT: tl.constexpr):
     m_new, m_use, alpha = max_shift(m, z)
     e = tl.exp(z - m_use[:, None])
     if HAS_ENT:
-        d = tl.where(e > 0, z - m_use[:, None], 0.0)  # e = 0 where z = −inf: no 0·(−inf)
+        d = tl.where(e == 0, 0.0, z - m_use[:, None])  # e = 0 where z = −inf: no 0·(−inf)
         dm = tl.where(s > 0, m - m_use, 0.0)
         a = alpha * (a + dm * s) + tl.sum(e * d, axis=1)
     s = alpha * s + tl.sum(e, axis=1)

@@ -18,6 +18,8 @@ first, its adapters stay active).
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -26,7 +28,7 @@ from torch import Tensor, nn
 
 from rlblocks._validate import as_bool_mask, check_ndim, check_tensor, shape_str
 from rlblocks.errors import ArgumentError
-from rlblocks.kernels._common import check_temperature
+from rlblocks.kernels._common import check_flags, check_temperature
 from rlblocks.kernels.linear_logprobs import linear_token_logprobs
 
 
@@ -81,7 +83,8 @@ def causal_lm_logprobs(
     return_outside: bool = False,
     backend: str | None = None,
     validate: bool = True,
-    **model_kwargs: Any,
+    model_kwargs: Mapping[str, Any] | None = None,
+    **unknown: Any,
 ) -> Float[Tensor, "B T"] | tuple[Tensor, ...]:
     """Trainer log-probs ``logp [B, T]`` (and entropy) of the response tokens of an HF causal LM.
 
@@ -112,11 +115,32 @@ def causal_lm_logprobs(
         return_outside: also return the bool ``[B, T]`` of response tokens outside the kept set (last).
         backend: ``linear_token_logprobs``'s backend (``None`` = Triton on CUDA, chunked torch elsewhere).
         validate: check the positions against ``L`` (one host sync; skipped under ``torch.compile``).
-        **model_kwargs: passed to the decoder body (e.g. ``position_ids`` for packed rows).
+        model_kwargs: extra keyword arguments for the decoder body, as a dict (e.g. ``{"position_ids": pos}`` for
+            packed rows). They go in their own dict because an HF model takes ``**kwargs`` and ignores names it
+            does not know: a misspelt option (``topp=0.9``) passed through would be dropped without a word. So
+            any other keyword of this function raises ``ArgumentError`` listing the valid ones, and
+            ``model_kwargs`` may not set ``input_ids``, ``attention_mask`` or ``use_cache`` (set here).
 
     Raises ``ArgumentError`` (a ``ValueError``) naming the argument for wrong shapes or dtypes, a prompt length
-    < 1, a response position past ``L``, an LM head with a bias, or soft-capped logits.
+    < 1, a response position past ``L``, an LM head with a bias, soft-capped logits, or an unknown keyword.
     """
+    if unknown:
+        name = sorted(unknown)[0]
+        close = difflib.get_close_matches(name, _KEYWORDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ArgumentError(
+            f"{name}: not an argument of causal_lm_logprobs{hint}; expected one of {', '.join(_KEYWORDS)}; "
+            f"pass keyword arguments for the model in model_kwargs={{...}}"
+        )
+    if model_kwargs is None:
+        model_kwargs = {}
+    elif not isinstance(model_kwargs, Mapping) or not all(isinstance(k, str) for k in model_kwargs):
+        raise ArgumentError(f"model_kwargs: expected a dict of keyword arguments for the model or None, got "
+                            f"{type(model_kwargs).__name__}")
+    taken = sorted(set(model_kwargs) & {"input_ids", "attention_mask", "use_cache"})
+    if taken:
+        raise ArgumentError(f"model_kwargs: {taken[0]!r} is set by causal_lm_logprobs itself (pass input_ids and "
+                            f"attention_mask as its own arguments), got it in model_kwargs")
     check_ndim("input_ids", input_ids, 2, "[B, L]")
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise ArgumentError(f"input_ids: expected an integer tensor, got dtype {input_ids.dtype}")
@@ -132,6 +156,7 @@ def causal_lm_logprobs(
         raise ArgumentError(f"attention_mask: expected the shape of input_ids {shape_str(input_ids)}, "
                             f"got {shape_str(attention_mask)}")
     temperature = check_temperature(temperature)
+    check_flags(return_entropy=return_entropy, return_outside=return_outside, validate=validate)
     if callable(getattr(model, "get_base_model", None)):  # PEFT: the wrapped transformers model, adapters active
         model = model.get_base_model()
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
@@ -159,7 +184,7 @@ def causal_lm_logprobs(
                 f"input_ids' length L={seq_len} (prompt_lens[{row}]={int(starts[row])})"
             )
     body = _decoder_body(model)
-    out = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_kwargs)
+    out = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **dict(model_kwargs))
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     if hidden.dim() != 3 or hidden.shape[:2] != (b, seq_len):
         raise ArgumentError(f"model: expected the decoder body to return hidden states [{b}, {seq_len}, H], "
@@ -175,3 +200,8 @@ def causal_lm_logprobs(
     return linear_token_logprobs(h_sel, weight, labels, mask=keep, temperature=temp_eff, top_k=top_k, top_p=top_p,
                                  return_entropy=return_entropy, return_outside=return_outside,
                                  backend=backend)  # fmt: skip
+
+
+_KEYWORDS = ("attention_mask", "temperature", "top_k", "top_p", "return_entropy", "return_outside", "backend",
+             "validate", "model_kwargs")
+"""The keyword arguments of ``causal_lm_logprobs`` (listed in its error for an unknown one)."""

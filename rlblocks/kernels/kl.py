@@ -17,6 +17,7 @@ blockwise.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -47,38 +48,40 @@ if triton_available():
     def kl_online_update(ms, ss, mt, st, a, zs, zt, KIND: tl.constexpr):
         """Running per-row (max, Σexp) of the student ``zs`` and teacher ``zt`` tiles [rows, cols] (``−inf`` =
         masked entry), and for forward/reverse the cross term ``Σ exp(z_t − m_t)(z_t − z_s)`` /
-        ``Σ exp(z_s − m_s)(z_s − z_t)``; a term whose weight is 0 is 0 (no 0·(−inf) or 0·NaN from −inf − −inf)."""
+        ``Σ exp(z_s − m_s)(z_s − z_t)``; a term whose weight is 0 is 0 (no 0·(−inf) or 0·NaN from −inf − −inf).
+        The test is ``weight == 0``, never ``weight > 0``: a NaN weight (a NaN logit) must reach the sum."""
         ms_new, ms_use, al_s = max_shift(ms, zs)
         mt_new, mt_use, al_t = max_shift(mt, zt)
         es = tl.exp(zs - ms_use[:, None])
         et = tl.exp(zt - mt_use[:, None])
         if KIND == 0:
-            a = al_t * a + tl.sum(tl.where(et > 0, et * (zt - zs), 0.0), axis=1)
+            a = al_t * a + tl.sum(tl.where(et == 0, 0.0, et * (zt - zs)), axis=1)
         if KIND == 1:
-            a = al_s * a + tl.sum(tl.where(es > 0, es * (zs - zt), 0.0), axis=1)
+            a = al_s * a + tl.sum(tl.where(es == 0, 0.0, es * (zs - zt)), axis=1)
         ss = al_s * ss + tl.sum(es, axis=1)
         st = al_t * st + tl.sum(et, axis=1)
         return ms_new, ss, mt_new, st, a
 
     @triton.jit
     def jsd_terms(lq, lp, log_beta, log_1mb):
-        """Per-entry ``q·(log q − log m)`` and ``p·(log p − log m)`` of the JSD, 0 where the weight is 0."""
+        """Per-entry ``q·(log q − log m)`` and ``p·(log p − log m)`` of the JSD, 0 where the weight is 0 (NaN
+        where a log-prob is NaN)."""
         lm = log_mix(lp, lq, log_beta, log_1mb)
-        tq = tl.where(lq > -float("inf"), tl.exp(lq) * (lq - lm), 0.0)
-        tp = tl.where(lp > -float("inf"), tl.exp(lp) * (lp - lm), 0.0)
+        tq = tl.where(lq == -float("inf"), 0.0, tl.exp(lq) * (lq - lm))
+        tp = tl.where(lp == -float("inf"), 0.0, tl.exp(lp) * (lp - lm))
         return tq, tp
 
     @triton.jit
     def kl_grad(lq, lp, aux, beta, log_beta, log_1mb, KIND: tl.constexpr):
         """∂KL/∂z_s per entry (before the upstream grad and 1/T): forward q − p, reverse q·(log q − log p − KL),
-        jsd (1−β)·q·(log(q/m) − KL(q‖m)); 0 where q = 0."""
+        jsd (1−β)·q·(log(q/m) − KL(q‖m)); 0 where q = 0 (NaN where q is NaN)."""
         q = tl.exp(lq)
         if KIND == 0:
             gz = q - tl.exp(lp)
         elif KIND == 1:
-            gz = tl.where(q > 0, q * (lq - lp - aux), 0.0)
+            gz = tl.where(q == 0, 0.0, q * (lq - lp - aux))
         else:
-            gz = tl.where(q > 0, (1.0 - beta) * q * (lq - log_mix(lp, lq, log_beta, log_1mb) - aux), 0.0)
+            gz = tl.where(q == 0, 0.0, (1.0 - beta) * q * (lq - log_mix(lp, lq, log_beta, log_1mb) - aux))
         return gz
 
     @triton.autotune(configs=row_configs(), key=["V", "KIND"])
@@ -161,8 +164,10 @@ if triton_available():
 
 def _xdiff(w: Tensor, x: Tensor, y: Tensor) -> Tensor:
     """``Σ_j w_j·(x_j − y_j)`` per row, with the terms of weight 0 left out (so ``−inf`` log-probs there, where
-    ``x − y`` is ``−inf`` or NaN, add nothing). A weight > 0 against ``y = −inf`` gives ``+inf``, the true value."""
-    return torch.where(w > 0, w * (x - y), 0.0).sum(dim=1)
+    ``x − y`` is ``−inf`` or NaN, add nothing). A weight > 0 against ``y = −inf`` gives ``+inf``, the true value.
+    A NaN weight (a NaN logit in the row) is kept, so the row's value is NaN: the test is ``w == 0``, not
+    ``w > 0``, which would read NaN as "weight 0" and return a finite divergence for a broken row."""
+    return torch.where(w == 0, 0.0, w * (x - y)).sum(dim=1)
 
 
 def _chunk_terms(zs, zt, kind, beta):
@@ -214,10 +219,10 @@ def _bwd_torch(s, t, valid, lse_s, lse_t, aux, g, inv_temp, kind, beta):
         if kind == 0:
             gz = q.sub_(lp.exp_())
         elif kind == 1:
-            gz = torch.where(q > 0, q * (lq - lp - aux[sl].unsqueeze(1)), 0.0)
+            gz = torch.where(q == 0, 0.0, q * (lq - lp - aux[sl].unsqueeze(1)))
         else:
             lm = torch.logaddexp(lp + math.log(beta), lq + math.log1p(-beta))
-            gz = torch.where(q > 0, q * (lq - lm - aux[sl].unsqueeze(1)), 0.0).mul_(1.0 - beta)
+            gz = torch.where(q == 0, 0.0, q * (lq - lm - aux[sl].unsqueeze(1))).mul_(1.0 - beta)
         gc = torch.where(valid[sl], g[sl].float(), 0.0) * inv_temp
         gs[sl] = torch.where(vc, gz.mul_(gc.unsqueeze(1)), 0.0)
     return gs
@@ -273,7 +278,8 @@ class VocabKLFunction(torch.autograd.Function):
 def check_kind_beta(kind: str, beta: float) -> int:
     if kind not in KINDS:
         raise ArgumentError(f"kind: expected one of {sorted(KINDS)}, got {kind!r}")
-    if kind == "jsd" and not (isinstance(beta, (int, float)) and 0.0 < float(beta) < 1.0):
+    real = isinstance(beta, numbers.Real) and not isinstance(beta, bool)  # numpy floats fine, tensors not
+    if kind == "jsd" and not (real and 0.0 < float(beta) < 1.0):
         raise ArgumentError(f"beta: expected a float in (0, 1) for kind='jsd', got {beta!r}")
     return KINDS[kind]
 
@@ -321,6 +327,10 @@ def vocab_kl(
     teacher entry > 0 at a ``−inf`` student logit). Differentiable w.r.t. ``student_logits`` only; the teacher
     is a constant (a ``teacher_logits`` that requires grad is rejected rather than silently detached).
     Inputs fp32/bf16/fp16, math in fp32.
+
+    NaN in a valid row (a NaN logit of the student or the teacher) gives that row NaN, value and gradient, for
+    every ``kind`` and backend: a term is left out of a sum only when its weight is exactly 0, never because a
+    comparison with NaN is false.
 
     Raises ``ValueError`` naming the argument for non-floating inputs, shape mismatches, an unknown ``kind``,
     ``beta`` outside (0, 1) for jsd, or labels out of range.

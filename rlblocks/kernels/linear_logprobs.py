@@ -37,6 +37,7 @@ from rlblocks.kernels import _common
 from rlblocks.kernels._common import (
     allreduce_stats,
     apply_mask,
+    check_flags,
     check_float_input,
     check_labels,
     check_same_device,
@@ -114,7 +115,7 @@ if triton_available():
             keep = col_ok[None, :]
             if HAS_TAU:
                 tau = tl.load(tau_ptr + rows64, mask=row_ok, other=-float("inf"))
-                keep = keep & (z >= tau[:, None])
+                keep = keep & ~(z < tau[:, None])  # NaN is kept: it must show
             z = tl.where(keep, z, -float("inf"))
             m_t, s_t, a_t, e = tile_stats(z, HAS_ENT)
             out = vt.to(tl.int64) * N + rows64
@@ -168,7 +169,7 @@ if triton_available():
                 # z − lse >= tau − lse, so no second [BLOCK_N, BLOCK_V] tile of z stays live (with it, the 128×128
                 # entropy config spilled on triton 3.6); the threshold's midpoint placement absorbs the rounding.
                 lo = tl.load(tau_ptr + rows64, mask=row_ok, other=-float("inf")) - lse
-                p = tl.where(lp >= lo[:, None], p, 0.0)
+                p = tl.where(lp < lo[:, None], 0.0, p)
             if HAS_ENT:
                 k = tl.load(k_ptr + rows64, mask=row_ok, other=0.0)
                 ent = tl.load(ent_ptr + rows64, mask=row_ok, other=0.0)
@@ -210,8 +211,8 @@ if triton_available():
         if HAS_ENT:
             k = tl.load(k_ptr + rows64, mask=row_ok, other=0.0)
             ent = tl.load(ent_ptr + rows64, mask=row_ok, other=0.0)
-            logp = tl.log(tl.where(e > 0, e, 1.0)) + shift[:, None]
-            gzt = tl.where(e > 0, p * (-g[:, None] - k[:, None] * (logp + ent[:, None])), 0.0)
+            logp = tl.log(tl.where(e == 0, 1.0, e)) + shift[:, None]
+            gzt = tl.where(e == 0, 0.0, p * (-g[:, None] - k[:, None] * (logp + ent[:, None])))
         else:
             gzt = -g[:, None] * p
         gzt += tl.where(cols[None, :] == yl[:, None], g[:, None], 0.0)
@@ -315,14 +316,14 @@ def _fwd_stats_torch(h, w, idx, owns, inv_temp, has_ent, sm=None, group=None):
             rep.tau[sl] = sel.tau
             if sel.sparse:
                 lse_c, _, e_c = sparse_stats(sel.vals, zy[sl], sel.tau, owns[sl], has_ent)
-                zy[sl] = torch.where(zy[sl] >= sel.tau, zy[sl], float("-inf"))
+                zy[sl] = torch.where(zy[sl] < sel.tau, float("-inf"), zy[sl])
                 m[sl], s[sl] = lse_c, 1.0
                 if has_ent:
                     a[sl] = -e_c
                 rep.vals[sl], rep.idx[sl], rep.sparse[sl] = sel.vals, sel.idx, True
                 continue
             mask_below(z, sel.tau)
-            zy[sl] = torch.where(zy[sl] >= sel.tau, zy[sl], float("-inf"))
+            zy[sl] = torch.where(zy[sl] < sel.tau, float("-inf"), zy[sl])
         mc = z.amax(dim=1)
         # a vocab shard may hold none of a row's kept set (max −inf): shift by 0 there, so its s and a are 0
         z.sub_(torch.where(torch.isfinite(mc), mc, 0.0).unsqueeze(1))
@@ -485,7 +486,7 @@ def _forward(h, w, y, inv_temp, ignore_index, has_ent, backend, group, sm=None):
             m, _, e_c = sparse_stats(cs.vals, cs.zy, cs.tau, owns, has_ent)
             s = torch.ones_like(m)
             a = -e_c if has_ent else None
-            zy = torch.where(cs.zy >= cs.tau, cs.zy, float("-inf"))
+            zy = torch.where(cs.zy < cs.tau, float("-inf"), cs.zy)
             rep = Replay(cs.tau, cs.vals, cs.idx, torch.ones_like(owns))
         else:
             rep = Replay(cs.tau, None, None, None) if cs is not None else None
@@ -656,6 +657,8 @@ def linear_token_logprobs(
 
     Returns ``logp``, or a tuple ``(logp, entropy)``, ``(logp, outside)`` or ``(logp, entropy, outside)``.
     """
+    check_flags(return_entropy=return_entropy, return_outside=return_outside,
+                allreduce_grad_hidden=allreduce_grad_hidden)
     h, w, y, temperature, backend = _prepare(
         hidden, weight, labels, mask, temperature, ignore_index, backend, process_group
     )
@@ -946,7 +949,8 @@ def linear_token_logprobs_loss(
     lead = hidden.shape[:-1]
     c = _check_coef("coef", coef, lead, hidden.device)
     ec = _check_coef("entropy_coef", entropy_coef, lead, hidden.device) if entropy_coef is not None else None
-    has_ent = bool(return_entropy) or ec is not None
+    check_flags(return_entropy=return_entropy, allreduce_grad_hidden=allreduce_grad_hidden)
+    has_ent = return_entropy or ec is not None
     sm = check_sampling(top_k, top_p, lead, shard_offset(weight.shape[0], process_group)[1], y != ignore_index)
     if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
         loss, lp, ent = LinearTokenLogprobsLossFunction.apply(

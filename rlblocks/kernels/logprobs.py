@@ -22,6 +22,7 @@ from torch import Tensor
 from rlblocks.errors import ArgumentError
 from rlblocks.kernels._common import (
     apply_mask,
+    check_flags,
     check_float_input,
     check_labels,
     check_same_device,
@@ -76,7 +77,7 @@ if triton_available():
             cols = v0 + tl.arange(0, BLOCK_V)
             in_v = cols < V
             z = tl.load(x_ptr + row * stride_x + cols, mask=cols < v_read, other=0.0).to(tl.float32) * inv_temp
-            z = tl.where(in_v & (z >= tau), z, -float("inf"))[None, :]
+            z = tl.where(in_v & ~(z < tau), z, -float("inf"))[None, :]  # NaN is kept: it must show
             zy += tl.sum(tl.where(cols[None, :] == y, z, 0.0), axis=1)
             m, s, a = online_update(m, s, a, z, HAS_ENT)
         log_s = tl.log(s)
@@ -110,11 +111,11 @@ if triton_available():
             cols = v0 + tl.arange(0, BLOCK_V)
             in_v = cols < V
             z = tl.load(x_ptr + row * stride_x + cols, mask=cols < v_read, other=0.0).to(tl.float32) * inv_temp
-            kept = z >= tau
+            kept = ~(z < tau)
             lp = z - lse
             p = tl.where(kept, tl.exp(lp), 0.0)
             if HAS_ENT:
-                gz = tl.where(p > 0, p * (-g - k * (lp + ent)), 0.0)  # p = 0 (a −inf logit): no 0·(−inf)
+                gz = tl.where(p == 0, 0.0, p * (-g - k * (lp + ent)))  # p = 0 (a −inf logit): no 0·(−inf)
             else:
                 gz = -g * p
             gz += tl.where(cols == y, g, 0.0)
@@ -150,7 +151,7 @@ def _fwd_torch(x, y, valid, inv_temp, has_ent, sm):
                 rep.vals[sl], rep.idx[sl], rep.sparse[sl] = sel.vals, sel.idx, True
                 continue
             mask_below(z, sel.tau)
-            zy = torch.where(zy >= sel.tau, zy, float("-inf"))
+            zy = torch.where(zy < sel.tau, float("-inf"), zy)
         m = z.amax(dim=1)
         z.sub_(m.unsqueeze(1))
         s = torch.zeros_like(m)
@@ -319,7 +320,10 @@ def token_logprobs(
 
     Masked positions (``mask`` false, or ``labels == ignore_index``) give 0 for both outputs and no gradient; their
     logits are never read into a sum. ``−inf`` logits (masked vocabulary entries) are valid: they have probability
-    0 and contribute nothing; a row whose logits are all ``−inf`` has no distribution and gives NaN.
+    0 and contribute nothing; a row whose logits are all ``−inf`` has no distribution and gives NaN. A NaN logit in
+    a valid row gives that row NaN (``logp``, entropy and gradient), with or without ``top_k`` / ``top_p``: every
+    "is this entry kept" test is written so that NaN fails the *drop* side (``~(z < tau)``, ``p == 0``), and such a
+    row is not reported ``outside``.
     Differentiable w.r.t. ``logits``, through both outputs. Memory: the backward keeps only the logits and three
     fp32 numbers per row (lse, entropy, the sampling threshold); the torch path works on row chunks of about
     64 MiB of fp32 (the Triton path finds the thresholds on such chunks too).
@@ -345,6 +349,7 @@ def token_logprobs(
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ArgumentError(f"logits: expected shape [..., V] with V > 0, got {list(logits.shape)}")
     temperature = check_temperature(temperature)
+    check_flags(return_entropy=return_entropy, return_outside=return_outside)
     v = logits.shape[-1]
     check_same_device(logits=logits, labels=labels, mask=mask)
     lead = logits.shape[:-1]

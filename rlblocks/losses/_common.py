@@ -5,6 +5,8 @@ Nothing here reads tensor values on the host, so every helper is safe under ``to
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
@@ -69,13 +71,17 @@ def check_number(
     gt: float | None = None,
     le: float | None = None,
     lt: float | None = None,
+    finite: bool = False,
 ) -> float:
-    """Validate a Python scalar hyper-parameter and return it as a float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """Validate a host scalar hyper-parameter (a Python or numpy int/float, never a bool, never a tensor: reading
+    a tensor would be a host sync) and return it as a float (``finite=True`` also refuses ±inf)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ArgumentError(f"{name}: expected a Python number, got {type(value).__name__}")
     v = float(value)
     if v != v:
         raise ArgumentError(f"{name}: expected a number, got nan")
+    if finite and v in (float("inf"), float("-inf")):
+        raise ArgumentError(f"{name}: expected a finite number, got {v}")
     if ge is not None and not v >= ge:
         raise ArgumentError(f"{name}: expected a value >= {ge}, got {v}")
     if gt is not None and not v > gt:

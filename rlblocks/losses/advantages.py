@@ -19,6 +19,7 @@ import torch
 from jaxtyping import Bool, Float, Int, Shaped
 from torch import Tensor
 
+from rlblocks._checks import check_bool
 from rlblocks._validate import as_bool_mask, check_floating, check_ndim, check_same_shape, shape_str
 from rlblocks.errors import ArgumentError
 from rlblocks.losses._common import check_choice, check_group_inputs, check_number, compute_dtype, safe
@@ -113,17 +114,21 @@ def opo_advantages(
 ) -> Float[Tensor, " n"]:
     """OPO length-weighted baseline: ``A_i = R_i − Σ_g |y_j| R_j / Σ_g |y_j|``.
 
-    ``lengths`` are response lengths (tokens). A singleton group gives 0. If a group's lengths sum to 0 the
-    baseline falls back to the plain group mean. A non-finite reward or length gives its whole group NaN (the
-    fallback must not hide a NaN length). Numerics: float64 group sums.
+    ``lengths`` are response lengths (tokens, a real or integer tensor; not bool). A singleton group gives 0. If a
+    group's lengths sum to 0 the baseline falls back to the plain group mean. A non-finite reward, or a length that
+    is negative or not finite, gives its whole group NaN (no host sync; the fallback must not hide a NaN length,
+    and a negative weight would move the baseline outside the group's rewards). Numerics: float64 group sums.
     """
     check_group_inputs(rewards, group_ids)
-    if not isinstance(lengths, Tensor) or lengths.dtype.is_complex:
-        raise ArgumentError(f"lengths: expected a real tensor of shape [n], got {type(lengths).__name__}")
+    if not isinstance(lengths, Tensor) or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+        raise ArgumentError(
+            f"lengths: expected a real tensor of shape [n], got {getattr(lengths, 'dtype', type(lengths).__name__)}"
+        )
     check_ndim("lengths", lengths, 1, "[n]")
     check_same_shape("rewards", rewards, "lengths", lengths)
     r = rewards.to(torch.float64)
     w = lengths.to(torch.float64)
+    w = torch.where(w >= 0, w, torch.full_like(w, float("nan")))  # a negative length is poisoned like a NaN one
     idx = dense_group_index(group_ids)
     count = group_count(idx, torch.float64)
     wsum = group_sum(w, idx)
@@ -217,6 +222,7 @@ def whiten(
     check_floating("x", x)
     m = as_bool_mask(mask, x, like_name="x")
     eps = check_number("eps", eps, ge=0.0)
+    check_bool("shift_mean", shift_mean)  # a truthy "no" would shift
     dt = compute_dtype(x)
     xs = safe(x, m, dt)
     n = m.sum().to(dt)

@@ -7,6 +7,8 @@ which reproduces the known bugs when shards differ in size (verl #3741, TRL #561
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from jaxtyping import Float, Shaped
 from torch import Tensor
@@ -22,14 +24,19 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mea
 Count = int | float | Tensor
 
 
-def _count(name: str, value: Count | None, default: Tensor, dt: torch.dtype, any_valid: Tensor) -> Tensor:
+def _count(
+    name: str, value: Count | None, default: Tensor, dt: torch.dtype, any_valid: Tensor,
+    at_least: Tensor | None = None,
+) -> Tensor:
     """The normaliser to divide by (a 0-dim tensor in ``dt``), read without a host sync.
 
     A count must be positive and finite. A count of 0 is right only when nothing is valid anywhere: then this
     call has no valid token either, its masked sum is 0, and dividing by 1 gives the 0 loss. Every other count
     that cannot be right gives NaN, so the loss (and its gradient) show it instead of being scaled by a guess:
-    a tensor that is negative, NaN or ±inf, or 0 while this call has valid tokens. Python numbers are checked on
-    the host for free, so a negative, NaN, infinite or non-numeric one raises; a Python 0 follows the tensor rule.
+    a tensor that is negative, NaN or ±inf, or 0 while this call has valid tokens, and any count (tensor or
+    Python) below ``at_least`` when given (a bound read from the mask, so compared on the device, never on the
+    host). Python numbers are checked on the host for free, so a negative, NaN, infinite or non-numeric one
+    raises; a Python 0 follows the tensor rule.
     """
     if value is None:
         return default.to(dt)
@@ -39,14 +46,17 @@ def _count(name: str, value: Count | None, default: Tensor, dt: torch.dtype, any
         if value.dtype == torch.bool or value.dtype.is_complex:
             raise ArgumentError(f"{name}: expected a real count, got a tensor of dtype {value.dtype}")
         v = value.reshape(()).to(device=default.device, dtype=dt)
-    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < float("inf")):
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 <= value < float("inf")):
         raise ArgumentError(f"{name}: expected a finite number >= 0 (0 only when nothing is valid), got {value!r}")
     else:
         v = torch.tensor(float(value), dtype=dt, device=default.device)
     one = torch.ones((), dtype=dt, device=v.device)
     nan = torch.full((), float("nan"), dtype=dt, device=v.device)
     empty_ok = (v == 0) & ~any_valid
-    return torch.where((v > 0) & torch.isfinite(v), v, torch.where(empty_ok, one, nan))
+    ok = (v > 0) & torch.isfinite(v)
+    if at_least is not None:
+        ok = ok & (v >= at_least.to(dt))
+    return torch.where(ok, v, torch.where(empty_ok, one, nan))
 
 
 def aggregate(
@@ -73,8 +83,14 @@ def aggregate(
     Counts may be Python numbers or 1-element tensors (e.g. all-reduced over ranks). A count of 0 gives a 0 loss
     when this call has no valid token (a global batch with nothing to train on) and NaN otherwise; a tensor count
     that is negative, NaN or ±inf gives NaN (read without a host sync); a Python count that is negative, NaN,
-    ±inf, a bool or not a number raises ``ArgumentError``. Without counts, a local count of 0 (an all-false mask)
-    gives 0, never NaN. Accumulates in float32 (float64 for float64 input).
+    ±inf, a bool or not a number raises ``ArgumentError``. ``max_len`` is a bound on every row's length, so one
+    below the longest row's valid tokens (``max_len=2`` for a row of 4 valid tokens) gives NaN too, value and
+    gradient. It is compared with the valid tokens of each row, not with ``T``: in a next-token layout ``T`` also
+    spans the prompt positions, and padding columns are no tokens; the comparison reads the mask, so it is made
+    on the device (NaN), not on the host (an error would need a sync). ``num_tokens`` and ``num_seqs`` may be
+    smaller than this call's own counts, even fractional: a data-parallel rank whose gradients are averaged
+    over ``W`` ranks passes the global count divided by ``W``. Without counts, a local count of 0 (an all-false
+    mask) gives 0, never NaN. Accumulates in float32 (float64 for float64 input).
     """
     check_floating("per_token", per_token)
     check_ndim("per_token", per_token, 2, "[B, T]")
@@ -92,8 +108,9 @@ def aggregate(
         return masked_sum(x, m) / n
     lengths = m.sum(-1)
     if mode == "seq-mean-token-sum-norm":
+        longest = torch.cat([lengths, lengths.new_zeros(1)]).amax()  # 0 for an empty batch
         s = _count("num_seqs", num_seqs, torch.tensor(max(b, 1), device=x.device), dt, any_valid)
-        L = _count("max_len", max_len, torch.tensor(max(t, 1), device=x.device), dt, any_valid)
+        L = _count("max_len", max_len, torch.tensor(max(t, 1), device=x.device), dt, any_valid, longest)
         return masked_sum(x, m) / (s * L)
     s = _count("num_seqs", num_seqs, (lengths > 0).sum().clamp(min=1), dt, any_valid)
     if mode == "seq-mean-token-sum":

@@ -15,6 +15,7 @@ import torch
 from jaxtyping import Float, Shaped
 from torch import Tensor
 
+from rlblocks._checks import check_bool, check_int
 from rlblocks._validate import as_bool_mask, check_floating, check_same_shape
 from rlblocks.errors import ArgumentError
 from rlblocks.losses._common import LOG_RATIO_CLAMP, check_choice, check_number, compute_dtype, safe
@@ -54,6 +55,7 @@ def kl_estimate(
     check_floating("ref_logp", ref_logp)
     check_same_shape("logp", logp, "ref_logp", ref_logp)
     check_choice("kind", kind, KL_KINDS)
+    check_bool("straight_through", straight_through)
     dt = compute_dtype(logp)
     if mask is not None:
         m = as_bool_mask(mask, logp)
@@ -80,13 +82,28 @@ def kl_estimate(
     return torch.where(m, k, fill)
 
 
+def _read_kl(current_kl: float | Tensor, n_steps: int) -> tuple[float, int]:
+    """The arguments of ``update``: ``current_kl`` a number or a 1-element real tensor (read on the host, one
+    sync), not NaN; ``n_steps`` a genuine int >= 0 (numpy ints fine, bools and floats refused)."""
+    if isinstance(current_kl, Tensor):
+        if current_kl.numel() != 1 or current_kl.dtype == torch.bool or current_kl.dtype.is_complex:
+            raise ArgumentError(
+                f"current_kl: expected a number or a 1-element real tensor (the batch's mean KL), got a "
+                f"{current_kl.dtype} tensor of shape {list(current_kl.shape)}"
+            )
+        current_kl = float(current_kl.detach().reshape(()).double().item())
+    kl = check_number("current_kl", current_kl)
+    return kl, check_int("n_steps", n_steps, minimum=0)
+
+
 class FixedKLController:
-    """Constant KL coefficient. ``update`` accepts the same arguments as the adaptive one and does nothing."""
+    """Constant KL coefficient. ``update`` checks the same arguments as the adaptive one and does nothing else."""
 
     def __init__(self, kl_coef: float) -> None:
-        self.value = check_number("kl_coef", kl_coef, ge=0.0)
+        self.value = check_number("kl_coef", kl_coef, ge=0.0, finite=True)
 
     def update(self, current_kl: float | Tensor, n_steps: int) -> float:
+        _read_kl(current_kl, n_steps)
         return self.value
 
 
@@ -95,19 +112,17 @@ class AdaptiveKLController:
 
     ``error = clip(current_kl / target − 1, −0.2, 0.2)``; ``value *= 1 + error·n_steps / horizon``.
     Holds Python state: ``update`` converts a tensor ``current_kl`` to a float (one host sync, once per step,
-    outside the loss).
+    outside the loss). ``current_kl`` is a number or a 1-element tensor (a per-token KL tensor must be reduced
+    first: ``ArgumentError`` otherwise); a NaN one raises, an infinite one saturates the clip.
     """
 
     def __init__(self, init_kl_coef: float, target: float, horizon: float) -> None:
-        self.value = check_number("init_kl_coef", init_kl_coef, ge=0.0)
-        self.target = check_number("target", target, gt=0.0)
-        self.horizon = check_number("horizon", horizon, gt=0.0)
+        self.value = check_number("init_kl_coef", init_kl_coef, ge=0.0, finite=True)
+        self.target = check_number("target", target, gt=0.0, finite=True)
+        self.horizon = check_number("horizon", horizon, gt=0.0, finite=True)
 
     def update(self, current_kl: float | Tensor, n_steps: int) -> float:
-        kl = float(current_kl.detach().float().item()) if isinstance(current_kl, Tensor) else float(current_kl)
-        check_number("current_kl", kl)
-        if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 0:
-            raise ArgumentError(f"n_steps: expected a non-negative int, got {n_steps!r}")
+        kl, n_steps = _read_kl(current_kl, n_steps)
         error = min(max(kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
         return self.value

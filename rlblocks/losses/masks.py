@@ -9,6 +9,7 @@ import torch
 from jaxtyping import Bool, Float, Int, Shaped
 from torch import Tensor
 
+from rlblocks._checks import check_int
 from rlblocks._deprecate import renamed_kwargs
 from rlblocks._validate import as_bool_mask, check_floating, check_ndim
 from rlblocks.errors import ArgumentError
@@ -66,12 +67,19 @@ def top_entropy_mask(
 
     A NaN entropy at a valid position is left out of the quantile and its token is *kept*: a NaN has no rank, and
     counting it would make the threshold NaN and drop every token; dropping just that token would hide the NaN
-    (its log-probs are NaN too, and kept they make the loss NaN, where it shows). ±inf entropies rank normally.
+    (its log-probs are NaN too, and kept they make the loss NaN, where it shows). A mask cannot carry the NaN
+    itself (it is bool) and raising would need a host sync, so keeping the token is how the NaN propagates.
+    ±inf entropies rank normally; NaN/inf at masked positions is never read (those stay ``False``).
+
+    An empty batch (``B = 0`` or ``T = 0``) gives an empty mask of the same shape, and a batch with no valid
+    token gives all ``False``.
     """
     check_floating("entropy", entropy)
     check_ndim("entropy", entropy, 2, "[B, T]")
     m = as_bool_mask(mask, entropy, like_name="entropy")
     q = check_number("quantile", quantile, ge=0.0, le=1.0)
+    if entropy.numel() == 0:  # a static shape: no token to rank, and nothing to gather the quantile from
+        return m.clone()
     dt = compute_dtype(entropy)
     e = entropy.detach().to(dt)
     nan = torch.isnan(e)
@@ -99,16 +107,23 @@ def overlong_penalty(
 
     ``0`` if ``|y| ≤ max_len − buffer``; ``−penalty·(|y| − (max_len − buffer)) / buffer`` inside the buffer;
     ``−penalty`` if ``|y| ≥ max_len``. Float32 (float64 for float64 lengths).
+
+    ``max_len`` and ``buffer`` are token counts: genuine ints (numpy ints fine; a float or a bool raises
+    ``ArgumentError``), ``max_len >= 1`` and ``1 <= buffer <= max_len``. A length is a count too, so a negative or
+    NaN one gives NaN at its sample (read on the device: no host sync), not the 0 penalty of a short answer;
+    ``+inf`` is longer than any budget and gives ``−penalty``.
     """
     if not isinstance(lengths, Tensor) or lengths.dtype.is_complex or lengths.dtype == torch.bool:
         raise ArgumentError(f"lengths: expected a real tensor of shape [n], got {getattr(lengths, 'dtype', lengths)!r}")
     check_ndim("lengths", lengths, 1, "[n]")
-    ml = check_number("max_len", max_len, gt=0)
-    buf = check_number("buffer", buffer, gt=0, le=ml)
-    pen = check_number("penalty", penalty, ge=0.0)
+    ml = check_int("max_len", max_len, minimum=1)
+    buf = check_int("buffer", buffer, minimum=1, maximum=ml, what=f"an int in [1, max_len={ml}]")
+    pen = check_number("penalty", penalty, ge=0.0, finite=True)  # an infinite one gives 0·inf = NaN in budget
     dt = torch.float64 if lengths.dtype == torch.float64 else torch.float32
-    excess = (lengths.to(dt) - (ml - buf)) / buf
-    return -pen * excess.clamp(0.0, 1.0)
+    length = lengths.to(dt)
+    excess = (length - (ml - buf)) / buf
+    out = -pen * excess.clamp(0.0, 1.0)
+    return torch.where(length >= 0, out, torch.full_like(out, float("nan")))
 
 
 def zero_variance_groups(rewards: Shaped[Tensor, " n"], group_ids: Int[Tensor, " n"]) -> Bool[Tensor, " n"]:

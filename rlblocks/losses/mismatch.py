@@ -13,6 +13,7 @@ import torch
 from jaxtyping import Float, Int, Shaped
 from torch import Tensor
 
+from rlblocks._checks import as_int, check_int
 from rlblocks._deprecate import renamed_kwargs
 from rlblocks._validate import check_same_shape, check_tensor
 from rlblocks.errors import ArgumentError
@@ -42,13 +43,12 @@ def _check_versions(versions: Tensor, like: Tensor, current_version: object, max
                 f"current_version: expected an int or a 1-element integer tensor, got {current_version.dtype} "
                 f"of shape {list(current_version.shape)}"
             )
-    elif isinstance(current_version, bool) or not isinstance(current_version, int):
+    elif as_int(current_version) is None:  # numpy ints are ints; a bool or a float is not a version
         raise ArgumentError(f"current_version: expected an int or a 1-element integer tensor, got {current_version!r}")
-    if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
-        raise ArgumentError(
-            f"max_staleness: expected a Python int >= 0 with versions (it fixes the metric keys), got {max_staleness!r}"
-        )
-    return max_staleness
+    what = "a Python int >= 0 with versions (it fixes the metric keys)"
+    if isinstance(max_staleness, Tensor):  # reading it would be a host sync
+        raise ArgumentError(f"max_staleness: expected {what}, got a tensor")
+    return check_int("max_staleness", max_staleness, minimum=0, what=what)
 
 
 @renamed_kwargs(train_logp="old_logp")
@@ -124,7 +124,7 @@ def mismatch_metrics(
         "prob_corr": _masked_corr(torch.exp(olp), torch.exp(rlp), m),
     }
     if eta is not None:
-        cur = current_version.reshape(()) if isinstance(current_version, Tensor) else current_version
+        cur = current_version.reshape(()) if isinstance(current_version, Tensor) else as_int(current_version)
         staleness = cur - versions
         n_valid = m.sum().clamp(min=1).to(dt)
         counted = torch.zeros_like(m)

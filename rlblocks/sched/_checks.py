@@ -11,10 +11,12 @@ from rlblocks._checks import (
     check_bool,
     check_int,
     check_int_list,
+    check_logprob_list,
     check_optional_int,
     check_real,
     check_real_list,
     check_seconds,
+    check_state_keys,
     check_timeout,
 )
 
@@ -23,9 +25,11 @@ __all__ = [
     "check_bool",
     "check_int",
     "check_int_list",
+    "check_logprob_list",
     "check_optional_int",
     "check_real",
     "check_real_list",
     "check_seconds",
+    "check_state_keys",
     "check_timeout",
 ]

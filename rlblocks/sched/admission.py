@@ -23,6 +23,7 @@ from typing import Any
 from rlblocks.errors import ArgumentError
 
 from ._checks import check_int as _check_int
+from ._checks import check_state_keys
 
 
 class StalenessController:
@@ -208,18 +209,18 @@ class StalenessController:
         ``max_staleness`` and ``max_concurrent`` may differ (they only change future admission). If the rollouts that
         were running at save time did not survive the restart, call :meth:`on_version_recovered` afterwards.
         """
-        for key in ("batch_size", "dp_size", "running", "accepted", "rejected", "submitted"):
-            if key not in state:
-                raise ArgumentError(f"state: missing key {key!r}")
+        where = "StalenessController.load_state_dict: state"
+        check_state_keys(where, state, ("batch_size", "dp_size", "running", "accepted", "rejected", "submitted"),
+                         ("max_concurrent", "max_staleness"))
         for key, mine in (("batch_size", self.global_batch_size), ("dp_size", self.dp_size)):
-            if state[key] != mine:
-                raise ArgumentError(f"state[{key!r}]: expected {mine} (this controller's), got {state[key]!r}")
-        running = _check_int("state['running']", state["running"], minimum=0)
-        accepted = _check_int("state['accepted']", state["accepted"], minimum=0)
-        rejected = _check_int("state['rejected']", state["rejected"], minimum=0)
-        if state["submitted"] != running + accepted + rejected:
+            if _check_int(f"{where}[{key!r}]", state[key], minimum=1) != mine:
+                raise ArgumentError(f"{where}[{key!r}]: expected {mine} (this controller's), got {state[key]!r}")
+        running = _check_int(f"{where}['running']", state["running"], minimum=0)
+        accepted = _check_int(f"{where}['accepted']", state["accepted"], minimum=0)
+        rejected = _check_int(f"{where}['rejected']", state["rejected"], minimum=0)
+        if _check_int(f"{where}['submitted']", state["submitted"], minimum=0) != running + accepted + rejected:
             raise ArgumentError(
-                f"state['submitted']: expected accepted + rejected + running = {running + accepted + rejected}, "
+                f"{where}['submitted']: expected accepted + rejected + running = {running + accepted + rejected}, "
                 f"got {state['submitted']!r}"
             )
         with self._lock:

@@ -38,7 +38,7 @@ from torch import Tensor
 from rlblocks._deprecate import warn_renamed
 from rlblocks.errors import ArgumentError, InsufficientGroupsError
 
-from ._checks import check_bool, check_int, check_optional_int
+from ._checks import check_bool, check_int, check_optional_int, check_real
 
 
 def nonzero_reward_variance(group: Any, rewards: Sequence[float]) -> bool:
@@ -56,6 +56,10 @@ def _as_rewards(rewards: Sequence[float] | Tensor) -> list[float]:
             raise ArgumentError(f"rewards: expected a 1-D tensor [group_size], got shape {list(rewards.shape)}")
         values = [float(r) for r in rewards.detach().cpu().tolist()]
     else:
+        if isinstance(rewards, (str, bytes)) or not hasattr(rewards, "__iter__"):
+            raise ArgumentError(
+                f"rewards: expected a sequence of numbers or a 1-D tensor, got {type(rewards).__name__}"
+            )
         values = []
         for i, r in enumerate(rewards):
             if isinstance(r, (str, bytes)):
@@ -110,9 +114,7 @@ class DynamicSampler:
         max_rounds: int | None = None,
     ) -> None:
         self.target_groups = check_int("target_groups", target_groups, minimum=1)
-        if isinstance(over_sampling, bool) or not isinstance(over_sampling, (int, float)) or not (
-            math.isfinite(over_sampling) and over_sampling >= 1.0
-        ):
+        if check_real("over_sampling", over_sampling, finite=True) < 1.0:
             raise ArgumentError(f"over_sampling: expected a finite number >= 1.0, got {over_sampling!r}")
         if filter_fn is not None and not callable(filter_fn):
             raise ArgumentError(f"filter_fn: expected a callable(group, rewards) -> bool or None, got {filter_fn!r}")
@@ -174,7 +176,11 @@ class DynamicSampler:
         (read as 1.0 / 0.0); NaN or infinite rewards are refused.
         """
         values = _as_rewards(rewards)
-        keep = bool(self.filter_fn(group, values))
+        verdict = self.filter_fn(group, values)
+        try:
+            keep = bool(verdict)  # numpy and 0-d torch bools are fine; a multi-element tensor is not a verdict
+        except (RuntimeError, TypeError, ValueError):
+            raise ArgumentError(f"filter_fn: expected it to return True or False, got {verdict!r:.80}") from None
         with self._lock:
             if self._in_flight_locked() <= 0:
                 raise ArgumentError("group: add_group() with no group in flight (call on_submit() when submitting)")

@@ -22,7 +22,7 @@ from torch import Tensor
 from rlblocks.errors import ArgumentError
 
 from .._validate import check_ndim, check_tensor, shape_str
-from ._checks import check_int, check_int_list
+from ._checks import check_bool, check_int, check_int_list
 
 
 def _as_lengths(lengths: Sequence[int] | Tensor, name: str = "lengths") -> list[int]:
@@ -101,6 +101,7 @@ def token_budget_microbatches(
     """
     lens = _as_lengths(lengths)
     max_tokens = _check_budget(max_tokens, lens)
+    padded = check_bool("padded", padded)
     out: list[list[int]] = []
     cur: list[int] = []
     total = longest = 0
@@ -132,6 +133,7 @@ def balance_partitions(lengths: Sequence[int] | Tensor, k: int, *, equal_size: b
     """
     lens = _as_lengths(lengths)
     k = check_int("k", k, minimum=1)
+    equal_size = check_bool("equal_size", equal_size)
     n = len(lens)
     if equal_size and n % k != 0:
         raise ArgumentError(f"lengths: equal_size=True needs a multiple of k={k} sequences, got {n}")
@@ -178,8 +180,13 @@ def _flatten(tree: object) -> list[int]:
 def inverse_permutation(groups: Sequence[Sequence[int]]) -> list[int]:
     """For index lists covering ``0..n-1`` once (e.g. from :func:`balance_partitions`), the inverse of their
     concatenation: if ``flat = [i for g in groups for i in g]`` and ``y[j]`` is the result for ``flat[j]``, then
-    ``y[inv[i]]`` is the result for original index ``i`` (``torch.cat(results)[inv]`` restores the order)."""
-    flat = [int(i) for g in groups for i in g]
+    ``y[inv[i]]`` is the result for original index ``i`` (``torch.cat(results)[inv]`` restores the order).
+
+    Indices must be genuine integers (numpy / 0-d torch ints fine): ``1.5`` or ``True`` raises ``ArgumentError``
+    naming ``groups[g][k]`` instead of being truncated or read as 1."""
+    if isinstance(groups, (str, bytes)) or not hasattr(groups, "__iter__"):
+        raise ArgumentError(f"groups: expected a sequence of index lists, got {type(groups).__name__}")
+    flat = [i for g, group in enumerate(groups) for i in check_int_list(f"groups[{g}]", group)]
     n = len(flat)
     inv = [-1] * n
     for pos, i in enumerate(flat):
@@ -211,7 +218,7 @@ def pad_to_packed(
                          f"got {shape_str(mask)}")
     m = mask if mask.dtype == torch.bool else mask != 0
     seqlens = m.sum(dim=1)
-    if validate:
+    if check_bool("validate", validate):
         ar = torch.arange(m.shape[1], device=m.device)
         right = ar.unsqueeze(0) < seqlens.unsqueeze(1)
         bad = (right != m).any(dim=1)
@@ -256,8 +263,8 @@ def packed_to_pad(
     longest = int(seqlens.max()) if seqlens.numel() else 0
     if max_len is None:
         max_len = longest
-    elif isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < longest:
-        raise ArgumentError(f"max_len: expected an int >= the longest sequence ({longest}), got {max_len!r}")
+    else:
+        max_len = check_int("max_len", max_len, minimum=longest, what=f"an int >= the longest sequence ({longest})")
     b = seqlens.numel()
     mask = torch.arange(max_len, device=flat.device).unsqueeze(0) < seqlens.unsqueeze(1)
     out = flat.new_full((b, max_len, *flat.shape[1:]), pad_value)

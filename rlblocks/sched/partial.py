@@ -19,7 +19,14 @@ from typing import Any, Protocol
 from rlblocks._deprecate import renamed_kwargs, take_renamed, warn_renamed
 from rlblocks.errors import ArgumentError
 
-from ._checks import check_bool, check_int, check_int_list, check_optional_int, check_real_list
+from ._checks import (
+    check_bool,
+    check_int,
+    check_int_list,
+    check_logprob_list,
+    check_optional_int,
+    check_state_keys,
+)
 
 
 class GenerationLike(Protocol):
@@ -37,7 +44,8 @@ class GenerationLike(Protocol):
 class PartialRollout:
     """One sample of a group, possibly unfinished.
 
-    ``output_logprobs[i]`` / ``output_versions[i]`` belong to ``output_ids[i]``. ``remaining_tokens`` is the budget
+    ``output_logprobs[i]`` / ``output_versions[i]`` belong to ``output_ids[i]``; a log-prob is a number ``<= 0`` or
+    ``−inf`` (NaN and ``+inf`` are refused, naming the index). ``remaining_tokens`` is the budget
     still allowed (``max_new_tokens - len(output_ids)`` for the sample's original budget). ``finished`` marks a
     sample that completed (stop or length) before its group was aborted; it is carried so the group stays whole
     and is not regenerated.
@@ -63,7 +71,8 @@ class PartialRollout:
         if len(self.prompt_ids) == 0:
             raise ArgumentError("prompt_ids: expected at least one token, got an empty list")
         self.output_ids = check_int_list("output_ids", self.output_ids, minimum=0)
-        self.output_logprobs = check_real_list("output_logprobs", self.output_logprobs)
+        # NaN or +inf is no log-probability: kept, it would turn the loss of the whole batch NaN steps later
+        self.output_logprobs = check_logprob_list("output_logprobs", self.output_logprobs)
         self.output_versions = check_int_list("output_versions", self.output_versions, minimum=0)
         n = len(self.output_ids)
         if len(self.output_logprobs) != n or len(self.output_versions) != n:
@@ -383,31 +392,43 @@ class PartialRolloutBuffer:
         ``group_size`` (when saved) matches this buffer's, and the counters satisfy ``samples_added ==
         samples_popped + samples_dropped + samples_held``.
         """
-        for key in ("complete", "incomplete", "dropped", "counts"):
-            if key not in state:
-                raise ArgumentError(f"state: missing key {key!r}")
+        where = "PartialRolloutBuffer.load_state_dict: state"
+        check_state_keys(where, state, ("complete", "incomplete", "dropped", "counts"), ("group_size",))
         if "group_size" in state and state["group_size"] != self.group_size:
             raise ArgumentError(
-                f"state['group_size']: expected {self.group_size} (this buffer's), got {state['group_size']!r}"
+                f"{where}['group_size']: expected {self.group_size} (this buffer's), got {state['group_size']!r}"
             )
 
         def dec(key):
             out = []
-            for j, entry in enumerate(state[key]):
+            groups = state[key]
+            if not isinstance(groups, (list, tuple)):
+                raise ArgumentError(f"{where}[{key!r}]: expected a list of (group_id, samples), got "
+                                    f"{type(groups).__name__}")
+            for j, entry in enumerate(groups):
+                if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[1], (list, tuple)):
+                    raise ArgumentError(f"{where}[{key!r}][{j}]: expected a (group_id, samples) pair, got "
+                                        f"{entry!r:.80}")
                 gid, samples = entry
                 group = []
                 for i, d in enumerate(samples):
+                    if not isinstance(d, dict):
+                        raise ArgumentError(f"{where}[{key!r}][{j}] sample {i}: expected a dict of PartialRollout "
+                                            f"fields, got {type(d).__name__}")
+                    fields = tuple(PartialRollout.__dataclass_fields__)
+                    check_state_keys(f"{where}[{key!r}][{j}] sample {i}", d, ("group_id", "prompt_ids"),
+                                     fields[2:])
                     try:
                         s = PartialRollout(**d)
                     except (TypeError, ArgumentError) as e:
-                        raise ArgumentError(f"state[{key!r}][{j}] sample {i}: {e}") from None
+                        raise ArgumentError(f"{where}[{key!r}][{j}] sample {i}: {e}") from None
                     if s.group_id != gid:
                         raise ArgumentError(
-                            f"state[{key!r}][{j}] sample {i}: expected group_id {gid!r}, got {s.group_id!r}"
+                            f"{where}[{key!r}][{j}] sample {i}: expected group_id {gid!r}, got {s.group_id!r}"
                         )
                     group.append(s)
                 if not group:
-                    raise ArgumentError(f"state[{key!r}][{j}]: expected at least one sample in group {gid!r}")
+                    raise ArgumentError(f"{where}[{key!r}][{j}]: expected at least one sample in group {gid!r}")
                 out.append((gid, group))
             return out
 
@@ -415,22 +436,22 @@ class PartialRolloutBuffer:
         for j, (gid, group) in enumerate(complete):
             if self.group_size is not None and len(group) != self.group_size:
                 raise ArgumentError(
-                    f"state['complete'][{j}]: expected a whole group of group_size={self.group_size} samples, "
+                    f"{where}['complete'][{j}]: expected a whole group of group_size={self.group_size} samples, "
                     f"got {len(group)} in group {gid!r}"
                 )
         for j, (gid, group) in enumerate(incomplete):
             if self.group_size is None:
-                raise ArgumentError("state['incomplete']: a buffer without group_size holds no incomplete groups, "
+                raise ArgumentError(f"{where}['incomplete']: a buffer without group_size holds no incomplete groups, "
                                     f"got group {gid!r}")
             if len(group) >= self.group_size:
                 raise ArgumentError(
-                    f"state['incomplete'][{j}]: expected fewer than group_size={self.group_size} samples, got "
+                    f"{where}['incomplete'][{j}]: expected fewer than group_size={self.group_size} samples, got "
                     f"{len(group)} in group {gid!r}"
                 )
         gids = [gid for gid, _ in complete + incomplete]
         if len(set(gids)) != len(gids):
             dup = next(g for g in gids if gids.count(g) > 1)
-            raise ArgumentError(f"state: expected each group id once among held groups, got {dup!r} twice")
+            raise ArgumentError(f"{where}: expected each group id once among held groups, got {dup!r} twice")
         rids: dict[str, Hashable] = {}
         for gid, group in complete + incomplete:
             for s in group:
@@ -438,24 +459,23 @@ class PartialRolloutBuffer:
                     continue
                 if s.request_id in rids:
                     raise ArgumentError(
-                        f"state: expected each request_id once, got {s.request_id!r} in group {rids[s.request_id]!r} "
-                        f"and group {gid!r}"
+                        f"{where}: expected each request_id once, got {s.request_id!r} in group "
+                        f"{rids[s.request_id]!r} and group {gid!r}"
                     )
                 rids[s.request_id] = gid
-        counts = state["counts"]
-        for key in _COUNTERS:
-            if key not in counts:
-                raise ArgumentError(f"state['counts']: missing key {key!r}")
-        counts = {key: check_int(f"state['counts'][{key!r}]", counts[key], minimum=0) for key in _COUNTERS}
+        counts = check_state_keys(f"{where}['counts']", state["counts"], _COUNTERS)
+        counts = {key: check_int(f"{where}['counts'][{key!r}]", counts[key], minimum=0) for key in _COUNTERS}
         held = sum(len(g) for _, g in complete + incomplete)
         if counts["samples_added"] != counts["samples_popped"] + counts["samples_dropped"] + held:
             raise ArgumentError(
-                f"state['counts']: expected samples_added == samples_popped + samples_dropped + held, got "
+                f"{where}['counts']: expected samples_added == samples_popped + samples_dropped + held, got "
                 f"{counts['samples_added']} != {counts['samples_popped']} + {counts['samples_dropped']} + {held}"
             )
         with self._lock:
             if self._complete or self._incomplete or self._dropped:
-                raise ArgumentError("load_state_dict: expected an empty buffer (loading would lose its groups)")
+                raise ArgumentError(
+                    "PartialRolloutBuffer.load_state_dict: expected an empty buffer (loading would lose its groups)"
+                )
             self._complete = dict(complete)
             self._incomplete = dict(incomplete)
             self._dropped = dropped

@@ -30,7 +30,9 @@ from typing import Any, Literal
 
 from rlblocks.errors import ArgumentError, QueueClosed, QueueFull
 
+from ._checks import check_bool, check_state_keys
 from ._checks import check_int as _check_int
+from ._checks import check_real as _check_real
 from ._checks import check_timeout as _check_timeout
 
 
@@ -196,6 +198,7 @@ class StalenessQueue:
         """
         version = _check_int("version", version, minimum=0)
         timeout = _check_timeout(timeout)
+        block = check_bool("block", block)  # a truthy "no" would block
         with self._lock:
             if self._closed:
                 raise QueueClosed("put: the queue is closed")
@@ -411,24 +414,34 @@ class StalenessQueue:
         The configuration (``max_staleness``, ``capacity``, ``on_stale``) is this queue's own; restored items may
         exceed ``capacity`` (later puts then wait until consumers make room). ``closed`` is not restored.
         """
-        for key in ("items", "stale_pending", "counters"):
-            if key not in state:
-                raise ArgumentError(f"state: missing key {key!r}")
-        items = [(item, _check_int("state['items'] version", v, minimum=0), float(age)) for item, v, age in
-                 state["items"]]
-        stale_pending = [(item, _check_int("state['stale_pending'] version", v, minimum=0)) for item, v in
-                         state["stale_pending"]]
-        c = state["counters"]
-        n_put, n_returned, n_stale = int(c["put"]), int(c["returned"]), int(c["stale"])
+        where = "StalenessQueue.load_state_dict"
+        check_state_keys(f"{where}: state", state, ("items", "stale_pending", "counters"), ("max_staleness",))
+        items = []
+        for j, entry in enumerate(_entries(f"{where}: state['items']", state["items"], 3)):
+            item, v, age = entry
+            items.append((item, _check_int(f"{where}: state['items'][{j}] version", v, minimum=0),
+                          _check_real(f"{where}: state['items'][{j}] age", age, finite=True)))
+        stale_pending = [
+            (item, _check_int(f"{where}: state['stale_pending'][{j}] version", v, minimum=0))
+            for j, (item, v) in enumerate(_entries(f"{where}: state['stale_pending']", state["stale_pending"], 2))
+        ]
+        c = check_state_keys(f"{where}: state['counters']", state["counters"], _COUNTERS, _COUNTERS_OPTIONAL)
+        counts = {k: _check_int(f"{where}: state['counters'][{k!r}]", c[k], minimum=0)
+                  for k in ("put", "returned", "stale", "drained", "ahead", "max_ahead") if k in c}
+        seconds = {k: _check_real(f"{where}: state['counters'][{k!r}]", c[k], finite=True)
+                   for k in ("wait_time_total_s", "get_blocked_s", "put_blocked_s")}
+        hists = {k: _histogram(f"{where}: state['counters'][{k!r}]", c[k])
+                 for k in ("age_histogram", "stale_age_histogram")}
+        n_put, n_returned, n_stale = counts["put"], counts["returned"], counts["stale"]
         if n_put != n_returned + n_stale + len(items):
             raise ArgumentError(
-                f"state['counters']: expected put == returned + stale + queued, got {n_put} != "
+                f"{where}: state['counters']: expected put == returned + stale + queued, got {n_put} != "
                 f"{n_returned} + {n_stale} + {len(items)}"
             )
         with self._lock:
             if self._heap or self._stale_pending:
                 raise ArgumentError(
-                    f"load_state_dict: expected an empty queue, this one holds {len(self._heap)} queued and "
+                    f"{where}: expected an empty queue, this one holds {len(self._heap)} queued and "
                     f"{len(self._stale_pending)} stale-pending items (loading would lose them)"
                 )
             now = time.monotonic()
@@ -437,15 +450,42 @@ class StalenessQueue:
             self._stale_pending = stale_pending
             self._reset_counters()
             self._n_put, self._n_returned, self._n_stale = n_put, n_returned, n_stale
-            self._n_drained = int(c["drained"])
-            self._n_ahead = int(c.get("ahead", 0))  # absent from checkpoints written before it was counted
-            self._max_ahead = int(c.get("max_ahead", 0))
-            self._age_hist = Counter({int(k): int(v) for k, v in c["age_histogram"].items()})
-            self._stale_age_hist = Counter({int(k): int(v) for k, v in c["stale_age_histogram"].items()})
-            self._wait_total = float(c["wait_time_total_s"])
-            self._get_block_total = float(c["get_blocked_s"])
-            self._put_block_total = float(c["put_blocked_s"])
+            self._n_drained = counts["drained"]
+            self._n_ahead = counts.get("ahead", 0)  # absent from checkpoints written before it was counted
+            self._max_ahead = counts.get("max_ahead", 0)
+            self._age_hist = Counter(hists["age_histogram"])
+            self._stale_age_hist = Counter(hists["stale_age_histogram"])
+            self._wait_total = seconds["wait_time_total_s"]
+            self._get_block_total = seconds["get_blocked_s"]
+            self._put_block_total = seconds["put_blocked_s"]
             self._notify_put_locked()
+
+
+_COUNTERS = ("put", "returned", "stale", "drained", "age_histogram", "stale_age_histogram", "wait_time_total_s",
+             "get_blocked_s", "put_blocked_s")
+_COUNTERS_OPTIONAL = ("ahead", "max_ahead")  # absent from checkpoints written before items ahead were counted
+
+
+def _entries(where: str, value: object, width: int) -> list[tuple]:
+    """The ``(item, version[, age])`` tuples of a saved queue, each checked to hold ``width`` fields."""
+    if not isinstance(value, (list, tuple)):
+        raise ArgumentError(f"{where}: expected a list, got {type(value).__name__}")
+    for j, entry in enumerate(value):
+        if not isinstance(entry, (list, tuple)) or len(entry) != width:
+            raise ArgumentError(f"{where}[{j}]: expected a {width}-tuple, got {entry!r:.80}")
+    return list(value)
+
+
+def _histogram(where: str, value: object) -> dict[int, int]:
+    """A saved ``{age: count}`` histogram (ages may be negative: items ahead of the consumer; an age written as a
+    decimal string, as a JSON round trip leaves it, is read back as the int)."""
+    if not isinstance(value, dict):
+        raise ArgumentError(f"{where}: expected a dict {{age: count}}, got {type(value).__name__}")
+    out = {}
+    for k, v in value.items():
+        age = int(k) if isinstance(k, str) and k.lstrip("-").isdecimal() else _check_int(f"{where} key", k)
+        out[age] = _check_int(f"{where}[{k!r}]", v, minimum=0)
+    return out
 
 
 def _resolve(fut: asyncio.Future) -> None:

@@ -12,6 +12,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from rlblocks._checks import as_int
 from rlblocks._deprecate import warn_renamed
 from rlblocks.errors import ArgumentError
 
@@ -53,7 +54,9 @@ def keyword_only(n_positional: int, *names: str) -> Callable[[F], F]:
 
 
 def check_version(version: object, arg: str = "version") -> int:
-    """``version`` as an int (bools refused: ``True`` is not a weight version)."""
-    if isinstance(version, bool) or not isinstance(version, int):
+    """``version`` as a plain int (numpy ints fine; bools refused: ``True`` is not a weight version, and a float
+    such as ``3.0`` is refused rather than read as 3)."""
+    v = as_int(version)
+    if v is None:
         raise ArgumentError(f"{arg}: expected an int, got {version!r}")
-    return version
+    return v

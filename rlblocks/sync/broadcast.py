@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import AllgatherOptions, BroadcastOptions
 
+from rlblocks._checks import check_bool, check_int, check_optional_int
 from rlblocks.errors import ArgumentError, SyncError, SyncMismatchError
 from rlblocks.sync._args import check_version, keyword_only
 from rlblocks.sync.buckets import (
@@ -348,7 +349,8 @@ class WeightSender:
             raise ArgumentError(f"src: this process is rank {group.rank}, a WeightSender must run on rank src={src}")
         if direct_bytes == "auto":
             direct_bytes = DIRECT_BYTES.get(group.backend_name, 1 << 20)
-        plan_buckets([], bucket_bytes=bucket_bytes, direct_bytes=direct_bytes)  # validates both sizes
+        bucket_bytes = check_int("bucket_bytes", bucket_bytes, minimum=1)
+        direct_bytes = check_optional_int("direct_bytes", direct_bytes, minimum=1)
         self.group, self.src, self.bucket_bytes, self.direct_bytes = group, src, bucket_bytes, direct_bytes
         self._buffers: list[Tensor | None] = [None, None]
 
@@ -550,7 +552,8 @@ class WeightReceiver:
                 f"src: this process is rank {src}, the sender; a "
                 f"WeightReceiver runs on the other ranks"
             )
-        self.group, self.src, self.reuse_buffers = group, src, bool(reuse_buffers)
+        self.group, self.src, self.reuse_buffers = group, src, check_bool("reuse_buffers", reuse_buffers)
+        pool_buffers = check_bool("pool_buffers", pool_buffers)
         self.expected = None if expected is None else _as_specs(expected, "expected")
         self._buffers: list[Tensor | None] = [None, None, None]
         on_cpu = group.device.type == "cpu"

@@ -31,6 +31,7 @@ import torch
 from jaxtyping import UInt8
 from torch import Tensor
 
+from rlblocks._checks import check_int, check_optional_int
 from rlblocks.errors import ArgumentError
 
 ALIGN = 64
@@ -170,12 +171,8 @@ def plan_buckets(
     not in manifest order, but every tensor still appears exactly once, and the layout is still a pure function of
     the specs and the two sizes (what a receiver derives from a manifest).
     """
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-        raise ArgumentError(f"bucket_bytes: expected a positive int, got {bucket_bytes!r}")
-    if direct_bytes is not None and (
-        isinstance(direct_bytes, bool) or not isinstance(direct_bytes, int) or direct_bytes <= 0
-    ):
-        raise ArgumentError(f"direct_bytes: expected a positive int or None, got {direct_bytes!r}")
+    bucket_bytes = check_int("bucket_bytes", bucket_bytes, minimum=1)
+    direct_bytes = check_optional_int("direct_bytes", direct_bytes, minimum=1)
     out: list[list[TensorMeta]] = []
     cur: list[TensorMeta] = []
     end = 0
@@ -260,21 +257,36 @@ def pack_buckets(
     Streams: at most one bucket's tensors are referenced at a time, so a generator such as ``full_tensors(model)``
     is consumed lazily. Each bucket gets a fresh buffer on ``device`` (default: the device of its first tensor).
     Names must be unique; every tensor appears exactly once, bit for bit.
+
+    ``bucket_bytes`` and ``device`` are checked at the call, not at the first ``next()``: ``bucket_bytes`` a genuine
+    int ``>= 1`` (``True`` or ``2.0`` raise ``ArgumentError``), ``device`` something ``torch.device`` reads.
     """
-    if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-        raise ArgumentError(f"bucket_bytes: expected a positive int, got {bucket_bytes!r}")
+    bucket_bytes = check_int("bucket_bytes", bucket_bytes, minimum=1)
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (TypeError, RuntimeError, ValueError) as e:
+            raise ArgumentError(f"device: expected a torch.device or a device string, got {device!r} ({e})") from None
+    return _pack_buckets(named_tensors, bucket_bytes, device)
+
+
+def _pack_buckets(named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int,
+                  device: torch.device | None) -> Iterator[Bucket]:
     seen: set[str] = set()
     cur_meta: list[TensorMeta] = []
     cur_t: list[Tensor] = []
     end = 0
 
     def flush() -> Bucket:
-        dev = torch.device(device) if device is not None else cur_t[0].device
+        dev = device if device is not None else cur_t[0].device
         buf = torch.empty(bucket_nbytes(cur_meta), dtype=torch.uint8, device=dev)
         pack_into(buf, cur_meta, cur_t)
         return Bucket(buf, list(cur_meta))
 
-    for name, t in named_tensors:
+    for i, item in enumerate(named_tensors):
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ArgumentError(f"named_tensors[{i}]: expected a (name, tensor) pair, got {type(item).__name__}")
+        name, t = item
         if not isinstance(name, str):
             raise ArgumentError(
                 f"named_tensors: expected (str, Tensor) pairs, got a "

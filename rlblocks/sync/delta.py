@@ -53,6 +53,7 @@ import torch
 from jaxtyping import UInt8
 from torch import Tensor
 
+from rlblocks._checks import check_bool
 from rlblocks.errors import ArgumentError, DeltaError
 from rlblocks.sync._args import check_version, keyword_only
 from rlblocks.sync._bits import (
@@ -373,7 +374,7 @@ class DeltaEncoder:
         full_fallback: bool = False,
         device: torch.device | str | None = None,
     ):
-        if compress not in (False, True, "auto"):
+        if not (isinstance(compress, bool) or compress == "auto"):  # 1 == True, but 1 is no flag
             raise ArgumentError(f"compress: expected False, True or 'auto', got {compress!r}")
         if not isinstance(full_fallback, bool):
             raise ArgumentError(f"full_fallback: expected a bool, got {full_fallback!r}")
@@ -406,6 +407,7 @@ class DeltaEncoder:
         ``allow_rollback=True`` allows going back on purpose.
         """
         version = check_version(version)
+        allow_rollback = check_bool("allow_rollback", allow_rollback)
         if version <= self.version and not allow_rollback:
             raise ArgumentError(
                 f"version: expected > {self.version} (the last encoded version), got {version}; "
@@ -581,6 +583,8 @@ class DeltaDecoder:
         """
         if not isinstance(packet, DeltaPacket):
             raise ArgumentError(f"packet: expected a DeltaPacket, got {type(packet).__name__}")
+        verify = check_bool("verify", verify)  # a truthy "no" would verify; a falsy 0 would skip the CRCs
+        allow_rollback = check_bool("allow_rollback", allow_rollback)
         if packet.is_full and packet.version <= self.version and not allow_rollback:
             raise DeltaError(
                 f"packet: full packet of version {packet.version} is not newer than the current version "

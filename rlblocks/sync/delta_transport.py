@@ -33,6 +33,7 @@ import time
 import warnings
 from pathlib import Path
 
+from rlblocks._checks import check_bool, check_int
 from rlblocks.errors import ArgumentError, DeltaError
 from rlblocks.sync._args import check_version, keyword_only
 from rlblocks.sync.broadcast import SyncGroup
@@ -63,8 +64,7 @@ class DirectoryTransport:
     """
 
     def __init__(self, root: str | os.PathLike, *, keep: int = 4):
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ArgumentError(f"keep: expected an int >= 1, got {keep!r}")
+        keep = check_int("keep", keep, minimum=1)
         self.root = Path(root)
         self.keep = keep
         self.root.mkdir(parents=True, exist_ok=True)
@@ -81,6 +81,7 @@ class DirectoryTransport:
         """
         if not isinstance(packet, DeltaPacket):
             raise ArgumentError(f"packet: expected a DeltaPacket, got {type(packet).__name__}")
+        allow_rollback = check_bool("allow_rollback", allow_rollback)
         if packet.version < 0:
             raise ArgumentError(f"packet.version: expected >= 0, got {packet.version}")
         final = self.root / f"v{packet.version:06d}"
@@ -323,6 +324,7 @@ class GroupDeltaTransport:
             raise ArgumentError(f"src: only rank {self.src} sends; this is rank {self.group.rank}")
         if not isinstance(packet, DeltaPacket):
             raise ArgumentError(f"packet: expected a DeltaPacket, got {type(packet).__name__}")
+        allow_rollback = check_bool("allow_rollback", allow_rollback)
         if self.last_version is not None and packet.version <= self.last_version and not allow_rollback:
             raise DeltaError(
                 f"packet.version: {packet.version} is not newer than the last version sent ({self.last_version}); "

@@ -13,6 +13,7 @@ import torch
 from jaxtyping import Shaped
 from torch import Tensor, nn
 
+from rlblocks._checks import check_bool
 from rlblocks.errors import ArgumentError
 
 __all__ = ["clean_name", "full_tensors"]
@@ -71,12 +72,21 @@ def full_tensors(
       result to CPU; both happen right after the gather, so only one full tensor exists on the device at a time.
 
     Values are bit-exact copies of the unsharded parameters (no arithmetic). Runs under ``torch.no_grad()``; yielded
-    tensors do not require grad. The generator keeps no reference to a tensor after it has been yielded.
+    tensors do not require grad. The generator keeps no reference to a tensor after it has been yielded. The
+    arguments are checked at the call (the flags must be real bools), not at the first ``next()``.
     """
     if not isinstance(model, nn.Module):
         raise ArgumentError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise ArgumentError(f"dtype: expected a torch.dtype or None, got {dtype!r}")
+    for name, flag in (("buffers", buffers), ("cpu_offload", cpu_offload), ("remove_duplicate", remove_duplicate)):
+        check_bool(name, flag)
+    return _full_tensors(model, buffers, cpu_offload, dtype, remove_duplicate)
+
+
+def _full_tensors(
+    model: nn.Module, buffers: bool, cpu_offload: bool, dtype: torch.dtype | None, remove_duplicate: bool
+) -> Iterator[tuple[str, AnyTensor]]:
     dtensor = _dtensor_type()
     ddp_prefix = isinstance(model, nn.parallel.DistributedDataParallel)
     for raw_name, tensor in _named_state(model, buffers, remove_duplicate):

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlblocks._checks import check_int
 from rlblocks.errors import ArgumentError, WeightUpdateError
 from rlblocks.sync._args import check_version, keyword_only
 from rlblocks.sync.buckets import (
@@ -129,8 +130,7 @@ class HandoffSender:
     """
 
     def __init__(self, *, device: torch.device | str = "cpu", bucket_bytes: int = 512 << 20):
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-            raise ArgumentError(f"bucket_bytes: expected a positive int, got {bucket_bytes!r}")
+        bucket_bytes = check_int("bucket_bytes", bucket_bytes, minimum=1)
         try:
             self.device = torch.device(device)
         except (RuntimeError, TypeError):

@@ -38,6 +38,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from rlblocks._checks import check_int
 from rlblocks._deprecate import warn_renamed
 from rlblocks.errors import ArgumentError, WeightUpdateError
 from rlblocks.sync._args import check_version, keyword_only
@@ -140,12 +141,16 @@ def merge_lora(
     ``base_named_tensors`` may use plain HF names or peft's ``.base_layer.`` names (normalised to HF names).
     Tensors without an adapter pass through unchanged (same object). Raises ArgumentError (a ValueError) when an
     A has no B (or the reverse), a shape does not fit, or, at the end of the iteration, when an adapter matched no
-    base tensor (nothing is silently dropped). Input tensors are not modified.
+    base tensor (nothing is silently dropped). Input tensors are not modified. ``lora_state`` is checked at the
+    call, not at the first ``next()``.
     """
     try:
         tensors, config = lora_state["tensors"], lora_state["config"]
     except (KeyError, TypeError):
         raise ArgumentError("lora_state: expected the dict returned by lora_state(peft_model)") from None
+    if not isinstance(tensors, Mapping) or not isinstance(config, Mapping):
+        raise ArgumentError("lora_state: expected the dict returned by lora_state(peft_model) (a 'tensors' dict and "
+                            "a 'config' dict)")
     pairs: dict[str, dict[str, Tensor]] = {}
     for key, t in tensors.items():
         m = _PAIR.match(key)
@@ -157,8 +162,14 @@ def merge_lora(
         kinds = set(p)
         if kinds not in ({"lora_A", "lora_B"}, {"lora_embedding_A", "lora_embedding_B"}):
             raise ArgumentError(f"lora_state['tensors']: module {module!r} has {sorted(kinds)}, expected an A and a B")
-    used: set[str] = set()
     items = base_named_tensors.items() if isinstance(base_named_tensors, Mapping) else base_named_tensors
+    return _merge(items, pairs, config)
+
+
+def _merge(
+    items: Iterable[tuple[str, Tensor]], pairs: dict[str, dict[str, Tensor]], config: Mapping[str, Any]
+) -> Iterator[tuple[str, Tensor]]:
+    used: set[str] = set()
     for name, w in items:
         name = name.replace(".base_layer.", ".")
         module = name[: -len(".weight")] if name.endswith(".weight") else None
@@ -268,9 +279,8 @@ class LoraSyncer:
     def __init__(self, send: Callable[..., Any], *, keep: int = 2, merge: bool | None = None):
         if not callable(send):
             raise ArgumentError(f"send: expected a callable (named_tensors, *, version), got {type(send).__name__}")
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ArgumentError(f"keep: expected an int >= 1, got {keep!r}")
-        if merge not in (None, True, False):
+        keep = check_int("keep", keep, minimum=1)
+        if merge is not None and not isinstance(merge, bool):  # 1 == True, but 1 is no flag
             raise ArgumentError(f"merge: expected None, True or False, got {merge!r}")
         self.send = send
         self.merge = getattr(send, "__name__", None) == "update_weights" if merge is None else merge

@@ -37,7 +37,8 @@ def ref_vocab_kl(student, teacher, valid, kind, beta=0.5, temperature=1.0):
         out = (q * (lq - lp)).sum(-1)
     else:
         m = beta * p + (1 - beta) * q
-        lm = torch.where(m > 0, m, 1.0).log()  # m = 0 only where p = q = 0: those terms are 0 either way
+        # m = 0 only where p = q = 0: those terms are 0 either way (tested as == 0, so a NaN m stays NaN)
+        lm = torch.where(m == 0, 1.0, m).log()
         out = beta * (p * (lp - lm)).sum(-1) + (1 - beta) * (q * (lq - lm)).sum(-1)
     return torch.where(valid, out, 0.0)
 

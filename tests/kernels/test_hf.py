@@ -142,3 +142,28 @@ def test_sampling_replay_matches_processed_fp64(models, ref):
         torch.testing.assert_close(lp[i, :n][fin].double(), want[fin], atol=2e-5, rtol=0)
         n_out += int((~fin).sum())
     assert 0 < n_out < int(mask.sum())  # the check sees both kinds of tokens
+
+
+def test_unknown_keyword_is_refused_and_model_kwargs_reach_the_model(models):
+    """A misspelt option raises, naming it and the valid keywords, instead of vanishing into the model's
+    ``**kwargs``; inputs for the model travel in ``model_kwargs`` and do reach it (every token at position 0 changes
+    the log-probs of a RoPE model, which sees relative positions; the default positions written out reproduce the
+    plain call exactly)."""
+    model, _ = models
+    ids, plens, mask = _batch(ROWS)
+    with pytest.raises(ValueError, match=r"topp: not an argument of causal_lm_logprobs \(did you mean 'top_p'\?\)"
+                                         r".*expected one of .*top_p.*model_kwargs"):
+        causal_lm_logprobs(model, ids, plens, mask, topp=0.9)
+    with pytest.raises(ValueError, match=r"position_ids: not an argument.*model_kwargs=\{\.\.\.\}"):
+        causal_lm_logprobs(model, ids, plens, mask, position_ids=torch.zeros_like(ids))
+    with pytest.raises(ValueError, match=r"model_kwargs: 'attention_mask' is set by causal_lm_logprobs"):
+        causal_lm_logprobs(model, ids, plens, mask, model_kwargs={"attention_mask": torch.ones_like(ids)})
+    with pytest.raises(ValueError, match=r"model_kwargs: expected a dict"):
+        causal_lm_logprobs(model, ids, plens, mask, model_kwargs=[("position_ids", ids)])
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        plain = causal_lm_logprobs(model, ids, plens, mask)
+        same = causal_lm_logprobs(model, ids, plens, mask, model_kwargs={"position_ids": pos})
+        flat = causal_lm_logprobs(model, ids, plens, mask, model_kwargs={"position_ids": torch.zeros_like(pos)})
+    assert torch.equal(plain, same)
+    assert (flat[mask] - plain[mask]).abs().max() > 1e-3
