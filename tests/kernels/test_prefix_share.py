@@ -260,3 +260,21 @@ def test_bad_input():
     window = _model("qwen2", dtype=torch.float32, use_sliding_window=True, sliding_window=4, max_window_layers=0)
     with pytest.raises(ArgumentError, match="sliding_window=4 is shorter than the longest row"):
         prefix_shared_hidden_states(window.model, ids, plens, mask)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention has no backward on CPU")
+@pytest.mark.parametrize("kind", KINDS)
+def test_flex_matches_dense_on_cuda(kind):
+    """The FlexAttention BlockMask path (rows padded to its 128-token block) against the dense mask, float32."""
+    model = _model(kind, dtype=torch.float32).cuda()
+    rows = [*_group(), ([5] * 150, [6] * 40), ([5] * 150, [7] * 30)]  # more than one 128-token block
+    ids, plens, mask = (x.cuda() for x in _pad(rows))
+    out = {}
+    for attention in ("dense", "flex"):
+        model.zero_grad(set_to_none=True)
+        h = prefix_shared_hidden_states(model.model, ids, plens, mask, attention=attention)
+        (h * torch.linspace(-1, 1, h.shape[-1], device="cuda")).sum().backward()
+        out[attention] = (h.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    torch.testing.assert_close(out["flex"][0], out["dense"][0], atol=1e-4, rtol=0)
+    for name, g in out["dense"][1].items():
+        assert (out["flex"][1][name] - g).abs().max().item() <= 1e-4 * max(1.0, g.abs().max().item()), name
