@@ -164,6 +164,7 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
         self.ready = asyncio.Event()
+        self.closing = False
 
     @contextlib.contextmanager
     def capture_signals(self) -> Any:
@@ -173,6 +174,7 @@ class _Server(uvicorn.Server):
         # The requests in flight are cancelled (Gateway.aclose), then uvicorn closes the listener and connections
         # and waits for the cancelled requests to finish undoing what they held (no await in between, so no new
         # request starts meanwhile).
+        self.closing = True
         for task in list(self.server_state.tasks):
             task.cancel()
         await super().shutdown(sockets=sockets)
@@ -324,11 +326,13 @@ class Gateway:
         :attr:`finished` are kept; returns the trajectories in :attr:`finished` (closed but not queued). Idempotent."""
         server, task = self._server, self._serve_task
         if server is not None:
-            self._server = self._serve_task = None
             server.should_exit = True
-            await task
-            # uvicorn cancelled the requests still in flight; wait until each has undone or kept what it held
-            await asyncio.gather(*list(server.server_state.tasks), return_exceptions=True)
+            try:
+                await task
+                # the requests still in flight were cancelled; wait until each has undone or kept what it held
+                await asyncio.gather(*list(server.server_state.tasks), return_exceptions=True)
+            finally:
+                self._server = self._serve_task = None
         return list(self.finished)
 
     async def __aenter__(self) -> Gateway:
@@ -425,13 +429,16 @@ class Gateway:
         try:
             await self._app(scope, receive, tracked)
         except asyncio.CancelledError:
-            if not started and scope.get("type") == "http":
+            if self._server is not None and not self._server.closing:
+                raise
+            # cancelled by aclose(): what the request held was undone or kept on the way out; answer and end here
+            # (re-raised, uvicorn would log the shutdown as a crash of every request in flight)
+            if not started:
                 self._count_error(503)
                 with contextlib.suppress(Exception, asyncio.CancelledError):
                     await asyncio.wait_for(_json_response(503, GatewayError(
                         503, "the gateway is shutting down; the request was not served", type="server_error",
                         code="shutting_down").body(), close=True)(scope, receive, send), 1.0)
-            raise
 
     def _count_error(self, status: int) -> None:
         self._counts["errors_4xx" if status < 500 else "errors_5xx"] += 1
