@@ -402,6 +402,15 @@ def test_garbage_and_slow_headers_get_json_errors(random_chat_model, chat_tok):
     assert s["errors_4xx"] == 2
 
 
+@pytest.mark.parametrize(("arg", "kw"), [("handover_timeout", {"handover_timeout": -1}),
+                                         ("handover_timeout", {"handover_timeout": math.nan}),
+                                         ("session_header", {"session_header": "X-Session-Id\r\nX-Injected"}),
+                                         ("session_header", {"session_header": "X Session"})])
+def test_gateway_arguments_are_checked(arg, kw, random_chat_model, chat_tok):
+    with pytest.raises(ValueError, match=arg):
+        Gateway(TorchEngine(random_chat_model), chat_tok, **kw)
+
+
 def test_python_api_refusals_leave_nothing_behind(random_chat_model, chat_tok):
     async def main():
         async with Gateway(TorchEngine(random_chat_model), chat_tok, model="tiny") as gw:
