@@ -3,12 +3,13 @@ bound to one loop, so the gateway runs on the engine's: ``uvicorn.Server(config)
 
 What is ours on top of FastAPI + uvicorn, and why:
 
-- uvicorn's httptools protocol is subclassed (:class:`_Protocol`) for three things the ASGI interface cannot see:
+- uvicorn's httptools protocol is subclassed (:class:`_Protocol`) for what the ASGI interface cannot see:
   a malformed request (bad request line, header or chunk framing) gets an OpenAI-style JSON 400 instead of
   uvicorn's plain text; a client that takes longer than ``request_timeout`` to send its headers gets a JSON 408;
   and every request's scope carries a check of whether its response was completely written before the connection
   was lost (uvicorn drops what is sent to a closed connection without a word), which is what "delivered" means for
-  a captured turn.
+  a captured turn, and a future per connection that is done when it is lost. Its writes of one event-loop turn
+  leave in one send (:class:`_CorkedTransport`).
 - Bodies are read by the gateway, not by FastAPI: with a size limit (413 naming ``max_body_bytes``; the rest of the
   body is read and discarded up to 64 MiB more, so the client reads the 413 instead of a reset connection) and a
   deadline (408).
@@ -58,6 +59,7 @@ __all__ = ["Gateway"]
 
 _DELIVERED = "rlblocks.delivered"  # scope["extensions"] key: () -> whether the response was written whole
 _GONE = "rlblocks.gone"  # scope["extensions"] key: a future done when the connection is lost
+_FLUSH = "rlblocks.flush"  # scope["extensions"] key: () -> send what was written (else sent a loop turn later)
 _DRAIN_BYTES = 64 << 20  # what is read (and discarded) past max_body_bytes so that the client reads its 413
 _KEEP_ALIVE_S = 600  # longer than any client pool's idle expiry (httpx: 5 s), so that the client closes first
 _MAX_SESSION_ID = 512
@@ -151,6 +153,7 @@ class _Protocol(HttpToolsProtocol):
             ext = self.scope.setdefault("extensions", {})
             ext[_DELIVERED] = lambda: cycle.response_complete and not cycle.disconnected
             ext[_GONE] = self._gone
+            ext[_FLUSH] = self.transport._flush
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
@@ -693,28 +696,41 @@ class Gateway:
 
     async def _generate(self, turn: Turn, req: Any, chat: bool, gone: asyncio.Future
                         ) -> tuple[ResumableResult, str | None]:
-        """Step 2: the engine generates the turn; a client that goes away meanwhile cancels it (``_ClientGone``)."""
+        """Step 2: the engine generates the turn, in this request's task (a task per turn would cost a loop turn
+        and its scheduling); a client that goes away meanwhile cancels it through a callback on ``gone``, disarmed
+        as soon as the turn returns, and the request ends with ``_ClientGone``."""
+        if gone.done():
+            raise _ClientGone
         sess = turn.session
         parse_calls = chat and req.parse_tool_calls
-        gen = asyncio.ensure_future(generate_turn(
-            self.engine, sess.trajectory.token_ids, self._sampling(req),
-            request_id=f"{sess.session_id}/{sess.requests}", session_id=sess.session_id,
-            stop_texts=[*req.stop, *([self.tool_call_tags[1]] if parse_calls else [])], tokenizer=self.tokenizer))
+        task = asyncio.current_task()
+        state = {"armed": True, "left": False}
+
+        def on_gone(_: Any) -> None:
+            if state["armed"]:
+                state["left"] = True
+                task.cancel()
+
+        gone.add_done_callback(on_gone)
         try:
-            await asyncio.wait((gen, gone), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not gen.done():  # the client went away, or this request was cancelled: the engine stops too
-                gen.cancel()
-                await asyncio.gather(gen, return_exceptions=True)
-        if gen.cancelled():
-            raise _ClientGone
-        try:
-            return gen.result()
+            return await generate_turn(
+                self.engine, sess.trajectory.token_ids, self._sampling(req),
+                request_id=f"{sess.session_id}/{sess.requests}", session_id=sess.session_id,
+                stop_texts=[*req.stop, *([self.tool_call_tags[1]] if parse_calls else [])], tokenizer=self.tokenizer)
+        except asyncio.CancelledError:
+            if not state["left"]:
+                raise  # aclose() cancelled the request
+            if sys.version_info >= (3, 11):
+                task.uncancel()
+            raise _ClientGone from None
         except ArgumentError as e:
             raise GatewayError(400, f"the engine refused the request: {e}", code="engine_refused") from e
         except Exception as e:
             raise GatewayError(500, f"the engine failed: {type(e).__name__}: {e}", type="server_error",
                                code="engine_error") from e
+        finally:
+            state["armed"] = False
+            gone.remove_done_callback(on_gone)
 
     def _capture(self, turn: Turn, req: Any, chat: bool, result: ResumableResult, stopped_by: str | None
                  ) -> schema.Reply:
@@ -752,7 +768,10 @@ class _Outgoing:
         self.streaming = False
 
     def _delivered(self, gone: asyncio.Future) -> bool:
-        check = self.scope.get("extensions", {}).get(_DELIVERED)
+        ext = self.scope.get("extensions", {})
+        if _FLUSH in ext:
+            ext[_FLUSH]()  # the response leaves now, in one send
+        check = ext.get(_DELIVERED)
         return check() if check is not None else not gone.done()
 
     async def open_stream(self) -> None:

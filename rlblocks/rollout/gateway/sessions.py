@@ -113,6 +113,8 @@ class SessionStore:
         self.sessions: dict[str, Session] = {}
         self.finished: list[Trajectory] = []
         self._waiting = 0
+        self._flush_lock = asyncio.Lock()
+        self._flushing = 0  # a kept trajectory that flush() is offering to the queue (still counted as kept)
 
     # ------------------------------------------------------------------ sessions
     def open(self, session_id: str | None) -> Session:
@@ -282,14 +284,21 @@ class SessionStore:
         is still kept (also in :attr:`finished`)."""
         if self.queue is None:
             return list(self.finished)
-        for traj in list(self.finished):
-            try:
-                await self._hand_over(traj)
-            except Exception:
-                self.counts["handover_refused"] += 1
-                break
-            self.finished.remove(traj)
-            self.counts["handed_over"] += 1
+        async with self._flush_lock:  # one flush at a time, and each trajectory leaves `finished` while offered:
+            while self.finished:      # neither a second flush nor take_finished() can hand it over twice
+                traj = self.finished.pop(0)
+                self._flushing = 1
+                try:
+                    await self._hand_over(traj)
+                except BaseException as e:
+                    self.finished.insert(0, traj)
+                    if not isinstance(e, Exception):
+                        raise
+                    self.counts["handover_refused"] += 1
+                    break
+                finally:
+                    self._flushing = 0
+                self.counts["handed_over"] += 1
         return list(self.finished)
 
     def take_finished(self) -> list[Trajectory]:
@@ -305,6 +314,6 @@ class SessionStore:
                                       "handover_refused", "finished_taken", "turns_undelivered",
                                       "tokens_undelivered", "prefix_mismatches")}
         out["sessions_open"] = len(self.sessions)
-        out["finished_kept"] = len(self.finished)
+        out["finished_kept"] = len(self.finished) + self._flushing
         out["handovers_waiting"] = self._waiting
         return out

@@ -215,6 +215,50 @@ def test_a_raising_callable_queue_keeps_the_trajectory(random_chat_model, chat_t
     _conserved(s)
 
 
+class _HeldSink:
+    """A callable queue: refuses while ``refuse``, else holds each hand-over until ``release`` (``entered`` set)."""
+
+    def __init__(self) -> None:
+        self.refuse, self.got = True, []
+        self.entered, self.release = asyncio.Event(), asyncio.Event()
+
+    async def __call__(self, traj) -> None:
+        if self.refuse:
+            raise RuntimeError("not yet")
+        self.entered.set()
+        await self.release.wait()
+        self.got.append(traj)
+
+
+def test_flush_and_take_finished_at_once_hand_each_trajectory_over_once(random_chat_model, chat_tok):
+    sink = _HeldSink()
+
+    async def main():
+        async with Gateway(TorchEngine(random_chat_model), chat_tok, model="tiny", queue=sink) as gw:
+            client = _client(gw)
+            for sid in ("t0", "t1", "t2"):
+                await client.completions.create(model="tiny", prompt=[5, 6], max_tokens=1, seed=0, user=sid)
+                with pytest.raises(QueueRefused):
+                    await gw.finish_session(sid, 1.0)
+            await client.close()
+            sink.refuse = False
+            first = asyncio.ensure_future(gw.flush())
+            await sink.entered.wait()  # t0 is being offered
+            second = asyncio.ensure_future(gw.flush())  # waits for the first
+            taken = gw.take_finished()
+            during = gw.stats()
+            sink.release.set()
+            return taken, during, await first, await second, gw.stats()
+
+    taken, during, left1, left2, end = asyncio.run(main())
+    assert [t.session_id for t in taken] == ["t1", "t2"] and [t.session_id for t in sink.got] == ["t0"]
+    assert left1 == left2 == []
+    assert during["finished_kept"] == 1 and during["finished_taken"] == 2  # t0, in hand, still counts as kept
+    assert end["handed_over"] == 1 and end["handover_refused"] == 3
+    _conserved(during)
+    _conserved(end)
+
+
 # ================================================================================================ undelivered turns
 def test_a_client_that_disconnects_mid_turn_does_not_get_that_turn_trained(random_chat_model, chat_tok):
     """Turn 1 is delivered; the client gives up on turn 2 while the engine generates it, then retries it. The
