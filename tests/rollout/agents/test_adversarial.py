@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -465,6 +467,17 @@ def test_python_api_refusals_leave_nothing_behind(random_chat_model, chat_tok):
             return gw.stats()
 
     _conserved(asyncio.run(main()))
+
+
+def test_only_the_server_module_imports_fastapi_and_uvicorn():
+    """The optional extra stays optional: the package, its schema, sessions and errors import without the server."""
+    code = ("import sys\n"
+            "import rlblocks.rollout.gateway.schema, rlblocks.rollout.gateway.sessions\n"
+            "from rlblocks.rollout.gateway import GatewayError, QueueRefused, SessionNotFound\n"
+            "assert not {'fastapi', 'uvicorn', 'starlette'} & set(sys.modules), sorted(sys.modules)\n"
+            "from rlblocks.rollout import Gateway\n"
+            "assert {'fastapi', 'uvicorn'} <= set(sys.modules)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 # ================================================================================================ agent
