@@ -15,11 +15,11 @@ against the built-ins keeps working:
 | ``QueueFull`` | ``queue.Full`` | a bounded queue is at capacity |
 | ``QueueClosed`` | ``RuntimeError`` | ``put`` on a closed queue |
 | ``InsufficientGroupsError`` | ``RuntimeError`` | dynamic sampling could not fill its target |
-| ``SandboxUnavailable`` | ``RuntimeError`` | the sandbox cannot put its isolation layers in force here (the message names the missing ones) |
-| ``GatewayError`` | ``RuntimeError`` | the capture gateway answers a request with an OpenAI-style error (``status``, ``code``, ``param``) |
-| ``QueueRefused`` | ``GatewayError`` | the queue refused a finished trajectory (closed, full); the trajectory is kept, never dropped |
+| ``SandboxUnavailable`` | ``RuntimeError`` | the sandbox cannot put its isolation layers in force (names them) |
+| ``GatewayError`` | ``RuntimeError`` | the gateway answers with an OpenAI-style error (status, code, param) |
+| ``QueueRefused`` | ``GatewayError`` | the queue refused a finished trajectory; it is kept, never dropped |
 | ``SessionNotFound`` | ``ArgumentError`` | no open gateway session has that id |
-| ``ToolUnavailable`` | ``RuntimeError`` | a tool refused a call: too many of its earlier calls timed out and are still running |
+| ``ToolUnavailable`` | ``RuntimeError`` | a tool refused a call: too many earlier calls timed out and still run |
 
 The same failure raises the same class from every engine and transport: a refused weight update is a
 ``WeightUpdateError`` whether TorchEngine, VLLMEngine, SGLangEngine or a sync receiver refused it.
