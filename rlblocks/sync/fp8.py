@@ -109,7 +109,6 @@ DEFAULT_KEEP = (
 )
 """Default :attr:`FP8Rules.keep` patterns (``re.search`` in the tensor's name)."""
 
-_ROWS_PER_CHUNK = 2048  # rows of one matrix quantised at a time: bounds the float32 temporaries to 2048 x N
 
 
 def scale_shape(shape: Iterable[int], block: tuple[int, int] = BLOCK) -> tuple[int, ...]:
@@ -131,16 +130,20 @@ def _check_block(block: object) -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
-def _padded_f32(x: Tensor, bm: int, bn: int) -> Tensor:
-    """A float32 copy of the matrix ``x`` zero-padded to whole ``bm x bn`` blocks (a copy even when ``x`` is
-    float32 and needs no padding: the caller writes into it)."""
-    m, n = x.shape
-    pm, pn = -(-m // bm) * bm, -(-n // bn) * bn
-    if pm == m and pn == n:
-        return x.to(torch.float32, copy=True)
-    out = x.new_zeros((pm, pn), dtype=torch.float32)
-    out[:m, :n] = x
-    return out
+def _chunk_rows(n: int, bm: int, bn: int) -> int:
+    """Rows per chunk: whole blocks, ~1 M float32 elements (4 MB, reused across chunks: fresh large allocations
+    are page-faulted in, which costs more than the arithmetic)."""
+    return max(bm, (1 << 20) // (-(-n // bn) * bn) // bm * bm)
+
+
+def _load_f32(buf: Tensor, x: Tensor, bm: int) -> Tensor:
+    """``x`` (a row chunk) copied as float32 into the reused buffer ``buf``, zero-padded to whole blocks."""
+    mr, n = x.shape
+    view = buf[: -(-mr // bm) * bm]
+    if view.shape[0] != mr or view.shape[1] != n:
+        view.zero_()  # zeros never raise an amax: the rule of the partial blocks
+    view[:mr, :n].copy_(x)
+    return view
 
 
 def quantize_fp8(
@@ -162,14 +165,16 @@ def quantize_fp8(
     mats = w.reshape(-1, m, n)
     q = torch.empty(mats.shape, dtype=FP8_DTYPE, device=w.device)
     s = torch.empty((mats.shape[0], -(-m // bm), -(-n // bn)), dtype=torch.float32, device=w.device)
-    rows = max(bm, _ROWS_PER_CHUNK // bm * bm)
     nb = s.shape[2]
+    rows = _chunk_rows(n, bm, bn)
+    buf = torch.empty((min(rows, -(-m // bm) * bm), nb * bn), dtype=torch.float32, device=w.device)
     for b in range(mats.shape[0]):
         for r0 in range(0, m, rows):
-            x = _padded_f32(mats[b, r0 : r0 + rows], bm, bn)  # a float32 copy, zero-padded to whole blocks
+            x = _load_f32(buf, mats[b, r0 : r0 + rows], bm)
             mr, mb = min(rows, m - r0), x.shape[0] // bm
             blocks = x.view(mb, bm, nb, bn)
-            amax = blocks.abs().amax(dim=(1, 3))
+            # amax(|x|) as max(max, -min): two reductions instead of an |x| temporary
+            amax = torch.maximum(blocks.amax(dim=3).amax(dim=1), blocks.amin(dim=3).amin(dim=1).neg_())
             if not bool(torch.isfinite(amax).all()):
                 bad = int((~torch.isfinite(w)).sum())
                 raise ArgumentError(
@@ -179,7 +184,7 @@ def quantize_fp8(
             sc = torch.where(sc > 0, sc, torch.ones_like(sc))  # all-zero (or underflowing) block: zeros, scale 1
             s[b, r0 // bm : r0 // bm + mb] = sc
             blocks.div_(sc[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
-            q[b, r0 : r0 + mr] = x[:mr, :n].to(FP8_DTYPE)
+            q[b, r0 : r0 + mr].copy_(x[:mr, :n])  # round to nearest even onto the e4m3 grid
     return q.view(w.shape), s.view(scale_shape(w.shape, (bm, bn)))
 
 
@@ -213,14 +218,15 @@ def dequantize_fp8(
     m, n = q.shape[-2], q.shape[-1]
     mats, scales = q.reshape(-1, m, n), s.reshape(-1, *want[-2:])
     out = torch.empty(mats.shape, dtype=dtype, device=q.device)
-    rows = max(bm, _ROWS_PER_CHUNK // bm * bm)
     nb = want[-1]
+    rows = _chunk_rows(n, bm, bn)
+    buf = torch.empty((min(rows, -(-m // bm) * bm), nb * bn), dtype=torch.float32, device=q.device)
     for b in range(mats.shape[0]):
         for r0 in range(0, m, rows):
-            x = _padded_f32(mats[b, r0 : r0 + rows], bm, bn)
+            x = _load_f32(buf, mats[b, r0 : r0 + rows], bm)
             mr, mb = min(rows, m - r0), x.shape[0] // bm
             x.view(mb, bm, nb, bn).mul_(scales[b, r0 // bm : r0 // bm + mb][:, None, :, None])
-            out[b, r0 : r0 + mr] = x[:mr, :n]
+            out[b, r0 : r0 + mr].copy_(x[:mr, :n])
     return out.view(q.shape)
 
 
