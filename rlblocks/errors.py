@@ -20,6 +20,9 @@ class                      also a                              raised when
 ``QueueFull``              ``queue.Full``                      a bounded queue is at capacity
 ``QueueClosed``            ``RuntimeError``                    ``put`` on a closed queue
 ``InsufficientGroupsError``  ``RuntimeError``                  dynamic sampling could not fill its target
+``RequestError``           ``ArgumentError``                   a service request was refused (the Tinker
+                                                               server answers it with ``status``, a 4xx, and
+                                                               a message naming the field)
 =========================  ==================================  ==========================================
 
 The same failure raises the same class from every engine and transport: a refused weight update is a
@@ -38,6 +41,7 @@ __all__ = [
     "QueueClosed",
     "QueueFull",
     "RLBlocksError",
+    "RequestError",
     "SyncError",
     "SyncMismatchError",
     "WeightUpdateError",
@@ -83,3 +87,12 @@ class QueueClosed(RLBlocksError, RuntimeError):
 
 class InsufficientGroupsError(RLBlocksError, RuntimeError):
     """Dynamic sampling finished with fewer accepted groups than its target and was told not to proceed."""
+
+
+class RequestError(ArgumentError):
+    """A service request was refused. ``status`` is the HTTP status the server answers with (400 bad input, 404
+    unknown id or route, 409 conflict, 413 too large, 415 wrong content type); the message names the field."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = int(status)
