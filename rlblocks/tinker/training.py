@@ -83,20 +83,28 @@ def check_model_config(model: nn.Module, name: str) -> None:
         raise ArgumentError(f"--model {name}: expected a bias-free linear LM head, got {type(head).__name__}")
 
 
-def lora_targets(model: nn.Module, spec: LoraSpec) -> list[str]:
-    """Full module names of the linear layers ``spec`` trains (attention / MLP blocks, the LM head)."""
+def linear_groups(model: nn.Module) -> dict[str, list[str]]:
+    """Full names of the model's linear layers by what ``LoraConfig`` can train: ``attn`` (attention blocks),
+    ``mlp`` (MLP / expert blocks) and ``unembed`` (the LM head). Read from the plain model, before any adapter
+    wraps its layers."""
     head = model.get_output_embeddings()
-    head_name = next(n for n, m in model.named_modules() if m is head)
-    names = []
+    groups: dict[str, list[str]] = {"attn": [], "mlp": [], "unembed": []}
     for name, mod in model.named_modules():
-        if not isinstance(mod, nn.Linear) or mod is head:
-            continue
-        parts = set(name.split("."))
-        if (spec.train_attn and parts & _ATTN_PARTS) or (spec.train_mlp and parts & _MLP_PARTS and not
-                                                           parts & _ATTN_PARTS):
-            names.append(name)
-    if spec.train_unembed:
-        names.append(head_name)
+        if mod is head:
+            groups["unembed"].append(name)
+        elif isinstance(mod, nn.Linear):
+            parts = set(name.split("."))
+            if parts & _ATTN_PARTS:
+                groups["attn"].append(name)
+            elif parts & _MLP_PARTS:
+                groups["mlp"].append(name)
+    return groups
+
+
+def lora_targets(groups: dict[str, list[str]], spec: LoraSpec) -> list[str]:
+    """The module names ``spec`` trains (see :func:`linear_groups`)."""
+    names = ((groups["attn"] if spec.train_attn else []) + (groups["mlp"] if spec.train_mlp else []) +
+             (groups["unembed"] if spec.train_unembed else []))
     if not names:
         raise RequestError("lora_config: selects no linear layer of this model to train")
     return names
@@ -124,6 +132,7 @@ class TrainingHost:
         self.vocab_size = int(base.get_output_embeddings().weight.shape[0])
         self.max_len = int(getattr(base.config, "max_position_embeddings", 0) or 1 << 30)
         self.arch = type(base).__name__
+        self._groups = linear_groups(base)
         self.max_batch_tokens = int(max_batch_tokens)
         self._base = base
         self._peft: Any = None
@@ -143,7 +152,7 @@ class TrainingHost:
 
         if model_id in self._adapters:
             raise RequestError(f"model_id: {model_id!r} already exists", status=409)
-        targets = lora_targets(self._base, spec)
+        targets = lora_targets(self._groups, spec)
         cfg = LoraConfig(r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets, bias="none")
         name = f"a{self._count}"
         self._count += 1

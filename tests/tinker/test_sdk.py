@@ -3,7 +3,6 @@ checked against float64 references computed outside the server."""
 
 from __future__ import annotations
 
-import itertools
 import math
 from pathlib import Path
 
@@ -94,7 +93,7 @@ def test_cross_entropy_steps_lower_the_loss_and_report_the_sum(service_client):
         total = -sum(o["logprobs"].to_torch().double().sum().item() for o in r.loss_fn_outputs)
         assert r.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)  # a sum over every token, weights 1
         losses.append(r.metrics["loss:sum"])
-    assert losses[-1] < losses[0] - 1.0 and all(b < a for a, b in itertools.pairwise(losses))
+    assert losses[-1] < 0.8 * losses[0], losses
 
 
 LOSS_CASES = [("cross_entropy", None), ("importance_sampling", None), ("ppo", None),
@@ -289,3 +288,19 @@ def test_rest_checkpoints_runs_and_samplers(server, service_client):
     assert rest.get_sampler(sampler._sampling_session_id).result(TIMEOUT).base_model == MODEL
     overwrite = tc.save_state("s1", overwrite=True).result(TIMEOUT)
     assert overwrite.path == state
+
+
+def test_every_adapter_on_a_shared_base_trains_the_layers_it_asked_for(server, service_client):
+    """Adapters are added to one peft model; each gets exactly the linear layers of its own LoraConfig."""
+    training = server.service.hosts[MODEL].training
+    clients = [_train_client(service_client, seed=i, rank=r, train_mlp=mlp, train_attn=attn, train_unembed=head)
+               for i, (r, mlp, attn, head) in enumerate([(4, True, True, True), (2, False, True, False),
+                                                         (8, True, False, True), (4, True, True, True)])]
+    for tc, (mlp, attn, head) in zip(clients, [(True, True, True), (False, True, False), (True, False, True),
+                                               (True, True, True)]):
+        names = {k.split(".lora_")[0] for k in training._adapters[tc.model_id].params}
+        assert any(".mlp." in n for n in names) == mlp
+        assert any(".self_attn." in n for n in names) == attn
+        assert any(n.endswith("lm_head") for n in names) == head
+        assert not any("base_layer" in n or ".lora_" in n for n in names)
+        assert len(names) == (6 if mlp else 0) + (8 if attn else 0) + (1 if head else 0)
