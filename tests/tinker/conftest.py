@@ -13,12 +13,28 @@ pytest.importorskip("tinker")
 pytest.importorskip("fastapi")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tinker_testlib import MODEL, build_ascii_hf_dir
+from tinker_testlib import GSM8K_ROWS, MODEL, RL_MODEL, build_ascii_hf_dir, build_boxed_answer_dir
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """One intra-op thread while these tests run: the server's training and sampling threads (and the test's own
+    references) already keep the 2-core CI machine busy, and oversubscribed OpenMP threads spin (measured: a tiny
+    model's training step 18x slower with 2 threads than with 1 on a loaded 2-core box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
 def tinker_model_dir(tmp_path_factory) -> str:
     return build_ascii_hf_dir(tmp_path_factory.mktemp("tinker_tiny"))
+
+
+@pytest.fixture(scope="session")
+def boxed_model_dir(tmp_path_factory) -> str:
+    return build_boxed_answer_dir(tmp_path_factory.mktemp("tinker_boxed"), [r["question"] for r in GSM8K_ROWS])
 
 
 @pytest.fixture(scope="session")
@@ -36,11 +52,11 @@ def tinker_env():
 
 
 @pytest.fixture(scope="session")
-def server(tinker_model_dir, tinker_env, tmp_path_factory):
+def server(tinker_model_dir, boxed_model_dir, tinker_env, tmp_path_factory):
     from rlblocks.tinker import ServerThread
 
-    srv = ServerThread({MODEL: tinker_model_dir}, state_dir=str(tmp_path_factory.mktemp("tinker_state")),
-                       max_body_bytes=8 << 20)
+    state = str(tmp_path_factory.mktemp("tinker_state"))
+    srv = ServerThread({MODEL: tinker_model_dir, RL_MODEL: boxed_model_dir}, state_dir=state, max_body_bytes=8 << 20)
     with srv:
         os.environ["TINKER_BASE_URL"] = srv.base_url
         yield srv

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tinker_testlib import MODEL, merged_reference, ref_logprobs
+from tinker_testlib import MODEL, RL_MODEL, merged_reference, ref_logprobs
 
 from rlblocks.tinker.losses import check_loss_config
 
@@ -45,7 +45,7 @@ def test_capabilities_info_and_healthz(server, service_client, tinker_model_dir)
 
     rest = tinker.RestClient(base_url=server.base_url)
     caps = rest.get_server_capabilities().result(TIMEOUT)
-    assert [m.model_name for m in caps.supported_models] == [MODEL]
+    assert [m.model_name for m in caps.supported_models] == [MODEL, RL_MODEL]
     assert caps.supported_models[0].max_context_length == 512
     assert httpx.get(f"{server.base_url}/api/v1/healthz").json() == {"status": "ok"}
     tc = _train_client(service_client, rank=4, train_unembed=False)
