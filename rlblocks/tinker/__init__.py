@@ -25,14 +25,22 @@ _LAZY = {
     "REFUSED": ".server",
     "LOSS_FNS": ".losses",
     "tinker_loss": ".losses",
+    "TrainingHost": ".training",
+    "LoraSpec": ".training",
+    "SamplerHost": ".sampling",
+    "WireDatum": ".wire",
 }
 
 if TYPE_CHECKING:
     from .losses import LOSS_FNS, tinker_loss
+    from .sampling import SamplerHost
     from .server import REFUSED, SERVED, ServerThread, create_app
     from .service import TinkerService
+    from .training import LoraSpec, TrainingHost
+    from .wire import WireDatum
 
-__all__ = ["LOSS_FNS", "REFUSED", "SERVED", "ServerThread", "TinkerService", "create_app", "tinker_loss"]
+__all__ = ["LOSS_FNS", "REFUSED", "SERVED", "LoraSpec", "SamplerHost", "ServerThread", "TinkerService",
+           "TrainingHost", "WireDatum", "create_app", "tinker_loss"]
 
 
 def __getattr__(name: str) -> Any:

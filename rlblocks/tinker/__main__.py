@@ -30,6 +30,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-body-mb", type=float, default=256.0, help="largest request body accepted (MiB)")
     p.add_argument("--keep-snapshots", type=int, default=16,
                    help="unnamed sampler snapshots kept per training model (older ones expire)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's); 1 is fastest for small models on a few cores")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     args = p.parse_args(argv)
     models = {}
@@ -52,6 +54,8 @@ async def _serve(args: argparse.Namespace) -> None:
     from rlblocks.tinker.server import bind, create_app, make_server
     from rlblocks.tinker.service import TinkerService
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     service = TinkerService(args.models, state_dir=args.state_dir, engine=args.engine, device=args.device,
                             dtype=dtype, keep_snapshots=args.keep_snapshots)
@@ -70,6 +74,12 @@ async def _serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        import uvloop  # a faster event loop where installed (uvicorn's own default); asyncio's otherwise
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
     try:
         asyncio.run(_serve(args))
     except KeyboardInterrupt:

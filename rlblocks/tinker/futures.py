@@ -16,6 +16,7 @@ answers it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import time
@@ -57,6 +58,7 @@ class FutureStore:
         self._records: dict[str, FutureRecord] = {}
         self._by_key: dict[Hashable, str] = {}
         self._key_of: dict[str, Hashable] = {}
+        self._done: collections.deque[FutureRecord] = collections.deque()  # in completion order, for pruning
         self._prefix = uuid.uuid4().hex[:8]
         self._counter = itertools.count()
         self.stats = {"submitted": 0, "deduplicated": 0, "failed": 0}
@@ -85,6 +87,7 @@ class FutureStore:
         if not rec.pending:
             return
         rec.result, rec.proto, rec.done_at = result, proto, time.time()
+        self._done.append(rec)
         rec.done.set()
 
     def fail(self, rec: FutureRecord, error: str, *, category: str = "user") -> None:
@@ -92,6 +95,7 @@ class FutureStore:
             return
         rec.error, rec.category, rec.done_at = error, category, time.time()
         self.stats["failed"] += 1
+        self._done.append(rec)
         rec.done.set()
 
     def get(self, request_id: str) -> FutureRecord:
@@ -112,9 +116,9 @@ class FutureStore:
 
     def _prune(self) -> None:
         cutoff = time.time() - self.keep_seconds
-        old = [rid for rid, r in self._records.items() if r.done_at is not None and r.done_at < cutoff]
-        for rid in old:
-            del self._records[rid]
+        while self._done and self._done[0].done_at < cutoff:  # oldest first: O(1) per request
+            rid = self._done.popleft().request_id
+            self._records.pop(rid, None)
             key = self._key_of.pop(rid, None)
             if key is not None and self._by_key.get(key) == rid:
                 del self._by_key[key]

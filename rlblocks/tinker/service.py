@@ -98,11 +98,13 @@ class TinkerService:
         keep_snapshots: unnamed sampler snapshots kept per training model (older ones expire: their sampling
             sessions answer 404); named ones live on disk.
         max_batch_tokens: padded tokens per training micro-batch.
+        engine_args: extra arguments of the sampling engine (``VLLMEngine.from_pretrained`` keywords).
     """
 
     def __init__(self, models: dict[str, str], *, state_dir: str, engine: str = "torch",
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                 keep_snapshots: int = 16, max_batch_tokens: int = 16384) -> None:
+                 keep_snapshots: int = 16, max_batch_tokens: int = 16384,
+                 engine_args: dict[str, Any] | None = None) -> None:
         if not models:
             raise RequestError("--model: expected at least one NAME=HF_DIR")
         self.model_dirs = dict(models)
@@ -111,6 +113,7 @@ class TinkerService:
         self.engine_kind = engine
         self.keep_snapshots = int(keep_snapshots)
         self.max_batch_tokens = int(max_batch_tokens)
+        self.engine_args = dict(engine_args or {})
         self.store = CheckpointStore(state_dir)
         self.futures = FutureStore()
         self.hosts: dict[str, _Host] = {}
@@ -118,6 +121,7 @@ class TinkerService:
         self.models: dict[str, _Model] = {}
         self.samplers: dict[str, _Sampler] = {}
         self._snapshots: OrderedDict[str, Snapshot] = OrderedDict()  # key -> snapshot (unnamed and loaded)
+        self._path_keys: OrderedDict[str, str] = OrderedDict()  # tinker path -> key of its cached snapshot
         self._tasks: set[asyncio.Task] = set()
         self.telemetry = {"batches": 0, "events": 0}
         self.started = False
@@ -127,7 +131,8 @@ class TinkerService:
         for name, path in self.model_dirs.items():
             training = await asyncio.to_thread(TrainingHost, name, path, device=self.device, dtype=self.dtype,
                                                max_batch_tokens=self.max_batch_tokens)
-            sampler = SamplerHost(name, path, engine=self.engine_kind, device=self.device, dtype=self.dtype)
+            sampler = SamplerHost(name, path, engine=self.engine_kind, device=self.device, dtype=self.dtype,
+                                  engine_args=self.engine_args)
             await sampler.start()
             host = _Host(name, path, training, sampler)
             host.worker = asyncio.create_task(self._work(host), name=f"tinker-train-{name}")
@@ -386,7 +391,7 @@ class TinkerService:
             def run():
                 state = host.training.adapter_state(m.model_id)
                 self.store.save(path, state, None, overwrite=True, ttl_seconds=ttl, user_metadata=body.user_metadata)
-                self._remember(Snapshot(f"path:{path}", m.base, state, str(path)))
+                self._remember_path(str(path), Snapshot(self._path_key(path), m.base, state, str(path)))
                 return {"type": "save_weights_for_sampler", "path": str(path)}
         else:
             if body.sampling_session_seq_id is None:
@@ -410,9 +415,22 @@ class TinkerService:
     def _remember(self, snap: Snapshot) -> None:
         self._snapshots[snap.key] = snap
         self._snapshots.move_to_end(snap.key)
-        loaded = [k for k in self._snapshots if k.startswith("path:")]
-        for k in loaded[: max(0, len(loaded) - 32)]:  # named snapshots reload from disk when evicted
-            del self._snapshots[k]
+
+    def _path_key(self, path: TinkerPath) -> str:
+        # unique per saved content: a checkpoint saved again under its name is a new snapshot (the engine may still
+        # hold the old one under the old key)
+        return f"path:{path}#{uuid.uuid4().hex[:8]}"
+
+    def _remember_path(self, path: str, snap: Snapshot) -> None:
+        """Cache a named checkpoint's adapter (the last 32 used; an evicted one is read from disk again)."""
+        old = self._path_keys.pop(path, None)
+        if old is not None:
+            self._snapshots.pop(old, None)
+        self._path_keys[path] = snap.key
+        self._remember(snap)
+        while len(self._path_keys) > 32:
+            _, key = self._path_keys.popitem(last=False)
+            self._snapshots.pop(key, None)
 
     def load_weights(self, body: Any) -> dict:
         key = (("train", body.model_id, body.seq_id) if body.model_id is not None else
@@ -466,19 +484,19 @@ class TinkerService:
 
     # ------------------------------------------------------------------ sampling
     def _snapshot_for_path(self, model_path: str) -> Snapshot:
+        """The weights a named checkpoint holds now (cached; read from disk when not)."""
         path = TinkerPath.parse(model_path, "model_path")
-        key = f"path:{path}"
-        snap = self._snapshots.get(key)
-        if snap is not None:
-            self._snapshots.move_to_end(key)
-            return snap
+        key = self._path_keys.get(str(path))
+        if key is not None and key in self._snapshots:
+            self._path_keys.move_to_end(str(path))
+            return self._snapshots[key]
         run_info = self.store.read_run(path.run)
         if run_info is None or not self.store.exists(path):
             raise RequestError(f"model_path: no checkpoint {model_path!r}", status=404)
         adapter, _ = self.store.load(path, optimizer=False)
-        snap = Snapshot(key, run_info["base_model"], adapter, model_path)
+        snap = Snapshot(self._path_key(path), run_info["base_model"], adapter, str(path))
         self._host(snap.base_model, "model_path")
-        self._remember(snap)
+        self._remember_path(str(path), snap)
         return snap
 
     def create_sampling_session(self, body: Any) -> dict:
@@ -523,9 +541,8 @@ class TinkerService:
     def asample(self, body: Any) -> dict:
         if body.sampling_session_id is not None:
             s = self._sampler(body.sampling_session_id)
-            snap = self._snapshots.get(s.snapshot_key)
-            if snap is None and s.model_path is not None:
-                snap = self._snapshot_for_path(s.model_path)
+            # a session made from a checkpoint path samples what that checkpoint holds (saved again: the new weights)
+            snap = self._snapshot_for_path(s.model_path) if s.model_path else self._snapshots.get(s.snapshot_key)
             if snap is None:
                 raise RequestError(f"sampling_session_id: the weights of {s.sampler_id!r} expired (this server keeps "
                                    f"the last {self.keep_snapshots} unnamed snapshots of a training model; save with "
@@ -590,7 +607,11 @@ class TinkerService:
 
     def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
         self._run(run_id)
-        self.store.delete(TinkerPath.parse(f"tinker://{run_id}/{checkpoint_id}", "checkpoint_id"))
+        path = TinkerPath.parse(f"tinker://{run_id}/{checkpoint_id}", "checkpoint_id")
+        self.store.delete(path)
+        key = self._path_keys.pop(str(path), None)
+        if key is not None:
+            self._snapshots.pop(key, None)
 
     def weights_info(self, body: dict) -> dict:
         path = TinkerPath.parse(body.get("tinker_path") if isinstance(body, dict) else None, "tinker_path")

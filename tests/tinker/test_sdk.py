@@ -304,3 +304,22 @@ def test_every_adapter_on_a_shared_base_trains_the_layers_it_asked_for(server, s
         assert any(n.endswith("lm_head") for n in names) == head
         assert not any("base_layer" in n or ".lora_" in n for n in names)
         assert len(names) == (6 if mlp else 0) + (8 if attn else 0) + (1 if head else 0)
+
+
+def test_a_checkpoint_saved_again_under_its_name_samples_its_new_weights(service_client):
+    types = _types()
+    tc = _train_client(service_client, seed=10)
+    path = tc.save_weights_for_sampler("again").result(TIMEOUT).path
+    sampler = service_client.create_sampling_client(model_path=path).result(TIMEOUT)
+    prompt, params = types.ModelInput.from_ints([1, 40, 41]), types.SamplingParams(max_tokens=6, seed=1)
+    sampler.sample(prompt, 1, params).result(TIMEOUT)  # the engine now holds the first save
+    data = [datum(s, weights=[1.0] * (len(s) - 1)) for s in SEQS]
+    for _ in range(2):
+        tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=2e-2))
+    assert tc.save_weights_for_sampler("again").result(TIMEOUT).path == path
+    (seq,) = sampler.sample(prompt, 1, params).result(TIMEOUT).sequences
+    toks = [1, 40, 41, *seq.tokens]
+    now = tc.forward([datum(toks, weights=[1.0] * (len(toks) - 1))], "cross_entropy").result(TIMEOUT)
+    torch.testing.assert_close(torch.tensor(seq.logprobs), now.loss_fn_outputs[0]["logprobs"].to_torch()[2:],
+                               rtol=0, atol=1e-4)
