@@ -59,6 +59,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 from jaxtyping import Bool, Float
 from torch import Tensor
 
@@ -127,9 +128,13 @@ def check_loss_config(loss_fn: str, config: Mapping[str, object] | None) -> dict
     return out
 
 
-def check_loss_inputs(loss_fn: str, where: str, n: int, inputs: Mapping[str, Tensor]) -> None:
-    """Check one datum's ``loss_fn_inputs`` for ``loss_fn`` (``n`` = its model input length); ``where`` prefixes
-    the field names in the message (e.g. ``"data[3]"``)."""
+def _is_float(t) -> bool:
+    return t.dtype.is_floating_point if isinstance(t, Tensor) else t.dtype.kind == "f"
+
+
+def check_loss_inputs(loss_fn: str, where: str, n: int, inputs: Mapping[str, Tensor | np.ndarray]) -> None:
+    """Check one datum's ``loss_fn_inputs`` (torch tensors or numpy arrays) for ``loss_fn`` (``n`` = its model
+    input length); ``where`` prefixes the field names in the message (e.g. ``"data[3]"``)."""
     spec = LOSS_FNS[loss_fn]
     for name in inputs:
         if name not in spec.inputs:
@@ -142,10 +147,10 @@ def check_loss_inputs(loss_fn: str, where: str, n: int, inputs: Mapping[str, Ten
             raise RequestError(f"{where}.loss_fn_inputs[{name!r}]: missing; loss_fn {loss_fn!r} needs "
                                f"{list(spec.inputs)}")
     tgt = inputs["target_tokens"]
-    if tgt.is_floating_point():
+    if _is_float(tgt):
         raise RequestError(f"{where}.loss_fn_inputs['target_tokens']: expected int64 token ids, got float32")
     ok_ndim = (1, 2) if spec.topk_targets else (1,)
-    if tgt.dim() not in ok_ndim or tgt.shape[0] != n:
+    if tgt.ndim not in ok_ndim or tgt.shape[0] != n:
         want = f"[{n}]" + (f" or [{n}, K]" if spec.topk_targets else "")
         raise RequestError(f"{where}.loss_fn_inputs['target_tokens']: expected shape {want} (one row per model "
                            f"input token), got {list(tgt.shape)}")
@@ -157,12 +162,12 @@ def check_loss_inputs(loss_fn: str, where: str, n: int, inputs: Mapping[str, Ten
         if list(t.shape) != want:
             raise RequestError(f"{where}.loss_fn_inputs[{name!r}]: expected shape {want} (that of target_tokens), "
                                f"got {list(t.shape)}")
-        if not t.is_floating_point():
+        if not _is_float(t):
             raise RequestError(f"{where}.loss_fn_inputs[{name!r}]: expected float32 values, got int64")
     if loss_fn == "gspo":
-        outside = (inputs["sequence_ratio_mask"] == 0) & (inputs["advantages"] != 0)
+        outside = np.asarray((inputs["sequence_ratio_mask"] == 0) & (inputs["advantages"] != 0))
         if bool(outside.any()):
-            i = int(outside.nonzero()[0, 0])
+            i = int(np.flatnonzero(outside)[0])
             raise RequestError(f"{where}.loss_fn_inputs['advantages'][{i}]: nonzero outside sequence_ratio_mask; "
                                "gspo takes its loss over the masked tokens, so put the advantages there (or mark "
                                "position in sequence_ratio_mask)")

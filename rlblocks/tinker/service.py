@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlblocks.errors import RequestError
@@ -323,12 +324,13 @@ class TinkerService:
                 raise RequestError(f"data[{i}].model_input: expected at least one token, got none")
             if n > max_len:
                 raise RequestError(f"data[{i}].model_input: {n} tokens exceed the context length {max_len}")
-            bad = [t for t in d.tokens if not 0 <= t < vocab]
-            if bad:
+            toks = np.asarray(d.tokens)
+            if toks.min() < 0 or toks.max() >= vocab:
+                bad = toks[(toks < 0) | (toks >= vocab)].tolist()
                 raise RequestError(f"data[{i}].model_input: token ids must be in [0, {vocab}), got {bad[:5]}")
             check_loss_inputs(fb.loss_fn, f"data[{i}]", n, d.inputs)
-            tgt = d.inputs["target_tokens"]
-            if bool(((tgt < 0) | (tgt >= vocab)).any()):
+            tgt = np.asarray(d.inputs["target_tokens"])
+            if tgt.size and (tgt.min() < 0 or tgt.max() >= vocab):
                 raise RequestError(f"data[{i}].loss_fn_inputs['target_tokens']: token ids must be in [0, {vocab})")
 
         def run():

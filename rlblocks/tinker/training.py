@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -249,22 +250,21 @@ class TrainingHost:
 
     def _pad(self, rows: Sequence[WireDatum]) -> tuple[Tensor, Tensor, dict[str, Tensor], Tensor]:
         b = len(rows)
-        width = max(len(r.tokens) for r in rows)
-        dev = self.device
-        ids = torch.zeros(b, width, dtype=torch.long)
-        mask = torch.zeros(b, width, dtype=torch.bool)
+        lens = [len(r.tokens) for r in rows]
+        width = max(lens)
+        ids = np.zeros((b, width), dtype=np.int64)
+        mask = np.arange(width)[None, :] < np.asarray(lens)[:, None]
         for i, r in enumerate(rows):
-            ids[i, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.long)
-            mask[i, : len(r.tokens)] = True
+            ids[i, : lens[i]] = np.asarray(r.tokens)
         inputs: dict[str, Tensor] = {}
         for name in rows[0].inputs:
-            t0 = rows[0].inputs[name]
-            out = torch.zeros((b, width, *t0.shape[1:]), dtype=t0.dtype)
-            for i, r in enumerate(rows):
-                out[i, : r.inputs[name].shape[0]] = r.inputs[name]
-            inputs[name] = out.to(dev)
+            cols = [np.asarray(r.inputs[name]) for r in rows]
+            out = np.zeros((b, width, *cols[0].shape[1:]), dtype=cols[0].dtype)
+            for i, c in enumerate(cols):
+                out[i, : c.shape[0]] = c
+            inputs[name] = torch.from_numpy(out).to(self.device)
         targets = inputs.pop("target_tokens").long()
-        return ids.to(dev), targets, inputs, mask.to(dev)
+        return torch.from_numpy(ids).to(self.device), targets, inputs, torch.from_numpy(mask).to(self.device)
 
     # ------------------------------------------------------------------ optimizer
     def optim_step(self, model_id: str, adam: dict[str, float]) -> dict[str, float]:

@@ -39,10 +39,11 @@ def _pb():
 
 @dataclass
 class WireDatum:
-    """One decoded ``Datum``: its input tokens and its ``loss_fn_inputs`` as dense tensors (float32 / int64)."""
+    """One decoded ``Datum``: its input tokens (int64 ``[N]``) and its ``loss_fn_inputs`` as dense arrays (float32 /
+    int64). Arrays are numpy (decoding and the checks stay cheap per datum); torch tensors work the same."""
 
-    tokens: list[int]
-    inputs: dict[str, Tensor]
+    tokens: np.ndarray | list[int]
+    inputs: dict[str, np.ndarray | Tensor]
     has_provenance: bool = False
 
 
@@ -72,15 +73,15 @@ def _decompress(body: bytes, content_encoding: str | None) -> bytes:
     raise RequestError(f"Content-Encoding: expected 'zstd' or none, got {content_encoding!r}", status=415)
 
 
-def _tensor(msg, where: str) -> Tensor:
-    """A public-proto ``Tensor`` as a dense torch tensor (float32 / int64), with its bytes checked against its shape."""
+def _tensor(msg, where: str) -> np.ndarray:
+    """A public-proto ``Tensor`` as a dense array (float32 / int64), with its bytes checked against its shape."""
     np_dtype = _NP_OF_DTYPE.get(msg.dtype)
     if np_dtype is None:
         raise RequestError(f"{where}.dtype: expected float32 or int64, got {_DTYPE_NAMES.get(msg.dtype, msg.dtype)}")
-    shape = [int(s) for s in msg.shape]
-    if any(s < 0 for s in shape):
+    shape = list(msg.shape)
+    if shape and min(shape) < 0:
         raise RequestError(f"{where}.shape: expected non-negative sizes, got {shape}")
-    if msg.HasField("sparse_csr"):
+    if msg.WhichOneof("encoding") == "sparse_csr":
         csr = msg.sparse_csr
         if len(shape) != 2:
             raise RequestError(f"{where}: a sparse CSR tensor needs a 2-D shape, got {shape}")
@@ -106,12 +107,13 @@ def _tensor(msg, where: str) -> Tensor:
         if len(raw) % np_dtype.itemsize:
             raise RequestError(f"{where}.dense: {len(raw)} bytes is not a whole number of {np_dtype.name} elements")
         arr = np.frombuffer(raw, dtype=np_dtype)
-        if shape:
+        if len(shape) > 1:
             if math.prod(shape) != arr.size:
                 raise RequestError(f"{where}: shape {shape} holds {math.prod(shape)} elements, got {arr.size}")
             arr = arr.reshape(shape)
-    out = torch.from_numpy(arr.copy())
-    return out.to(torch.int64) if out.dtype == torch.int32 else out
+        elif shape and shape[0] != arr.size:
+            raise RequestError(f"{where}: shape {shape} holds {shape[0]} elements, got {arr.size}")
+    return arr.astype(np.int64) if arr.dtype.kind == "i" and arr.dtype.itemsize == 4 else arr
 
 
 def decode_forward_backward(body: bytes, content_encoding: str | None = None) -> WireForwardBackward:
@@ -133,7 +135,7 @@ def decode_forward_backward(body: bytes, content_encoding: str | None = None) ->
         config[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)
     out = WireForwardBackward(msg.model_id, int(msg.seq_id), msg.loss_fn, config, bool(msg.forward_only))
     for i, d in enumerate(msg.data):
-        tokens: list[int] = []
+        parts: list[np.ndarray] = []
         for j, chunk in enumerate(d.model_input):
             kind = chunk.WhichOneof("chunk")
             if kind != "encoded_text":
@@ -142,8 +144,9 @@ def decode_forward_backward(body: bytes, content_encoding: str | None = None) ->
             raw = chunk.encoded_text.tokens
             if len(raw) % 4:
                 raise RequestError(f"data[{i}].model_input.chunks[{j}].tokens: {len(raw)} bytes is not int32 tokens")
-            tokens.extend(np.frombuffer(raw, dtype="<i4").tolist())
-        inputs = {name: _tensor(t, f"data[{i}].loss_fn_inputs[{name!r}]") for name, t in d.loss_fn_inputs.items()}
+            parts.append(np.frombuffer(raw, dtype="<i4"))
+        tokens = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+        inputs = {name: _tensor(t, f"data[{i}].loss_fn_inputs['{name}']") for name, t in d.loss_fn_inputs.items()}
         out.data.append(WireDatum(tokens, inputs, has_provenance=len(d.model_input_spans) > 0))
     return out
 
