@@ -104,6 +104,7 @@ def main() -> None:
     engine = TorchEngine.from_pretrained(model_dir, device="cpu")
     prompts = [toy.encode_prompt(tok, a, b) for a, b in toy.split_pairs()["rl"][:256]]
 
+    loop = asyncio.new_event_loop()  # the direct engine's loop
     with tempfile.TemporaryDirectory() as state:
         proc, url = start_server(model_dir, state)
         try:
@@ -127,8 +128,6 @@ def main() -> None:
                     f"d{rep}-{i}", p, SamplingParams(max_new_tokens=6, seed=i, stop_token_ids=(tok.eos_token_id,))))
                     for i, p in enumerate(prompts)))
                 return sum(len(g.output_ids) for g in gens)
-
-            loop = asyncio.new_event_loop()
 
             def service_sample(per_call: int) -> int:
                 calls = [sampler.sample(tinker.ModelInput.from_ints(p), per_call, params)
@@ -156,7 +155,8 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(timeout=60)
-            engine.close()
+            loop.run_until_complete(engine.aclose())
+            loop.close()
     med = {k: statistics.median(v) for k, v in res.items()}
     load = os.getloadavg()[0]
     summary = {
