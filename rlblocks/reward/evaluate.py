@@ -32,7 +32,7 @@ import asyncio
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,7 +161,8 @@ def summarize(scores: Sequence[Sequence[float | RewardResult]], k: int, *, thres
 
 async def evaluate(engine: Any, prompt_ids: Sequence[Sequence[int]], references: Sequence[Any], reward: Any,
                    tokenizer: Any, *, k: int = 1, n: int | None = None, sampling: Any = None,
-                   prompts: Sequence[str] | None = None, threshold: float = 1.0, seed: int = 0,
+                   prompts: Sequence[str] | None = None, metadata: Sequence[Mapping[str, Any]] | None = None,
+                   threshold: float = 1.0, seed: int = 0,
                    max_concurrency: int = 1024, tag: str = "eval",
                    decode: Callable[[list[int]], str] | None = None) -> EvalResult:
     """Sample ``n`` (default ``k``) completions of each prompt from ``engine``, score them, summarise.
@@ -181,6 +182,7 @@ async def evaluate(engine: Any, prompt_ids: Sequence[Sequence[int]], references:
             prompt ``i`` is requested with seed ``seed + i·n + j`` (or ``sampling.seed + i·n + j`` when that is
             set), so an evaluation repeats exactly and draws nothing from the engine's own random source.
         prompts: the prompts' texts (``Sample.prompt``: a reward model scores prompt + response).
+        metadata: one mapping per prompt, passed to the reward in ``Sample.metadata`` (with ``finish_reason``).
         threshold: a sample is correct when its score is at least this.
         max_concurrency: requests in flight at once.
         tag: prefix of the request ids (``f"{tag}-{i}-{j}"``).
@@ -200,8 +202,9 @@ async def evaluate(engine: Any, prompt_ids: Sequence[Sequence[int]], references:
     if len(references) != len(prompt_ids) or not prompt_ids:
         raise ArgumentError(f"references: expected one per prompt ({len(prompt_ids)} prompts, at least one), "
                             f"got {len(references)}")
-    if prompts is not None and len(prompts) != len(prompt_ids):
-        raise ArgumentError(f"prompts: expected one text per prompt ({len(prompt_ids)}), got {len(prompts)}")
+    for name, extra in (("prompts", prompts), ("metadata", metadata)):
+        if extra is not None and len(extra) != len(prompt_ids):
+            raise ArgumentError(f"{name}: expected one per prompt ({len(prompt_ids)}), got {len(extra)}")
     sampling = SamplingParams(temperature=0.0) if sampling is None else sampling
     if not isinstance(sampling, SamplingParams):
         raise ArgumentError(f"sampling: expected a rlblocks.rollout.SamplingParams, got {type(sampling).__name__}")
@@ -222,7 +225,8 @@ async def evaluate(engine: Any, prompt_ids: Sequence[Sequence[int]], references:
     texts = [decode(list(g.output_ids)) for g in gens]
     samples = [Sample(texts[i * n + j], reference=references[i], prompt=prompts[i] if prompts is not None else "",
                       response_len=len(gens[i * n + j].output_ids),
-                      metadata={"finish_reason": gens[i * n + j].finish_reason})
+                      metadata={**(metadata[i] if metadata is not None else {}),
+                                "finish_reason": gens[i * n + j].finish_reason})
                for i in range(len(prompt_ids)) for j in range(n)]
     if hasattr(reward, "ascore"):
         results = await reward.ascore(samples)
