@@ -284,6 +284,6 @@ class TaskFlags(LogFlags, RewardFlags, DataFlags):
 def check_task_flags(cfg: Any, *, rm_built_here: bool = False) -> None:
     """:class:`TaskFlags`' values and combinations, refused before anything is loaded (``rm_built_here``: see
     :func:`~.rewards.check_reward_flags`)."""
-    check_data_flags(cfg)
     check_reward_flags(cfg, rm_built_here=rm_built_here)
+    check_data_flags(cfg)
     parse_log_flag(cfg.log_to)

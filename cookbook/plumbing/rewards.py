@@ -230,12 +230,15 @@ class Reward:
         results = await self.ascore(samples)
         return [r.score if r.ok else 0.0 for r in results], sum(1 for r in results if not r.ok)
 
-    async def score_answer(self, prompt: Any, answer: str) -> float:
-        """The score of an agent episode's final answer (a failed call scores 0.0 and is counted)."""
+    async def score_answer(self, prompt: Any, answer: str, counts: Any = None) -> float:
+        """The score of an agent episode's final answer (a failed call scores 0.0 and is counted, also in
+        ``counts["reward_failures"]`` when a ``Counter`` is given)."""
         from rlblocks.reward import Sample
 
         (r,) = await self.ascore([Sample(answer, reference=prompt.reference, prompt=prompt.text,
                                          metadata=dict(prompt.metadata))])
+        if not r.ok and counts is not None:
+            counts["reward_failures"] += 1
         return r.score if r.ok else 0.0
 
     def stats(self) -> dict[str, Any]:
