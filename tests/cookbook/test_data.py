@@ -300,7 +300,7 @@ def test_every_loop_logs_the_common_keys_and_bad_sinks_are_refused(tmp_path):
     with pytest.raises(ArgumentError, match="lr"):
         files.log(rec)
     assert parse_log_flag("jsonl") == ("jsonl",) and parse_log_flag("tensorboard") == ("jsonl", "tensorboard")
-    with pytest.raises(ArgumentError, match="--log-to.*mlflow"):
+    with pytest.raises(ArgumentError, match=r"--log-to.*mlflow"):
         parse_log_flag("jsonl,mlflow")
 
 
