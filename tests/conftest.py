@@ -148,3 +148,9 @@ def build_bpe_hf_dir(path, *, style: str = "hermes", seed: int = 0, hidden: int 
 def bpe_chat_dir(tmp_path_factory) -> str:
     """A tiny random HF Llama with a byte-level BPE tokenizer and a Hermes (Qwen-style) chat template."""
     return build_bpe_hf_dir(tmp_path_factory.mktemp("bpe_llama"))
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizers() -> dict:
+    """The test BPE tokenizers by style: ``hermes`` (Qwen-style ChatML) and ``llama3`` (Llama 3.1 headers)."""
+    return {"hermes": build_bpe_tokenizer("hermes"), "llama3": build_bpe_tokenizer("llama3")}
