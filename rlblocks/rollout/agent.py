@@ -794,9 +794,9 @@ async def run_episode(
             when it has one, so a long episode ends with ``"max_tokens"`` instead of a refused request).
         session_id: sent with every request (default: a fresh uuid); ``group_id`` is stored on the trajectory.
         env_timeout: seconds for each ``reset``/``step`` (None: no limit).
-        on_mismatch: what to do when an observation's rendering does not extend the trajectory exactly
-            (``"branch"``: keep the segment, start a new one, count it; ``"raise"``: raise
-            :class:`~rlblocks.rollout.trajectory.PrefixMismatchError`).
+        on_mismatch: what to do when the chat template rewrote history, so that an observation's rendering
+            extends the trajectory neither as text nor token for token (``"branch"``: keep the segment, start a
+            new one, count it; ``"raise"``: raise :class:`~rlblocks.rollout.trajectory.PrefixMismatchError`).
         stop_texts: texts that end a turn (the closing tool-call tag).
         mask_stale: passed to :func:`generate_turn`.
         max_submissions: passed to :func:`generate_turn`.

@@ -51,7 +51,7 @@ _MISSING = object()
 @dataclass
 class Session:
     """An open session: its trajectory (None until a turn was captured), the assistant messages it returned
-    (fingerprint -> the model's raw text, so a re-sent history renders back the sampled tokens), how many requests
+    (fingerprint -> the model's raw text, so a re-sent history renders back the sampled text), how many requests
     it served, and the lock that serves them one at a time."""
 
     session_id: str
