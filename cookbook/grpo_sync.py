@@ -13,7 +13,10 @@ normalised aggregation. It then gathers the new weights (``full_tensors``) and l
 sampled by the weights of the step's start (``max_staleness_seen`` is 0); the only train/rollout gap is numerical
 (``--correction`` handles it).
 
-Files: ``runs/<name>/metrics.jsonl`` (one line per step) and ``summary.json``, as ``grpo_async.py`` writes them.
+Files: ``runs/<name>/metrics.jsonl`` (one line per step), ``summary.json`` and ``ckpt.pt``, as ``grpo_async.py``
+writes them. ``--resume`` (or a ``torchrun --max-restarts`` restart) continues from the last checkpoint; on CPU
+with the TorchEngine the resumed run ends with the weights an uninterrupted run of the seed ends with, to the bit
+(the checkpoint holds the weights, the optimizer, every rank's RNG states, the data sampler's and the counters).
 Lines a user changes for a real model or task are marked ``REAL MODEL:``.
 """
 
@@ -48,13 +51,20 @@ from plumbing import (
     group_record,
     length_budget,
     load_hf,
+    load_model_state,
+    load_optim_state,
     loss_defaults,
     make_engine,
+    model_state,
     opt,
+    optim_state,
     parse_flags,
     prompts_per_rank,
     rank0_first,
     resolve_max_model_len,
+    restore_rng,
+    resume_run,
+    save_run_checkpoint,
     seed_rank,
     setup_dist,
     shard,
@@ -103,6 +113,8 @@ class Config:
     length_tail: float = opt(0.0, "benchmark: >0 forces lognormal response lengths with this median (p99/p50≈10)")
     eval_every: int = opt(10, "held-out greedy accuracy every N steps, and before and after RL (0: only before "
                               "and after)")
+    save_every: int = opt(20, "checkpoint every N steps, and after the last (0: after the last only)")
+    resume: bool = opt(False, "continue from runs/<name>/ckpt.pt (a torchrun restart does so by itself)")
     seed: int = opt(0, "seed")
     quiet: bool = opt(False, "no progress bar")
     # on-policy distillation (cookbook/distill.py): the same loop, with a frozen teacher scoring the student's samples
@@ -119,7 +131,7 @@ def check_flags(cfg: Config) -> None:
     check_loss_flags(cfg)
     distill.check_distill_flags(cfg)
     check_max_model_len(cfg.max_model_len)
-    check_at_least(cfg, 0, "eval_every")
+    check_at_least(cfg, 0, "eval_every", "save_every")
 
 
 # ================================================================================================ rollout
@@ -169,14 +181,19 @@ def main(argv: list[str] | None = None) -> None:
                            sglang_url=cfg.sglang_url)
 
     engine = loop.run_until_complete(start_engine())
-    if rank == 0:
-        files.fresh()
+    # ---- fresh run, or resume: the weights (before sharding) and the engine at the checkpoint's version
+    rec = resume_run(files, cfg, rank=rank, world=world)
+    if rec.state is not None:
+        load_model_state(lm, rec.state["model"])
+        loop.run_until_complete(engine.update_weights(list(rec.state["model"].items()), version=rec.step))
     policy = PolicyLogprobs(lm, cfg.temperature)
     eval_lm = lm
     if world > 1:
         # REAL MODEL: rank 0 keeps a whole unsharded copy only to run the held-out greedy evaluation with HF
         # ``generate``; a real model would evaluate through its rollout engine instead.
         eval_lm = load_hf(path, device)[1] if rank == 0 else None
+        if eval_lm is not None and rec.state is not None:
+            eval_lm.load_state_dict(rec.state["model"])
     shard(policy, decoder_layers(lm), world)
     ref = None
     if cfg.kl_coef > 0:
@@ -191,15 +208,30 @@ def main(argv: list[str] | None = None) -> None:
     def evaluate() -> float:  # REAL MODEL: your evaluation set and metric
         return toy.heldout_accuracy(eval_lm, tok)
 
-    acc_before = evaluate() if rank == 0 else 0.0
+    step, t_start = rec.step, time.time()
+    if rec.state is None:
+        acc_before = evaluate() if rank == 0 else 0.0
+        teacher_acc = toy.heldout_accuracy(teacher, tok) if teacher is not None and rank == 0 else None
+        last_acc = acc_before
+    else:  # the optimizer, the counters and the figures of the run so far
+        load_optim_state(policy, optim, rec.state["optim"], world)
+        totals.update(rec.state["totals"])
+        acc_before, teacher_acc, last_acc = (rec.state["summary"][k] for k in ("accuracy_before", "teacher_accuracy",
+                                                                                 "accuracy_after"))
+        t_start -= rec.state["summary"]["wall_seconds"]
     say(f"held-out accuracy before RL: {acc_before:.3f}")
-    teacher_acc = toy.heldout_accuracy(teacher, tok) if teacher is not None and rank == 0 else None
     if teacher_acc is not None:
         say(f"teacher held-out accuracy: {teacher_acc:.3f}")
-    last_acc = acc_before
-    bar = Progress(cfg.steps, 0, enabled=rank == 0 and not cfg.quiet)
-    t_start = time.time()
-    step = 0
+
+    def save_checkpoint() -> None:  # weights, optimizer, counters; every rank's RNG and the prompt sampler's
+        state = {"step": step, "model": {k.removeprefix("lm."): v for k, v in model_state(policy, world).items()},
+                 "optim": optim_state(policy, optim, world), "totals": dict(totals),
+                 "summary": {"accuracy_before": acc_before, "teacher_accuracy": teacher_acc,
+                             "accuracy_after": last_acc, "wall_seconds": time.time() - t_start}}
+        save_run_checkpoint(files, cfg, state, rank=rank, world=world, generators={"data": rng})
+
+    bar = Progress(cfg.steps, step, enabled=rank == 0 and not cfg.quiet)
+    restore_rng(rec, rank, {"data": rng})  # last before the first step: set-up draws nothing after this
     while step < cfg.steps:
         # ---- one step: generate with the current weights, then update on exactly those samples
         t0 = time.perf_counter()
@@ -251,6 +283,8 @@ def main(argv: list[str] | None = None) -> None:
                 **{k: v for k, v in m.items() if k.startswith(("correction_", "distill_"))},
             })
             bar.update({"reward": reward, "acc": last_acc})
+        if every(step, cfg.save_every) or done:
+            save_checkpoint()
         if done:
             break
     bar.close()
@@ -260,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
             "steps": step, "max_staleness": 0, "max_staleness_seen": 0,
             "samples_generated": totals["samples_generated"], "samples_trained": totals["samples_trained"],
             "samples_dropped_stale": 0, "rollout": dict(totals), "config": dataclasses.asdict(cfg),
-            "teacher_accuracy": teacher_acc,
+            "teacher_accuracy": teacher_acc, **rec.summary(),
         }
         files.write_summary(summary)
         say(f"held-out accuracy before RL: {acc_before:.3f}  after {step} steps: {last_acc:.3f}  "

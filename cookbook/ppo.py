@@ -32,7 +32,10 @@ One step (:func:`main` reads as this list):
 5. :func:`weights_to_engine`: ``full_tensors`` → ``engine.update_weights(version=step)``.
 
 Files: ``runs/<name>/metrics.jsonl`` (one line per step), ``summary.json``, ``ckpt.pt``, as the GRPO loops write
-them (``python cookbook/plot.py runs/<name>``). Lines a user changes for a real model or task say ``REAL MODEL:``.
+them (``python cookbook/plot.py runs/<name>``). ``--resume`` (or a ``torchrun --max-restarts`` restart) continues
+from the last checkpoint (actor, critic, both optimizers, every rank's RNG states and the prompt sampler's); on CPU
+the resumed run ends with the weights of an uninterrupted run of the seed, to the bit. Lines a user changes for a
+real model or task say ``REAL MODEL:``.
 The whole pipeline (the reward-model stage, the roles, one PPO step, main) is this one file, so that it reads top to
 bottom; what every loop shares is in ``plumbing/``.
 """
@@ -67,12 +70,19 @@ from plumbing import (
     decoder_layers,
     every,
     load_hf,
+    load_model_state,
+    load_optim_state,
     make_engine,
+    model_state,
     opt,
+    optim_state,
     parse_flags,
     prompts_per_rank,
     rank0_first,
     resolve_max_model_len,
+    restore_rng,
+    resume_run,
+    save_run_checkpoint,
     seed_rank,
     setup_dist,
     shard,
@@ -141,6 +151,7 @@ class Config:
     eval_every: int = opt(25, "held-out greedy accuracy every N steps, and before and after RL (0: only before "
                               "and after)")
     save_every: int = opt(0, "checkpoint every N steps (0: at the end only)")
+    resume: bool = opt(False, "continue from runs/<name>/ckpt.pt (a torchrun restart does so by itself)")
     seed: int = opt(0, "seed")
     quiet: bool = opt(False, "no progress line")
 
@@ -659,21 +670,15 @@ def decay_lrs(cfg: Config, optims: list[tuple[torch.optim.Optimizer, float]], st
             pg["lr"] = base * frac
 
 
-def save_roles(files: RunFiles, actor: nn.Module, critic: nn.Module, actor_opt, critic_opt, step: int,
-                    world: int, rank: int) -> None:
-    """``ckpt.pt``: actor and critic weights (HF names) and both optimisers' states, gathered to full tensors."""
-    if world > 1:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        a_sd, a_opt = get_state_dict(actor, actor_opt, options=opts)
-        c_sd, c_opt = get_state_dict(critic, critic_opt, options=opts)
-    else:
-        a_sd, a_opt = actor.state_dict(), actor_opt.state_dict()
-        c_sd, c_opt = critic.state_dict(), critic_opt.state_dict()
-    if rank == 0:
-        files.save({"actor": {k.removeprefix("lm."): v for k, v in a_sd.items()}, "critic": c_sd,
-                    "actor_optim": a_opt, "critic_optim": c_opt, "step": step})
+def save_roles(files: RunFiles, cfg: Config, actor: nn.Module, critic: nn.Module, actor_opt, critic_opt, step: int,
+               world: int, rank: int, rng: random.Random, extra: dict[str, Any]) -> None:
+    """``ckpt.pt``, the run checkpoint: actor (``model``, HF names) and critic weights and both optimisers'
+    states gathered to full tensors, the step, every rank's RNG states (the prompt sampler's too) and ``extra``
+    (counters and the summary's figures so far)."""
+    state = {"step": step, "model": {k.removeprefix("lm."): v for k, v in model_state(actor, world).items()},
+             "critic": model_state(critic, world), "actor_optim": optim_state(actor, actor_opt, world),
+             "critic_optim": optim_state(critic, critic_opt, world), **extra}
+    save_run_checkpoint(files, cfg, state, rank=rank, world=world, generators={"data": rng})
 
 
 # ================================================================================================ main
@@ -714,23 +719,45 @@ def main(argv: list[str] | None = None) -> None:
     # the held-out metric: exact match on the toy task, math_reward on a --prompts file
     checker = scorer.verifier if scorer.verifier is not None and (cfg.reward == "math" or not cfg.prompts) else \
         data.make_verifier("math" if cfg.prompts else "verifier", tok)
+    # ---- fresh run, or resume: both roles' weights (before sharding), the engine at the checkpoint's version
+    rec = resume_run(files, cfg, rank=rank, world=world,
+                     required=("step", "model", "critic", "actor_optim", "critic_optim", "rng", "config"))
+    if rec.state is not None:
+        load_model_state(actor.lm, rec.state["model"], what="actor")
+        load_model_state(critic, rec.state["critic"], what="critic")
+        loop.run_until_complete(engine.update_weights(list(rec.state["model"].items()), version=rec.step))
     actor, critic = shard_role(actor, world), shard_role(critic, world)
     if ref is not None:
         ref = shard_role(ref, world)
     actor_opt = torch.optim.AdamW(actor.parameters(), lr=cfg.lr, weight_decay=0.0)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
-    if rank == 0:
-        files.fresh()
 
     def evaluate() -> float:  # rank 0: the engine holds the current weights, unsharded
         return loop.run_until_complete(data.greedy_accuracy(engine, task.heldout, checker,
                                                             max_new_tokens=cfg.max_new_tokens))
 
-    acc_before = evaluate() if rank == 0 else 0.0
+    totals, memory, t_start = Counter(), {}, time.time()
+    if rec.state is None:
+        acc_before = evaluate() if rank == 0 else 0.0
+        last_acc = acc_before
+    else:  # both optimizers, the counters and the figures of the run so far
+        load_optim_state(actor, actor_opt, rec.state["actor_optim"], world)
+        load_optim_state(critic, critic_opt, rec.state["critic_optim"], world)
+        totals.update(rec.state["totals"])
+        acc_before, last_acc, memory = (rec.state["summary"][k] for k in ("accuracy_before", "accuracy_after",
+                                                                           "memory_bytes_per_rank"))
+        t_start -= rec.state["summary"]["wall_seconds"]
     say(f"held-out accuracy before RL: {acc_before:.3f} ({len(task.heldout)} prompts, {task.source})")
-    last_acc, totals, memory = acc_before, Counter(), {}
-    t_start = time.time()
-    for step in range(cfg.steps):
+
+    def save_checkpoint(steps_done: int) -> None:
+        extra = {"totals": dict(totals), "summary": {"accuracy_before": acc_before, "accuracy_after": last_acc,
+                                                     "memory_bytes_per_rank": memory,
+                                                     "wall_seconds": time.time() - t_start}}
+        save_roles(files, cfg, actor, critic, actor_opt, critic_opt, steps_done, world, rank, rng, extra)
+
+    steps_done = rec.step
+    restore_rng(rec, rank, {"data": rng})  # last before the first step: set-up draws nothing after this
+    for step in range(rec.step, cfg.steps):
         t0 = time.perf_counter()
         decay_lrs(cfg, [(actor_opt, cfg.lr), (critic_opt, cfg.critic_lr)], step)
         # ---- 1-2. rollout and reward
@@ -775,11 +802,11 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"\rstep {step + 1}/{cfg.steps} score {st['score']:+.3f} train acc {st['train_accuracy']:.3f} "
                       f"held-out {last_acc:.3f} clipfrac {m['clipfrac']:.3f} vf_mse {m['vf_mse']:.3f}",
                       end="" if not done else "\n", file=sys.stderr, flush=True)
+        steps_done = step + 1
         if every(step + 1, cfg.save_every) or done:
-            save_roles(files, actor, critic, actor_opt, critic_opt, step + 1, world, rank)
+            save_checkpoint(steps_done)
         if done:
             break
-    steps_done = step + 1
     if rank == 0:
         summary = {
             "accuracy_before": acc_before, "accuracy_after": last_acc, "wall_seconds": time.time() - t_start,
@@ -788,7 +815,7 @@ def main(argv: list[str] | None = None) -> None:
             "samples_dropped_stale": 0, "rollout": dict(totals), "world_size": world,
             "reward_model": {"path": rm_path, **rm_stats} if cfg.reward == "rm" else None,
             "reward_failures": checker.stats() if checker is not None else None,
-            "memory_bytes_per_rank": memory, "config": dataclasses.asdict(cfg),
+            "memory_bytes_per_rank": memory, "config": dataclasses.asdict(cfg), **rec.summary(),
         }
         files.write_summary(summary)
         say(f"held-out accuracy before RL: {acc_before:.3f}  after {steps_done} steps: {last_acc:.3f}  "

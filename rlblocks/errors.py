@@ -16,6 +16,8 @@ against the built-ins keeps working:
 | ``QueueClosed`` | ``RuntimeError`` | ``put`` on a closed queue |
 | ``InsufficientGroupsError`` | ``RuntimeError`` | dynamic sampling could not fill its target |
 | ``SandboxUnavailable`` | ``RuntimeError`` | the sandbox cannot put its isolation layers in force here (the message names the missing ones) |
+| ``CheckpointError`` | ``ValueError`` | a checkpoint is missing, foreign, torn, damaged or lacks a key (none loaded) |
+| ``NoLiveEngine`` | ``EngineError`` | a ``Router`` has no live engine left to serve a request |
 
 The same failure raises the same class from every engine and transport: a refused weight update is a
 ``WeightUpdateError`` whether TorchEngine, VLLMEngine, SGLangEngine or a sync receiver refused it.
@@ -27,9 +29,11 @@ import queue as _stdlib_queue
 
 __all__ = [
     "ArgumentError",
+    "CheckpointError",
     "DeltaError",
     "EngineError",
     "InsufficientGroupsError",
+    "NoLiveEngine",
     "QueueClosed",
     "QueueFull",
     "RLBlocksError",
@@ -85,3 +89,12 @@ class SandboxUnavailable(RLBlocksError, RuntimeError):
     """The sandbox refused to run untrusted code: a required isolation layer (bubblewrap, a namespace, seccomp, a
     per-sandbox process limit) cannot be put in force on this machine. The message names the missing layers and
     how to opt into the weaker isolation explicitly."""
+
+
+class CheckpointError(RLBlocksError, ValueError):
+    """A checkpoint was refused: no file, a foreign file, a torn or damaged one (length or checksum), another format
+    version or kind, or a missing key. The message names the file and the fault; nothing was loaded."""
+
+
+class NoLiveEngine(EngineError):
+    """A ``Router`` was asked to generate while every one of its engines is out (dead, not yet rejoined)."""

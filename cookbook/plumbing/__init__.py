@@ -6,6 +6,8 @@ A loop imports it as ``from plumbing import ...``: a script's own folder (``cook
 - :mod:`.flags`: ``opt``/``parse_flags`` (every field of a loop's ``Config`` dataclass is a flag), flag checks,
   ``every`` (the ``--eval-every``/``--save-every`` rule).
 - :mod:`.runs`: ``RunFiles`` (``runs/<name>/``: metrics, summary, checkpoint), ``Progress``, ``mean_metrics``.
+- :mod:`.checkpoints`: ``--resume``: ``resume_run`` / ``save_run_checkpoint`` (the run checkpoint, every rank's
+  RNG states, the journal of starts and received groups), ``restore_rng``, model and optimizer states (FSDP2 too).
 - :mod:`.distributed`: ``setup_dist`` (process group, device, CPU threads), ``seed_rank``, ``prompts_per_rank``,
   ``rank0_first``, the weight-sync group, collectives (``all_reduce``, ``global_counts``, ``broadcast_flag``).
 - :mod:`.policy`: loading an HF checkpoint, ``PolicyLogprobs`` (the policy's per-token log-probs), FSDP2 sharding.
@@ -18,6 +20,19 @@ Lines a user changes for a real model or task are marked ``REAL MODEL:`` in plac
 """
 
 from .batches import batch_tensors, group_record
+from .checkpoints import (
+    FREE_FLAGS,
+    Journal,
+    Recovery,
+    load_model_state,
+    load_optim_state,
+    model_state,
+    optim_state,
+    restart_count,
+    restore_rng,
+    resume_run,
+    save_run_checkpoint,
+)
 from .distributed import (
     all_reduce,
     broadcast_flag,
@@ -39,11 +54,14 @@ from .runs import Progress, RunFiles, mean_metrics
 
 __all__ = [
     "CORRECTION_CAP",
+    "FREE_FLAGS",
     "POLICY_LOSSES",
     "Inbox",
+    "Journal",
     "Outbox",
     "PolicyLogprobs",
     "Progress",
+    "Recovery",
     "RolloutEnd",
     "RunFiles",
     "Stale",
@@ -63,12 +81,16 @@ __all__ = [
     "join_sync_group",
     "length_budget",
     "load_hf",
+    "load_model_state",
+    "load_optim_state",
     "load_tokenizer",
     "loss_defaults",
     "make_engine",
     "mean_metrics",
     "model_max_len",
+    "model_state",
     "opt",
+    "optim_state",
     "parse_flags",
     "pick_port",
     "policy_loss",
@@ -76,6 +98,10 @@ __all__ = [
     "rank0_first",
     "recv_control",
     "resolve_max_model_len",
+    "restart_count",
+    "restore_rng",
+    "resume_run",
+    "save_run_checkpoint",
     "seed_rank",
     "send_control",
     "setup_dist",

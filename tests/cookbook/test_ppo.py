@@ -19,6 +19,7 @@ import toy
 from plumbing import parse_flags
 from torch import nn
 
+from rlblocks.checkpoint import load_checkpoint
 from rlblocks.losses import whiten
 from rlblocks.rollout import Generation, build_batch
 
@@ -438,8 +439,8 @@ def test_two_ranks_fsdp2(demo_model_dir, tmp_path):
     actor = summary["memory_bytes_per_rank"]["actor"]
     assert actor["weights"] < 0.6 * full  # FSDP2: rank 0 holds about half of the actor
     assert summary["memory_bytes_per_rank"]["engine"]["weights"] == full  # the engine's copy is whole
-    ckpt = torch.load(tmp_path / "two" / "ckpt.pt", weights_only=False)
-    assert ckpt["step"] == 3 and "model.embed_tokens.weight" in ckpt["actor"]
+    ckpt = load_checkpoint(tmp_path / "two" / "ckpt.pt")
+    assert ckpt["step"] == 3 and "model.embed_tokens.weight" in ckpt["model"]
 
 
 def test_runs_of_one_seed_train_bit_identical_roles(demo_model_dir, tmp_path):
@@ -449,8 +450,8 @@ def test_runs_of_one_seed_train_bit_identical_roles(demo_model_dir, tmp_path):
         _run([sys.executable, "cookbook/ppo.py", "--model", demo_model_dir, "--reward", "verifier", "--runs-dir",
               str(tmp_path), "--name", name, "--steps", "2", "--prompts-per-step", "8", "--group-size", "4",
               "--eval-every", "0", "--quiet", "--lr", "3e-3", "--seed", seed])
-    a, b, c = (torch.load(tmp_path / n / "ckpt.pt", weights_only=False) for n in "abc")
-    for role in ("actor", "critic"):
+    a, b, c = (load_checkpoint(tmp_path / n / "ckpt.pt") for n in "abc")
+    for role in ("model", "critic"):
         assert a[role].keys() == b[role].keys()
         assert all(torch.equal(a[role][k], b[role][k]) for k in a[role]), role
         assert not all(torch.equal(a[role][k], c[role][k]) for k in a[role]), role

@@ -21,6 +21,9 @@ def test_every_error_derives_from_the_base_and_its_builtin():
         errors.QueueFull: queue.Full,
         errors.QueueClosed: RuntimeError,
         errors.InsufficientGroupsError: RuntimeError,
+        errors.SandboxUnavailable: RuntimeError,
+        errors.CheckpointError: ValueError,
+        errors.NoLiveEngine: errors.EngineError,
     }
     for cls, builtin in expected.items():
         assert issubclass(cls, rlblocks.RLBlocksError), cls
