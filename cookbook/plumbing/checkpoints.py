@@ -75,6 +75,10 @@ class Journal:
                 continue
         return out
 
+    def starts(self) -> list[dict[str, Any]]:
+        """The ``start`` lines, oldest first."""
+        return [r for r in self.read() if r.get("event") == "start"]
+
     def received(self) -> int:
         """Samples of every group the trainer ever received in this run (all starts)."""
         return sum(int(r["samples"]) for r in self.read() if r.get("event") == "recv")
@@ -126,7 +130,7 @@ def resume_run(files: RunFiles, cfg: Any, *, rank: int, world: int, group=None, 
             files.fresh()
             journal.append({"event": "start", "time": time.time(), "step": 0, "restart": restart_count()})
         _barrier(world, group)
-        return Recovery(None, journal, starts=journal.read())
+        return Recovery(None, journal, starts=journal.starts())
     state = files.load(required=required)
     skipped = list(files.checkpoint.skipped)
     if state is not None:
@@ -145,7 +149,7 @@ def resume_run(files: RunFiles, cfg: Any, *, rank: int, world: int, group=None, 
         where = f"step {rec.step} ({files.ckpt})" if state is not None else "step 0 (no checkpoint yet)"
         print(f"resuming from {where}; {rec.steps_redone} step(s) done again"
               + "".join(f"\n  skipped {p}: {m}" for p, m in skipped), flush=True)
-    rec.starts = journal.read()
+    rec.starts = journal.starts()
     return rec
 
 
