@@ -26,8 +26,10 @@ Scores:
   ``toy.reward``.
 - ``"math"``: ``rlblocks.reward.math_reward`` (final answer: the last ``\\boxed{}``, else the last number; checked
   with math-verify in killable worker processes) through a :class:`~rlblocks.reward.RewardPool` (bounded
-  concurrency, input order, a timeout that never stalls the loop). A failed check (timeout, crash, a reference
-  math-verify cannot parse) scores 0.0 and is counted in :attr:`Verifier.failures`, never dropped.
+  concurrency, input order, a timeout that never stalls the loop, one retry on a fresh worker). A check that still
+  fails (timeout, crash, a reference math-verify cannot parse) is ``None``, never a 0.0, counted in
+  :attr:`Verifier.failures`; :meth:`Verifier.group_scores` fails its whole group (a group baseline without it
+  would be biased), counted in ``groups_failed``.
 """
 
 from __future__ import annotations
@@ -153,12 +155,15 @@ def check_fits(task: Task, max_model_len: int, flag: str = "--prompts") -> None:
 
 # ------------------------------------------------------------------------------------------------ verifiers
 class Verifier:
-    """A score per response: ``await verifier.scores(prompts, output_ids)`` (one float per response, in order).
+    """A score per response: ``await verifier.scores(prompts, output_ids)`` (one float per response, in order, or
+    ``None`` for a check that failed), ``await verifier.group_scores(prompts, output_ids, group_size)`` (groups of
+    ``group_size`` consecutive responses, a group with a failed check failed whole).
 
     ``kind="verifier"``: exact match of the text (see the module docstring). ``kind="math"``: ``math_reward``
     through a :class:`~rlblocks.reward.RewardPool` of ``max_concurrency`` calls, each bounded by ``timeout``
-    seconds (an error result scores 0 and adds to ``failures``). ``close()`` stops the pool and the verifier's
-    worker processes (idempotent)."""
+    seconds and retried once (a crashed or hung worker is replaced); a check that still fails is an error, never a
+    score of 0, and adds to ``failures``. ``close()`` stops the pool and the verifier's worker processes
+    (idempotent)."""
 
     def __init__(self, kind: str, tokenizer, *, max_concurrency: int = 64, timeout: float = 30.0) -> None:
         if kind not in REWARDS:
@@ -166,6 +171,7 @@ class Verifier:
         self.kind = kind
         self.tok = tokenizer
         self.failures = 0
+        self.groups_failed = 0
         self.pool = None
         if kind == "math":
             from rlblocks.reward import RewardPool, math_reward
@@ -193,11 +199,30 @@ class Verifier:
                    for p, ids in zip(prompts, output_ids)]
         results = await self.pool.ascore(samples)
         self.failures += sum(1 for r in results if not r.ok)
-        return [r.score if r.ok else 0.0 for r in results]
+        return [r.score if r.ok else None for r in results]
+
+    async def group_scores(self, prompts: Sequence[Prompt], output_ids: Sequence[Sequence[int]],
+                           group_size: int) -> tuple[list[float], list[bool]]:
+        """``(scores, keep)`` for responses in groups of ``group_size`` consecutive ones (the samples of one
+        prompt): a group with a failed check is failed whole (``keep`` False for each of its responses, their
+        scores 0.0 as placeholders that must not be trained on; counted in ``groups_failed``), so that no group's
+        baseline is computed without one of its samples or with a failed one read as 0."""
+        if group_size < 1 or len(output_ids) % group_size:
+            raise ArgumentError(f"group_size: expected a divisor of the {len(output_ids)} responses, got "
+                                f"{group_size}")
+        raw = await self.scores(prompts, output_ids)
+        keep = []
+        for g in range(0, len(raw), group_size):
+            ok = all(v is not None for v in raw[g:g + group_size])
+            keep += [ok] * group_size
+            self.groups_failed += not ok
+        return [v if k else 0.0 for v, k in zip(raw, keep)], keep
 
     def stats(self) -> dict[str, Any]:
-        """``failures`` (checks that returned an error and scored 0) and, for ``math``, the pool's counters."""
-        return {"failures": self.failures, **({"pool": self.pool.stats()} if self.pool is not None else {})}
+        """``failures`` (checks that returned an error), ``groups_failed`` (groups failed whole for them) and, for
+        ``math``, the pool's counters."""
+        return {"failures": self.failures, "groups_failed": self.groups_failed,
+                **({"pool": self.pool.stats()} if self.pool is not None else {})}
 
     def close(self) -> None:
         if self.pool is not None:
@@ -226,8 +251,9 @@ async def greedy_outputs(engine, prompts: Sequence[Prompt], *, max_new_tokens: i
 
 async def greedy_accuracy(engine, prompts: Sequence[Prompt], verifier: Verifier, *, max_new_tokens: int,
                           tag: str = "eval") -> float:
-    """Mean verifier score of the engine's greedy completions of ``prompts`` (held-out accuracy)."""
+    """Mean verifier score of the engine's greedy completions of ``prompts`` (held-out accuracy), over the
+    completions whose check did not fail (the failures are counted in ``verifier.failures``)."""
     outs = await greedy_outputs(engine, prompts, max_new_tokens=max_new_tokens, eos=verifier.tok.eos_token_id,
                                 tag=tag)
-    scores = await verifier.scores(prompts, outs)
+    scores = [s for s in await verifier.scores(prompts, outs) if s is not None]
     return sum(scores) / max(len(scores), 1)

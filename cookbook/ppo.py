@@ -463,12 +463,16 @@ class Scorer:
             self.verifier = data.make_verifier(kind, tok)
 
     def score(self, batch: RolloutBatch, prompts: list[data.Prompt], outputs: list[list[int]],
-              loop: asyncio.AbstractEventLoop) -> Float[Tensor, " B"]:
+              loop: asyncio.AbstractEventLoop, group_size: int) -> tuple[Float[Tensor, " B"], Bool[Tensor, " B"]]:
+        """``(R, keep)``: ``keep`` is False for every response of a group whose check failed (the verifier's
+        retries ran out): those rows are not trained (their ``R`` is a 0.0 placeholder)."""
+        dev = batch.input_ids.device
         if self.rm is not None:
             raw = self.rm.score_ids(batch.input_ids, batch.attention_mask)
-            return ((raw - self.mean) / self.std).to(batch.input_ids.device)
-        vals = loop.run_until_complete(self.verifier.scores(prompts, outputs))
-        return torch.tensor(vals, dtype=torch.float32, device=batch.input_ids.device)
+            return ((raw - self.mean) / self.std).to(dev), torch.ones(raw.shape[0], dtype=torch.bool, device=dev)
+        vals, keep = loop.run_until_complete(self.verifier.group_scores(prompts, outputs, group_size))
+        return (torch.tensor(vals, dtype=torch.float32, device=dev), torch.tensor(keep, dtype=torch.bool,
+                                                                                    device=dev))
 
     def close(self) -> None:
         if self.verifier is not None:
@@ -618,7 +622,8 @@ def weights_to_engine(actor: nn.Module, engine: TorchEngine, version: int, loop:
 
 def experience_stats(exp: Experience, checker_scores: Tensor | None) -> dict[str, float]:
     """Batch-wide (all ranks) means: score R, checker accuracy of the training samples, KL k1 to the reference,
-    values, returns, the critic's explained variance ``1 − Var(returns − V_old)/Var(returns)``; counts."""
+    values, returns, the critic's explained variance ``1 − Var(returns − V_old)/Var(returns)``; counts
+    (``samples_trained``: rows with a trained token, i.e. not of a group whose reward failed)."""
     m = exp.batch.loss_mask
     z = torch.zeros((), device=m.device)
     kl = torch.where(m, exp.old_logp - exp.ref_logp, 0.0).sum() if exp.ref_logp is not None else z
@@ -627,12 +632,12 @@ def experience_stats(exp: Experience, checker_scores: Tensor | None) -> dict[str
     cs = checker_scores if checker_scores is not None else torch.zeros_like(exp.scores)
     s = all_reduce(torch.stack([
         torch.tensor(float(exp.scores.numel()), device=m.device), exp.scores.sum(), cs.sum(), m.sum().float(), kl,
-        val.sum(), ret.sum(), (ret * ret).sum(), err.sum(), (err * err).sum(),
+        val.sum(), ret.sum(), (ret * ret).sum(), err.sum(), (err * err).sum(), m.any(-1).sum().float(),
     ]).to(torch.float64)).tolist()
     n, tokens = s[0], max(s[3], 1.0)
     var_ret = s[7] / tokens - (s[6] / tokens) ** 2
     var_err = s[9] / tokens - (s[8] / tokens) ** 2
-    return {"samples": int(n), "tokens": int(s[3]), "score": s[1] / n,
+    return {"samples": int(n), "samples_trained": int(s[10]), "tokens": int(s[3]), "score": s[1] / n,
             "train_accuracy": s[2] / n if checker_scores is not None else None,
             "kl_ref_k1": s[4] / tokens, "value_mean": s[5] / tokens, "return_mean": s[6] / tokens,
             "explained_variance": 1.0 - var_err / var_ret if var_ret > 0 else 0.0}
@@ -764,9 +769,11 @@ def main(argv: list[str] | None = None) -> None:
         batch, prompts, outputs = rollout(cfg, engine, tok, task, rng, n_local, step, rank, loop, device)
         gen_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        scores = scorer.score(batch, prompts, outputs, loop)
-        checked = scores if checker is scorer.verifier else torch.tensor(
-            loop.run_until_complete(checker.scores(prompts, outputs)), device=device)
+        scores, keep = scorer.score(batch, prompts, outputs, loop, cfg.group_size)
+        # a group whose reward failed (retries ran out) is failed whole: its rows are not trained, never scored 0
+        batch.loss_mask = batch.loss_mask & keep[:, None]
+        checked = scores if checker is scorer.verifier else torch.tensor(  # a failed check counts as wrong here
+            [float(v or 0.0) for v in loop.run_until_complete(checker.scores(prompts, outputs))], device=device)
         reward_s = time.perf_counter() - t1
         # ---- 3-4. experience, then PPO epochs × mini-batches on the actor and the critic
         t2 = time.perf_counter()
@@ -780,7 +787,8 @@ def main(argv: list[str] | None = None) -> None:
         # ---- 5. weights into the colocated engine (version = step + 1)
         sync_s = weights_to_engine(actor, engine, step + 1, loop)
         st = experience_stats(exp, checked)
-        totals.update({"samples_generated": st["samples"], "samples_trained": st["samples"],
+        totals.update({"samples_generated": st["samples"], "samples_trained": st["samples_trained"],
+                       "samples_failed_reward": st["samples"] - st["samples_trained"],
                        "tokens_trained": st["tokens"]})
         done = step + 1 >= cfg.steps or (cfg.time_limit > 0 and time.time() - t_start > cfg.time_limit)
         done = broadcast_flag(done, device=device)  # rank 0's clock decides for every rank
@@ -812,7 +820,8 @@ def main(argv: list[str] | None = None) -> None:
             "accuracy_before": acc_before, "accuracy_after": last_acc, "wall_seconds": time.time() - t_start,
             "cpu_seconds": time.process_time(), "steps": steps_done, "max_staleness": 0, "max_staleness_seen": 0,
             "samples_generated": totals["samples_generated"], "samples_trained": totals["samples_trained"],
-            "samples_dropped_stale": 0, "rollout": dict(totals), "world_size": world,
+            "samples_dropped_stale": 0, "samples_failed_reward": totals["samples_failed_reward"],
+            "rollout": dict(totals), "world_size": world,
             "reward_model": {"path": rm_path, **rm_stats} if cfg.reward == "rm" else None,
             "reward_failures": checker.stats() if checker is not None else None,
             "memory_bytes_per_rank": memory, "config": dataclasses.asdict(cfg), **rec.summary(),

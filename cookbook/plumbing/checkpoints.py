@@ -56,11 +56,16 @@ class Journal:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self._lock = threading.Lock()
+        self._whole = False  # the file ends with a whole line (checked before this object's first append)
 
     def append(self, record: dict[str, Any]) -> None:
         line = json.dumps(record) + "\n"
-        with self._lock, open(self.path, "a") as f:
-            f.write(line)
+        with self._lock, open(self.path, "a+b") as f:
+            if not self._whole:  # a line torn by a crash stays alone on its line, never glued to this one
+                if f.seek(0, os.SEEK_END) > 0 and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
+                    line = "\n" + line
+                self._whole = True
+            f.write(line.encode())
             f.flush()
 
     def read(self) -> list[dict[str, Any]]:

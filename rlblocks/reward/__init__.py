@@ -8,8 +8,9 @@
   :mod:`rlblocks.sandbox`; score = fraction passed, per-test outcomes.
 - :class:`RewardModel` — an HF sequence-classification model (or a causal LM + scalar head), batched,
   padding-aware, on any device (imported on first use: it needs torch).
-- :class:`RewardPool` — concurrency bound, input order, timeouts, retries, ``stats()``; asyncio for async rewards,
-  killable worker processes for synchronous CPU-bound ones (:class:`ProcessWorkers`).
+- :class:`RewardPool` — concurrency bound, input order, timeouts, bounded retries (:class:`RetryPolicy`),
+  ``stats()``; asyncio for async rewards, killable worker processes for synchronous CPU-bound ones
+  (:class:`ProcessWorkers`: a crashed or hung worker is replaced); groups failed whole (:class:`GroupResult`).
 - :class:`WeightedReward`, :class:`FormatReward`, :class:`OverlongPenalty` — combinators.
 
 ``import rlblocks.reward`` imports only the standard library and rlblocks' small modules: no torch, transformers
@@ -26,7 +27,8 @@ from .code import CodeReward, CodeTest, code_reward, extract_code, outputs_match
 from .combine import FormatReward, OverlongPenalty, WeightedReward
 from .math import MathReward, check_math, extract_answer, math_reward
 from .pool import RewardPool
-from .types import RewardFn, RewardResult, Sample
+from .retry import RetryPolicy
+from .types import GroupResult, RewardFn, RewardResult, Sample
 from .workers import ProcessWorkers
 
 if TYPE_CHECKING:
@@ -42,9 +44,11 @@ __all__ = [
     "CodeReward",
     "CodeTest",
     "FormatReward",
+    "GroupResult",
     "MathReward",
     "OverlongPenalty",
     "ProcessWorkers",
+    "RetryPolicy",
     "RewardFn",
     "RewardModel",
     "RewardPool",

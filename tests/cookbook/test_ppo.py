@@ -493,3 +493,19 @@ def test_help_and_refused_flags(capsys):
         with pytest.raises(SystemExit) as e:
             parse_flags(ppo.Config, argv, check=ppo.check_flags)
         assert e.value.code == 2 and flag in capsys.readouterr().err, argv
+
+
+def test_a_group_whose_check_failed_is_failed_whole_never_scored_zero():
+    import asyncio
+
+    v = data.Verifier("verifier", None)
+
+    async def scores(prompts, output_ids):  # the second response's check failed (its retries ran out)
+        return [1.0, None, 0.0, 1.0, 0.0, 0.0]
+
+    v.scores = scores
+    vals, keep = asyncio.run(v.group_scores([None] * 6, [[1]] * 6, 2))
+    assert keep == [False, False, True, True, True, True] and vals == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    assert v.stats()["groups_failed"] == 1
+    with pytest.raises(ValueError, match="group_size"):
+        asyncio.run(v.group_scores([None] * 6, [[1]] * 6, 4))
