@@ -139,7 +139,7 @@ def test_ppo_killed_and_resumed_ends_bit_identical(demo_model_dir, tmp_path):
 
 
 def check_async_accounting(run: Path, steps: int, eta: int) -> dict:
-    """What every async run must show, whatever died during it (used by benchmarks/faults/chaos.py too)."""
+    """What every async run must show, whatever died during it (benchmarks/faults/chaos.py checks the same)."""
     summary = json.loads((run / "summary.json").read_text())
     rows = _rows(run)
     assert [r["step"] for r in rows] == list(range(1, steps + 1)) and summary["steps"] == steps
