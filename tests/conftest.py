@@ -63,6 +63,17 @@ def build_tiny_hf_dir(path, *, seed: int = 0, vocab_size: int = 64, hidden: int 
     return str(path)
 
 
+def build_small_llama(seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A random one-layer HF Llama whose matrices are not multiples of 128 (hidden 160, MLP 272, vocab 64): FP8
+    blocks that are partial in both directions. Built in memory, no checkpoint."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=160, intermediate_size=272, num_hidden_layers=1, num_attention_heads=5,
+                      num_key_value_heads=1, head_dim=32, max_position_embeddings=64, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
 @pytest.fixture(scope="session")
 def tiny_hf_dir(tmp_path_factory) -> str:
     """A tiny random HF Llama checkpoint directory with tokenizer (shared by rollout, sync and cookbook tests)."""
