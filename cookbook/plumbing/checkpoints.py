@@ -41,7 +41,7 @@ from rlblocks.errors import ArgumentError, CheckpointError
 from .runs import RunFiles
 
 FREE_FLAGS = frozenset({"name", "runs_dir", "steps", "time_limit", "eval_every", "save_every", "resume", "quiet",
-                        "sync_port"})
+                        "sync_port", "log_to"})
 """Flags a resumed run may change: they decide how long it runs and what it logs, not what a step computes."""
 
 

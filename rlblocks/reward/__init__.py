@@ -12,6 +12,8 @@
   ``stats()``; asyncio for async rewards, killable worker processes for synchronous CPU-bound ones
   (:class:`ProcessWorkers`: a crashed or hung worker is replaced); groups failed whole (:class:`GroupResult`).
 - :class:`WeightedReward`, :class:`FormatReward`, :class:`OverlongPenalty` — combinators.
+- :func:`evaluate` (an engine, prompts, a reward → :class:`EvalResult`), :func:`summarize`, :func:`pass_at_k` —
+  held-out pass@k (the unbiased estimator) and mean@k with per-prompt results.
 
 ``import rlblocks.reward`` imports only the standard library and rlblocks' small modules: no torch, transformers
 or math-verify (those load inside the file that needs them, when it is used), so a verifier worker process starts
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from .code import CodeReward, CodeTest, code_reward, extract_code, outputs_match
 from .combine import FormatReward, OverlongPenalty, WeightedReward
+from .evaluate import EvalResult, PromptResult, evaluate, pass_at_k, summarize
 from .math import MathReward, check_math, extract_answer, math_reward
 from .pool import RewardPool
 from .retry import RetryPolicy
@@ -43,11 +46,13 @@ _LAZY = {
 __all__ = [
     "CodeReward",
     "CodeTest",
+    "EvalResult",
     "FormatReward",
     "GroupResult",
     "MathReward",
     "OverlongPenalty",
     "ProcessWorkers",
+    "PromptResult",
     "RetryPolicy",
     "RewardFn",
     "RewardModel",
@@ -57,10 +62,13 @@ __all__ = [
     "WeightedReward",
     "check_math",
     "code_reward",
+    "evaluate",
     "extract_answer",
     "extract_code",
     "math_reward",
     "outputs_match",
+    "pass_at_k",
+    "summarize",
 ]
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from plumbing import (
+    COMMON_KEYS,
     Journal,
     RunFiles,
     load_model_state,
@@ -64,8 +65,8 @@ def test_fresh_start_then_resume_restores_weights_optimizer_and_rng_exactly(tmp_
     m, opt = _model_and_optim()
     data = random.Random(3)
     _train(m, opt, 2)
-    for step in (1, 2, 3):
-        files.log({"step": step})
+    for step in (1, 2, 3):  # every key a loop logs (MetricsSink refuses a record without them)
+        files.log({**dict.fromkeys(COMMON_KEYS), "step": step})
     _save(files, cfg, m, opt, 2, data)
     # what an uninterrupted run draws and trains next
     want_draw, want_data = torch.rand(4), data.random()

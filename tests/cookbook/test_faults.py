@@ -30,7 +30,7 @@ pytestmark = pytest.mark.filterwarnings("error:rlblocks:DeprecationWarning")
 
 TIMING = ("step_seconds", "generate_seconds", "train_seconds", "sync_seconds", "reward_seconds", "queue_wait_seconds",
           "tokens_per_s", "wall_seconds", "cpu_seconds", "rl_seconds_this_run", "config", "restarts",
-          "resumed_from_steps", "steps_redone", "checkpoints_skipped")
+          "resumed_from_steps", "steps_redone", "checkpoints_skipped", "seconds")  # seconds: the reward pool's time
 
 
 def _env() -> dict:

@@ -59,3 +59,12 @@ def first_attempt_dies(sample):
         while True:  # "killed" or "hang": only killing the process ends this call
             time.sleep(3600)
     return float(sample.metadata["i"])
+
+
+def where(_sample=None):
+    """The ``rlblocks`` package directory this worker imported, and the head of its ``sys.path``."""
+    import sys
+
+    import rlblocks
+
+    return os.path.dirname(os.path.abspath(rlblocks.__file__)), sys.path[:2]
