@@ -99,8 +99,11 @@ from rlblocks.sync import (
     LoraSyncer,
     WeightReceiver,
     WeightSender,
+    dequantize_named,
     full_tensors,
     merge_lora,
+    quantize_named,
+    save_fp8_checkpoint,
     split_lora_message,
 )
 
@@ -132,6 +135,10 @@ class Config:
     sync: str = opt("full", "weight sync: full buckets, delta packets, or LoRA adapters only (trains a LoRA)",
                     ("full", "delta", "lora"))
     lora_rank: int = opt(16, "--sync lora: adapter rank (alpha = 2·rank) on every linear layer of the decoder")
+    rollout_dtype: str = opt("model", "weights the rollout engine computes with: the trainer's own dtype, or "
+                                      "block-FP8 (e4m3, one scale per 128×128 block; embeddings, LM head and norms "
+                                      "stay) quantised on every push, so the rollout policy is the FP8 one (pair "
+                                      "with --correction tis)", ("model", "fp8"))
     loss: str = opt("ppo", "policy loss", ("ppo", "gspo", "cispo", "decoupled"))
     eps_low: float | None = opt(None, "clip offset below 1 (ratio ≥ 1 − eps_low; cispo: IS-weight floor); "
                                       f"default: the loss's own ({loss_defaults('eps_low')})", type=float)
@@ -167,6 +174,13 @@ def check_flags(cfg: Config) -> None:
     check_loss_flags(cfg)
     check_at_least(cfg, 0, "dynamic_max_rounds", "eval_every", "save_every")
     check_max_model_len(cfg.max_model_len)
+    if cfg.rollout_dtype == "fp8" and cfg.engine == "sglang":
+        raise ArgumentError("--rollout-dtype fp8: expected --engine torch|vllm (an SGLang server loads its own "
+                            "checkpoint: start it from a block-FP8 one instead), got --engine sglang")
+    if (cfg.rollout_dtype == "fp8" and cfg.engine == "vllm" and not torch.cuda.is_available()
+            and not torch.cpu._is_amx_tile_supported()):
+        raise ArgumentError("--rollout-dtype fp8 --engine vllm: vLLM's block-FP8 GEMM on CPU needs AMX tiles, which "
+                            "this CPU lacks; use --engine torch (it dequantises the FP8 weights) or a GPU")
 
 
 # ================================================================================================ rollout side
@@ -313,6 +327,8 @@ class Rollout:
                 if base:
                     lora_base = base
                 tensors = list(merge_lora(lora_base.items(), adapters))
+                if self.cfg.rollout_dtype == "fp8":  # the engine holds the merged weights in FP8
+                    tensors = list(quantize_named(tensors))
             elif msg.kind == "full":
                 version, it = receiver.receive()
                 tensors = [(n, t.clone()) for n, t in it]
@@ -324,6 +340,8 @@ class Rollout:
                 tensors = list(decoder.tensors.items())
             asyncio.run_coroutine_threadsafe(self._update(tensors, version, msg), loop).result()
             self.counters["sync_seconds"] += time.perf_counter() - t0
+            self.counters["weight_updates"] += 1
+            self.counters["fp8_weights_loaded"] += sum(1 for _, x in tensors if x.dtype == torch.float8_e4m3fn)
 
     async def _update(self, tensors, version: int, msg: Weights) -> None:
         """Quiesce, swap, commit, resume: in-flight requests come back aborted (partial output kept by
@@ -356,15 +374,40 @@ def rollout_main(cfg: Config, rank: int, n_train: int, device, sample_group, pat
     sync_group = join_sync_group(rank, n_train, cfg.rollout_ranks + n_train, port, backend=sync_backend(cfg))
     max_model_len = resolve_max_model_len(cfg.max_model_len, path)
 
-    async def main():
-        engine = make_engine(cfg.engine, path, device, max_model_len=max_model_len,
+    async def main(engine_path: str):
+        engine = make_engine(cfg.engine, engine_path, device, max_model_len=max_model_len,
                              max_staleness=cfg.max_staleness, sglang_url=cfg.sglang_url)
         try:
             await Rollout(cfg, rank, n_train, sample_group, sync_group, tok, engine, max_model_len).run()
         finally:  # inside the event loop: the engine's own tasks (step loop, vLLM's output handler) end cleanly
             await engine.aclose()
 
-    asyncio.run(main())
+    if cfg.engine == "vllm" and cfg.rollout_dtype == "fp8":
+        # vLLM holds FP8 weights only when started from a block-FP8 checkpoint: written once from ``path`` (the
+        # first push replaces its weights anyway), in a directory removed when the engine has closed
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="rollout-fp8-") as fp8_dir:
+            save_fp8_checkpoint(checkpoint_tensors(path), fp8_dir, config_dir=path)
+            asyncio.run(main(fp8_dir))
+    else:
+        asyncio.run(main(path))
+
+
+def checkpoint_tensors(path: str):
+    """Every tensor of the HF checkpoint at ``path`` (its ``*.safetensors`` files), streamed one at a time."""
+    import glob
+
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ArgumentError(f"--rollout-dtype fp8 --engine vllm: expected *.safetensors weights in {path!r}, "
+                            "found none")
+    for f in files:
+        with safe_open(f, framework="pt") as h:
+            for name in h.keys():
+                yield name, h.get_tensor(name)
 
 
 def sync_backend(cfg: Config) -> str:
@@ -405,6 +448,8 @@ class Trainer:
     transport: GroupDeltaTransport | None = None
     syncer: LoraSyncer | None = None
     encoder: DeltaEncoder | None = None
+    push_bytes: int = 0  # payload bytes of the last weight push (rank 0)
+    full_push_bytes: int = 0  # ... of the first, full one
     stale_by_rank: Counter = field(default_factory=Counter)  # dropped as stale, not yet reported to their rank
     stale_uids: list[str] = field(default_factory=list)
 
@@ -483,9 +528,18 @@ def setup_trainer(cfg: Config, rank: int, world: int, n_train: int, device, grou
     return t
 
 
+def rollout_form(cfg: Config, tensors: list) -> list:
+    """The weights as the rollout engine gets them: the trainer's own tensors, or (``--rollout-dtype fp8``) their
+    block-FP8 stream, each quantised ``.weight`` followed by its ``_scale_inv`` (``quantize_named``, default
+    ``FP8Rules``); the engine loads exactly these, so with FP8 the samples come from the FP8 policy."""
+    return list(quantize_named(tensors)) if cfg.rollout_dtype == "fp8" else tensors
+
+
 def push_weights(t: Trainer, first: bool = False) -> tuple[list, float]:
     """Weight push, version = ``t.step``: every trainer rank gathers full tensors (an FSDP collective); rank 0 sends
-    them as full buckets, a delta against the previous push, or LoRA adapters. Returns ``(tensors, seconds)``."""
+    them (in their rollout form, :func:`rollout_form`) as full buckets, a delta against the previous push, or LoRA
+    adapters (merged, and quantised with FP8, on the rollout side). ``t.push_bytes``: the payload bytes of this
+    push. Returns ``(tensors, seconds)``: the trainer's own tensors, which its evaluation and checkpoint use."""
     t0 = time.perf_counter()
     tensors = [(n.removeprefix("lm."), p) for n, p in full_tensors(t.policy)]
     if not t.is0:
@@ -496,12 +550,15 @@ def push_weights(t: Trainer, first: bool = False) -> tuple[list, float]:
     send_control(t.sync_group, Weights(version=t.step, kind=kind, first=first, queued=dict(queued)))
     if kind == "lora":
         t.syncer.sync(t.peft_model, version=t.step)
+        t.push_bytes = t.syncer.sent_bytes[-1]
     elif kind == "full":
-        t.sender.send(tensors, version=t.step)
+        wire = rollout_form(cfg, tensors)
+        t.sender.send(wire, version=t.step)
+        t.push_bytes = sum(x.numel() * x.element_size() for _, x in wire)
         if cfg.sync == "delta":
-            t.encoder = DeltaEncoder(tensors, version=t.step)
+            t.encoder = DeltaEncoder(wire, version=t.step)
     else:
-        t.transport.send(t.encoder.encode(tensors, version=t.step))
+        t.push_bytes = t.transport.send(t.encoder.encode(rollout_form(cfg, tensors), version=t.step))
     return tensors, time.perf_counter() - t0
 
 
@@ -569,11 +626,14 @@ def log_step(t: Trainer, tensors, stats: dict, m: dict[str, float], batch: list[
     t.files.log({
         "step": t.step, "version": t.step, "reward": stats["reward"], "heldout_acc": acc, "loss": m["loss"],
         "kl_k3": m.get("mismatch_kl_k3"), "kl_k1": m.get("mismatch_kl_k1"), "approx_kl": m.get("approx_kl"),
+        "ratio_in_band_frac": m.get("mismatch_ratio_in_band_frac"),
+        **{k.removeprefix("mismatch_"): v for k, v in m.items() if k.startswith("mismatch_staleness")},
         "clipfrac": m.get("clipfrac"), "clipfrac_low": m.get("clipfrac_low"),
         "clipfrac_high": m.get("clipfrac_high"), "grad_norm": m["grad_norm"], "ppo_updates": m["ppo_updates"],
         "staleness_hist": {str(k): v for k, v in sorted(stats["hist"].items())},
         "tokens_trained": stats["tokens"], "tokens_per_s": stats["tokens"] / step_s, "step_seconds": step_s,
         "train_seconds": timings["train"], "sync_seconds": timings["sync"], "queue_wait_seconds": timings["wait"],
+        "sync_bytes": t.push_bytes,
         "queue_len": len(t.queue), "samples_generated": t.inbox.generated,
         "samples_trained": t.counters["samples_trained"], "wall_seconds": t.wall_seconds(),
         "trained_uids": [g["uid"] for g in batch], "lr": t.optim.param_groups[0]["lr"],
@@ -599,7 +659,18 @@ def save_checkpoint(t: Trainer, tensors) -> None:
                       "stale_uids": t.stale_uids, "wall_seconds": t.wall_seconds()})
 
 
-def finish(t: Trainer) -> None:
+def evaluate_rollout_form(t: Trainer, tensors) -> float:
+    """Held-out greedy accuracy of the policy the rollout engine holds (``--rollout-dtype fp8``: the dequantised
+    FP8 weights), on a copy of the evaluation model."""
+    import copy
+
+    lm = copy.deepcopy(t.eval_lm)
+    dtypes = {n: x.dtype for n, x in tensors}
+    lm.load_state_dict(dict(dequantize_named(rollout_form(t.cfg, tensors), dtype=dtypes)), strict=False)
+    return toy.heldout_accuracy(lm, t.tok)  # REAL MODEL: your evaluation set and metric
+
+
+def finish(t: Trainer, tensors) -> None:
     """Rank 0: stop the rollout ranks, collect their counters, write summary.json (every sample accounted for:
     generated = trained + dropped stale + left in the queue)."""
     send_control(t.sync_group, Stop())
@@ -616,7 +687,10 @@ def finish(t: Trainer) -> None:
         "samples_trained": t.counters["samples_trained"], "samples_dropped_stale": t.counters["samples_dropped_stale"],
         "samples_left_in_queue": len(q) * cfg.group_size, "rollout": dict(rollout), "stale_uids": t.stale_uids,
         "left_uids": [item["uid"] for item, _, _ in q.state_dict()["items"]], "config": dataclasses.asdict(cfg),
+        "sync_bytes_full": t.full_push_bytes,
     }
+    if cfg.rollout_dtype == "fp8":
+        summary["accuracy_after_fp8"] = evaluate_rollout_form(t, tensors)
     t.files.write_summary(summary)
     gain = 100 * (t.last_acc - t.accuracy_before)
     print(f"held-out accuracy before RL: {t.accuracy_before:.3f}  after {t.step} steps: {t.last_acc:.3f}  "
@@ -628,6 +702,7 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
                  port: int) -> None:
     t = setup_trainer(cfg, rank, world, n_train, device, groups, path, port)
     tensors, _ = push_weights(t, first=True)
+    t.full_push_bytes = t.push_bytes
     if t.is0:
         if t.accuracy_before is None:
             t.accuracy_before = evaluate(t, tensors)
@@ -643,7 +718,7 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
         bt = batch_tensors(groups_here, t.tok.pad_token_id, device)
         set_lr(t)
         m = grpo_step(cfg, t.policy, t.optim, bt, ref_policy=t.ref, group=t.group, grad_scale=float(n_train),
-                      step=t.step)
+                      step=t.step, max_staleness=cfg.max_staleness)
         stats = batch_stats(t, bt, version=t.step)  # token ages against the version that was trained
         timings["train"] = time.perf_counter() - t1
         t.step += 1  # one new policy version per batch
@@ -661,7 +736,7 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
             break
     bar.close()
     if t.is0:
-        finish(t)
+        finish(t, tensors)
 
 
 # ================================================================================================ main
