@@ -20,6 +20,7 @@ against the built-ins keeps working:
 | ``QueueRefused`` | ``GatewayError`` | the queue refused a finished trajectory; it is kept, never dropped |
 | ``SessionNotFound`` | ``ArgumentError`` | no open gateway session has that id |
 | ``ToolUnavailable`` | ``RuntimeError`` | a tool refused a call: too many earlier calls timed out and still run |
+| ``RequestError`` | ``ArgumentError`` | a service request was refused (the Tinker server answers ``status``, a 4xx) |
 
 The same failure raises the same class from every engine and transport: a refused weight update is a
 ``WeightUpdateError`` whether TorchEngine, VLLMEngine, SGLangEngine or a sync receiver refused it.
@@ -40,6 +41,7 @@ __all__ = [
     "QueueFull",
     "QueueRefused",
     "RLBlocksError",
+    "RequestError",
     "SandboxUnavailable",
     "SessionNotFound",
     "SyncError",
@@ -94,6 +96,8 @@ class SandboxUnavailable(RLBlocksError, RuntimeError):
     """The sandbox refused to run untrusted code: a required isolation layer (bubblewrap, a namespace, seccomp, a
     per-sandbox process limit) cannot be put in force on this machine. The message names the missing layers and
     how to opt into the weaker isolation explicitly."""
+
+
 class GatewayError(RLBlocksError, RuntimeError):
     """What the capture gateway answers a request with: an HTTP ``status`` and an OpenAI-style error object
     (``type``, ``param`` naming the offending field, ``code``); :meth:`body` is the JSON the client receives."""
@@ -123,3 +127,12 @@ class SessionNotFound(ArgumentError):
 
 class ToolUnavailable(RLBlocksError, RuntimeError):
     """A tool refused a call because ``max_hung`` of its earlier calls timed out and are still running."""
+
+
+class RequestError(ArgumentError):
+    """A service request was refused. ``status`` is the HTTP status the server answers with (400 bad input, 404
+    unknown id or route, 409 conflict, 413 too large, 415 wrong content type); the message names the field."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = int(status)

@@ -66,8 +66,11 @@ def test_fp8_rollout_full_sync_against_the_model_dtype(tiny_hf_dir, tmp_path):
         for r in rows:  # η = 0: every trained token comes from the version the trainer holds as π_old
             assert r["staleness0_token_frac"] == 1.0 and r["staleness_other_token_frac"] == 0.0
             assert r["staleness0_kl_k3"] == pytest.approx(r["kl_k3"], rel=1e-6, abs=1e-12)
-    assert 0.0 <= runs["fp8"][1]["accuracy_after_fp8"] <= 1.0
-    assert "accuracy_after_fp8" not in runs["model"][1]
+    fp8_after = runs["fp8"][1]["heldout_after_fp8"]  # the held-out evaluation of the FP8 weights, as heldout_after's
+    assert fp8_after.keys() == runs["fp8"][1]["heldout_after"].keys()
+    assert runs["fp8"][1]["accuracy_after_fp8"] == fp8_after["mean@1"] and 0.0 <= fp8_after["mean@1"] <= 1.0
+    assert fp8_after["failures"] == 0
+    assert "accuracy_after_fp8" not in runs["model"][1] and "heldout_after_fp8" not in runs["model"][1]
     kl_fp8 = [r["kl_k3"] for r in runs["fp8"][0]]
     kl_model = [r["kl_k3"] for r in runs["model"][0]]
     # fp32 engine vs fp32 trainer: rounding only (~1e-12 and below); the FP8 engine of this model: ~1e-5
@@ -136,12 +139,12 @@ def _quantised(name: str, t: torch.Tensor) -> bool:
 
 
 def _evaluated_model(monkeypatch, trainer) -> torch.nn.Module:
-    """The model ``evaluate_rollout_form`` scores (its ``toy.heldout_accuracy`` call intercepted)."""
+    """The model ``evaluate_rollout_form`` evaluates (its ``on_model`` call intercepted)."""
     import grpo_async
 
     seen = []
-    monkeypatch.setattr(grpo_async.toy, "heldout_accuracy", lambda lm, tok: seen.append(lm) or 0.5)
-    assert grpo_async.evaluate_rollout_form(trainer, list(trainer.eval_lm.named_parameters())) == 0.5
+    monkeypatch.setattr(grpo_async, "on_model", lambda lm, run: seen.append(lm) or "result")
+    assert grpo_async.evaluate_rollout_form(trainer, list(trainer.eval_lm.named_parameters())) == "result"
     assert len(seen) == 1
     return seen[0]
 
@@ -262,7 +265,7 @@ def test_weights_the_engine_refuses_end_the_rollout_rank_with_the_error(monkeypa
     monkeypatch.setattr(grpo_async, "GroupDeltaTransport", lambda g, src: None)
     monkeypatch.setattr(grpo_async, "Outbox", Outbox)
     cfg = grpo_async.Config(rollout_dtype="fp8")
-    ro = grpo_async.Rollout(cfg, 1, 1, None, None, None, Engine(), 64)
+    ro = grpo_async.Rollout(cfg, 1, 1, None, None, None, Engine(), 64, task=None, reward=None)
     with pytest.raises(ArgumentError) as e:
         asyncio.run(ro.run())
     assert e.value is refused

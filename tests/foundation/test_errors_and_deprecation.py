@@ -25,6 +25,8 @@ def test_every_error_derives_from_the_base_and_its_builtin():
         errors.QueueRefused: errors.GatewayError,
         errors.SessionNotFound: errors.ArgumentError,
         errors.ToolUnavailable: RuntimeError,
+        errors.SandboxUnavailable: RuntimeError,
+        errors.RequestError: errors.ArgumentError,
     }
     for cls, builtin in expected.items():
         assert issubclass(cls, rlblocks.RLBlocksError), cls
