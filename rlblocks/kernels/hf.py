@@ -84,6 +84,7 @@ def causal_lm_logprobs(
     backend: str | None = None,
     validate: bool = True,
     model_kwargs: Mapping[str, Any] | None = None,
+    cp_group: Any = None,
     **unknown: Any,
 ) -> Float[Tensor, "B T"] | tuple[Tensor, ...]:
     """Trainer log-probs ``logp [B, T]`` (and entropy) of the response tokens of an HF causal LM.
@@ -120,6 +121,11 @@ def causal_lm_logprobs(
             does not know: a misspelt option (``topp=0.9``) passed through would be dropped without a word. So
             any other keyword of this function raises ``ArgumentError`` listing the valid ones, and
             ``model_kwargs`` may not set ``input_ids``, ``attention_mask`` or ``use_cache`` (set here).
+        cp_group: a ``torch.distributed`` process group for context parallelism (gloo or NCCL). Every rank of the
+            group calls with the same full batch and gets the same full ``[B, T]`` outputs; each forwards only its
+            zigzag shard of the positions, with ring attention across the group (``rlblocks.kernels.
+            context_parallel``). Each rank's parameter gradients cover its own tokens: their sum over the group is
+            the unsharded gradient. Needs right padding (``attention_mask`` checked) and plain causal attention.
 
     Raises ``ArgumentError`` (a ``ValueError``) naming the argument for wrong shapes or dtypes, a prompt length
     < 1, a response position past ``L``, an LM head with a bias, soft-capped logits, or an unknown keyword.
@@ -184,6 +190,13 @@ def causal_lm_logprobs(
                 f"input_ids' length L={seq_len} (prompt_lens[{row}]={int(starts[row])})"
             )
     body = _decoder_body(model)
+    if cp_group is not None:
+        from rlblocks.kernels.context_parallel import cp_causal_lm_logprobs
+
+        return cp_causal_lm_logprobs(model, body, weight, input_ids, starts, keep, group=cp_group,
+                                     attention_mask=attention_mask, temperature=temp_eff, top_k=top_k, top_p=top_p,
+                                     return_entropy=return_entropy, return_outside=return_outside, backend=backend,
+                                     validate=validate, model_kwargs=model_kwargs)  # fmt: skip
     out = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **dict(model_kwargs))
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     if hidden.dim() != 3 or hidden.shape[:2] != (b, seq_len):
@@ -203,5 +216,5 @@ def causal_lm_logprobs(
 
 
 _KEYWORDS = ("attention_mask", "temperature", "top_k", "top_p", "return_entropy", "return_outside", "backend",
-             "validate", "model_kwargs")
+             "validate", "model_kwargs", "cp_group")
 """The keyword arguments of ``causal_lm_logprobs`` (listed in its error for an unknown one)."""
