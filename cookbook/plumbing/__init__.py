@@ -7,7 +7,8 @@ A loop imports it as ``from plumbing import ...``: a script's own folder (``cook
   ``every`` (the ``--eval-every``/``--save-every`` rule).
 - :mod:`.runs`: ``RunFiles`` (``runs/<name>/``: metrics, summary, checkpoint), ``Progress``, ``mean_metrics``.
 - :mod:`.distributed`: ``setup_dist`` (process group, device, CPU threads), ``seed_rank``, ``prompts_per_rank``,
-  ``rank0_first``, the weight-sync group, collectives (``all_reduce``, ``global_counts``, ``broadcast_flag``).
+  ``trainer_groups`` (DP × CP), ``rank0_first``, the weight-sync group, collectives (``all_reduce``,
+  ``global_counts``, ``broadcast_flag``, ``gather_cp``).
 - :mod:`.policy`: loading an HF checkpoint, ``PolicyLogprobs`` (the policy's per-token log-probs), FSDP2 sharding.
 - :mod:`.engines`: ``make_engine`` (``--engine``), ``--max-model-len``, response budgets.
 - :mod:`.batches`: ``group_record`` (what travels from rollout to trainer), ``batch_tensors`` (what a step reads).
@@ -19,9 +20,11 @@ Lines a user changes for a real model or task are marked ``REAL MODEL:`` in plac
 
 from .batches import batch_tensors, group_record
 from .distributed import (
+    TrainerGroups,
     all_reduce,
     broadcast_flag,
     close_dist,
+    gather_cp,
     global_counts,
     join_sync_group,
     pick_port,
@@ -29,6 +32,7 @@ from .distributed import (
     rank0_first,
     seed_rank,
     setup_dist,
+    trainer_groups,
 )
 from .engines import check_max_model_len, length_budget, make_engine, model_max_len, resolve_max_model_len, until_eos
 from .flags import check_at_least, every, opt, parse_flags
@@ -48,6 +52,7 @@ __all__ = [
     "RunFiles",
     "Stale",
     "Stop",
+    "TrainerGroups",
     "Weights",
     "all_reduce",
     "batch_tensors",
@@ -58,6 +63,7 @@ __all__ = [
     "close_dist",
     "decoder_layers",
     "every",
+    "gather_cp",
     "global_counts",
     "group_record",
     "join_sync_group",
@@ -80,5 +86,6 @@ __all__ = [
     "send_control",
     "setup_dist",
     "shard",
+    "trainer_groups",
     "until_eos",
 ]

@@ -15,8 +15,10 @@
   aligned with ``rlblocks.rollout.RolloutBatch``, through ``linear_token_logprobs``; with ``cp_group=`` context
   parallel (each rank forwards a zigzag shard of the sequence, ``ring_attention`` across the group).
 - ``ring_attention(q, k, v, group)``, ``zigzag_positions``: causal ring attention over zigzag shards (forward and
-  backward); ``cp_shard_mask``: the response tokens a rank scores (the loss side); ``enable_context_parallel``:
-  register the ring attention as the model's attention implementation (done on the first ``cp_group`` call).
+  backward); ``ring_attention_local``: every rank's part of it in one process (the one-device check of the
+  ring's math and kernels); ``cp_shard_mask``: the response tokens a rank scores (the loss side);
+  ``enable_context_parallel``: register the ring attention as the model's attention implementation (done on the
+  first ``cp_group`` call).
 
 Every op module imports triton (where installed) when it is imported, so all of them load on first use:
 ``import rlblocks.kernels`` imports neither triton nor any kernel module.
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
     from .linear_kl import linear_vocab_kl
     from .linear_logprobs import linear_token_logprobs, linear_token_logprobs_loss
     from .logprobs import token_logprobs
-    from .ring import ring_attention, zigzag_positions
+    from .ring import ring_attention, ring_attention_local, zigzag_positions
 
 # heavy (triton): name -> module, imported on first access
 _LAZY = {
@@ -45,6 +47,7 @@ _LAZY = {
     "linear_token_logprobs_loss": ".linear_logprobs",
     "linear_vocab_kl": ".linear_kl",
     "ring_attention": ".ring",
+    "ring_attention_local": ".ring",
     "token_logprobs": ".logprobs",
     "vocab_kl": ".kl",
     "zigzag_positions": ".ring",
@@ -58,6 +61,7 @@ __all__ = [
     "linear_token_logprobs_loss",
     "linear_vocab_kl",
     "ring_attention",
+    "ring_attention_local",
     "token_logprobs",
     "vocab_kl",
     "zigzag_positions",

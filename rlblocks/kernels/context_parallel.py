@@ -302,7 +302,8 @@ def cp_causal_lm_logprobs(
     full = stacked.new_zeros(len(channels), b, t_len + 1)
     full = full.scatter_add(2, sink[None].expand_as(stacked), torch.where(valid, stacked, 0.0))[:, :, :t_len]
     summed = _SumOverGroup.apply(full.contiguous(), group)
-    outs = list(summed.unbind(0))
+    outs = [x.clone() for x in summed.unbind(0)]  # not views of one buffer (an in-place op on a view of an
+    # FSDP module's output would skip its backward hook)
     if return_outside:
         outs[-1] = outs[-1].detach() > 0.5
     return outs[0] if len(outs) == 1 else tuple(outs)

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from rlblocks.errors import ArgumentError
 
-__all__ = ["ring_attention", "zigzag_positions"]
+__all__ = ["ring_attention", "ring_attention_local", "zigzag_positions"]
 
 _MATH_CHUNK_ELEMS = 1 << 24  # score elements per chunk of the torch block kernel (64 MiB of fp32)
 
@@ -209,14 +209,63 @@ def _merge(out: Tensor, lse: Tensor, o_b: Tensor, l_b: Tensor) -> tuple[Tensor, 
     return new_out, new_lse
 
 
-def _ring_fwd(q: Tensor, k: Tensor, v: Tensor, ring: _Ring | None, scale: float, kernel: str):
-    world, rank = (ring.world, ring.rank) if ring is not None else (1, 0)
-    groups, half = q.shape[1] // k.shape[1], q.shape[2] // 2
+class _DistKV:
+    """The key/value blocks one rank holds round by round, and the travelling gradient accumulators (a ring of
+    ``torch.distributed`` point-to-point shifts; ``ring=None``: one rank)."""
+
+    def __init__(self, ring: _Ring | None, k: Tensor, v: Tensor) -> None:
+        self.ring, self.k_shape = ring, k.shape
+        self.world, self.rank = (ring.world, ring.rank) if ring is not None else (1, 0)
+        self.kv = torch.stack([k, v])
+        self.dkv: Tensor | None = None
+        self.pending_dkv = None
+
+    def rounds(self):
+        kv = self.kv
+        for s in range(self.world):
+            pending = self.ring.shift(kv, 0) if s + 1 < self.world else None  # next round's block, in flight
+            yield s, kv
+            if pending is not None:
+                kv = self.ring.wait(pending)
+
+    def add_grad(self, s: int, dkv_b: Tensor, ks: slice) -> None:
+        """Add this rank's gradient of the block held at round ``s`` to its accumulator (received from the ranks
+        that held it before; none at ``s = 0``) and pass it on; after ``W`` hops it is back at its owner."""
+        dkv = torch.zeros((2, *self.k_shape), dtype=dkv_b.dtype, device=dkv_b.device) if s == 0 \
+            else self.ring.wait(self.pending_dkv)
+        dkv[:, :, :, ks] += dkv_b
+        if self.ring is None:
+            self.dkv = dkv
+        else:
+            self.pending_dkv = self.ring.shift(dkv, 1)
+
+    def own_grad(self) -> Tensor:
+        return self.dkv if self.ring is None else self.ring.wait(self.pending_dkv)
+
+
+class _LocalKV:
+    """Rank ``rank``'s rounds when every rank's shards are in this process (:func:`ring_attention_local`): the block
+    of round ``s`` is rank ``rank − s``'s, and its gradients add up in ``dkv[rank − s]``."""
+
+    def __init__(self, kv: Tensor, dkv: Tensor | None, rank: int) -> None:
+        self.kv, self.dkv, self.rank, self.world = kv, dkv, rank, kv.shape[0]
+
+    def rounds(self):
+        for s in range(self.world):
+            yield s, self.kv[(self.rank - s) % self.world]
+
+    def add_grad(self, s: int, dkv_b: Tensor, ks: slice) -> None:
+        self.dkv[(self.rank - s) % self.world][:, :, :, ks] += dkv_b
+
+
+def _rank_fwd(q: Tensor, src, scale: float, kernel: str) -> tuple[Tensor, Tensor, tuple]:
+    """One rank's forward: its queries against the key/value block of every round, merged by online softmax."""
+    world, rank = src.world, src.rank
+    half = q.shape[2] // 2
     acc = _acc_dtype(q.dtype)
-    kv = torch.stack([k, v])
     out = lse = aux0 = None
-    for s in range(world):
-        pending = ring.shift(kv, 0) if s + 1 < world else None  # the next round's block, in flight meanwhile
+    for s, kv in src.rounds():
+        groups = q.shape[1] // kv.shape[2]
         qs, ks, causal = _blocks(s, rank, world, half)
         o_b, l_b, aux = _block_fwd(kernel, q[:, :, qs].contiguous(), _expand(kv[0][:, :, ks], groups).contiguous(),
                                    _expand(kv[1][:, :, ks], groups).contiguous(), causal, scale)
@@ -224,46 +273,33 @@ def _ring_fwd(q: Tensor, k: Tensor, v: Tensor, ring: _Ring | None, scale: float,
             out, lse, aux0 = o_b.to(acc), l_b.to(acc), aux
         else:
             out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], o_b, l_b)
-        if pending is not None:
-            kv = ring.wait(pending)
     return out.to(q.dtype), lse, aux0
 
 
-def _ring_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ring: _Ring | None,
-              scale: float, kernel: str, aux: tuple):
-    world, rank = (ring.world, ring.rank) if ring is not None else (1, 0)
-    groups, half = q.shape[1] // k.shape[1], q.shape[2] // 2
+def _rank_bwd(dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, src, scale: float, kernel: str,
+              aux: tuple) -> Tensor:
+    """One rank's backward: its ``dq``; the key/value gradients go to ``src.add_grad`` block by block."""
+    world, rank = src.world, src.rank
+    half = q.shape[2] // 2
     acc = _acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv = torch.stack([k, v])
-    dkv_pending = None
-    dkv = None
-    for s in range(world):
-        pending = ring.shift(kv, 0) if s + 1 < world else None
+    for s, kv in src.rounds():
+        groups = q.shape[1] // kv.shape[2]
         qs, ks, causal = _blocks(s, rank, world, half)
         dq_b, dk_b, dv_b = _block_bwd(
             kernel, dout[:, :, qs].contiguous(), q[:, :, qs].contiguous(),
             _expand(kv[0][:, :, ks], groups).contiguous(), _expand(kv[1][:, :, ks], groups).contiguous(),
             out[:, :, qs].contiguous(), lse[:, :, qs].contiguous(), causal, scale, aux)
         dq[:, :, qs] += dq_b.to(acc)
-        # the accumulator of the held key/value block: from the ranks that held it before (none at s = 0)
-        dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device) if s == 0 else ring.wait(dkv_pending)
-        dkv[0][:, :, ks] += _fold(dk_b.to(acc), groups)
-        dkv[1][:, :, ks] += _fold(dv_b.to(acc), groups)
-        if ring is not None:
-            dkv_pending = ring.shift(dkv, 1)  # on to the next holder; after W hops it is back at its owner
-        if pending is not None:
-            kv = ring.wait(pending)
-    if ring is not None:
-        dkv = ring.wait(dkv_pending)
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        src.add_grad(s, torch.stack([_fold(dk_b.to(acc), groups), _fold(dv_b.to(acc), groups)]), ks)
+    return dq.to(q.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, scale, kernel):
         ring = _Ring(group) if group is not None and dist.get_world_size(group) > 1 else None
-        out, lse, aux = _ring_fwd(q, k, v, ring, scale, kernel)
+        out, lse, aux = _rank_fwd(q, _DistKV(ring, k, v), scale, kernel)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.scale, ctx.kernel, ctx.aux = ring, scale, kernel, aux
         return out
@@ -271,8 +307,45 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_bwd(dout, q, k, v, out, lse, ctx.ring, ctx.scale, ctx.kernel, ctx.aux)
-        return dq, dk, dv, None, None, None
+        src = _DistKV(ctx.ring, k, v)
+        dq = _rank_bwd(dout, q, out, lse, src, ctx.scale, ctx.kernel, ctx.aux)
+        dkv = src.own_grad()
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+class _LocalRingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, kernel):  # [W, B, H, n, D] and [W, B, H_kv, n, D]: every rank's shard
+        kv = torch.stack([k, v], 1)
+        res = [_rank_fwd(q[r], _LocalKV(kv, None, r), scale, kernel) for r in range(q.shape[0])]
+        out, lse = torch.stack([x[0] for x in res]), torch.stack([x[1] for x in res])
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.kernel, ctx.aux = scale, kernel, [x[2] for x in res]
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        kv = torch.stack([k, v], 1)
+        dkv = torch.zeros(kv.shape, dtype=_acc_dtype(k.dtype), device=k.device)
+        dq = torch.stack([_rank_bwd(dout[r], q[r], out[r], lse[r], _LocalKV(kv, dkv, r), ctx.scale, ctx.kernel,
+                                    ctx.aux[r]) for r in range(q.shape[0])])  # fmt: skip
+        return dq, dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype), None, None
+
+
+def _check_qkv(query: Tensor, key: Tensor, value: Tensor, kernel: str | None, scale: float | None) -> float:
+    if query.dim() != 4 or key.dim() != 4 or value.shape != key.shape:
+        raise ArgumentError(f"query, key, value: expected [B, H, n, D] and two equal [B, H_kv, n, D], got "
+                            f"{list(query.shape)}, {list(key.shape)}, {list(value.shape)}")
+    b, h, n, d = query.shape
+    if key.shape[0] != b or key.shape[2] != n or key.shape[3] != d or h % key.shape[1]:
+        raise ArgumentError(f"key: expected [{b}, H_kv, {n}, {d}] with H_kv dividing {h}, got {list(key.shape)}")
+    if kernel not in (None, "math"):
+        raise ArgumentError(f"kernel: expected None or 'math', got {kernel!r}")
+    scale = d**-0.5 if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise ArgumentError(f"scale: expected a finite float, got {scale!r}")
+    return scale
 
 
 def ring_attention(
@@ -303,17 +376,35 @@ def ring_attention(
 
     Raises ``ArgumentError`` for shapes that do not fit (odd ``n``, head counts, mismatched ``B``/``n``/``D``).
     """
-    if query.dim() != 4 or key.dim() != 4 or value.shape != key.shape:
-        raise ArgumentError(f"query, key, value: expected [B, H, n, D] and two equal [B, H_kv, n, D], got "
-                            f"{list(query.shape)}, {list(key.shape)}, {list(value.shape)}")
-    b, h, n, d = query.shape
-    if key.shape[0] != b or key.shape[2] != n or key.shape[3] != d or h % key.shape[1]:
-        raise ArgumentError(f"key: expected [{b}, H_kv, {n}, {d}] with H_kv dividing {h}, got {list(key.shape)}")
-    if n % 2:
-        raise ArgumentError(f"query: expected an even local length (two zigzag chunks), got n={n}")
-    if kernel not in (None, "math"):
-        raise ArgumentError(f"kernel: expected None or 'math', got {kernel!r}")
-    scale = d**-0.5 if scale is None else float(scale)
-    if not math.isfinite(scale):
-        raise ArgumentError(f"scale: expected a finite float, got {scale!r}")
+    scale = _check_qkv(query, key, value, kernel, scale)
+    if query.shape[2] % 2:
+        raise ArgumentError(f"query: expected an even local length (two zigzag chunks), got n={query.shape[2]}")
     return _RingAttention.apply(query, key, value, group, scale, kernel or _kernel_for(query))
+
+
+def ring_attention_local(
+    query: Float[Tensor, "B H N D"],
+    key: Float[Tensor, "B Hkv N D"],
+    value: Float[Tensor, "B Hkv N D"],
+    world: int,
+    *,
+    scale: float | None = None,
+    kernel: str | None = None,
+) -> Float[Tensor, "B H N D"]:
+    """Every rank's part of :func:`ring_attention` computed in turn in this process: the same zigzag shards, block
+    kernels, schedule, merge and backward, without a process group (the one-device check of the ring's math and
+    of the kernels a device would run, e.g. the CUDA flash kernels with merged log-sum-exps).
+
+    ``query``/``key``/``value`` are the WHOLE sequence, ``N`` a multiple of ``2·world`` (pad at the end);
+    the result is the whole causal attention output in sequence order (and differentiable), which equals
+    ``scaled_dot_product_attention(..., is_causal=True)`` up to rounding."""
+    scale = _check_qkv(query, key, value, kernel, scale)
+    if not isinstance(world, int) or world < 1 or query.shape[2] % (2 * world):
+        raise ArgumentError(f"world: expected an int >= 1 with 2·world dividing N={query.shape[2]}, got {world!r}")
+    n_len = query.shape[2]
+    pos = torch.stack([zigzag_positions(n_len, world, r, device=query.device) for r in range(world)])  # [W, n]
+    q, k, v = (x[:, :, pos].movedim(2, 0) for x in (query, key, value))  # [W, B, H, n, D]
+    out = _LocalRingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale, kernel or _kernel_for(query))
+    inverse = torch.empty_like(pos.flatten())
+    inverse[pos.flatten()] = torch.arange(pos.numel(), device=pos.device)
+    return out.movedim(0, 2).flatten(2, 3)[:, :, inverse]

@@ -19,7 +19,13 @@ import pytest
 import torch
 
 from rlblocks.errors import ArgumentError
-from rlblocks.kernels import causal_lm_logprobs, enable_context_parallel, ring_attention, zigzag_positions
+from rlblocks.kernels import (
+    causal_lm_logprobs,
+    enable_context_parallel,
+    ring_attention,
+    ring_attention_local,
+    zigzag_positions,
+)
 from rlblocks.kernels.ring import _block_bwd, _block_fwd
 
 transformers = pytest.importorskip("transformers")
@@ -104,6 +110,26 @@ def test_one_rank_ring_is_causal_attention_with_gqa():
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("kernel", [None, "math"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_rank_of_the_ring_in_one_process_is_causal_attention(world, kernel):
+    """ring_attention_local runs each rank's rounds in turn (the distributed schedule, merge and backward with
+    the blocks of the other ranks taken from memory): the whole output and gradients equal causal attention."""
+    g = torch.Generator().manual_seed(world)
+    n = 2 * world * 3
+    q = torch.randn(2, 4, n, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, n, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out = ring_attention_local(q, k, v, world, scale=0.3, kernel=kernel)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                           is_causal=True, scale=0.3)  # fmt: skip
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def tiny_llama():
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -153,6 +179,8 @@ def test_cp_group_errors_name_the_argument(tiny_llama):
         ring_attention(torch.zeros(1, 3, 4, 4), torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4, 4), None)
     with pytest.raises(ArgumentError, match="rank"):
         zigzag_positions(10, 2, 2)
+    with pytest.raises(ArgumentError, match="world"):
+        ring_attention_local(torch.zeros(1, 2, 6, 4), torch.zeros(1, 2, 6, 4), torch.zeros(1, 2, 6, 4), 2)
 
 
 def test_models_with_other_sequence_layers_are_refused():
