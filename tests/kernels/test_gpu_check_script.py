@@ -26,7 +26,8 @@ def test_validate_mode_runs_every_step(tmp_path):
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     summary = (tmp_path / "out" / "summary.txt").read_text()
-    for step in ("3/6 goal case: ok", "4/6 tests: ok", "5/6 more cases: ok", "all steps ok"):
+    for step in ("3/6 goal case: ok", "4/6 tests: ok", "4b/6 context parallel: ok", "5/6 more cases: ok",
+                 "all steps ok"):
         assert step in summary, summary
     assert "liger" in summary  # installed from .whl/, or a line saying why the liger rows are skipped
     table = summary[summary.index("== 6/6 table") :].splitlines()
@@ -40,4 +41,6 @@ def test_validate_mode_runs_every_step(tmp_path):
     for ln in measured:
         assert float(ln.split()[-1]) < 1e-4, ln
     files = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
-    assert len(files) <= 8, files  # the eight files the script's header lists
+    assert len(files) <= 10, files  # the ten files the script's header lists
+    cp = summary[summary.index("== 4b/6 context parallel") :]
+    assert " tokens " in cp and "x CP1" in cp  # the context-parallel table, CP = 1 and 2 side by side
