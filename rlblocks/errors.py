@@ -15,7 +15,12 @@ against the built-ins keeps working:
 | ``QueueFull`` | ``queue.Full`` | a bounded queue is at capacity |
 | ``QueueClosed`` | ``RuntimeError`` | ``put`` on a closed queue |
 | ``InsufficientGroupsError`` | ``RuntimeError`` | dynamic sampling could not fill its target |
-| ``SandboxUnavailable`` | ``RuntimeError`` | the sandbox cannot put its isolation layers in force here (the message names the missing ones) |
+| ``SandboxUnavailable`` | ``RuntimeError`` | the sandbox cannot put its isolation layers in force (names them) |
+| ``GatewayError`` | ``RuntimeError`` | the gateway answers with an OpenAI-style error (status, code, param) |
+| ``QueueRefused`` | ``GatewayError`` | the queue refused a finished trajectory; it is kept, never dropped |
+| ``SessionNotFound`` | ``ArgumentError`` | no open gateway session has that id |
+| ``ToolUnavailable`` | ``RuntimeError`` | a tool refused a call: too many earlier calls timed out and still run |
+| ``RequestError`` | ``ArgumentError`` | a service request was refused (the Tinker server answers ``status``, a 4xx) |
 
 The same failure raises the same class from every engine and transport: a refused weight update is a
 ``WeightUpdateError`` whether TorchEngine, VLLMEngine, SGLangEngine or a sync receiver refused it.
@@ -24,18 +29,24 @@ The same failure raises the same class from every engine and transport: a refuse
 from __future__ import annotations
 
 import queue as _stdlib_queue
+from typing import Any
 
 __all__ = [
     "ArgumentError",
     "DeltaError",
     "EngineError",
+    "GatewayError",
     "InsufficientGroupsError",
     "QueueClosed",
     "QueueFull",
+    "QueueRefused",
     "RLBlocksError",
+    "RequestError",
     "SandboxUnavailable",
+    "SessionNotFound",
     "SyncError",
     "SyncMismatchError",
+    "ToolUnavailable",
     "WeightUpdateError",
 ]
 
@@ -85,3 +96,43 @@ class SandboxUnavailable(RLBlocksError, RuntimeError):
     """The sandbox refused to run untrusted code: a required isolation layer (bubblewrap, a namespace, seccomp, a
     per-sandbox process limit) cannot be put in force on this machine. The message names the missing layers and
     how to opt into the weaker isolation explicitly."""
+
+
+class GatewayError(RLBlocksError, RuntimeError):
+    """What the capture gateway answers a request with: an HTTP ``status`` and an OpenAI-style error object
+    (``type``, ``param`` naming the offending field, ``code``); :meth:`body` is the JSON the client receives."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class QueueRefused(GatewayError):
+    """A session was closed with its reward but the queue refused its trajectory (closed, still full after the
+    hand-over timeout, or the callable raised). Nothing is lost: ``trajectory`` is kept in ``Gateway.finished``
+    (answered over HTTP as 503 with code ``queue_refused``)."""
+
+    def __init__(self, message: str, *, session_id: str, trajectory: Any) -> None:
+        super().__init__(503, message, type="server_error", code="queue_refused")
+        self.session_id, self.trajectory = session_id, trajectory
+
+
+class SessionNotFound(ArgumentError):
+    """No open gateway session has this id (unknown, already closed by a reward, or nothing was captured in it)."""
+
+
+class ToolUnavailable(RLBlocksError, RuntimeError):
+    """A tool refused a call because ``max_hung`` of its earlier calls timed out and are still running."""
+
+
+class RequestError(ArgumentError):
+    """A service request was refused. ``status`` is the HTTP status the server answers with (400 bad input, 404
+    unknown id or route, 409 conflict, 413 too large, 415 wrong content type); the message names the field."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = int(status)

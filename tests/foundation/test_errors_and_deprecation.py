@@ -21,6 +21,12 @@ def test_every_error_derives_from_the_base_and_its_builtin():
         errors.QueueFull: queue.Full,
         errors.QueueClosed: RuntimeError,
         errors.InsufficientGroupsError: RuntimeError,
+        errors.GatewayError: RuntimeError,
+        errors.QueueRefused: errors.GatewayError,
+        errors.SessionNotFound: errors.ArgumentError,
+        errors.ToolUnavailable: RuntimeError,
+        errors.SandboxUnavailable: RuntimeError,
+        errors.RequestError: errors.ArgumentError,
     }
     for cls, builtin in expected.items():
         assert issubclass(cls, rlblocks.RLBlocksError), cls
