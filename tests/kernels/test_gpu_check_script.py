@@ -43,5 +43,5 @@ def test_validate_mode_runs_every_step(tmp_path):
         assert float(ln.split()[-1]) < 1e-4, ln
     files = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
     assert len(files) <= 10, files  # the ten files the script's header lists
-    cp = summary[summary.index("== 4b/6 context parallel") :]
+    cp = summary[summary.index("== 4b/7 context parallel") :]
     assert " tokens " in cp and "x CP1" in cp  # the context-parallel table, CP = 1 and 2 side by side
