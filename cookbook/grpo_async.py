@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc_per_node 2 cookbook/grpo_async.py --name demo          # CPU demo
     torchrun --nnodes 2 --nproc_per_node 8 ... cookbook/grpo_async.py --model /ckpt --engine vllm --rollout-ranks 8
+    ... --rollout-ranks 8 --cp 4     # long traces: the 8 trainer ranks as 2 DP × 4 CP (ring attention)
 
 Ranks ``[0, T)`` train, ranks ``[T, W)`` generate (``T = W - rollout_ranks``).
 
@@ -30,7 +31,8 @@ With ``--rollout-dtype fp8`` the engine computes with block-FP8 weights (``quant
 128 × 128 block, embeddings, LM head and norms kept), quantised by the trainer on every push (by the rollout rank
 after the LoRA merge): half the bytes of bf16 on the wire, and a rollout policy that differs from π_old, which
 ``--correction tis`` corrects and the per-age mismatch metrics measure.
-η = 0 is synchronous RL.
+η = 0 is synchronous RL. ``--cp N`` groups the trainer ranks DP × CP: the batch is split over the DP ranks, and the
+N ranks of a CP group train the same samples, each forwarding a zigzag shard of every sequence (ring attention).
 
 Held-out evaluation on trainer rank 0 (``plumbing/evaluation.py``): ``--eval-k`` samples per held-out prompt from a
 TorchEngine over the trainer's model, pass@k and mean@k, every ``--eval-every`` steps and before and after RL.
@@ -119,6 +121,7 @@ from plumbing import (
     send_control,
     setup_dist,
     shard,
+    trainer_groups,
     until_eos,
 )
 
@@ -204,6 +207,8 @@ class Config(TaskFlags):
     seed: int = opt(0, "seed")
     sync_port: int = opt(0, "port of the weight-sync group's store on rank 0 (0: a free one)")
     quiet: bool = opt(False, "no progress bar")
+    cp: int = opt(1, "context-parallel trainer ranks per sequence (trainer ranks = DP × CP): each sequence's "
+                     "positions are split over CP ranks with ring attention, for long traces; 1: off")
 
 
 def check_flags(cfg: Config) -> None:
@@ -211,6 +216,7 @@ def check_flags(cfg: Config) -> None:
     check_loss_flags(cfg)
     check_task_flags(cfg)
     check_at_least(cfg, 0, "dynamic_max_rounds", "eval_every", "save_every")
+    check_at_least(cfg, 1, "cp")
     check_max_model_len(cfg.max_model_len)
     if cfg.rollout_dtype == "fp8" and cfg.engine == "sglang":
         raise ArgumentError("--rollout-dtype fp8: expected --engine torch|vllm (an SGLang server loads its own "
@@ -516,6 +522,7 @@ class Trainer:
     n_train: int
     device: torch.device
     group: Any  # the trainer ranks' process group
+    tg: Any  # TrainerGroups: this rank's DP and CP groups (--cp)
     files: RunFiles
     tok: Any
     lm: torch.nn.Module
@@ -578,7 +585,7 @@ def setup_trainer(cfg: Config, rank: int, world: int, n_train: int, device, grou
     ckpt = rec.state
     if ckpt is not None:
         load_model_state(lm, ckpt["model"])
-    policy = PolicyLogprobs(lm, cfg.temperature, cfg.prefix_share)
+    policy = PolicyLogprobs(lm, cfg.temperature, cfg.prefix_share, cp_group=groups["tg"].cp)
     eval_lm = lm
     if n_train > 1:
         # REAL MODEL: rank 0 keeps a whole unsharded copy only to run the held-out greedy evaluation with HF
@@ -588,10 +595,11 @@ def setup_trainer(cfg: Config, rank: int, world: int, n_train: int, device, grou
     ref = None
     if cfg.kl_coef > 0:
         ref = PolicyLogprobs(load_hf(path, device)[1].eval(), cfg.temperature,
-                             cfg.prefix_share).requires_grad_(False)
+                             cfg.prefix_share, cp_group=groups["tg"].cp).requires_grad_(False)
     optim = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
-    t = Trainer(cfg=cfg, rank=rank, n_train=n_train, device=device, group=groups["train"], files=files, tok=tok,
-                lm=lm, policy=policy, optim=optim, ref=ref, eval_lm=eval_lm, peft_model=peft_model, recovery=rec)
+    t = Trainer(cfg=cfg, rank=rank, n_train=n_train, device=device, group=groups["train"], tg=groups["tg"],
+                files=files, tok=tok, lm=lm, policy=policy, optim=optim, ref=ref, eval_lm=eval_lm,
+                peft_model=peft_model, recovery=rec)
     if ckpt is not None:
         t.step = ckpt["step"]
         t.counters.update(ckpt["counters"])
@@ -678,7 +686,8 @@ def take_batch(t: Trainer) -> tuple[list[dict], list[dict]]:
                 send_control(t.sync_group, Stale(stale))
             if len(t.inbox.ended) == cfg.rollout_ranks:
                 raise RuntimeError("every rollout rank ended while the trainer still needs samples")
-        shards = [batch[i::t.n_train] for i in range(t.n_train)]
+        dp = [batch[i :: t.tg.dp_size] for i in range(t.tg.dp_size)]
+        shards = [dp[i // t.tg.cp_size] for i in range(t.n_train)]  # a CP group's ranks get the same DP share
     box = [None]
     dist.scatter_object_list(box, shards if t.is0 else None, src=0, group=t.group)
     return box[0], batch
@@ -699,15 +708,15 @@ def set_lr(t: Trainer) -> None:
 
 def batch_stats(t: Trainer, bt: dict[str, torch.Tensor], version: int) -> dict[str, Any]:
     """Reward mean, sample and token counts, and the staleness histogram (token age = ``version`` − the token's
-    version) of the whole batch, summed over the trainer ranks."""
+    version) of the whole batch, summed over the data-parallel trainer ranks (a CP group shares its samples)."""
     ages = (version - bt["versions"][bt["mask"]]).tolist()
     hist = Counter(ages)
-    if t.n_train > 1:  # the histogram of the whole batch, not just this rank's shard
-        parts = [None] * t.n_train
-        dist.all_gather_object(parts, dict(hist), group=t.group)
+    if t.tg.dp_size > 1:  # the histogram of the whole batch, not just this rank's shard
+        parts = [None] * t.tg.dp_size
+        dist.all_gather_object(parts, dict(hist), group=t.tg.dp)
         hist = sum((Counter(p) for p in parts), Counter())
     sums = all_reduce(torch.tensor([bt["rewards"].sum().item(), bt["rewards"].numel(), bt["mask"].sum().item()],
-                                   dtype=torch.float64), group=t.group)
+                                   dtype=torch.float64), group=t.tg.dp)
     return {"reward": sums[0].item() / max(sums[1].item(), 1), "samples": int(sums[1].item()),
             "tokens": int(sums[2].item()), "hist": hist, "max_age": max(hist) if hist else 0}
 
@@ -847,7 +856,7 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
         t1 = time.perf_counter()
         bt = batch_tensors(groups_here, t.tok.pad_token_id, device)
         set_lr(t)
-        m = grpo_step(cfg, t.policy, t.optim, bt, ref_policy=t.ref, group=t.group, grad_scale=float(n_train),
+        m = grpo_step(cfg, t.policy, t.optim, bt, ref_policy=t.ref, group=t.tg.dp, grad_scale=float(n_train),
                       step=t.step, max_staleness=cfg.max_staleness)
         stats = batch_stats(t, bt, version=t.step)  # token ages against the version that was trained
         timings["train"] = time.perf_counter() - t1
@@ -880,13 +889,14 @@ def main(argv: list[str] | None = None) -> None:
     if n_train < 1 or cfg.rollout_ranks < 1:
         raise ArgumentError(f"--rollout-ranks: expected 1..{world - 1} for a world of {world} (trainer ranks and "
                             f"rollout ranks under one torchrun), got {cfg.rollout_ranks}")
-    prompts_per_rank(cfg, n_train, rollout_ranks=cfg.rollout_ranks)
     # every rank creates every group, in the same order
     train_ranks = list(range(n_train))
     groups = {
         "train": dist.new_group(train_ranks),
         "sample": dist.new_group(list(range(world)), backend="gloo"),
     }
+    groups["tg"] = trainer_groups(train_ranks, cfg.cp, rank, train_group=groups["train"])  # DP × CP
+    prompts_per_rank(cfg, groups["tg"].dp_size, rollout_ranks=cfg.rollout_ranks)
     if n_train > 1:
         from torch.distributed.device_mesh import DeviceMesh
 

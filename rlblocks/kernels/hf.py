@@ -87,6 +87,7 @@ def causal_lm_logprobs(
     prefix_share: bool = False,
     prefix_max_tokens: int | None = None,
     prefix_attention: str | None = None,
+    cp_group: Any = None,
     **unknown: Any,
 ) -> Float[Tensor, "B T"] | tuple[Tensor, ...]:
     """Trainer log-probs ``logp [B, T]`` (and entropy) of the response tokens of an HF causal LM.
@@ -132,6 +133,11 @@ def causal_lm_logprobs(
             rows sharing a prefix, none repeated).
         prefix_attention: with ``prefix_share``, ``"segments"`` (CPU), ``"flex"`` (CUDA) or ``"dense"``;
             ``None`` picks by device (``rlblocks.kernels.prefix_share``).
+        cp_group: a ``torch.distributed`` process group for context parallelism (gloo or NCCL). Every rank of the
+            group calls with the same full batch and gets the same full ``[B, T]`` outputs; each forwards only its
+            zigzag shard of the positions, with ring attention across the group (``rlblocks.kernels.
+            context_parallel``). Each rank's parameter gradients cover its own tokens: their sum over the group is
+            the unsharded gradient. Needs right padding (``attention_mask`` checked) and plain causal attention.
 
     Raises ``ArgumentError`` (a ``ValueError``) naming the argument for wrong shapes or dtypes, a prompt length
     < 1, a response position past ``L``, an LM head with a bias, soft-capped logits, or an unknown keyword.
@@ -197,6 +203,10 @@ def causal_lm_logprobs(
                 f"input_ids' length L={seq_len} (prompt_lens[{row}]={int(starts[row])})"
             )
     body = _decoder_body(model)
+    if prefix_share and cp_group is not None:
+        # a prefix tree's packed rows have no zigzag sharding: the two layouts of the positions do not compose
+        raise ArgumentError("prefix_share=True with cp_group: expected one of them (prefix-shared rows are not "
+                            "sharded across a context-parallel group), got both")
     if prefix_share:
         from rlblocks.kernels.prefix_share import prefix_shared_logprobs
 
@@ -204,6 +214,13 @@ def causal_lm_logprobs(
             body, weight, input_ids, starts, keep, attention_mask=attention_mask, model_kwargs=model_kwargs,
             max_tokens=prefix_max_tokens, attention=prefix_attention, temperature=temp_eff, top_k=top_k,
             top_p=top_p, return_entropy=return_entropy, return_outside=return_outside, backend=backend)
+    if cp_group is not None:
+        from rlblocks.kernels.context_parallel import cp_causal_lm_logprobs
+
+        return cp_causal_lm_logprobs(model, body, weight, input_ids, starts, keep, group=cp_group,
+                                     attention_mask=attention_mask, temperature=temp_eff, top_k=top_k, top_p=top_p,
+                                     return_entropy=return_entropy, return_outside=return_outside, backend=backend,
+                                     validate=validate, model_kwargs=model_kwargs)  # fmt: skip
     out = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **dict(model_kwargs))
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     if hidden.dim() != 3 or hidden.shape[:2] != (b, seq_len):
@@ -223,5 +240,5 @@ def causal_lm_logprobs(
 
 
 _KEYWORDS = ("attention_mask", "temperature", "top_k", "top_p", "return_entropy", "return_outside", "backend",
-             "validate", "model_kwargs", "prefix_share", "prefix_max_tokens", "prefix_attention")
+             "validate", "model_kwargs", "prefix_share", "prefix_max_tokens", "prefix_attention", "cp_group")
 """The keyword arguments of ``causal_lm_logprobs`` (listed in its error for an unknown one)."""
