@@ -16,7 +16,6 @@ checkpoints list, the server's log and state directory.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -26,16 +25,20 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import chz
 import tinker
 import torch
 import toy
+from plumbing import check_at_least, opt, parse_flags
 from tinker_cookbook.eval.evaluators import SamplingClientEvaluator
 from tinker_cookbook.rl import train
 from tinker_cookbook.rl.types import Env, EnvGroupBuilder, RLDataset, RLDatasetBuilder, StepResult
 from tinker_cookbook.tokenizer_utils import register_tokenizer
+
+from rlblocks.errors import ArgumentError
 
 MODEL_NAME = "rlblocks/toy-addition"
 
@@ -172,25 +175,40 @@ def merged_accuracy(model_dir: str, adapter_dir: Path | None) -> float:
     return toy.heldout_accuracy(model, toy.build_tokenizer())
 
 
+@dataclass
+class Config:
+    """tinker-cookbook's RL recipe (rl.train) on the toy task, against rlblocks.tinker on this machine."""
+
+    name: str = opt("demo-tinker", "run name: outputs go to <runs-dir>/<name>/")
+    runs_dir: str = opt("runs", "directory of run folders")
+    steps: int = opt(600, "most RL steps")
+    time_limit: float = opt(480.0, "RL wall seconds (0: none); training runs in chunks of --chunk steps, each "
+                                   "resumed from the cookbook's last checkpoint (weights and Adam state), while the "
+                                   "next chunk still fits")
+    chunk: int = opt(50, "RL steps per cookbook run (each resumes from the last checkpoint)")
+    groups_per_batch: int = opt(16, "groups (prompts) per sampled batch")
+    group_size: int = opt(8, "samples per prompt")
+    lr: float = opt(1.5e-3, "Adam learning rate of the LoRA adapter")
+    lora_rank: int = opt(32, "LoRA rank of the trained adapter")
+    loss_fn: str = opt("ppo", "Tinker loss of forward_backward", choices=("importance_sampling", "ppo", "cispo", "dro"))
+    substeps: int = opt(2, "optimizer steps per sampled batch (cookbook num_substeps)")
+    eval_every: int = opt(0, "cookbook evaluations of the held-out metric every N steps (0: off)")
+    threads: int = opt(1, "torch threads of the server process")
+    seed: int = opt(0, "dataset shuffling seed")
+
+
+def check_flags(cfg: Config) -> None:
+    """Refuse flag values the loop cannot run with (exit status 2, naming the flag)."""
+    check_at_least(cfg, 1, "steps", "chunk", "groups_per_batch", "group_size", "lora_rank", "substeps", "threads")
+    check_at_least(cfg, 0, "eval_every", "seed")
+    if cfg.lr <= 0:
+        raise ArgumentError(f"--lr: expected a float > 0, got {cfg.lr}")
+    if cfg.time_limit < 0:
+        raise ArgumentError(f"--time-limit: expected seconds >= 0 (0: no limit), got {cfg.time_limit}")
+
+
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--name", default="demo-tinker")
-    p.add_argument("--runs-dir", default="runs")
-    p.add_argument("--steps", type=int, default=600, help="most RL steps")
-    p.add_argument("--time-limit", type=float, default=480.0,
-                   help="RL wall seconds (0: none); training runs in chunks of --chunk steps, each resumed from the "
-                        "cookbook's last checkpoint (weights and Adam state), while the next chunk still fits")
-    p.add_argument("--chunk", type=int, default=50)
-    p.add_argument("--groups-per-batch", type=int, default=16)
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1.5e-3)
-    p.add_argument("--lora-rank", type=int, default=32)
-    p.add_argument("--loss-fn", default="ppo")
-    p.add_argument("--substeps", type=int, default=2, help="optimizer steps per sampled batch (cookbook num_substeps)")
-    p.add_argument("--eval-every", type=int, default=0, help="cookbook evaluations of the held-out metric (0: off)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads of the server process")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    args = parse_flags(Config, argv, check=check_flags)
     torch.set_num_threads(1)
     out = Path(args.runs_dir) / args.name
     out.mkdir(parents=True, exist_ok=True)

@@ -209,6 +209,7 @@ class VLLMEngine:
         self._layout = None if expected_weights is None else WeightLayout.from_shapes(expected_weights)
         self._packed: dict[str, str] = {}
         self._fp8: dict[str, tuple[int, ...]] | None = None  # block-FP8 weights: {name: scale shape}, see _fp8_layout
+        self._checkpoint_config: Any = None  # the HF config the layout was built from (None: layout given)
         self._inflight: dict[str, _InFlight] = {}
         self._state = Lifecycle("VLLMEngine")
         self._vllm_paused = False  # whether vLLM's scheduler was told to pause
@@ -648,20 +649,22 @@ class VLLMEngine:
                 model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=mc.trust_remote_code)
             # vLLM loads checkpoint names only: non-persistent buffers (rotary frequencies) are not part of it
             self._layout = WeightLayout.from_module(model, non_persistent_buffers=False)
+            self._checkpoint_config = cfg
         if self._fp8 is None:
-            self._fp8 = self._fp8_layout()
+            self._fp8 = self._fp8_layout(self._checkpoint_config)
         if not self._packed:
             self._packed = self._packed_modules(self._llm.model_config)
         return self._layout
 
-    def _fp8_layout(self) -> dict[str, tuple[int, ...]]:
+    def _fp8_layout(self, cfg: Any) -> dict[str, tuple[int, ...]]:
         """Block-FP8 engines (started from a checkpoint whose ``quantization_config`` is ``quant_method="fp8"`` with
         a ``weight_block_size``, e.g. one written by :func:`rlblocks.sync.save_fp8_checkpoint`): the weights it holds
         as FP8, ``{name: scale shape}``, under :class:`rlblocks.sync.FP8Rules` of that config; the layout gains
         their ``<name>_scale_inv`` entries. Empty for any other engine."""
         from rlblocks.sync.fp8 import SCALE_SUFFIX, FP8Rules, scale_shape
 
-        qc = getattr(self._llm.model_config.hf_config, "quantization_config", None)
+        # the checkpoint's own config (the one the layout was built from), not vLLM's copy of it
+        qc = getattr(cfg, "quantization_config", None)
         if qc is not None and not isinstance(qc, Mapping):
             qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
         if not qc or "fp8" not in str(qc.get("quant_method", "")) or not qc.get("weight_block_size"):
