@@ -174,12 +174,13 @@ def decode_forward_backward(body: bytes, content_encoding: str | None = None) ->
             m = d.loss_fn_inputs
             for name in m:
                 t = m[name]
-                dtype, shape = t.dtype, t.shape
-                if (dtype not in _NP_OF_DTYPE or len(shape) > 1 or (len(shape) and shape[0] < 0)
-                        or t.WhichOneof("encoding") != "dense"):
+                dtype, shape, raw_t = t.dtype, t.shape, t.dense
+                nd = len(shape)
+                # non-empty dense bytes mean the dense arm of the encoding oneof (setting sparse_csr clears it)
+                if dtype not in _NP_OF_DTYPE or nd > 1 or not raw_t or (nd and shape[0] < 0):
                     ok = False
                     break
-                entry[name] = (dtype, t.dense, shape[0] if len(shape) else -1)
+                entry[name] = (dtype, raw_t, shape[0] if nd else -1)
         if ok:
             names = list(entry)
             if names0 is None:
