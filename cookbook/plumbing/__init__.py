@@ -6,6 +6,8 @@ A loop imports it as ``from plumbing import ...``: a script's own folder (``cook
 - :mod:`.flags`: ``opt``/``parse_flags`` (every field of a loop's ``Config`` dataclass is a flag), flag checks,
   ``every`` (the ``--eval-every``/``--save-every`` rule).
 - :mod:`.runs`: ``RunFiles`` (``runs/<name>/``: metrics, summary, checkpoint), ``Progress``, ``mean_metrics``.
+- :mod:`.checkpoints`: ``--resume``: ``resume_run`` / ``save_run_checkpoint`` (the run checkpoint, every rank's
+  RNG states, the journal of starts and received groups), ``restore_rng``, model and optimizer states (FSDP2 too).
 - :mod:`.distributed`: ``setup_dist`` (process group, device, CPU threads), ``seed_rank``, ``prompts_per_rank``,
   ``rank0_first``, the weight-sync group, collectives (``all_reduce``, ``global_counts``, ``broadcast_flag``).
 - :mod:`.policy`: loading an HF checkpoint, ``PolicyLogprobs`` (the policy's per-token log-probs), FSDP2 sharding.
@@ -13,11 +15,39 @@ A loop imports it as ``from plumbing import ...``: a script's own folder (``cook
 - :mod:`.batches`: ``group_record`` (what travels from rollout to trainer), ``batch_tensors`` (what a step reads).
 - :mod:`.messages`: the typed control messages ``Weights``/``Stale``/``Stop``, ``RolloutEnd``, ``Outbox``/``Inbox``.
 - :mod:`.losses`: the policy-loss flags (``--loss``, clip offsets, ``--correction``) and ``policy_loss``.
+- :mod:`.data`: ``TaskFlags`` (every loop's data, reward, evaluation and tracking flags), ``--prompts`` files
+  (JSONL, Parquet, HF ``datasets`` directories), ``Prompt``/``Task``, ``load_task``.
+- :mod:`.rewards`: ``Reward`` (``--reward verifier|math|code|rm|module:function``), ``load_tools`` (``--tools``).
+- :mod:`.evaluation`: the held-out evaluation (``rlblocks.reward.evaluate``: pass@k, mean@k, per-prompt files).
+- :mod:`.tracking`: ``MetricsSink`` (``--log-to jsonl,tensorboard,wandb``), the keys every loop logs.
 
 Lines a user changes for a real model or task are marked ``REAL MODEL:`` in place.
 """
 
 from .batches import batch_tensors, group_record
+from .checkpoints import (
+    FREE_FLAGS,
+    Journal,
+    Recovery,
+    load_model_state,
+    load_optim_state,
+    model_state,
+    optim_state,
+    restart_count,
+    restore_rng,
+    resume_run,
+    save_run_checkpoint,
+)
+from .data import (
+    DataFlags,
+    Prompt,
+    Task,
+    TaskFlags,
+    check_fits,
+    check_task_flags,
+    encode_prompt,
+    load_task,
+)
 from .distributed import (
     all_reduce,
     broadcast_flag,
@@ -31,51 +61,85 @@ from .distributed import (
     setup_dist,
 )
 from .engines import check_max_model_len, length_budget, make_engine, model_max_len, resolve_max_model_len, until_eos
+from .evaluation import eval_metrics, heldout, on_model
 from .flags import check_at_least, every, opt, parse_flags
 from .losses import CORRECTION_CAP, POLICY_LOSSES, check_loss_flags, loss_defaults, policy_loss
 from .messages import Inbox, Outbox, RolloutEnd, Stale, Stop, Weights, recv_control, send_control
 from .policy import PolicyLogprobs, decoder_layers, load_hf, load_tokenizer, shard
+from .rewards import Reward, RewardFlags, eval_reward_spec, load_tools, needs_reference
 from .runs import Progress, RunFiles, mean_metrics
+from .tracking import COMMON_KEYS, LogFlags, MetricsSink, parse_log_flag
 
 __all__ = [
+    "COMMON_KEYS",
     "CORRECTION_CAP",
+    "FREE_FLAGS",
     "POLICY_LOSSES",
+    "DataFlags",
     "Inbox",
+    "Journal",
+    "LogFlags",
+    "MetricsSink",
     "Outbox",
     "PolicyLogprobs",
     "Progress",
+    "Prompt",
+    "Recovery",
+    "Reward",
+    "RewardFlags",
     "RolloutEnd",
     "RunFiles",
     "Stale",
     "Stop",
+    "Task",
+    "TaskFlags",
     "Weights",
     "all_reduce",
     "batch_tensors",
     "broadcast_flag",
     "check_at_least",
+    "check_fits",
     "check_loss_flags",
     "check_max_model_len",
+    "check_task_flags",
     "close_dist",
     "decoder_layers",
+    "encode_prompt",
+    "eval_metrics",
+    "eval_reward_spec",
     "every",
     "global_counts",
     "group_record",
+    "heldout",
     "join_sync_group",
     "length_budget",
     "load_hf",
+    "load_model_state",
+    "load_optim_state",
+    "load_task",
     "load_tokenizer",
+    "load_tools",
     "loss_defaults",
     "make_engine",
     "mean_metrics",
     "model_max_len",
+    "model_state",
+    "needs_reference",
+    "on_model",
     "opt",
+    "optim_state",
     "parse_flags",
+    "parse_log_flag",
     "pick_port",
     "policy_loss",
     "prompts_per_rank",
     "rank0_first",
     "recv_control",
     "resolve_max_model_len",
+    "restart_count",
+    "restore_rng",
+    "resume_run",
+    "save_run_checkpoint",
     "seed_rank",
     "send_control",
     "setup_dist",

@@ -8,9 +8,12 @@
   :mod:`rlblocks.sandbox`; score = fraction passed, per-test outcomes.
 - :class:`RewardModel` — an HF sequence-classification model (or a causal LM + scalar head), batched,
   padding-aware, on any device (imported on first use: it needs torch).
-- :class:`RewardPool` — concurrency bound, input order, timeouts, retries, ``stats()``; asyncio for async rewards,
-  killable worker processes for synchronous CPU-bound ones (:class:`ProcessWorkers`).
+- :class:`RewardPool` — concurrency bound, input order, timeouts, bounded retries (:class:`RetryPolicy`),
+  ``stats()``; asyncio for async rewards, killable worker processes for synchronous CPU-bound ones
+  (:class:`ProcessWorkers`: a crashed or hung worker is replaced); groups failed whole (:class:`GroupResult`).
 - :class:`WeightedReward`, :class:`FormatReward`, :class:`OverlongPenalty` — combinators.
+- :func:`evaluate` (an engine, prompts, a reward → :class:`EvalResult`), :func:`summarize`, :func:`pass_at_k` —
+  held-out pass@k (the unbiased estimator) and mean@k with per-prompt results.
 
 ``import rlblocks.reward`` imports only the standard library and rlblocks' small modules: no torch, transformers
 or math-verify (those load inside the file that needs them, when it is used), so a verifier worker process starts
@@ -24,9 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 from .code import CodeReward, CodeTest, code_reward, extract_code, outputs_match
 from .combine import FormatReward, OverlongPenalty, WeightedReward
+from .evaluate import EvalResult, PromptResult, evaluate, pass_at_k, summarize
 from .math import MathReward, check_math, extract_answer, math_reward
 from .pool import RewardPool
-from .types import RewardFn, RewardResult, Sample
+from .retry import RetryPolicy
+from .types import GroupResult, RewardFn, RewardResult, Sample
 from .workers import ProcessWorkers
 
 if TYPE_CHECKING:
@@ -41,10 +46,14 @@ _LAZY = {
 __all__ = [
     "CodeReward",
     "CodeTest",
+    "EvalResult",
     "FormatReward",
+    "GroupResult",
     "MathReward",
     "OverlongPenalty",
     "ProcessWorkers",
+    "PromptResult",
+    "RetryPolicy",
     "RewardFn",
     "RewardModel",
     "RewardPool",
@@ -53,10 +62,13 @@ __all__ = [
     "WeightedReward",
     "check_math",
     "code_reward",
+    "evaluate",
     "extract_answer",
     "extract_code",
     "math_reward",
     "outputs_match",
+    "pass_at_k",
+    "summarize",
 ]
 
 
