@@ -69,6 +69,27 @@ def _head_temperature(model: nn.Module, temperature: float) -> float:
     return temperature
 
 
+def _lm_head_weight(head: Any) -> Any:
+    """The weight the LM head applies: ``head.weight``, or for a PEFT LoRA layer its base weight plus
+    ``scale · B @ A`` (``get_delta_weight``, differentiable in A and B) of every active adapter not merged into it
+    (a PEFT layer's ``.weight`` is the base weight alone). LoRA dropout is not applied (the eval-mode head)."""
+    base = getattr(head, "base_layer", None)
+    if base is None or not callable(getattr(head, "get_delta_weight", None)):
+        return getattr(head, "weight", None)
+    weight = base.weight
+    if getattr(head, "disable_adapters", False):
+        return weight
+    merged = set(getattr(head, "merged_adapters", ()))
+    for name in getattr(head, "active_adapters", ()):
+        if name not in getattr(head, "lora_A", {}) or name in merged:
+            continue
+        if getattr(head, "use_dora", {}).get(name, False):
+            raise ArgumentError(f"model: the LM head's adapter {name!r} is DoRA, whose output is not hidden @ Wᵀ of "
+                                "one weight; merge it first (merge_and_unload) or adapt the decoder only")
+        weight = weight + head.get_delta_weight(name).to(weight.dtype)
+    return weight
+
+
 def causal_lm_logprobs(
     model: nn.Module,
     input_ids: Int[Tensor, "B L"],
@@ -104,7 +125,8 @@ def causal_lm_logprobs(
 
     Args:
         model: an HF causal LM (``LlamaForCausalLM``-like, or a PEFT model around one). Its LM head must be a
-            bias-free linear layer (``get_output_embeddings()``); tied embeddings are fine.
+            bias-free linear layer (``get_output_embeddings()``); tied embeddings are fine; a LoRA adapter on the
+            head counts (its active, unmerged adapters are added to the base weight).
         input_ids: ``[B, L]`` prompt then response of each row, right-padded (``RolloutBatch.input_ids``).
         prompt_lens: ``[B]`` prompt length of each row (>= 1: the first response token is predicted from the
             last prompt token).
@@ -179,7 +201,7 @@ def causal_lm_logprobs(
     if callable(getattr(model, "get_base_model", None)):  # PEFT: the wrapped transformers model, adapters active
         model = model.get_base_model()
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
-    weight = getattr(head, "weight", None)
+    weight = _lm_head_weight(head)
     if not isinstance(weight, Tensor) or weight.dim() != 2:
         raise ArgumentError(f"model: expected get_output_embeddings() to return a linear LM head, got {head!r:.80}")
     if getattr(head, "bias", None) is not None:
