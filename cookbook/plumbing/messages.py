@@ -102,12 +102,14 @@ class Inbox:
     """Trainer rank 0: one thread per rollout rank in ``sources`` receives group records into ``q`` (a
     ``StalenessQueue``, keyed by each record's ``version``) until that rank's :class:`RolloutEnd`. Nothing is
     dropped: ``generated`` counts the samples received (``samples(record)`` each, starting at ``generated``), and
-    ``ended`` holds each finished rank's :class:`RolloutEnd`."""
+    ``ended`` holds each finished rank's :class:`RolloutEnd`. Other messages (a rank's
+    :class:`~plumbing.timing.RolloutTimes`) are kept in arrival order until :meth:`take_reports`."""
 
     def __init__(self, sources: Iterable[int], group, q, *, generated: int = 0,
                  samples: Callable[[dict], int] = lambda rec: len(rec["samples"])) -> None:
         self.q, self.generated, self.samples = q, generated, samples
         self.ended: dict[int, RolloutEnd] = {}
+        self.reports: list[Any] = []
         self.lock = threading.Lock()
         self.threads = [threading.Thread(target=self._loop, args=(r, group), daemon=True) for r in sources]
         for t in self.threads:
@@ -122,9 +124,19 @@ class Inbox:
                 with self.lock:
                     self.ended[src] = rec
                 return
+            if not isinstance(rec, dict):  # a report, not a group record
+                with self.lock:
+                    self.reports.append(rec)
+                continue
             self.q.put(rec, rec["version"])
             with self.lock:
                 self.generated += self.samples(rec)
+
+    def take_reports(self) -> list[Any]:
+        """The reports received since the last call, oldest first."""
+        with self.lock:
+            out, self.reports = self.reports, []
+        return out
 
     def join(self) -> None:
         for t in self.threads:
