@@ -18,15 +18,16 @@ drops) and are resumed first. Nothing of their logic is re-implemented here.
 Modelled (on a virtual clock, costs from :class:`Hardware`):
 
 - rollout engines with continuous batching: one decode step of ``b`` sequences whose contexts sum to ``C`` tokens
-  costs ``overhead + host·b + max(weights + kv·C, flops·b + attn·C)`` seconds (:class:`DecodeCost`: the larger of
-  the memory time and the compute time, a roofline). Sequences join at step boundaries after a (re-)prefill that
-  blocks the engine (:class:`PrefillCost`, linear + quadratic in the context) and produces their next token. The KV
-  cache holds ``kv_capacity_tokens``; when it overflows, the most recently admitted sequence is preempted and later
-  re-prefilled (vLLM's recompute preemption). Between events the batch is fixed, so runs of decode steps are summed
-  in closed form (arithmetic series), not stepped one by one.
+  costs ``overhead + host·b + max(weights + kv·C, flops·b + attn·C)`` seconds (:class:`DecodeCost`: the larger of the
+  memory time and the compute time, a roofline). Sequences join at step boundaries after a (re-)prefill that blocks
+  the engine (:class:`PrefillCost`: a cost per distinct length, linear + quadratic in the context) and produces their
+  next token. The KV cache holds ``kv_capacity_tokens``; when it overflows, the most recently admitted sequence is
+  preempted and later re-prefilled (vLLM's recompute preemption). Between events the batch is fixed, so runs of decode
+  steps are summed in closed form (arithmetic series), not stepped one by one.
 - weight updates: the trainer's push costs ``latency + bytes·per_byte`` (:class:`SyncCost`); engines pause for it.
-  In-flight samples then resume in place from their tokens so far (partial rollout, as ``resumable_generate`` does;
-  KV is rebuilt by a re-prefill of prompt + output) or restart from the prompt (their tokens are discarded, counted).
+  In-flight samples then resume in place from their tokens so far (partial rollout; KV is rebuilt by a re-prefill of
+  prompt + output, the cost that grows with η: every update re-prefills every sample in flight) or restart from the
+  prompt (their tokens are discarded, counted).
 - the trainer: ``overhead + per_token·tokens + per_token_sq·Σ n² + per_seq·seqs`` per step (:class:`TrainCost`)
   divided over the training devices (ideal data parallelism), on packed or padded sequences.
 - lengths: lognormal (median, p99, truncated at a maximum like ``max_new_tokens``) or an empirical list

@@ -105,21 +105,33 @@ class DecodeCost:
 class PrefillCost:
     """Seconds to (re-)prefill sequences of context lengths ``n_i`` together (the engine decodes nothing meanwhile)::
 
-        prefill = overhead_s + per_token_s·Σ n_i + per_token_sq_s·Σ n_i²
+        prefill = overhead_s + per_length_s·|{n_i}| + per_token_s·Σ n_i + per_token_sq_s·Σ n_i²
 
-    the quadratic term being causal attention over each sequence.
+    the quadratic term being causal attention over each sequence, ``|{n_i}|`` the number of distinct lengths.
+
+    ``per_length_s`` is the cost of one more forward: an engine that batches only sequences of equal length without
+    padding (the reference ``TorchEngine``) runs one forward per distinct length, so re-prefilling ``n`` interrupted
+    requests after a weight update (prompt + output so far: lengths spread over the whole response range) costs
+    about one forward per length. On a small CPU model that fixed cost is most of a forward: measured on a 2-core
+    x86 CPU with the cookbook's tiny model, one update re-prefilling 640 requests costs about as much as ten decode
+    steps of all 640, which is what makes a larger η slower there (more requests in flight across every update).
+    GPU engines do not pay it: vLLM and SGLang prefill a batch of any lengths in one variable-length forward
+    (``gpu_like`` sets it to 0). They pay the token terms of the re-prefill (every interrupted request's KV is
+    recomputed under the new weights), which on a GPU run at prefill speed, far above decode speed per token.
     """
 
     overhead_s: float = 0.0
     per_token_s: float = 0.0
     per_token_sq_s: float = 0.0
+    per_length_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for f in ("overhead_s", "per_token_s", "per_token_sq_s"):
+        for f in ("overhead_s", "per_token_s", "per_token_sq_s", "per_length_s"):
             _nonneg(f, getattr(self, f))
 
     def seconds(self, contexts: Sequence[int]) -> float:
-        return self.overhead_s + self.per_token_s * sum(contexts) + self.per_token_sq_s * sum(n * n for n in contexts)
+        return (self.overhead_s + self.per_length_s * len(set(contexts)) + self.per_token_s * sum(contexts)
+                + self.per_token_sq_s * sum(n * n for n in contexts))
 
 
 @dataclass(frozen=True)
