@@ -22,6 +22,8 @@ against the built-ins keeps working:
 | ``SessionNotFound`` | ``ArgumentError`` | no open gateway session has that id |
 | ``ToolUnavailable`` | ``RuntimeError`` | a tool refused a call: too many earlier calls timed out and still run |
 | ``RequestError`` | ``ArgumentError`` | a service request was refused (the Tinker server answers ``status``, a 4xx) |
+| ``CheckpointError`` | ``ValueError`` | a checkpoint is missing, foreign, torn, damaged or lacks a key (none loaded) |
+| ``NoLiveEngine`` | ``EngineError`` | a ``Router`` has no live engine left to serve a request |
 
 The same failure raises the same class from every engine and transport: a refused weight update is a
 ``WeightUpdateError`` whether TorchEngine, VLLMEngine, SGLangEngine or a sync receiver refused it.
@@ -34,10 +36,12 @@ from typing import Any
 
 __all__ = [
     "ArgumentError",
+    "CheckpointError",
     "DeltaError",
     "EngineError",
     "GatewayError",
     "InsufficientGroupsError",
+    "NoLiveEngine",
     "QueueClosed",
     "QueueFull",
     "QueueRefused",
@@ -143,3 +147,12 @@ class RequestError(ArgumentError):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = int(status)
+
+
+class CheckpointError(RLBlocksError, ValueError):
+    """A checkpoint was refused: no file, a foreign file, a torn or damaged one (length or checksum), another format
+    version or kind, or a missing key. The message names the file and the fault; nothing was loaded."""
+
+
+class NoLiveEngine(EngineError):
+    """A ``Router`` was asked to generate while every one of its engines is out (dead, not yet rejoined)."""

@@ -28,6 +28,8 @@ def test_every_error_derives_from_the_base_and_its_builtin():
         errors.ToolUnavailable: RuntimeError,
         errors.SandboxUnavailable: RuntimeError,
         errors.RequestError: errors.ArgumentError,
+        errors.CheckpointError: ValueError,
+        errors.NoLiveEngine: errors.EngineError,
     }
     for cls, builtin in expected.items():
         assert issubclass(cls, rlblocks.RLBlocksError), cls
