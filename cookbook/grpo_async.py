@@ -376,13 +376,13 @@ class Rollout:
         for every request, each aborted request's KV copied into a prefix cache the update then clears) costs
         time linear in the requests in flight, for nothing. Without partial rollout they come back aborted and
         restart from the prompt."""
-        self.clock.load_started(self.timed.in_flight_tokens() if self.cfg.partial_rollout else 0)
+        self.clock.load_started()
         if not self.cfg.partial_rollout:
             await self.engine.pause(mode="abort")
         await self.engine.update_weights(tensors, version=version)
         if not self.cfg.partial_rollout:
             await self.engine.resume()
-        self.clock.load_ended()
+        self.clock.load_ended(self.timed.in_flight_tokens() if self.cfg.partial_rollout else 0)
         self.outbox.put(self.clock.report(self.rank, version))
         self._weights_committed(msg, version)
 

@@ -110,15 +110,15 @@ class RolloutClock:
         self._in_flight -= 1
         self._switch()
 
-    def load_started(self, reprefill_tokens: int = 0) -> None:
-        """A weight update starts; ``reprefill_tokens``: what the engine will re-prefill itself after it (requests
-        it keeps in flight across the update, their KV computed under the old weights), counted in the next
-        interval, where the re-prefill runs, like the re-submissions made while the update runs."""
-        self._next["reprefill_tokens"] += reprefill_tokens
+    def load_started(self) -> None:
         self._loading = True
         self._switch()
 
-    def load_ended(self) -> None:
+    def load_ended(self, reprefill_tokens: int = 0) -> None:
+        """The update committed; ``reprefill_tokens``: what the engine now re-prefills itself (requests it kept in
+        flight across the update, whose KV was computed under the old weights), counted in the next interval,
+        where the re-prefill runs, like the re-submissions made while the update ran."""
+        self._next["reprefill_tokens"] += reprefill_tokens
         self._loading = False
         self._switch()
 

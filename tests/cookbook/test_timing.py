@@ -100,8 +100,8 @@ def test_timed_engine_counts_resubmissions_as_reprefill_and_partitions_time():
         await timed.generate(GenerationRequest("b", [1, 2], sp))  # a new request
 
     asyncio.run(go())
-    clock.load_started(reprefill_tokens=5)  # kept across the update: re-prefilled in the next interval
-    clock.load_ended()
+    clock.load_started()
+    clock.load_ended(reprefill_tokens=5)  # kept across the update: re-prefilled in the next interval
     rep = clock.report(rank=1, version=3)
     assert rep.counts["reprefill_tokens"] == 4
     assert clock.report(rank=1, version=4).counts["reprefill_tokens"] == 5
