@@ -88,8 +88,8 @@ STABLE = 0.10  # a variant's repetitions agree within this: (max − min) / min
 
 
 def spread(values: list[float]) -> float:
-    """``(max − min) / min`` of a variant's tokens/s over its repetitions (0 for one repetition)."""
-    return (max(values) - min(values)) / min(values) if values and min(values) > 0 else 0.0
+    """``(max − min) / min`` of a variant's tokens/s over its repetitions (NaN for fewer than two: unknown)."""
+    return (max(values) - min(values)) / min(values) if len(values) > 1 and min(values) > 0 else float("nan")
 
 
 def _hist(rows: list[dict]) -> dict[str, int]:
@@ -150,14 +150,15 @@ def main() -> None:
                   for b in bases}
         acc = statistics.median(m["accuracy_after"] for m in ms)
         line = f"{v:<12}{procs:>10}{statistics.median(tps):>14.1f} [{min(tps):7.1f} – {max(tps):7.1f}]"
-        line += f"{spread(tps):>8.0%}"
+        line += f"{spread(tps):>8.0%}" if len(tps) > 1 else f"{'n/a':>8}"
         line += "".join(f"{ratios[b]:>15.2f}x" for b in bases) + f"{acc:>14.3f}"
         print(line)
         summary[v] = {"tokens_per_s_median": statistics.median(tps), "tokens_per_s": tps, "spread": spread(tps),
                       "ratio_median": ratios, "accuracy_after_median": acc, "runs": ms}
     worst = max(spread([m["tokens_per_s"] for m in ms]) for ms in results.values())
     loads = [x for ms in results.values() for m in ms for x in m["loadavg"]]
-    print(f"largest spread between repetitions of one variant: {worst:.0%} (stable: < {STABLE:.0%}); load average "
+    stable = "one repetition: unknown" if args.reps < 2 else f"{worst:.0%} ({'' if worst < STABLE else 'NOT '}stable)"
+    print(f"largest spread between repetitions of one variant: {stable}, goal < {STABLE:.0%}; load average "
           f"{min(loads):.1f}–{max(loads):.1f} over the runs")
     out = Path(args.out or Path(args.runs_dir) / "async_vs_sync.json")
     out.write_text(json.dumps({"config": vars(args), "variants": summary}, indent=2))

@@ -177,7 +177,8 @@ def main() -> None:
     table = []
     for v in variants:
         mt = meas_tps[v]
-        line = f"{v:<12}{med(mt):>9.0f} [{min(mt):>4.0f}–{max(mt):>4.0f}]{(max(mt) - min(mt)) / min(mt):>8.0%}"
+        spread = f"{(max(mt) - min(mt)) / min(mt):.0%}" if len(mt) > 1 else "n/a"  # one repetition: unknown
+        line = f"{v:<12}{med(mt):>9.0f} [{min(mt):>4.0f}–{max(mt):>4.0f}]{spread:>8}"
         line += f"{med(pred_tps[v]):>11.0f}" if pred_tps[v] else f"{'-':>11}"
         row = {"variant": v, "measured_tokens_per_s": med(mt), "simulated_tokens_per_s":
                med(pred_tps[v]) if pred_tps[v] else None}
