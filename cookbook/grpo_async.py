@@ -187,6 +187,8 @@ class Config(TaskFlags):
     lr_decay: bool = opt(True, "decay lr linearly to 10% over the budget (steps or time limit, whichever is nearer)")
     grad_clip: float = opt(1.0, "max grad norm")
     temperature: float = opt(1.0, "sampling temperature (log-probs use the same)")
+    prefix_share: bool = opt(True, "trainer forward over the prefix tree of each batch: a group's prompt is "
+                             "forwarded once (same log-probs and gradients up to float rounding)")
     max_new_tokens: int = opt(6, "response budget")
     length_tail: float = opt(0.0, "benchmark: >0 forces lognormal response lengths with this median (p99/p50≈10)")
     eval_every: int = opt(50, "held-out greedy accuracy every N steps, and before and after RL (0: only before "
@@ -515,7 +517,7 @@ def setup_trainer(cfg: Config, rank: int, world: int, n_train: int, device, grou
     ckpt = rec.state
     if ckpt is not None:
         load_model_state(lm, ckpt["model"])
-    policy = PolicyLogprobs(lm, cfg.temperature)
+    policy = PolicyLogprobs(lm, cfg.temperature, cfg.prefix_share)
     eval_lm = lm
     if n_train > 1:
         # REAL MODEL: rank 0 keeps a whole unsharded copy only to run the held-out greedy evaluation with HF
@@ -524,7 +526,8 @@ def setup_trainer(cfg: Config, rank: int, world: int, n_train: int, device, grou
     shard(policy, decoder_layers(lm), n_train, mesh=groups.get("mesh"))
     ref = None
     if cfg.kl_coef > 0:
-        ref = PolicyLogprobs(load_hf(path, device)[1].eval(), cfg.temperature).requires_grad_(False)
+        ref = PolicyLogprobs(load_hf(path, device)[1].eval(), cfg.temperature,
+                             cfg.prefix_share).requires_grad_(False)
     optim = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
     t = Trainer(cfg=cfg, rank=rank, n_train=n_train, device=device, group=groups["train"], files=files, tok=tok,
                 lm=lm, policy=policy, optim=optim, ref=ref, eval_lm=eval_lm, peft_model=peft_model, recovery=rec)

@@ -126,6 +126,8 @@ class Config(TaskFlags):
     lr: float = opt(3e-4, "AdamW learning rate")
     grad_clip: float = opt(1.0, "max grad norm")
     temperature: float = opt(1.0, "sampling temperature (log-probs use the same)")
+    prefix_share: bool = opt(True, "trainer forward over the prefix tree of each batch: a group's prompt is "
+                             "forwarded once (same log-probs and gradients up to float rounding)")
     max_new_tokens: int = opt(6, "response budget")
     length_tail: float = opt(0.0, "benchmark: >0 forces lognormal response lengths with this median (p99/p50≈10)")
     eval_every: int = opt(10, "held-out greedy accuracy every N steps, and before and after RL (0: only before "
@@ -213,11 +215,12 @@ def main(argv: list[str] | None = None) -> None:
     if rec.state is not None:
         load_model_state(lm, rec.state["model"])
         loop.run_until_complete(engine.update_weights(list(rec.state["model"].items()), version=rec.step))
-    policy = PolicyLogprobs(lm, cfg.temperature)
+    policy = PolicyLogprobs(lm, cfg.temperature, cfg.prefix_share)
     shard(policy, decoder_layers(lm), world)
     ref = None
     if cfg.kl_coef > 0:
-        ref = PolicyLogprobs(load_hf(path, device)[1].eval(), cfg.temperature).requires_grad_(False)
+        ref = PolicyLogprobs(load_hf(path, device)[1].eval(), cfg.temperature,
+                             cfg.prefix_share).requires_grad_(False)
     teacher = (distill.load_teacher(cfg.distill_from, path, device, world=world, mode=cfg.distill_mode)
                if cfg.distill_from else None)
     optim = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)

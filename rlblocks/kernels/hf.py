@@ -84,6 +84,9 @@ def causal_lm_logprobs(
     backend: str | None = None,
     validate: bool = True,
     model_kwargs: Mapping[str, Any] | None = None,
+    prefix_share: bool = False,
+    prefix_max_tokens: int | None = None,
+    prefix_attention: str | None = None,
     **unknown: Any,
 ) -> Float[Tensor, "B T"] | tuple[Tensor, ...]:
     """Trainer log-probs ``logp [B, T]`` (and entropy) of the response tokens of an HF causal LM.
@@ -120,6 +123,15 @@ def causal_lm_logprobs(
             does not know: a misspelt option (``topp=0.9``) passed through would be dropped without a word. So
             any other keyword of this function raises ``ArgumentError`` listing the valid ones, and
             ``model_kwargs`` may not set ``input_ids``, ``attention_mask`` or ``use_cache`` (set here).
+        prefix_share: run the decoder once over the prefix trie of the rows (``rlblocks.kernels.prefix_share``):
+            rows that share a prefix (a group's prompt, an episode's history) forward it once. The same outputs
+            and gradients, up to the order of floating-point sums, and never more tokens forwarded than without.
+            Needs an ``sdpa``, ``eager`` or ``flex_attention`` model; ``model_kwargs`` may then hold no tensor
+            (a tensor there follows the ``[B, L]`` rows, which the model no longer sees).
+        prefix_max_tokens: with ``prefix_share``, the most tokens in one packed row (``None``: the largest set of
+            rows sharing a prefix, none repeated).
+        prefix_attention: with ``prefix_share``, ``"segments"`` (CPU), ``"flex"`` (CUDA) or ``"dense"``;
+            ``None`` picks by device (``rlblocks.kernels.prefix_share``).
 
     Raises ``ArgumentError`` (a ``ValueError``) naming the argument for wrong shapes or dtypes, a prompt length
     < 1, a response position past ``L``, an LM head with a bias, soft-capped logits, or an unknown keyword.
@@ -156,7 +168,8 @@ def causal_lm_logprobs(
         raise ArgumentError(f"attention_mask: expected the shape of input_ids {shape_str(input_ids)}, "
                             f"got {shape_str(attention_mask)}")
     temperature = check_temperature(temperature)
-    check_flags(return_entropy=return_entropy, return_outside=return_outside, validate=validate)
+    check_flags(return_entropy=return_entropy, return_outside=return_outside, validate=validate,
+                prefix_share=prefix_share)
     if callable(getattr(model, "get_base_model", None)):  # PEFT: the wrapped transformers model, adapters active
         model = model.get_base_model()
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
@@ -184,6 +197,13 @@ def causal_lm_logprobs(
                 f"input_ids' length L={seq_len} (prompt_lens[{row}]={int(starts[row])})"
             )
     body = _decoder_body(model)
+    if prefix_share:
+        from rlblocks.kernels.prefix_share import prefix_shared_logprobs
+
+        return prefix_shared_logprobs(
+            body, weight, input_ids, starts, keep, attention_mask=attention_mask, model_kwargs=model_kwargs,
+            max_tokens=prefix_max_tokens, attention=prefix_attention, temperature=temp_eff, top_k=top_k,
+            top_p=top_p, return_entropy=return_entropy, return_outside=return_outside, backend=backend)
     out = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **dict(model_kwargs))
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     if hidden.dim() != 3 or hidden.shape[:2] != (b, seq_len):
@@ -203,5 +223,5 @@ def causal_lm_logprobs(
 
 
 _KEYWORDS = ("attention_mask", "temperature", "top_k", "top_p", "return_entropy", "return_outside", "backend",
-             "validate", "model_kwargs")
+             "validate", "model_kwargs", "prefix_share", "prefix_max_tokens", "prefix_attention")
 """The keyword arguments of ``causal_lm_logprobs`` (listed in its error for an unknown one)."""
