@@ -15,6 +15,7 @@ against the built-ins keeps working:
 | ``QueueFull`` | ``queue.Full`` | a bounded queue is at capacity |
 | ``QueueClosed`` | ``RuntimeError`` | ``put`` on a closed queue |
 | ``InsufficientGroupsError`` | ``RuntimeError`` | dynamic sampling could not fill its target |
+| ``SimulationStalled`` | ``RuntimeError`` | a simulated loop ran out of events before its last step |
 | ``SandboxUnavailable`` | ``RuntimeError`` | the sandbox cannot put its isolation layers in force (names them) |
 | ``GatewayError`` | ``RuntimeError`` | the gateway answers with an OpenAI-style error (status, code, param) |
 | ``QueueRefused`` | ``GatewayError`` | the queue refused a finished trajectory; it is kept, never dropped |
@@ -48,6 +49,7 @@ __all__ = [
     "RequestError",
     "SandboxUnavailable",
     "SessionNotFound",
+    "SimulationStalled",
     "SyncError",
     "SyncMismatchError",
     "ToolUnavailable",
@@ -94,6 +96,11 @@ class QueueClosed(RLBlocksError, RuntimeError):
 
 class InsufficientGroupsError(RLBlocksError, RuntimeError):
     """Dynamic sampling finished with fewer accepted groups than its target and was told not to proceed."""
+
+
+class SimulationStalled(RLBlocksError, RuntimeError):
+    """The simulated loop ran out of events before ``schedule.steps`` steps (a configuration that cannot finish);
+    raised instead of returning partial figures."""
 
 
 class SandboxUnavailable(RLBlocksError, RuntimeError):

@@ -21,6 +21,7 @@ def test_every_error_derives_from_the_base_and_its_builtin():
         errors.QueueFull: queue.Full,
         errors.QueueClosed: RuntimeError,
         errors.InsufficientGroupsError: RuntimeError,
+        errors.SimulationStalled: RuntimeError,
         errors.GatewayError: RuntimeError,
         errors.QueueRefused: errors.GatewayError,
         errors.SessionNotFound: errors.ArgumentError,
