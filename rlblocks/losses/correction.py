@@ -16,19 +16,10 @@ import torch
 from jaxtyping import Bool, Float, Int, Shaped
 from torch import Tensor
 
+from rlblocks._checks import check_choice, check_real, check_same_shape, check_tensor, check_token_pair
 from rlblocks._deprecate import renamed_kwargs
-from rlblocks._validate import check_same_shape, check_tensor
 from rlblocks.errors import ArgumentError
-from rlblocks.losses._common import (
-    LOG_RATIO_CLAMP,
-    check_choice,
-    check_number,
-    check_token_pair,
-    detached_log_ratio,
-    masked_mean,
-    masked_sum,
-    safe,
-)
+from rlblocks.losses._common import LOG_RATIO_CLAMP, detached_log_ratio, masked_mean, masked_sum, safe
 from rlblocks.losses._groups import segment_index
 
 __all__ = ["mismatch_metrics", "rollout_correction"]
@@ -84,9 +75,9 @@ def rollout_correction(
             raise ArgumentError(f"turn_ids: expected an integer tensor, got dtype {turn_ids.dtype}")
         check_same_shape("old_logp", old_logp, "turn_ids", turn_ids)
     check_choice("mode", mode, ("truncate", "mask"))
-    hi = float("inf") if upper is None else check_number("upper", upper, gt=0.0)
+    hi = float("inf") if upper is None else check_real("upper", upper, gt=0.0)
     if lower is not None:
-        lo = check_number("lower", lower, ge=0.0, le=hi)
+        lo = check_real("lower", lower, ge=0.0, le=hi)
     else:
         lo = None
     lr = detached_log_ratio(old_logp, rollout_logp, m)

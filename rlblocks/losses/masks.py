@@ -9,19 +9,18 @@ import torch
 from jaxtyping import Bool, Float, Int, Shaped
 from torch import Tensor
 
-from rlblocks._checks import check_int
-from rlblocks._deprecate import renamed_kwargs
-from rlblocks._validate import as_bool_mask, check_floating, check_ndim
-from rlblocks.errors import ArgumentError
-from rlblocks.losses._common import (
-    broadcast_advantages,
+from rlblocks._checks import (
+    as_bool_mask,
+    check_floating,
     check_group_inputs,
-    check_number,
+    check_int,
+    check_ndim,
+    check_real,
     check_token_pair,
-    compute_dtype,
-    masked_sum,
-    safe,
 )
+from rlblocks._deprecate import renamed_kwargs
+from rlblocks.errors import ArgumentError
+from rlblocks.losses._common import broadcast_advantages, compute_dtype, masked_sum, safe
 from rlblocks.losses._groups import dense_group_index, group_reduce, poison_nonfinite_groups
 
 __all__ = ["off_policy_sequence_mask", "overlong_penalty", "top_entropy_mask", "zero_variance_groups"]
@@ -46,7 +45,7 @@ def off_policy_sequence_mask(
     keeps the token: it is never dropped on a NaN comparison). The keyword was ``old_logp=`` before (deprecated).
     """
     m = check_token_pair("logp", logp, "rollout_logp", rollout_logp, mask)
-    d = check_number("delta", delta)
+    d = check_real("delta", delta)
     dt = compute_dtype(logp)
     adv = broadcast_advantages(advantages, logp, m).detach()
     diff = (safe(rollout_logp, m, dt) - safe(logp, m, dt)).detach()
@@ -77,7 +76,7 @@ def top_entropy_mask(
     check_floating("entropy", entropy)
     check_ndim("entropy", entropy, 2, "[B, T]")
     m = as_bool_mask(mask, entropy, like_name="entropy")
-    q = check_number("quantile", quantile, ge=0.0, le=1.0)
+    q = check_real("quantile", quantile, ge=0.0, le=1.0)
     if entropy.numel() == 0:  # a static shape: no token to rank, and nothing to gather the quantile from
         return m.clone()
     dt = compute_dtype(entropy)
@@ -118,7 +117,7 @@ def overlong_penalty(
     check_ndim("lengths", lengths, 1, "[n]")
     ml = check_int("max_len", max_len, minimum=1)
     buf = check_int("buffer", buffer, minimum=1, maximum=ml, what=f"an int in [1, max_len={ml}]")
-    pen = check_number("penalty", penalty, ge=0.0, finite=True)  # an infinite one gives 0·inf = NaN in budget
+    pen = check_real("penalty", penalty, ge=0.0, finite=True)  # an infinite one gives 0·inf = NaN in budget
     dt = torch.float64 if lengths.dtype == torch.float64 else torch.float32
     length = lengths.to(dt)
     excess = (length - (ml - buf)) / buf

@@ -13,19 +13,10 @@ import torch
 from jaxtyping import Float, Int, Shaped
 from torch import Tensor
 
-from rlblocks._checks import as_int, check_int
+from rlblocks._checks import as_int, check_int, check_real, check_same_shape, check_tensor, check_token_pair
 from rlblocks._deprecate import renamed_kwargs
-from rlblocks._validate import check_same_shape, check_tensor
 from rlblocks.errors import ArgumentError
-from rlblocks.losses._common import (
-    LOG_RATIO_CLAMP,
-    check_number,
-    check_token_pair,
-    detached_log_ratio,
-    masked_mean,
-    masked_sum,
-    safe,
-)
+from rlblocks.losses._common import LOG_RATIO_CLAMP, detached_log_ratio, masked_mean, masked_sum, safe
 
 __all__ = ["mismatch_metrics"]
 
@@ -93,8 +84,8 @@ def mismatch_metrics(
     m = check_token_pair("old_logp", old_logp, "rollout_logp", rollout_logp, mask)
     if not (isinstance(band, tuple) and len(band) == 2):
         raise ArgumentError(f"band: expected a (low, high) tuple of ratios, got {band!r}")
-    b_lo = check_number("band[0]", band[0], gt=0.0)
-    b_hi = check_number("band[1]", band[1], ge=b_lo)
+    b_lo = check_real("band[0]", band[0], gt=0.0)
+    b_hi = check_real("band[1]", band[1], ge=b_lo)
     eta = None if versions is None else _check_versions(versions, old_logp, current_version, max_staleness)
     lr = detached_log_ratio(old_logp, rollout_logp, m)
     dt = lr.dtype

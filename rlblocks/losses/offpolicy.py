@@ -18,13 +18,12 @@ import torch
 from jaxtyping import Bool, Float, Shaped
 from torch import Tensor
 
+from rlblocks._checks import check_real, check_token_pair
 from rlblocks.errors import ArgumentError
 from rlblocks.losses._common import (
     LOG_RATIO_CLAMP,
     Metrics,
     broadcast_advantages,
-    check_number,
-    check_token_pair,
     compute_dtype,
     detached_log_ratio,
     masked_mean,
@@ -36,8 +35,8 @@ __all__ = ["dppo_loss", "dppo_mask", "geometric_sequence_mask", "icepop_correcti
 
 
 def _bounds(lower: float | None, upper: float | None) -> tuple[float, float]:
-    lo = 0.0 if lower is None else check_number("lower", lower, ge=0.0)
-    hi = float("inf") if upper is None else check_number("upper", upper, gt=0.0)
+    lo = 0.0 if lower is None else check_real("lower", lower, ge=0.0)
+    hi = float("inf") if upper is None else check_real("upper", upper, gt=0.0)
     if lo > hi:
         raise ArgumentError(f"lower: expected a value <= upper = {hi}, got {lo}")
     return lo, hi
@@ -165,8 +164,8 @@ def dppo_mask(
     (dropped with ``A > 0``).
     """
     m = check_token_pair("logp", logp, "old_logp", old_logp, mask)
-    dl = check_number("delta_low", delta_low, ge=0.0)
-    dh = check_number("delta_high", delta_high, ge=0.0)
+    dl = check_real("delta_low", delta_low, ge=0.0)
+    dh = check_real("delta_high", delta_high, ge=0.0)
     dt = compute_dtype(logp)
     adv = broadcast_advantages(advantages, logp, m).detach()
     delta = torch.exp(safe(logp, m, dt).detach()) - torch.exp(safe(old_logp, m, dt).detach())
@@ -205,7 +204,7 @@ def dppo_loss(
     (mean ``(log r)²`` over valid tokens).
     """
     keep, mm = dppo_mask(logp, old_logp, advantages, mask, delta_low=delta_low, delta_high=delta_high)
-    c = check_number("kl_coef", kl_coef, ge=0.0)
+    c = check_real("kl_coef", kl_coef, ge=0.0)
     m = check_token_pair("logp", logp, "old_logp", old_logp, mask)
     dt = compute_dtype(logp)
     lp = safe(logp, m, dt)

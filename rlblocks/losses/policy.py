@@ -31,16 +31,14 @@ import torch
 from jaxtyping import Float, Shaped
 from torch import Tensor
 
+from rlblocks._checks import as_bool_mask, check_floating, check_ndim, check_real, check_same_shape, check_token_pair
 from rlblocks._deprecate import renamed_kwargs, warn_renamed
-from rlblocks._validate import as_bool_mask, check_floating, check_ndim, check_same_shape
 from rlblocks.errors import ArgumentError
 from rlblocks.losses._common import (
     LOG_RATIO_CLAMP,
     MISSING,
     Metrics,
     broadcast_advantages,
-    check_number,
-    check_token_pair,
     compute_dtype,
     masked_mean,
     masked_sum,
@@ -69,10 +67,10 @@ def _prepare(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, o
 
 def _check_eps(eps_low: float, eps_high: float, *, low_max: float = 1.0, low_inclusive: bool = False):
     if low_inclusive:
-        el = check_number("eps_low", eps_low, ge=0.0, le=low_max)
+        el = check_real("eps_low", eps_low, ge=0.0, le=low_max)
     else:
-        el = check_number("eps_low", eps_low, ge=0.0, lt=low_max)
-    eh = check_number("eps_high", eps_high, ge=0.0)
+        el = check_real("eps_low", eps_low, ge=0.0, lt=low_max)
+    eh = check_real("eps_high", eps_high, ge=0.0)
     return el, eh
 
 
@@ -109,7 +107,7 @@ def ppo_clip_loss(
     m, dt, lp, olp, adv = _prepare(logp, old_logp, advantages, mask)
     el, eh = _check_eps(eps_low, eps_high)
     if dual_clip is not None:
-        dual_clip = check_number("dual_clip", dual_clip, gt=1.0)
+        dual_clip = check_real("dual_clip", dual_clip, gt=1.0)
     log_ratio = (lp - olp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     loss1 = -adv * ratio
@@ -247,8 +245,8 @@ def sapo_loss(
     ``approx_kl``.
     """
     m, dt, lp, olp, adv = _prepare(logp, old_logp, advantages, mask)
-    tp = check_number("tau_pos", tau_pos, gt=0.0)
-    tn = check_number("tau_neg", tau_neg, gt=0.0)
+    tp = check_real("tau_pos", tau_pos, gt=0.0)
+    tn = check_real("tau_neg", tau_neg, gt=0.0)
     log_ratio = (lp - olp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     tau = torch.where(adv > 0, torch.full_like(adv, tp), torch.full_like(adv, tn))
@@ -421,7 +419,7 @@ def decoupled_ppo_loss(
     m = check_token_pair("logp", logp, "old_logp", old_logp, mask)
     check_floating("rollout_logp", rollout_logp)
     check_same_shape("logp", logp, "rollout_logp", rollout_logp)
-    cap = None if rollout_weight_cap is None else check_number("rollout_weight_cap", rollout_weight_cap, gt=0.0)
+    cap = None if rollout_weight_cap is None else check_real("rollout_weight_cap", rollout_weight_cap, gt=0.0)
     dt = compute_dtype(logp)
     olp = safe(old_logp, m, dt).detach()
     rlp = safe(rollout_logp, m, dt).detach()
@@ -461,7 +459,7 @@ def value_loss(
         loss = 0.5 * err1
         clipfrac = _zero(dt, v.device)
     else:
-        c = check_number("clip", clip, ge=0.0)
+        c = check_real("clip", clip, ge=0.0)
         v_clipped = vo + (v - vo).clamp(-c, c)
         err2 = (v_clipped - ret) ** 2
         loss = 0.5 * torch.maximum(err1, err2)

@@ -109,11 +109,12 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from rlblocks._checks import check_bool
 from rlblocks._deprecate import renamed_kwargs
 from rlblocks.errors import ArgumentError, EngineError
 
 from ._common import InFlightCount, Lifecycle, wait_first
-from ._weights import WeightLayout, check_tensors, check_version, refuse
+from ._weights import WeightLayout, check_tensors, check_update_version, refuse
 from .types import Generation, GenerationRequest
 
 __all__ = ["SGLangEngine", "SGLangEngineStats", "SGLangError", "serialize_named_tensors"]
@@ -628,10 +629,8 @@ class SGLangEngine:
         self, named_tensors: Iterable[tuple[str, Tensor]], *, version: int, partial: bool, allow_rollback: bool
     ) -> list[tuple[str, Tensor]]:
         self._state.check_open()
-        check_version("SGLangEngine", version, self._version, allow_rollback=allow_rollback)
-        self._state.check_update(partial)
-        if not isinstance(partial, bool):
-            raise ArgumentError(f"partial: expected a bool, got {partial!r}")
+        version = check_update_version("SGLangEngine", version, self._version, allow_rollback=allow_rollback)
+        self._state.check_update(check_bool("partial", partial))
         if self._layout is not None:
             return self._layout.validate(named_tensors, engine="SGLangEngine", partial=partial)
         return check_tensors(named_tensors, engine="SGLangEngine")
@@ -663,7 +662,7 @@ class SGLangEngine:
     ) -> None:
         """The update sequence of the module docstring, for the load call ``path``."""
         async with self._control:
-            check_version("SGLangEngine", version, self._version, allow_rollback=allow_rollback)
+            version = check_update_version("SGLangEngine", version, self._version, allow_rollback=allow_rollback)
             self._state.check_update(partial)
             self._state.updating += 1
             try:
@@ -753,7 +752,7 @@ class SGLangEngine:
         """``POST /update_weights_from_disk``: the server loads a whole checkpoint directory it can read (no
         session needed for this one)."""
         self._state.check_open()
-        check_version("SGLangEngine", version, self._version, allow_rollback=allow_rollback)
+        version = check_update_version("SGLangEngine", version, self._version, allow_rollback=allow_rollback)
         self._state.check_update(False)
         if not isinstance(model_path, str) or not model_path:
             raise ArgumentError(f"model_path: expected a non-empty path string, got {model_path!r}")

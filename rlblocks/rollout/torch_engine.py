@@ -87,7 +87,7 @@ from torch import Tensor
 from rlblocks.errors import ArgumentError, EngineError
 
 from ._common import InFlightCount, Lifecycle, StatsView
-from ._weights import WeightLayout, check_version
+from ._weights import WeightLayout, check_update_version
 from .routing import RoutingRecorder
 from .types import Generation, GenerationRequest
 
@@ -437,7 +437,7 @@ class TorchEngine:
         engine generate again."""
         self._state.check_open()
         self._bind_loop()
-        check_version("TorchEngine", version, self._version, allow_rollback=allow_rollback)
+        version = check_update_version("TorchEngine", version, self._version, allow_rollback=allow_rollback)
         self._state.check_update(partial)
         items = self._layout.validate(list(named_tensors), engine="TorchEngine", partial=partial)
         targets = self._targets()
@@ -445,7 +445,7 @@ class TorchEngine:
         try:
             async with self._lock:
                 # another update may have committed while this one waited for the step to end
-                check_version("TorchEngine", version, self._version, allow_rollback=allow_rollback)
+                version = check_update_version("TorchEngine", version, self._version, allow_rollback=allow_rollback)
                 self._state.check_update(partial)
                 with torch.no_grad():
                     for name, t in items:

@@ -65,7 +65,7 @@ from rlblocks._deprecate import renamed_kwargs, warn_renamed
 from rlblocks.errors import ArgumentError, EngineError, WeightUpdateError
 
 from ._common import InFlightCount, Lifecycle, StatsView, wait_first
-from ._weights import WeightLayout, check_version, refuse
+from ._weights import WeightLayout, check_update_version, refuse
 from .types import Generation, GenerationRequest, SamplingParams
 
 __all__ = ["VLLMEngine", "VLLMEngineStats", "WorkerExtension", "nccl_trainer_init", "nccl_trainer_send"]
@@ -704,7 +704,7 @@ class VLLMEngine:
         """Quiesce, run ``load()``, reset caches, commit ``version``, resume (the order of the module docstring)."""
         async with self._control:
             # another update may have committed while this one waited for the lock
-            check_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
+            version = check_update_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
             self._state.check_update(partial)
             self._state.updating += 1
             try:
@@ -738,7 +738,7 @@ class VLLMEngine:
         (CUDA IPC, no host copy). The engine must run :class:`WorkerExtension`
         (``from_pretrained`` sets it; a custom ``worker_extension_cls`` must subclass it)."""
         self._state.check_open()
-        check_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
+        version = check_update_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
         self._state.check_update(partial)
         items = self.validate_weights(list(named_tensors), partial=partial)
         encoded = [(n, *_encode_tensor(t)) for n, t in items]
@@ -797,7 +797,7 @@ class VLLMEngine:
             raise ArgumentError(
                 f"names, dtypes, shapes: expected equal lengths, got {len(names)}, {len(dtypes)}, {len(shapes)}"
             )
-        check_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
+        version = check_update_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
         self._state.check_update(partial)
         metas = [(n, torch.empty(tuple(s), dtype=d, device="meta")) for n, d, s in zip(names, dtypes, shapes)]
         self.validate_weights(metas, partial=partial)
@@ -874,7 +874,7 @@ class VLLMEngine:
             if not isinstance(dtype, torch.dtype):
                 raise ArgumentError(f"update_info['dtype_names'] of {name!r}: expected a torch dtype name, got {d!r}")
             dtypes.append(dtype)
-        check_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
+        version = check_update_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
         self._state.check_update(partial)
         metas = [(n, torch.empty(tuple(s), dtype=d, device="meta")) for n, d, s in zip(names, dtypes, shapes)]
         self.validate_weights(metas, partial=partial)
@@ -974,11 +974,11 @@ class VLLMEngine:
         self._state.check_open()
         if not self._lora_enabled:
             raise ArgumentError("lora: this engine was started without enable_lora=True")
-        check_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
+        version = check_update_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
         if version < 0:
             raise ArgumentError(f"version: expected an int >= 0 (vLLM's lora_int_id is version + 1), got {version}")
         async with self._control:
-            check_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
+            version = check_update_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
             if lora is None:
                 self._lora_version = None
             else:

@@ -35,10 +35,9 @@ from typing import Any
 
 from torch import Tensor
 
+from rlblocks._checks import check_bool, check_int, check_optional_int, check_real
 from rlblocks._deprecate import warn_renamed
 from rlblocks.errors import ArgumentError, InsufficientGroupsError
-
-from ._checks import check_bool, check_int, check_optional_int, check_real
 
 
 def nonzero_reward_variance(group: Any, rewards: Sequence[float]) -> bool:
@@ -114,11 +113,9 @@ class DynamicSampler:
         max_rounds: int | None = None,
     ) -> None:
         self.target_groups = check_int("target_groups", target_groups, minimum=1)
-        if check_real("over_sampling", over_sampling, finite=True) < 1.0:
-            raise ArgumentError(f"over_sampling: expected a finite number >= 1.0, got {over_sampling!r}")
         if filter_fn is not None and not callable(filter_fn):
             raise ArgumentError(f"filter_fn: expected a callable(group, rewards) -> bool or None, got {filter_fn!r}")
-        self.over_sampling = float(over_sampling)
+        self.over_sampling = check_real("over_sampling", over_sampling, finite=True, ge=1.0)
         self.filter_fn = filter_fn if filter_fn is not None else nonzero_reward_variance
         self.keep_when_insufficient = check_bool("keep_when_insufficient", keep_when_insufficient)
         self.max_rounds = check_optional_int("max_rounds", max_rounds, minimum=0)

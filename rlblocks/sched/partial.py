@@ -16,10 +16,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from rlblocks._deprecate import renamed_kwargs, take_renamed, warn_renamed
-from rlblocks.errors import ArgumentError
-
-from ._checks import (
+from rlblocks._checks import (
     check_bool,
     check_int,
     check_int_list,
@@ -27,6 +24,8 @@ from ._checks import (
     check_optional_int,
     check_state_keys,
 )
+from rlblocks._deprecate import renamed_kwargs, take_renamed, warn_renamed
+from rlblocks.errors import ArgumentError
 
 
 class GenerationLike(Protocol):

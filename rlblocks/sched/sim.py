@@ -61,9 +61,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any, Literal
 
+from rlblocks._checks import check_bool, check_int, check_optional_int, check_real
 from rlblocks.errors import ArgumentError, RLBlocksError
 
-from ._checks import check_bool, check_int, check_optional_int
 from .admission import StalenessController
 from .dynamic_sampling import DynamicSampler
 from .partial import PartialRollout, PartialRolloutBuffer
@@ -90,19 +90,6 @@ Mode = Literal["sync-colocated", "sync-disaggregated", "async"]
 MODES = ("sync-colocated", "sync-disaggregated", "async")
 _LENGTH_KINDS = ("fixed", "empirical", "cycle", "lognormal")
 Z99 = 2.3263478740408408  # standard normal 99th percentile: p99 / median = exp(Z99 * sigma) for a lognormal
-
-
-def _nonneg(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
-        raise ArgumentError(f"{name}: expected a finite number >= 0, got {value!r}")
-    return float(value)
-
-
-def _positive(name: str, value: object) -> float:
-    v = _nonneg(name, value)
-    if v <= 0:
-        raise ArgumentError(f"{name}: expected a number > 0, got {value!r}")
-    return v
 
 
 class SimulationStalled(RLBlocksError, RuntimeError):
@@ -140,8 +127,8 @@ class Lengths:
     def lognormal(cls, median: float, p99: float, *, maximum: int, minimum: int = 1) -> Lengths:
         """Lognormal with the given median and 99th percentile (``sigma = ln(p99 / median) / z_0.99``), clamped to
         ``[minimum, maximum]``. E.g. median 2048, p99 32768: ``sigma = 1.19``, mean ≈ 4.1k before the clamp."""
-        median = _positive("median", median)
-        p99 = _positive("p99", p99)
+        median = check_real("median", median, finite=True, gt=0)
+        p99 = check_real("p99", p99, finite=True, gt=0)
         if p99 < median:
             raise ArgumentError(f"p99: expected >= median ({median}), got {p99}")
         minimum = check_int("minimum", minimum, minimum=1)
@@ -216,7 +203,7 @@ class DecodeCost:
     def __post_init__(self) -> None:
         for f in ("overhead_s", "host_per_seq_s", "weights_s", "kv_per_token_s", "compute_per_seq_s",
                   "compute_per_token_s"):
-            _nonneg(f, getattr(self, f))
+            check_real(f, getattr(self, f), finite=True, ge=0)
 
     def step_s(self, b: int, ctx: float) -> float:
         memory = self.weights_s + self.kv_per_token_s * ctx
@@ -272,7 +259,7 @@ class PrefillCost:
 
     def __post_init__(self) -> None:
         for f in ("overhead_s", "per_token_s", "per_token_sq_s"):
-            _nonneg(f, getattr(self, f))
+            check_real(f, getattr(self, f), finite=True, ge=0)
 
     def seconds(self, contexts: Sequence[int]) -> float:
         return self.overhead_s + self.per_token_s * sum(contexts) + self.per_token_sq_s * sum(n * n for n in contexts)
@@ -297,7 +284,7 @@ class TrainCost:
 
     def __post_init__(self) -> None:
         for f in ("overhead_s", "per_token_s", "per_token_sq_s", "per_seq_s"):
-            _nonneg(f, getattr(self, f))
+            check_real(f, getattr(self, f), finite=True, ge=0)
         check_bool("padded", self.padded)
 
     def seconds(self, lengths: Sequence[int], devices: int) -> float:
@@ -315,8 +302,8 @@ class SyncCost:
     per_byte_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _nonneg("latency_s", self.latency_s)
-        _nonneg("per_byte_s", self.per_byte_s)
+        check_real("latency_s", self.latency_s, finite=True, ge=0)
+        check_real("per_byte_s", self.per_byte_s, finite=True, ge=0)
 
     def seconds(self, weight_bytes: float) -> float:
         return self.latency_s + weight_bytes * self.per_byte_s
@@ -353,8 +340,8 @@ class Hardware:
                            ("sync_colocated", SyncCost)):
             if not isinstance(getattr(self, name), kind):
                 raise ArgumentError(f"{name}: expected a {kind.__name__}, got {type(getattr(self, name)).__name__}")
-        _nonneg("weight_bytes", self.weight_bytes)
-        _nonneg("host_contention", self.host_contention)
+        check_real("weight_bytes", self.weight_bytes, finite=True, ge=0)
+        check_real("host_contention", self.host_contention, finite=True, ge=0)
         check_int("kv_capacity_tokens", self.kv_capacity_tokens, minimum=1)
         check_int("max_batch", self.max_batch, minimum=1)
         check_int("devices_per_engine", self.devices_per_engine, minimum=1)
@@ -401,7 +388,7 @@ class ModelSpec:
     bytes_per_param: int = 2
 
     def __post_init__(self) -> None:
-        _positive("params", self.params)
+        check_real("params", self.params, finite=True, gt=0)
         for name in ("layers", "heads", "kv_heads", "head_dim", "bytes_per_param"):
             check_int(name, getattr(self, name), minimum=1)
 
@@ -478,14 +465,14 @@ def gpu_like(
     tp = check_int("devices_per_engine", devices_per_engine, minimum=1)
     for name, v in (("peak_flops", peak_flops), ("hbm_bytes_per_s", hbm_bytes_per_s), ("memory_bytes", memory_bytes),
                     ("network_bytes_per_s", network_bytes_per_s)):
-        _positive(name, v)
+        check_real(name, v, finite=True, gt=0)
     for name, v in (("bandwidth_efficiency", bandwidth_efficiency), ("decode_flops_efficiency",
                     decode_flops_efficiency), ("prefill_flops_efficiency", prefill_flops_efficiency),
                     ("train_mfu", train_mfu), ("gpu_memory_utilization", gpu_memory_utilization)):
-        if _positive(name, v) > 1:
+        if check_real(name, v, finite=True, gt=0) > 1:
             raise ArgumentError(f"{name}: expected a fraction in (0, 1], got {v!r}")
-    _nonneg("step_overhead_s", step_overhead_s)
-    _nonneg("sync_latency_s", sync_latency_s)
+    check_real("step_overhead_s", step_overhead_s, finite=True, ge=0)
+    check_real("sync_latency_s", sync_latency_s, finite=True, ge=0)
     flops_d, flops_p, flops_t = peak_flops * decode_flops_efficiency, peak_flops * prefill_flops_efficiency, \
         peak_flops * train_mfu
     bw = hbm_bytes_per_s * bandwidth_efficiency * tp
@@ -558,7 +545,7 @@ class Workload:
         check_int("seed", self.seed)
         check_int("batch_groups", self.batch_groups, minimum=1)
         check_int("group_size", self.group_size, minimum=1)
-        p = _nonneg("zero_variance_p", self.zero_variance_p)
+        p = check_real("zero_variance_p", self.zero_variance_p, finite=True, ge=0)
         if p > 1:
             raise ArgumentError(f"zero_variance_p: expected a probability in [0, 1], got {p}")
 
@@ -595,7 +582,7 @@ class Schedule:
         check_int("max_staleness", self.max_staleness, minimum=0)
         check_bool("partial_rollout", self.partial_rollout)
         check_bool("dynamic_sampling", self.dynamic_sampling)  # "no" is truthy: it would have filtered groups
-        over = _positive("over_sampling", self.over_sampling)
+        over = check_real("over_sampling", self.over_sampling, finite=True, gt=0)
         if over < 1:
             raise ArgumentError(f"over_sampling: expected a factor >= 1, got {self.over_sampling!r}")
         check_optional_int("max_rounds", self.max_rounds, minimum=1)
