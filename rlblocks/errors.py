@@ -1,4 +1,4 @@
-"""The exceptions rlblocks raises on purpose, under one base class.
+"""The exceptions rlblocks raises on purpose, under one base class: every exception class of the library is here.
 
 Every error a block raises deliberately derives from :class:`RLBlocksError`, so ``except RLBlocksError`` catches
 all of them. Each one also derives from the built-in exception a caller would naturally catch, so code written
@@ -9,34 +9,52 @@ against the built-ins keeps working:
 | ``ArgumentError`` | ``ValueError`` | an argument is refused (the message names it, what was expected, what came) |
 | ``WeightUpdateError`` | ``ValueError`` | a weight update is refused before anything changed |
 | ``EngineError`` | ``RuntimeError`` | a rollout engine failed or answered unexpectedly |
+| ``SGLangError`` | ``EngineError`` | an SGLang server answered an HTTP error or an unexpected body, or not at all |
 | ``SyncError`` | ``RuntimeError`` | a collective of a sync group failed (dead or silent peer, timeout) |
 | ``SyncMismatchError`` | ``SyncError``, ``WeightUpdateError`` | sender and receivers disagree on what to move |
 | ``DeltaError`` | ``WeightUpdateError`` | a delta packet was refused |
 | ``QueueFull`` | ``queue.Full`` | a bounded queue is at capacity |
 | ``QueueClosed`` | ``RuntimeError`` | ``put`` on a closed queue |
 | ``InsufficientGroupsError`` | ``RuntimeError`` | dynamic sampling could not fill its target |
-| ``SandboxUnavailable`` | ``RuntimeError`` | the sandbox cannot put its isolation layers in force here (the message names the missing ones) |
+| ``SimulationStalled`` | ``RuntimeError`` | a simulated loop ran out of events before its last step |
+| ``PrefixMismatchError`` | ``ArgumentError`` | a rendering does not extend a trajectory's tokens exactly |
+| ``GatewayError`` | ``RuntimeError`` | the capture gateway answers a request with an OpenAI-style error |
+| ``SessionNotFound`` | ``ArgumentError`` | no open gateway session has that id |
+| ``RewardTimeout`` | ``TimeoutError`` | a reward call in a worker process ran past its timeout (the worker is killed) |
+| ``WorkerCrashed`` | ``RuntimeError`` | a reward worker process died during a call, or could not start |
+| ``WorkerError`` | ``RuntimeError`` | the function called in a reward worker process raised |
+| ``SandboxUnavailable`` | ``RuntimeError`` | the sandbox cannot put its isolation layers in force here |
 
 The same failure raises the same class from every engine and transport: a refused weight update is a
-``WeightUpdateError`` whether TorchEngine, VLLMEngine, SGLangEngine or a sync receiver refused it.
+``WeightUpdateError`` whether TorchEngine, VLLMEngine, SGLangEngine or a sync receiver refused it. Exceptions are
+imported from this module only.
 """
 
 from __future__ import annotations
 
 import queue as _stdlib_queue
+from typing import Any
 
 __all__ = [
     "ArgumentError",
     "DeltaError",
     "EngineError",
+    "GatewayError",
     "InsufficientGroupsError",
+    "PrefixMismatchError",
     "QueueClosed",
     "QueueFull",
     "RLBlocksError",
+    "RewardTimeout",
+    "SGLangError",
     "SandboxUnavailable",
+    "SessionNotFound",
+    "SimulationStalled",
     "SyncError",
     "SyncMismatchError",
     "WeightUpdateError",
+    "WorkerCrashed",
+    "WorkerError",
 ]
 
 
@@ -54,6 +72,16 @@ class WeightUpdateError(RLBlocksError, ValueError):
 
 class EngineError(RLBlocksError, RuntimeError):
     """A rollout engine failed, was closed, or answered with something unexpected."""
+
+
+class SGLangError(EngineError):
+    """An SGLang server answered with an HTTP error or an unexpected body, or could not be reached. ``status`` is
+    the HTTP status (``None`` when there was no answer) and ``body`` the decoded answer."""
+
+    def __init__(self, message: str, *, status: int | None = None, body: Any = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
 
 
 class SyncError(RLBlocksError, RuntimeError):
@@ -85,3 +113,60 @@ class SandboxUnavailable(RLBlocksError, RuntimeError):
     """The sandbox refused to run untrusted code: a required isolation layer (bubblewrap, a namespace, seccomp, a
     per-sandbox process limit) cannot be put in force on this machine. The message names the missing layers and
     how to opt into the weaker isolation explicitly."""
+
+
+class SimulationStalled(RLBlocksError, RuntimeError):
+    """The simulated loop ran out of events before ``schedule.steps`` steps (a configuration that cannot finish);
+    raised instead of returning partial figures."""
+
+
+class PrefixMismatchError(ArgumentError):
+    """A rendering (or a re-sent prompt) does not extend the trajectory's tokens exactly.
+
+    Attributes: ``position`` (first differing index), ``expected`` (the trajectory's id there, or ``None`` when
+    the rendering is longer only because the trajectory ended), ``got`` (the rendering's id there, or ``None``
+    when the rendering is shorter), ``role`` and ``turn`` of the trajectory token at ``position``.
+    """
+
+    def __init__(self, message: str, *, position: int, expected: int | None, got: int | None,
+                 role: str | None, turn: int | None) -> None:
+        super().__init__(message)
+        self.position = position
+        self.expected = expected
+        self.got = got
+        self.role = role
+        self.turn = turn
+
+
+class GatewayError(RLBlocksError, RuntimeError):
+    """What the capture gateway answers a request with: an HTTP ``status`` and an OpenAI-style error object
+    (``type``, ``param`` naming the offending field, ``code``); :meth:`body` is the JSON the client receives."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class SessionNotFound(ArgumentError):
+    """No open gateway session has this id (unknown, already closed, or nothing was captured in it)."""
+
+
+class RewardTimeout(RLBlocksError, TimeoutError):
+    """A reward call did not finish within its timeout (its worker process was killed)."""
+
+
+class WorkerCrashed(RLBlocksError, RuntimeError):
+    """The worker process died during a call, or could not be started."""
+
+
+class WorkerError(RLBlocksError, RuntimeError):
+    """The called function raised in the worker process. ``remote_type`` and ``remote_traceback`` describe it."""
+
+    def __init__(self, message: str, *, remote_type: str = "", remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.remote_type = remote_type
+        self.remote_traceback = remote_traceback

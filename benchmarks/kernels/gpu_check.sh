@@ -102,7 +102,7 @@ fi
 
 # 3 the goal case first (cold compile + autotune of the kernels included)
 lim=$(( $(left) < 200 ? $(left) : 200 ))
-step "3/6 goal case" "$lim" "$OUT/goal.log" "$PY" -m rlblocks.kernels.bench "${GOAL[@]}" --out "$OUT" \
+step "3/6 goal case" "$lim" "$OUT/goal.log" "$PY" benchmarks/kernels/bench.py "${GOAL[@]}" --out "$OUT" \
   --time-budget-s $(( lim - 40 ))
 if [[ "$MODE" == validate ]]; then mv -f "$OUT/kernels_validate.csv" "$CSV_GOAL"; fi
 
@@ -112,12 +112,12 @@ step "4/6 tests" "$lim" "$OUT/tests.log" "$PY" "${TESTS[@]}"
 
 # 5 the other cases, with what is left
 lim=$(( $(left) - 15 ))
-step "5/6 more cases" "$lim" "$OUT/more.log" "$PY" -m rlblocks.kernels.bench "${MORE[@]}" --out "$OUT" \
+step "5/6 more cases" "$lim" "$OUT/more.log" "$PY" benchmarks/kernels/bench.py "${MORE[@]}" --out "$OUT" \
   --time-budget-s $(( lim - 40 ))
 if [[ "$MODE" == validate ]]; then mv -f "$OUT/kernels_validate.csv" "$CSV_MORE"; rm -f "$OUT/kernels_validate.json"; fi
 
 # 6 the table, from the rows written so far
 note "== 6/6 table ($(( $(date +%s) - START )) s elapsed)"
-"$PY" -m rlblocks.kernels.bench --table-from "$CSV_GOAL" "$CSV_MORE" 2>&1 | tee -a "$SUMMARY"
+"$PY" benchmarks/kernels/bench.py --table-from "$CSV_GOAL" "$CSV_MORE" 2>&1 | tee -a "$SUMMARY"
 if (( FAILED )); then note "gpu_check: some steps FAILED (see above)"; exit 1; fi
 note "gpu_check: all steps ok in $(( $(date +%s) - START )) s"

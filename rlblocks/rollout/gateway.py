@@ -58,35 +58,19 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from rlblocks._checks import check_int, check_real, check_seconds, check_str_pair
-from rlblocks.errors import ArgumentError, RLBlocksError
+from rlblocks.errors import ArgumentError, GatewayError, PrefixMismatchError, SessionNotFound
 
 from .agent import TOOL_CALL_TAGS, generate_turn, parse_tool_calls
-from .trajectory import OnMismatch, PrefixMismatchError, Trajectory, render_chat
+from .trajectory import OnMismatch, Trajectory, render_chat
 from .types import RolloutEngine, SamplingParams
 
-__all__ = ["Gateway", "GatewayError"]
+__all__ = ["Gateway"]
 
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
             409: "Conflict",
             411: "Length Required", 413: "Payload Too Large", 429: "Too Many Requests",
             500: "Internal Server Error", 503: "Service Unavailable"}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-class GatewayError(RLBlocksError):
-    """An error answered as OpenAI-style JSON: ``status`` (HTTP), ``type``, ``param`` and ``code``."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-class _UnknownSession(ArgumentError):
-    """:meth:`Gateway.finish_session` of a session that is not open (answered 404 over HTTP)."""
 
 
 def _bad(param: str, message: str, code: str | None = "invalid_value") -> GatewayError:
@@ -389,11 +373,11 @@ class Gateway:
             raise ArgumentError(f"info: expected None or a mapping, got {type(info).__name__}")
         sess = self.sessions.get(session_id) if isinstance(session_id, str) else None
         if sess is None:
-            raise _UnknownSession(f"session_id: no open session {session_id!r} (unknown, or already closed by a "
+            raise SessionNotFound(f"session_id: no open session {session_id!r} (unknown, or already closed by a "
                                   "reward)")
         async with sess.lock:
             if self.sessions.get(session_id) is not sess or sess.trajectory is None:
-                raise _UnknownSession(f"session_id: no open session {session_id!r} (closed by a reward meanwhile, "
+                raise SessionNotFound(f"session_id: no open session {session_id!r} (closed by a reward meanwhile, "
                                       "or nothing was captured)")
             del self.sessions[session_id]
         traj = sess.trajectory
@@ -608,7 +592,7 @@ class Gateway:
                 raise _bad("info", "expected an object", "invalid_type")
             try:
                 traj = await self.finish_session(sid, float(reward), info=info)
-            except _UnknownSession:
+            except SessionNotFound:
                 raise GatewayError(404, f"no open session {sid!r} (unknown, or already closed by a reward)",
                                    code="session_not_found") from None
             await self._send_json(writer, 200, {"session_id": sid, "reward": float(reward),

@@ -111,26 +111,16 @@ from torch import Tensor
 
 from rlblocks._checks import check_bool
 from rlblocks._deprecate import renamed_kwargs
-from rlblocks.errors import ArgumentError, EngineError
+from rlblocks.errors import ArgumentError, EngineError, SGLangError
 
 from ._common import InFlightCount, Lifecycle, wait_first
 from ._weights import WeightLayout, check_tensors, check_update_version, refuse
 from .types import Generation, GenerationRequest
 
-__all__ = ["SGLangEngine", "SGLangEngineStats", "SGLangError", "serialize_named_tensors"]
+__all__ = ["SGLangEngine", "SGLangEngineStats", "serialize_named_tensors"]
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 _ALL_TAGS = ["kv_cache", "weights", "cuda_graph"]  # srt/constants.py GPU_MEMORY_ALL_TYPES
-
-
-class SGLangError(EngineError):
-    """The server answered with an HTTP error or an unexpected body, or could not be reached. ``status`` is the
-    HTTP status (``None`` when there was no answer) and ``body`` the decoded answer."""
-
-    def __init__(self, message: str, *, status: int | None = None, body: Any = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = body
 
 
 def _gpu_uuid_reducer(t: Tensor) -> tuple[Any, tuple]:

@@ -62,7 +62,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any, Literal
 
 from rlblocks._checks import check_bool, check_int, check_optional_int, check_real
-from rlblocks.errors import ArgumentError, RLBlocksError
+from rlblocks.errors import ArgumentError, SimulationStalled
 
 from .admission import StalenessController
 from .dynamic_sampling import DynamicSampler
@@ -77,7 +77,6 @@ __all__ = [
     "PrefillCost",
     "Schedule",
     "SimResult",
-    "SimulationStalled",
     "SyncCost",
     "TrainCost",
     "Workload",
@@ -90,11 +89,6 @@ Mode = Literal["sync-colocated", "sync-disaggregated", "async"]
 MODES = ("sync-colocated", "sync-disaggregated", "async")
 _LENGTH_KINDS = ("fixed", "empirical", "cycle", "lognormal")
 Z99 = 2.3263478740408408  # standard normal 99th percentile: p99 / median = exp(Z99 * sigma) for a lognormal
-
-
-class SimulationStalled(RLBlocksError, RuntimeError):
-    """The simulated loop ran out of events before ``schedule.steps`` steps (a configuration that cannot finish);
-    raised instead of returning partial figures."""
 
 
 # ================================================================================================ lengths

@@ -18,9 +18,9 @@ import torch
 from fake_sglang import CONTROL_TYPES, EOS, VOCAB, FakeSGLang, validate_control, validate_generate
 from sglang_0_5_23 import _support, api_types, io_struct
 
-from rlblocks.errors import ArgumentError, EngineError, WeightUpdateError
+from rlblocks.errors import ArgumentError, EngineError, SGLangError, WeightUpdateError
 from rlblocks.rollout import GenerationRequest, SamplingParams, SGLangEngine, resumable_generate
-from rlblocks.rollout.sglang_engine import SGLangError, serialize_named_tensors
+from rlblocks.rollout.sglang_engine import serialize_named_tensors
 from rlblocks.rollout.types import RolloutEngine
 
 
