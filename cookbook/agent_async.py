@@ -4,7 +4,8 @@
 
 Rank 0 trains, ranks 1.. generate. The task (``cookbook/agent_task.py``): ``a*b`` with three-digit operands, which
 the tiny model cannot multiply; it can call ``calc`` with a Hermes tool call, read the ``tool`` turn and answer; at
-most 3 turns, reward 1 iff the final answer is exactly ``a*b``.
+most 3 turns, reward 1 iff the final answer is exactly ``a*b``. With ``--prompts`` the episodes answer your prompts
+instead, with ``--tools`` (default: the calculator) and ``--reward`` on the final answer (``plumbing/``).
 
 Rollout rank: a TorchEngine on an asyncio loop. Prompt groups are admitted by a ``StalenessController`` (at most
 ``(η + v + 1)·B`` groups accepted or running at policy version v); each group is ``K`` concurrent ``run_episode``
@@ -19,9 +20,11 @@ Trainer rank 0 (:func:`trainer_main`): groups wait in a ``StalenessQueue`` keyed
 given back to their rollout rank with a ``Stale`` message), builds the batch with ``to_tensors`` (model tokens
 trained, tool results and chat markers masked), computes per-episode GRPO advantages and the PPO-clip loss against
 the engine's logprobs (``agent_task.grpo_backward``), steps, and sends the new weights (``WeightSender``) as the
-next version. Held-out accuracy: greedy episodes on held-out problems every ``--eval-every`` steps.
+next version. Held-out evaluation: ``--eval-k`` episodes per held-out prompt (greedy by default), pass@k and mean@k
+through ``rlblocks.reward.summarize``, every ``--eval-every`` steps and before and after RL.
 
-Files: ``runs/<name>/metrics.jsonl`` (one line per step), ``summary.json`` (with ``turns_mean``, ``tool_calls``,
+Files: ``runs/<name>/metrics.jsonl`` (one line per step; TensorBoard / W&B with ``--log-to``), ``eval/``,
+``summary.json`` (with ``turns_mean``, ``tool_calls``,
 ``env_errors``, ``prefix_mismatches``), ``policy/`` (the trained model and tokenizer); ``python cookbook/plot.py
 runs/<name>`` draws the curves.
 """
@@ -43,21 +46,31 @@ import torch.distributed as dist
 from plumbing import (
     Inbox,
     Outbox,
+    Reward,
     RolloutEnd,
     RunFiles,
     Stale,
     Stop,
+    TaskFlags,
     Weights,
     check_at_least,
+    check_task_flags,
     close_dist,
+    eval_metrics,
+    eval_reward_spec,
     every,
     join_sync_group,
     load_hf,
+    load_task,
     load_tokenizer,
+    load_tools,
     make_engine,
     model_max_len,
+    needs_reference,
+    on_model,
     opt,
     parse_flags,
+    parse_log_flag,
     pick_port,
     rank0_first,
     recv_control,
@@ -73,8 +86,9 @@ from rlblocks.sync import WeightReceiver, WeightSender
 
 
 @dataclass
-class Config:
-    """Bounded-async GRPO on the calculator tool task (flags are generated from these fields)."""
+class Config(TaskFlags):
+    """Bounded-async GRPO on the calculator tool task (flags are generated from these fields; the data, reward,
+    evaluation and --log-to flags every loop shares come from plumbing's TaskFlags)."""
 
     name: str = opt("demo-agent", "run name: files go to <runs-dir>/<name>/")
     runs_dir: str = opt("runs", "where run directories live")
@@ -93,7 +107,11 @@ class Config:
     temperature: float = opt(1.0, "sampling temperature")
     eval_every: int = opt(25, "held-out greedy accuracy every N steps, and before and after RL (0: only before "
                               "and after)")
-    heldout: int = opt(300, "held-out problems evaluated (at most 300)")
+    heldout: int = opt(300, "held-out prompts evaluated: the first this many (the toy task has 300)")
+    tools: str = opt("", "the episodes' tools, module:function,... (a Tool, a function returning one, or a plain "
+                         "function); empty: the calculator")
+    max_turns: int = opt(3, "most model turns of an episode")
+    turn_tokens: int = opt(16, "response budget of one turn")
     warmstart_target: float = opt(0.2, "warm start: stop once greedy accuracy on SFT problems reaches this")
     seed: int = opt(0, "seed")
     quiet: bool = opt(False, "no per-eval progress lines")
@@ -101,21 +119,29 @@ class Config:
 
 def check_flags(cfg: Config) -> None:
     """Flag values that cannot work (refused before any process group is created)."""
-    check_at_least(cfg, 1, "steps", "prompts_per_step", "group_size", "max_concurrent", "heldout")
+    check_at_least(cfg, 1, "steps", "prompts_per_step", "group_size", "max_concurrent", "heldout", "max_turns",
+                   "turn_tokens")
     check_at_least(cfg, 0, "max_staleness", "eval_every")
+    check_task_flags(cfg)
+    if not cfg.chat:
+        raise ArgumentError("--no-chat: an episode renders every turn with the tokenizer's chat template; the agent "
+                            "loops need --chat")
+    if cfg.tools:
+        load_tools(cfg.tools)
 
 
 # ================================================================================================ rollout side
 class Rollout:
     """One rollout rank: admission-controlled groups of episodes, weight updates, shipping groups to rank 0."""
 
-    def __init__(self, cfg: Config, rank: int, world: int, sample_group, sync_group, tok, engine) -> None:
+    def __init__(self, cfg: Config, rank: int, world: int, sample_group, sync_group, tok, engine, loop_task,
+                 reward: Reward, tools: list) -> None:
         self.cfg, self.rank = cfg, rank
         self.sync_group = sync_group
         self.tok, self.engine = tok, engine
+        self.task, self.reward, self.tools = loop_task, reward, tools  # what episodes answer, how, with what
         self.ctrl = StalenessController(batch_size=cfg.prompts_per_step, max_staleness=cfg.max_staleness,
                                         max_concurrent=cfg.max_concurrent, dp_size=world - 1)
-        self.heldout = set(task.split_problems()["heldout"])
         self.rng = random.Random(cfg.seed * 1000 + rank)
         self.stats = EpisodeStats()
         self.outbox = Outbox(sample_group)  # to trainer rank 0, by a thread
@@ -126,15 +152,19 @@ class Rollout:
         self.counts: Counter = Counter()
 
     async def _group(self, uid: str, gid: int) -> None:
-        a, b = task.rl_problem(self.rng, self.heldout)
-        sp = SamplingParams(temperature=self.cfg.temperature, max_new_tokens=task.TURN_TOKENS)
-        eps = await task.episodes(self.engine, self.tok, [(a, b)] * self.cfg.group_size, sampling=sp,
-                                  stats=self.stats, session_prefix=uid, group_ids=[gid] * self.cfg.group_size)
+        item = self.task.draw(self.rng)  # a Prompt: a toy problem never held out, or a --prompts row
+        sp = SamplingParams(temperature=self.cfg.temperature, max_new_tokens=self.cfg.turn_tokens)
+        counts = Counter()
+        eps = await task.episodes(self.engine, self.tok, [item] * self.cfg.group_size, tools=self.tools,
+                                  reward=self.reward, sampling=sp, stats=self.stats, session_prefix=uid,
+                                  group_ids=[gid] * self.cfg.group_size, max_turns=self.cfg.max_turns, counts=counts)
         trajs = [e.trajectory for e in eps]
         versions = [t.oldest_version for t in trajs if t is not None and t.oldest_version is not None]
         self.ctrl.on_accept()
         self.counts["groups"] += 1
-        self.outbox.put({"uid": uid, "rank": self.rank, "problem": (a, b), "trajectories": trajs,
+        self.counts["reward_failures"] += counts["reward_failures"]
+        self.outbox.put({"uid": uid, "rank": self.rank, "problem": item.metadata.get("pair", item.text),
+                         "reward_failures": counts["reward_failures"], "trajectories": trajs,
                          "episodes": [(e.finish_reason, e.num_turns, e.num_tool_calls, e.reward) for e in eps],
                          "version": min(versions) if versions else int(self.engine.version)})
 
@@ -204,32 +234,46 @@ class Rollout:
         self.wake.set()
 
 
+def load_loop_task(cfg: Config, tok):
+    """The episodes' prompts (the toy problems, or ``--prompts``) and tools (``--tools``, else the calculator)."""
+    loop_task = (load_task(tok, cfg, needs_reference=needs_reference(cfg.reward, eval_reward_spec(cfg)),
+                           encode_ids=False) if cfg.prompts else task.task())
+    return loop_task, (load_tools(cfg.tools) if cfg.tools else task.default_tools())
+
+
 def rollout_main(cfg: Config, rank: int, world: int, sample_group, path: str, port: int) -> None:
     tok = load_tokenizer(path, chat=True)
     sync_group = join_sync_group(rank, 1, world, port)
+    loop_task, tools = load_loop_task(cfg, tok)
+    reward = Reward(cfg.reward, tok, reward_model=cfg.reward_model, timeout=cfg.reward_timeout)
 
     async def main():
         engine = make_engine("torch", path, torch.device("cpu"), max_model_len=model_max_len(path),
                              max_batch_size=4096)
         try:
-            await Rollout(cfg, rank, world, sample_group, sync_group, tok, engine).run()
+            await Rollout(cfg, rank, world, sample_group, sync_group, tok, engine, loop_task, reward, tools).run()
         finally:  # inside the event loop: the engine's step task ends cleanly
             await engine.aclose()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        reward.close()
 
 
 # ================================================================================================ trainer side
 def trainer_main(cfg: Config, world: int, sample_group, path: str, port: int) -> None:
     """Rank 0: take B fresh groups, one GRPO update over their trajectories, push the weights; repeat."""
     # ---- set-up: run files, policy and its evaluation copy, optimiser, queue + inbox, weight channel
-    files = RunFiles(cfg.runs_dir, cfg.name)
+    files = RunFiles(cfg.runs_dir, cfg.name, sinks=parse_log_flag(cfg.log_to), config=cfg)
     files.fresh()
     tok = load_tokenizer(path, chat=True)
     model = load_hf(path, torch.device("cpu"))[1]
     eval_model = load_hf(path, torch.device("cpu"))[1]
     model.train()
-    heldout = task.split_problems()["heldout"][: cfg.heldout]
+    loop_task, tools = load_loop_task(cfg, tok)
+    heldout = loop_task.heldout[: cfg.heldout]
+    eval_reward = Reward(eval_reward_spec(cfg), tok, reward_model=cfg.reward_model, timeout=cfg.reward_timeout)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     stale = Counter()  # groups dropped as stale since the last push, by rollout rank
 
@@ -253,14 +297,21 @@ def trainer_main(cfg: Config, world: int, sample_group, path: str, port: int) ->
 
     eval_stats = EpisodeStats()
 
-    def evaluate() -> float:  # greedy episodes on the held-out problems
+    def evaluate(step: int):
+        """``--eval-k`` episodes per held-out prompt on a TorchEngine over a copy of the current weights."""
         eval_model.load_state_dict(model.state_dict())
-        return task.accuracy(eval_model.eval(), tok, heldout, stats=eval_stats)
+        result = on_model(eval_model, lambda engine: task.eval_episodes(
+            engine, tok, heldout, tools=tools, reward=eval_reward, k=cfg.eval_k, temperature=cfg.eval_temperature,
+            turn_tokens=cfg.turn_tokens, max_turns=cfg.max_turns, stats=eval_stats, seed=cfg.seed))
+        files.write_eval(step, result)
+        return result
 
     step = 0
     push(step)
-    acc_before = evaluate()
-    print(f"held-out accuracy before RL: {acc_before:.3f} ({len(heldout)} problems, greedy episodes)", flush=True)
+    eval_before = last_eval = evaluate(0)
+    acc_before = eval_before.mean_at_k
+    print(f"held-out accuracy before RL: {acc_before:.3f} ({len(heldout)} prompts, {loop_task.source}, "
+          f"{cfg.eval_k} episode(s) each)", flush=True)
     t_start = t_rl = time.time()
     last_acc, max_age, trained_eps, dropped_stale = acc_before, 0, 0, 0
     ep_counts: Counter = Counter()
@@ -301,16 +352,21 @@ def trainer_main(cfg: Config, world: int, sample_group, path: str, port: int) ->
         sync_s = push(step)
         # ---- 4. evaluation and logging
         done = step >= cfg.steps or (cfg.time_limit > 0 and time.time() - t_rl > cfg.time_limit)
-        acc = evaluate() if (every(step, cfg.eval_every) or done) else None
-        last_acc = acc if acc is not None else last_acc
+        result = evaluate(step) if (every(step, cfg.eval_every) or done) else None
+        if result is not None:
+            last_acc, last_eval = result.mean_at_k, result
         rewards = [t.reward for t in trajs]
+        acc = last_acc if result is not None else None
         rec = {
-            "step": step, "version": step, "reward": sum(rewards) / len(rewards), "heldout_acc": acc,
+            "step": step, "version": step, "reward": sum(rewards) / len(rewards),
+            "reward_failures": sum(int(r.get("reward_failures", 0)) for r in batch), **eval_metrics(result),
             "loss": m["loss"], "approx_kl": m.get("approx_kl"),
             "clipfrac_low": m.get("clipfrac_low"), "clipfrac_high": m.get("clipfrac_high"), "grad_norm": float(gnorm),
             "staleness_hist": {str(k): v for k, v in sorted(ages.items())}, "tokens_trained": m["tokens_trained"],
             "tokens_per_s": m["tokens_trained"] / (time.perf_counter() - t0), "queue_wait_seconds": wait_s,
             "train_seconds": train_s, "sync_seconds": sync_s, "queue_len": len(q),
+            "step_seconds": time.perf_counter() - t0, "generate_seconds": None,  # the rollout ranks generate
+            "samples_generated": inbox.generated, "samples_trained": trained_eps,
             "tool_calls_per_episode": sum(c for r in batch for _, _, c, _ in r["episodes"]) / len(trajs),
             "turns_mean": sum(t for r in batch for _, t, _, _ in r["episodes"]) / len(trajs),
             "lr": optim.param_groups[0]["lr"], "wall_seconds": time.time() - t_start,
@@ -338,8 +394,13 @@ def trainer_main(cfg: Config, world: int, sample_group, path: str, port: int) ->
         "prefix_mismatches": rollout["prefix_mismatches"],
         "finish_reasons": rollout["finish_reasons"], "trained_episodes": dict(ep_counts),
         "rollout": dict(counts), "eval_episode_stats": eval_stats.stats(), "config": dataclasses.asdict(cfg),
+        "task": loop_task.source, "heldout_prompts": len(heldout), "heldout_before": eval_before.metrics(),
+        "heldout_after": last_eval.metrics(), "reward_failures": counts["reward_failures"],
+        "eval_reward": eval_reward.stats(),
     }
     files.write_summary(summary)
+    files.close()
+    eval_reward.close()
     model.save_pretrained(files.dir / "policy")  # the trained policy, loadable with from_pretrained
     tok.save_pretrained(files.dir / "policy")
     print(f"held-out accuracy before RL: {acc_before:.3f}  after {step} steps: {last_acc:.3f}  "

@@ -5,11 +5,12 @@ produces the training data, unchanged (AReaL's online-proxy contract), for a few
 
 One process, one event loop: a TorchEngine behind ``rlblocks.rollout.Gateway`` on loopback; ``B·K`` agents per step,
 each an ordinary ``openai.AsyncOpenAI`` tool-calling loop (``tools=[calc]``, ``message.tool_calls``, ``tool``
-messages, at most 3 turns) that posts its exact-match reward to ``/v1/sessions/<id>/reward``. The gateway records
+messages, at most 3 turns) that posts its reward (exact match on the toy task; ``--reward`` on the final answer) to
+``/v1/sessions/<id>/reward``. ``--prompts`` and ``--tools`` give the agents your prompts and tools. The gateway records
 each session's trajectory token for token (the re-sent history is checked against it) and hands it, with the
 reward, to a ``StalenessQueue`` (η = 0: synchronous). The trainer takes the step's trajectories, computes the same
-GRPO loss as ``agent_async.py`` and loads the new weights into the engine. Held-out accuracy is measured before and
-after with greedy ``run_episode`` on the same engine.
+GRPO loss as ``agent_async.py`` and loads the new weights into the engine. The held-out evaluation (``--eval-k``
+``run_episode`` s per held-out prompt on the same engine, pass@k and mean@k) runs before and after.
 
 Repeatable: every request carries a sampling seed drawn from ``--seed`` (the gateway passes it to the engine), and
 the trainer takes the step's trajectories in session order, whatever order the sessions finished in. With
@@ -17,8 +18,8 @@ the trainer takes the step's trajectories in session order, whatever order the s
 which requests shared a step (CPU matrix kernels give a row different last bits at different batch sizes): two runs
 of one seed then train bit-identical weights.
 
-Files: ``runs/<name>/metrics.jsonl`` (one line per step), ``summary.json`` (with the gateway's counters),
-``policy/`` (the trained model and tokenizer).
+Files: ``runs/<name>/metrics.jsonl`` (one line per step; TensorBoard / W&B with ``--log-to``), ``eval/``,
+``summary.json`` (with the gateway's counters), ``policy/`` (the trained model and tokenizer).
 """
 
 from __future__ import annotations
@@ -34,26 +35,37 @@ from dataclasses import dataclass
 import agent_task as task
 import torch
 from plumbing import (
+    Reward,
     RunFiles,
+    TaskFlags,
     check_at_least,
+    check_task_flags,
+    eval_metrics,
+    eval_reward_spec,
     load_hf,
+    load_task,
     load_tokenizer,
+    load_tools,
     make_engine,
     model_max_len,
+    needs_reference,
     opt,
     parse_flags,
+    parse_log_flag,
     seed_rank,
     setup_dist,
 )
 
-from rlblocks.rollout import Gateway, calculator_tool
+from rlblocks.errors import ArgumentError
+from rlblocks.rollout import Gateway
 from rlblocks.sched import StalenessQueue
 
 
 @dataclass
-class Config:
+class Config(TaskFlags):
     """Synchronous GRPO on the calculator tool task, driven by openai-client agents through the gateway (flags are
-    generated from these fields)."""
+    generated from these fields; the data, reward, evaluation and --log-to flags every loop shares come from
+    plumbing's TaskFlags)."""
 
     name: str = opt("agent-gateway", "run name: files go to <runs-dir>/<name>/")
     runs_dir: str = opt("runs", "where run directories live")
@@ -64,7 +76,9 @@ class Config:
     group_size: int = opt(8, "K: agent sessions per problem")
     lr: float = opt(3e-4, "AdamW learning rate")
     grad_clip: float = opt(1.0, "max grad norm")
-    heldout: int = opt(300, "held-out problems evaluated before and after")
+    heldout: int = opt(300, "held-out prompts evaluated before and after: the first this many (the toy task has 300)")
+    tools: str = opt("", "the agents' tools, module:function,... (a Tool, a function returning one, or a plain "
+                         "function); empty: the calculator")
     warmstart_target: float = opt(0.2, "warm start: stop once greedy accuracy on SFT problems reaches this")
     batch_invariant: bool = opt(False, "every sequence in its own engine forward: runs of one seed train "
                                        "bit-identical weights (several times slower)")
@@ -74,27 +88,33 @@ class Config:
 def check_flags(cfg: Config) -> None:
     """Flag values that cannot work (refused before anything starts)."""
     check_at_least(cfg, 1, "steps", "prompts_per_step", "group_size", "heldout")
+    check_task_flags(cfg)
+    if not cfg.chat:
+        raise ArgumentError("--no-chat: the gateway renders every request with the tokenizer's chat template")
+    if cfg.tools:
+        load_tools(cfg.tools)
 
 
-async def agent(client, http, base_url: str, session_id: str, a: int, b: int, group: int,
+async def agent(client, http, base_url: str, session_id: str, prompt, tools, scorer, group: int,
                 seed: int) -> tuple[float, int]:
-    """An ordinary OpenAI tool-calling agent. Returns (reward, tool calls); posts the reward to the gateway."""
-    messages = [{"role": "user", "content": f"{a}*{b}"}]
-    calc = calculator_tool("calc")
+    """An ordinary OpenAI tool-calling agent on ``prompt`` (a ``plumbing.Prompt``) with ``tools``. Returns (reward,
+    tool calls); posts the reward (``scorer``, a ``plumbing.Reward``, on the final answer) to the gateway."""
+    messages = [dict(m) for m in prompt.messages]
+    by_name = {t.name: t for t in tools}
     reward, calls = 0.0, 0
     for _ in range(task.MAX_TURNS):
         r = await client.chat.completions.create(
-            model="policy", messages=messages, tools=[calc.schema()], temperature=1.0, max_tokens=task.TURN_TOKENS,
-            seed=seed, extra_headers={"X-Session-Id": session_id})
+            model="policy", messages=messages, tools=[t.schema() for t in tools], temperature=1.0,
+            max_tokens=task.TURN_TOKENS, seed=seed, extra_headers={"X-Session-Id": session_id})
         msg = r.choices[0].message
         if not msg.tool_calls:
-            reward = float((msg.content or "").strip() == str(a * b))
+            reward = await scorer.score_answer(prompt, msg.content or "")
             break
         messages.append(msg.model_dump(exclude_none=True))
         for call in msg.tool_calls:
             calls += 1
             try:
-                result = calc.fn(**json.loads(call.function.arguments))
+                result = await by_name[call.function.name](json.loads(call.function.arguments))
             except Exception as e:  # the model sees the error, as from any tool
                 result = f"error: {type(e).__name__}: {e}"
             messages.append({"role": "tool", "tool_call_id": call.id, "name": call.function.name, "content": result})
@@ -118,12 +138,25 @@ async def run(cfg: Config, path: str) -> dict:
                          batch_invariant=cfg.batch_invariant)
     q = StalenessQueue(max_staleness=0)
     optim = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
-    heldout = task.split_problems()["heldout"][: cfg.heldout]
-    held_set = set(task.split_problems()["heldout"])
+    # ---- the prompts (the toy problems, or --prompts), the tools, the rewards (training, held-out)
+    loop_task = (load_task(tok, cfg, needs_reference=needs_reference(cfg.reward, eval_reward_spec(cfg)),
+                           encode_ids=False) if cfg.prompts else task.task())
+    tools = load_tools(cfg.tools) if cfg.tools else task.default_tools()
+    heldout = loop_task.heldout[: cfg.heldout]
+    scorer = Reward(cfg.reward, tok, reward_model=cfg.reward_model, timeout=cfg.reward_timeout)
+    eval_reward = Reward(eval_reward_spec(cfg), tok, reward_model=cfg.reward_model, timeout=cfg.reward_timeout)
     rng = random.Random(cfg.seed)
-    files = RunFiles(cfg.runs_dir, cfg.name)
+    files = RunFiles(cfg.runs_dir, cfg.name, sinks=parse_log_flag(cfg.log_to), config=cfg)
     files.fresh()
-    acc_before = await task.eval_accuracy(engine, tok, heldout)
+
+    async def evaluate(step: int):
+        result = await task.eval_episodes(engine, tok, heldout, tools=tools, reward=eval_reward, k=cfg.eval_k,
+                                          temperature=cfg.eval_temperature, seed=cfg.seed)
+        files.write_eval(step, result)
+        return result
+
+    eval_before = await evaluate(0)
+    acc_before = eval_before.mean_at_k
     print(f"held-out accuracy before: {acc_before:.3f}", flush=True)
     t0 = time.time()
     n = cfg.prompts_per_step * cfg.group_size
@@ -133,11 +166,13 @@ async def run(cfg: Config, path: str) -> dict:
             for step in range(cfg.steps):
                 # ---- 1. B·K agent sessions through the gateway, each with its own sampling seed
                 ts = time.perf_counter()
-                problems = [task.rl_problem(rng, held_set) for _ in range(cfg.prompts_per_step)]
+                problems = [loop_task.draw(rng) for _ in range(cfg.prompts_per_step)]
                 seeds = [rng.getrandbits(62) for _ in range(n)]
+                failures_before = scorer.failures
                 results = await asyncio.gather(*[
-                    agent(client, http, gw.url, f"s{step}-g{g}-k{k}", a, b, g, seeds[g * cfg.group_size + k])
-                    for g, (a, b) in enumerate(problems) for k in range(cfg.group_size)])
+                    agent(client, http, gw.url, f"s{step}-g{g}-k{k}", p, tools, scorer, g,
+                          seeds[g * cfg.group_size + k])
+                    for g, p in enumerate(problems) for k in range(cfg.group_size)])
                 # ---- 2. the step's trajectories, in session order (not the order they finished in)
                 trajs = q.get_batch(n, current_version=step, timeout=10)
                 if len(trajs) != n:
@@ -151,22 +186,38 @@ async def run(cfg: Config, path: str) -> dict:
                 m = task.grpo_backward(policy, trajs, tok.pad_token_id)
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
                 optim.step()
+                t_sync = time.perf_counter()
                 await engine.update_weights(list(policy.state_dict().items()), version=step + 1)
+                sync_s = time.perf_counter() - t_sync
+                last = step + 1 == cfg.steps
+                result = await evaluate(step + 1) if last else None
+                step_s = time.perf_counter() - ts
                 rec = {"step": step + 1, "version": step + 1, "reward": sum(r for r, _ in results) / n,
+                       "reward_failures": scorer.failures - failures_before, **eval_metrics(result),
                        "tool_calls_per_episode": sum(c for _, c in results) / n, "loss": m["loss"],
-                       "grad_norm": float(grad_norm), "tokens_trained": m["tokens_trained"],
-                       "generate_seconds": gen_s, "step_seconds": time.perf_counter() - ts,
+                       "grad_norm": float(grad_norm), "lr": optim.param_groups[0]["lr"],
+                       "tokens_trained": m["tokens_trained"], "tokens_per_s": m["tokens_trained"] / step_s,
+                       "samples_generated": n * (step + 1), "samples_trained": n * (step + 1),
+                       "staleness_hist": {"0": int(m["tokens_trained"])}, "generate_seconds": gen_s,
+                       "train_seconds": t_sync - ts - gen_s, "sync_seconds": sync_s, "queue_wait_seconds": 0.0,
+                       "step_seconds": step_s, "wall_seconds": time.time() - t0,
                        "prefix_mismatches": sum(t.prefix_mismatches for t in trajs)}
                 files.log(rec)
                 print(f"step {step + 1}: reward {rec['reward']:.3f}  tool calls/episode "
                       f"{rec['tool_calls_per_episode']:.2f}  {rec['step_seconds']:.1f} s", flush=True)
             stats = gw.stats()
         await client.close()
-    acc_after = await task.eval_accuracy(engine, tok, heldout)
+    eval_after = result if result is not None else await evaluate(cfg.steps)
+    acc_after = eval_after.mean_at_k
     await engine.aclose()
     summary = {"accuracy_before": acc_before, "accuracy_after": acc_after, "steps": cfg.steps,
-               "wall_seconds": time.time() - t0, "gateway": stats, "config": dataclasses.asdict(cfg)}
+               "wall_seconds": time.time() - t0, "gateway": stats, "config": dataclasses.asdict(cfg),
+               "task": loop_task.source, "heldout_prompts": len(heldout), "heldout_before": eval_before.metrics(),
+               "heldout_after": eval_after.metrics(), "reward": scorer.stats(), "eval_reward": eval_reward.stats()}
     files.write_summary(summary)
+    files.close()
+    scorer.close()
+    eval_reward.close()
     policy.save_pretrained(files.dir / "policy")  # the trained policy, loadable with from_pretrained
     tok.save_pretrained(files.dir / "policy")
     print(f"held-out accuracy after {cfg.steps} steps through the gateway: {acc_after:.3f} "

@@ -22,6 +22,7 @@ compact ChatML without a tool listing (the model learns its one tool in the warm
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
@@ -93,11 +94,38 @@ def rl_problem(rng: random.Random, heldout: set[tuple[int, int]]) -> tuple[int, 
             return p
 
 
-def make_env(a: int, b: int) -> ToolEnv:
-    """The episode's environment: the question, the calculator, exact-match reward on the final answer."""
-    target = str(a * b)
-    return ToolEnv([{"role": "user", "content": f"{a}*{b}"}], [calculator_tool("calc")],
-                   reward_fn=lambda answer: float(answer.strip() == target))
+def problem(a: int, b: int):
+    """The problem ``a*b`` as a ``plumbing.Prompt``: one user message, reference ``str(a * b)``, the pair in
+    ``metadata["pair"]`` (no ids: an episode renders its turns itself)."""
+    from plumbing import Prompt
+
+    return Prompt(f"{a}*{b}", str(a * b), (), ({"role": "user", "content": f"{a}*{b}"},), {"pair": (a, b)})
+
+
+def task(heldout: int = HELDOUT):
+    """The tool task as a ``plumbing.Task``: the first ``heldout`` held-out problems to evaluate; training problems
+    drawn from the whole range by :func:`rl_problem`, never a held-out one. Its reward is ``--reward verifier``
+    (exact match of the final answer) and its tool the calculator (:func:`default_tools`)."""
+    from plumbing import Task
+
+    held = split_problems()["heldout"]
+    held_set = set(held)
+    return Task([], [problem(a, b) for a, b in held[:heldout]], "toy-agent",
+                sampler=lambda rng: problem(*rl_problem(rng, held_set)))
+
+
+def default_tools() -> list:
+    """The task's one tool: the calculator, named ``calc`` (what the warm start teaches)."""
+    return [calculator_tool("calc")]
+
+
+def make_env(prompt, tools, reward, counts=None) -> ToolEnv:
+    """An episode's environment: the prompt's messages, the tools, and ``reward`` (a ``plumbing.Reward``) on the
+    final answer (failed reward calls are also counted in ``counts``, a ``Counter``, when given)."""
+    async def score(answer: str) -> float:
+        return await reward.score_answer(prompt, answer, counts)
+
+    return ToolEnv(list(prompt.messages), tools, reward_fn=score)
 
 
 def episode_text(a: int, b: int) -> list[dict]:
@@ -139,26 +167,63 @@ def build_model(tokenizer, *, seed: int = 0):
 
 
 # ------------------------------------------------------------------------------------------------ evaluation
-async def episodes(engine, tok, problems, *, sampling: SamplingParams, stats: EpisodeStats | None = None,
-                   session_prefix: str = "eval", group_ids=None):
-    """Run one episode per problem concurrently on ``engine``; returns the :class:`Episode` list."""
+async def episodes(engine, tok, prompts, *, tools, reward, sampling: SamplingParams,
+                   stats: EpisodeStats | None = None, session_prefix: str = "eval", group_ids=None,
+                   max_turns: int = MAX_TURNS, seeds=None, counts=None):
+    """Run one episode per prompt (``plumbing.Prompt`` s) concurrently on ``engine``; returns the
+    :class:`Episode` list. ``seeds``: one sampling seed per episode (default: the engine draws them); ``counts``:
+    a ``Counter`` that gets the failed reward calls."""
+    def sp(i: int) -> SamplingParams:
+        return sampling if seeds is None else dataclasses.replace(sampling, seed=seeds[i])
+
     return await asyncio.gather(*[
-        run_episode(engine, make_env(a, b), tok, sampling=sampling, max_turns=MAX_TURNS,
+        run_episode(engine, make_env(p, tools, reward, counts), tok, sampling=sp(i), max_turns=max_turns,
                     session_id=f"{session_prefix}-{i}", group_id=None if group_ids is None else group_ids[i],
                     stats=stats)
-        for i, (a, b) in enumerate(problems)])
+        for i, p in enumerate(prompts)])
 
 
-async def eval_accuracy(engine, tok, problems, stats: EpisodeStats | None = None) -> float:
-    """Greedy accuracy on ``problems``: the fraction of episodes whose reward is 1."""
-    eps = await episodes(engine, tok, problems, sampling=SamplingParams(temperature=0.0, max_new_tokens=TURN_TOKENS),
-                         stats=stats)
-    return sum(e.reward for e in eps) / len(eps)
+def final_answer(episode) -> str:
+    """The text of an episode's final answer (its last turn without a tool call; "" when it had none)."""
+    return next((info["answer"] for info in reversed(episode.infos) if "answer" in info), "")
+
+
+async def eval_episodes(engine, tok, prompts, *, tools, reward, k: int = 1, temperature: float = 0.0,
+                        turn_tokens: int = TURN_TOKENS, max_turns: int = MAX_TURNS,
+                        stats: EpisodeStats | None = None, seed: int = 0):
+    """The held-out evaluation of a tool task: ``k`` episodes per prompt (episode ``j`` of prompt ``i`` seeded
+    ``seed + i·k + j``), their rewards summarised by ``rlblocks.reward.summarize`` (pass@k, mean@k, per prompt).
+    An episode that ended in an environment error scores 0 and is counted as a failure."""
+    from rlblocks.reward import RewardResult, summarize
+
+    sampling = SamplingParams(temperature=temperature, max_new_tokens=turn_tokens)
+    flat = [p for p in prompts for _ in range(k)]
+    eps = await episodes(engine, tok, flat, tools=tools, reward=reward, sampling=sampling, stats=stats,
+                         max_turns=max_turns, seeds=[seed + i for i in range(len(flat))])
+    results = [RewardResult.failure(f"{e.finish_reason}: {e.error}") if e.finish_reason in ("env_error",
+               "env_timeout") else RewardResult(e.reward) for e in eps]
+    return summarize([results[i * k:(i + 1) * k] for i in range(len(prompts))], k,
+                     prompts=[p.text for p in prompts], references=[p.reference for p in prompts],
+                     responses=[[final_answer(e) for e in eps[i * k:(i + 1) * k]] for i in range(len(prompts))])
 
 
 def accuracy(model, tok, problems, stats: EpisodeStats | None = None) -> float:
-    """:func:`eval_accuracy` on a fresh TorchEngine over ``model`` (blocking; not from a running event loop)."""
-    return asyncio.run(eval_accuracy(TorchEngine(model, max_batch_size=1024), tok, problems, stats))
+    """Greedy accuracy on ``problems`` (``(a, b)`` pairs) on a fresh TorchEngine over ``model``: the fraction of
+    episodes whose final answer is exactly ``a*b`` (blocking; not from a running event loop)."""
+    from plumbing import Reward
+
+    async def main() -> float:
+        reward = Reward("verifier", tok)
+        engine = TorchEngine(model, max_batch_size=1024)
+        try:
+            result = await eval_episodes(engine, tok, [problem(a, b) for a, b in problems], tools=default_tools(),
+                                         reward=reward, stats=stats)
+        finally:
+            await engine.aclose()
+            reward.close()
+        return result.mean_at_k
+
+    return asyncio.run(main())
 
 
 # ------------------------------------------------------------------------------------------------ warm start

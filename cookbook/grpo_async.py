@@ -7,7 +7,8 @@ Ranks ``[0, T)`` train, ranks ``[T, W)`` generate (``T = W - rollout_ranks``).
 
 Rollout rank: an asyncio loop drives an engine (TorchEngine / VLLMEngine / SGLangEngine). It submits prompt groups
 as the ``StalenessController`` admits them (AReaL: at most ``(η + v + 1)·B`` groups accepted or running at policy
-version v), each sample through ``resumable_generate``. Finished groups are scored (exact match), optionally
+version v), each sample through ``resumable_generate``, each prompt drawn from the task (the toy additions, or
+``--prompts``). Finished groups are scored (``--reward``), optionally
 filtered by a ``DynamicSampler`` (zero-variance groups are rejected, freeing their slot, at most
 ``--dynamic-max-rounds`` × B per batch; then the batch proceeds with the groups as they come) and sent to trainer rank 0
 through an ``Outbox`` (``send_object_list`` on a gloo group: lossless pickles). A receiver thread waits for the typed
@@ -27,7 +28,11 @@ globally normalised aggregation (FSDP2 ``fully_shard`` when T > 1). The new weig
 rollout ranks with ``WeightSender`` (``--sync full``), as ``DeltaPacket`` s (``--sync delta``) or as LoRA adapters.
 η = 0 is synchronous RL.
 
-Files: ``runs/<name>/metrics.jsonl`` (one line per step), ``summary.json``, ``ckpt.pt`` (``--resume``).
+Held-out evaluation on trainer rank 0 (``plumbing/evaluation.py``): ``--eval-k`` samples per held-out prompt from a
+TorchEngine over the trainer's model, pass@k and mean@k, every ``--eval-every`` steps and before and after RL.
+
+Files: ``runs/<name>/metrics.jsonl`` (one line per step; TensorBoard / W&B with ``--log-to``), ``summary.json``,
+``eval/`` (per-prompt held-out results), ``ckpt.pt`` (``--resume``).
 Lines a user changes for a real model or task are marked ``REAL MODEL:``. The whole loop (rollout side, trainer side,
 main) is this one file, so that it reads top to bottom; what every loop shares is in ``plumbing/``.
 """
@@ -54,29 +59,40 @@ from plumbing import (
     Outbox,
     PolicyLogprobs,
     Progress,
+    Reward,
     RolloutEnd,
     RunFiles,
     Stale,
     Stop,
+    TaskFlags,
     Weights,
     all_reduce,
     batch_tensors,
     broadcast_flag,
     check_at_least,
+    check_fits,
     check_loss_flags,
     check_max_model_len,
+    check_task_flags,
     close_dist,
     decoder_layers,
+    eval_metrics,
+    eval_reward_spec,
     every,
     group_record,
+    heldout,
     join_sync_group,
     length_budget,
     load_hf,
+    load_task,
     load_tokenizer,
     loss_defaults,
     make_engine,
+    needs_reference,
+    on_model,
     opt,
     parse_flags,
+    parse_log_flag,
     pick_port,
     prompts_per_rank,
     rank0_first,
@@ -106,8 +122,9 @@ from rlblocks.sync import (
 
 
 @dataclass
-class Config:
-    """Bounded-async disaggregated GRPO (flags are generated from these fields)."""
+class Config(TaskFlags):
+    """Bounded-async disaggregated GRPO (flags are generated from these fields; the data, reward, evaluation and
+    --log-to flags every loop shares come from plumbing's TaskFlags)."""
 
     name: str = opt("demo", "run name: files go to <runs-dir>/<name>/")
     runs_dir: str = opt("runs", "where run directories live")
@@ -165,6 +182,7 @@ class Config:
 def check_flags(cfg: Config) -> None:
     """Flag combinations that cannot work (raised before any process group is created)."""
     check_loss_flags(cfg)
+    check_task_flags(cfg)
     check_at_least(cfg, 0, "dynamic_max_rounds", "eval_every", "save_every")
     check_max_model_len(cfg.max_model_len)
 
@@ -174,10 +192,11 @@ class Rollout:
     """One rollout rank: admission-controlled group generation, weight updates, and shipping groups out."""
 
     def __init__(self, cfg: Config, rank: int, n_train: int, sample_group, sync_group, tokenizer, engine,
-                 max_model_len: int) -> None:
+                 max_model_len: int, task, reward: Reward) -> None:
         self.cfg, self.rank, self.n_train = cfg, rank, n_train
         self.sample_group, self.sync_group = sample_group, sync_group
         self.tok, self.engine, self.max_model_len = tokenizer, engine, max_model_len
+        self.task, self.reward = task, reward  # the prompts to draw (toy or --prompts), --reward
         self.ctrl = StalenessController(
             batch_size=cfg.prompts_per_step,
             max_staleness=cfg.max_staleness,
@@ -188,7 +207,6 @@ class Rollout:
         # window, zero-variance groups join it anyway (filled), so a step never waits forever
         self.sampler = (DynamicSampler(target_groups=self.ctrl.batch_size, keep_when_insufficient=True,
                                        max_rounds=cfg.dynamic_max_rounds) if cfg.dynamic_sampling else None)
-        self.pairs = toy.split_pairs()["rl"]  # REAL MODEL: your prompts (with whatever the reward needs)
         self.rng = random.Random(cfg.seed * 1000 + rank)
         self.outbox = Outbox(sample_group)  # to trainer rank 0, by a thread
         self.counter = 0
@@ -211,8 +229,8 @@ class Rollout:
             while getattr(self.engine, "is_paused", False):
                 await asyncio.sleep(0.005)
 
-    async def _group(self, uid: str, pair: tuple[int, int]) -> None:
-        prompt = toy.encode_prompt(self.tok, *pair)  # REAL MODEL: your chat template / tokenised prompt
+    async def _group(self, uid: str, item) -> None:
+        prompt = list(item.ids)  # a Prompt: the toy task's, or a --prompts row (ids through the chat template)
         budget = length_budget(self.cfg.max_new_tokens, self.cfg.length_tail, self.max_model_len - len(prompt),
                                self.rng)
         stop = (self.tok.eos_token_id,) if self.cfg.length_tail <= 0 else ()
@@ -220,11 +238,14 @@ class Rollout:
         gens = await asyncio.gather(
             *[self._one(GenerationRequest(f"{uid}/{k}", prompt, sp)) for k in range(self.cfg.group_size)]
         )
-        # REAL MODEL: your verifier or reward model (toy.reward is the demo's exact match of a + b)
-        rewards = [toy.reward(self.tok, *pair, until_eos(g.output_ids, self.tok.eos_token_id)) for g in gens]
+        rewards, failed = await self.reward.scores([item] * len(gens), [until_eos(g.output_ids, self.tok.eos_token_id)
+                                                                        for g in gens])
         self.counters["samples_generated"] += len(gens)
         self.counters["tokens_generated"] += sum(len(g.output_ids) for g in gens)
-        self._finished(uid, group_record(uid, pair, prompt, gens, rewards, self.rank), rewards)
+        self.counters["reward_failures"] += failed
+        rec = group_record(uid, item.metadata.get("pair", item.text), prompt, gens, rewards, self.rank)
+        rec["reward_failures"] = failed  # the trainer logs them with the step that trains the group
+        self._finished(uid, rec, rewards)
 
     # ---------------------------------------------------------------- admission bookkeeping
     def admit(self, version: int) -> int:
@@ -272,7 +293,7 @@ class Rollout:
             for _ in range(self.admit(self.engine.version)):
                 uid = f"r{self.rank}-{self.counter}"
                 self.counter += 1
-                t = loop.create_task(self._group(uid, self.rng.choice(self.pairs)))
+                t = loop.create_task(self._group(uid, self.task.draw(self.rng)))
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
             self.version_event.clear()
@@ -351,20 +372,34 @@ class Rollout:
         self.version_event.set()
 
 
+def load_loop_task(cfg: Config, tok, max_model_len: int):
+    """The task every rank of the run reads: the toy additions, or ``--prompts`` (with its held-out prompts)."""
+    task = (load_task(tok, cfg, needs_reference=needs_reference(cfg.reward, eval_reward_spec(cfg)))
+            if cfg.prompts else toy.task(tok))
+    check_fits(task, max_model_len)
+    return task
+
+
 def rollout_main(cfg: Config, rank: int, n_train: int, device, sample_group, path: str, port: int) -> None:
     tok = load_tokenizer(path)
     sync_group = join_sync_group(rank, n_train, cfg.rollout_ranks + n_train, port, backend=sync_backend(cfg))
     max_model_len = resolve_max_model_len(cfg.max_model_len, path)
+    task = load_loop_task(cfg, tok, max_model_len)
+    reward = Reward(cfg.reward, tok, reward_model=cfg.reward_model, device=device, timeout=cfg.reward_timeout)
 
     async def main():
         engine = make_engine(cfg.engine, path, device, max_model_len=max_model_len,
                              max_staleness=cfg.max_staleness, sglang_url=cfg.sglang_url)
         try:
-            await Rollout(cfg, rank, n_train, sample_group, sync_group, tok, engine, max_model_len).run()
+            await Rollout(cfg, rank, n_train, sample_group, sync_group, tok, engine, max_model_len, task,
+                          reward).run()
         finally:  # inside the event loop: the engine's own tasks (step loop, vLLM's output handler) end cleanly
             await engine.aclose()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        reward.close()
 
 
 def sync_backend(cfg: Config) -> str:
@@ -396,6 +431,10 @@ class Trainer:
     counters: Counter = field(default_factory=Counter)  # samples_trained, samples_dropped_stale, max_staleness_seen
     accuracy_before: float | None = None
     last_acc: float | None = None
+    task: Any = None  # its held-out prompts are evaluated (rank 0)
+    eval_reward: Reward | None = None  # --eval-reward (rank 0)
+    eval_before: Any = None  # the EvalResults before RL (None after a resume) and of the last evaluation
+    last_eval: Any = None
     wall_before: float = 0.0  # seconds of earlier runs (resume)
     t_rl: float = field(default_factory=time.time)
     queue: StalenessQueue | None = None
@@ -420,7 +459,7 @@ def setup_trainer(cfg: Config, rank: int, world: int, n_train: int, device, grou
                   port: int) -> Trainer:
     """Model (optionally LoRA-wrapped, FSDP2-sharded over the trainer ranks), reference, optimiser, resume state;
     on rank 0 also the staleness queue, the inbox threads and the weight channel to the rollout ranks."""
-    files = RunFiles(cfg.runs_dir, cfg.name)
+    files = RunFiles(cfg.runs_dir, cfg.name, sinks=parse_log_flag(cfg.log_to), config=cfg)
     tok, lm = load_hf(path, device)
     lm.train()
     peft_model = None
@@ -468,6 +507,10 @@ def setup_trainer(cfg: Config, rank: int, world: int, n_train: int, device, grou
         else:
             optim.load_state_dict(ckpt["optim"])
     if t.is0:
+        t.task = load_loop_task(cfg, tok, resolve_max_model_len(cfg.max_model_len, path))
+        t.eval_reward = Reward(eval_reward_spec(cfg), tok, reward_model=cfg.reward_model, device=device,
+                               timeout=cfg.reward_timeout)
+
         def on_stale(item: dict, version: int) -> None:  # counted and reported to its rollout rank, never silent
             t.stale_by_rank.update({int(item["rank"]): 1})
             t.stale_uids.append(item["uid"])
@@ -553,26 +596,34 @@ def batch_stats(t: Trainer, bt: dict[str, torch.Tensor], version: int) -> dict[s
             "tokens": int(sums[2].item()), "hist": hist, "max_age": max(hist) if hist else 0}
 
 
-def evaluate(t: Trainer, tensors) -> float:
-    """Held-out greedy accuracy (rank 0), on the unsharded copy refreshed from the gathered weights."""
+def evaluate(t: Trainer, tensors):
+    """The held-out evaluation (rank 0) on a TorchEngine over the unsharded copy refreshed from the gathered
+    weights; its per-prompt results go to ``eval/step_<N>.jsonl``. Returns the ``EvalResult``."""
     if t.eval_lm is not t.lm:
         t.eval_lm.load_state_dict(dict(tensors), strict=False)
-    return toy.heldout_accuracy(t.eval_lm, t.tok)  # REAL MODEL: your evaluation set and metric
+    result = on_model(t.eval_lm, lambda engine: heldout(engine, t.task.heldout, t.eval_reward, t.tok, t.cfg,
+                                                        max_new_tokens=t.cfg.max_new_tokens, tag=f"eval{t.step}"))
+    t.files.write_eval(t.step, result)
+    t.last_eval = result
+    return result
 
 
 def log_step(t: Trainer, tensors, stats: dict, m: dict[str, float], batch: list[dict], timings: dict[str, float],
              done: bool) -> None:
     """Rank 0: held-out accuracy (every ``--eval-every`` steps and at the end), one line of metrics.jsonl, the bar."""
-    acc = evaluate(t, tensors) if (every(t.step, t.cfg.eval_every) or done) else None
-    t.last_acc = acc if acc is not None else t.last_acc
+    result = evaluate(t, tensors) if (every(t.step, t.cfg.eval_every) or done) else None
+    t.last_acc = result.mean_at_k if result is not None else t.last_acc
     step_s = time.perf_counter() - timings["start"]
     t.files.log({
-        "step": t.step, "version": t.step, "reward": stats["reward"], "heldout_acc": acc, "loss": m["loss"],
+        "step": t.step, "version": t.step, "reward": stats["reward"],
+        "reward_failures": sum(int(g.get("reward_failures", 0)) for g in batch), **eval_metrics(result),
+        "loss": m["loss"],
         "kl_k3": m.get("mismatch_kl_k3"), "kl_k1": m.get("mismatch_kl_k1"), "approx_kl": m.get("approx_kl"),
         "clipfrac": m.get("clipfrac"), "clipfrac_low": m.get("clipfrac_low"),
         "clipfrac_high": m.get("clipfrac_high"), "grad_norm": m["grad_norm"], "ppo_updates": m["ppo_updates"],
         "staleness_hist": {str(k): v for k, v in sorted(stats["hist"].items())},
         "tokens_trained": stats["tokens"], "tokens_per_s": stats["tokens"] / step_s, "step_seconds": step_s,
+        "generate_seconds": None,  # the rollout ranks generate, concurrently with this step
         "train_seconds": timings["train"], "sync_seconds": timings["sync"], "queue_wait_seconds": timings["wait"],
         "queue_len": len(t.queue), "samples_generated": t.inbox.generated,
         "samples_trained": t.counters["samples_trained"], "wall_seconds": t.wall_seconds(),
@@ -616,8 +667,14 @@ def finish(t: Trainer) -> None:
         "samples_trained": t.counters["samples_trained"], "samples_dropped_stale": t.counters["samples_dropped_stale"],
         "samples_left_in_queue": len(q) * cfg.group_size, "rollout": dict(rollout), "stale_uids": t.stale_uids,
         "left_uids": [item["uid"] for item, _, _ in q.state_dict()["items"]], "config": dataclasses.asdict(cfg),
+        "task": t.task.source, "heldout_prompts": len(t.task.heldout),
+        "heldout_before": t.eval_before.metrics() if t.eval_before is not None else None,
+        "heldout_after": t.last_eval.metrics() if t.last_eval is not None else None,
+        "reward_failures": rollout.get("reward_failures", 0), "eval_reward": t.eval_reward.stats(),
     }
     t.files.write_summary(summary)
+    t.files.close()
+    t.eval_reward.close()
     gain = 100 * (t.last_acc - t.accuracy_before)
     print(f"held-out accuracy before RL: {t.accuracy_before:.3f}  after {t.step} steps: {t.last_acc:.3f}  "
           f"({gain:+.1f} points, {summary['wall_seconds']:.0f} s)", flush=True)
@@ -630,7 +687,8 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
     tensors, _ = push_weights(t, first=True)
     if t.is0:
         if t.accuracy_before is None:
-            t.accuracy_before = evaluate(t, tensors)
+            t.eval_before = evaluate(t, tensors)
+            t.accuracy_before = t.eval_before.mean_at_k
         t.last_acc = t.accuracy_before
         print(f"held-out accuracy before RL: {t.accuracy_before:.3f} (version {t.step})", flush=True)
     bar = Progress(cfg.steps, t.step, enabled=t.is0 and not cfg.quiet)

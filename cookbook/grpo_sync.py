@@ -5,7 +5,8 @@
 
 Every rank holds the policy (FSDP2 ``fully_shard`` when there is more than one rank) and an in-process rollout
 engine (``--engine torch|vllm``; ``sglang`` drives a server you started next to the trainer). Each step, each rank
-generates its share of the ``B`` prompt groups (``K`` samples each), scores them (exact match), and runs
+generates its share of the ``B`` prompt groups (``K`` samples each) of the task (the toy additions, or
+``--prompts``), scores them (``--reward``), and runs
 ``grpo_step`` (``cookbook/grpo.py``, the update ``grpo_async.py`` runs too): GRPO advantages, π_old once, then
 ``--ppo-epochs`` × ``--mini-batches`` optimizer updates with ``linear_token_logprobs`` log-probs and globally
 normalised aggregation. It then gathers the new weights (``full_tensors``) and loads them into its engine
@@ -13,7 +14,11 @@ normalised aggregation. It then gathers the new weights (``full_tensors``) and l
 sampled by the weights of the step's start (``max_staleness_seen`` is 0); the only train/rollout gap is numerical
 (``--correction`` handles it).
 
-Files: ``runs/<name>/metrics.jsonl`` (one line per step) and ``summary.json``, as ``grpo_async.py`` writes them.
+Held-out evaluation (``plumbing/evaluation.py``): ``--eval-k`` samples per held-out prompt on the colocated engine,
+pass@k and mean@k, every ``--eval-every`` steps and before and after RL.
+
+Files: ``runs/<name>/metrics.jsonl`` (one line per step; TensorBoard / W&B with ``--log-to``), ``summary.json`` and
+``eval/`` (per-prompt held-out results), as ``grpo_async.py`` writes them.
 Lines a user changes for a real model or task are marked ``REAL MODEL:``.
 """
 
@@ -35,23 +40,34 @@ from plumbing import (
     CORRECTION_CAP,
     PolicyLogprobs,
     Progress,
+    Reward,
     RunFiles,
+    TaskFlags,
     all_reduce,
     batch_tensors,
     broadcast_flag,
     check_at_least,
+    check_fits,
     check_loss_flags,
     check_max_model_len,
+    check_task_flags,
     close_dist,
     decoder_layers,
+    eval_metrics,
+    eval_reward_spec,
     every,
     group_record,
+    heldout,
     length_budget,
     load_hf,
+    load_task,
     loss_defaults,
     make_engine,
+    needs_reference,
+    on_model,
     opt,
     parse_flags,
+    parse_log_flag,
     prompts_per_rank,
     rank0_first,
     resolve_max_model_len,
@@ -66,8 +82,9 @@ from rlblocks.sync import full_tensors
 
 
 @dataclass
-class Config:
-    """Synchronous colocated GRPO (flags are generated from these fields)."""
+class Config(TaskFlags):
+    """Synchronous colocated GRPO (flags are generated from these fields; the data, reward, evaluation and --log-to
+    flags every loop shares come from plumbing's TaskFlags)."""
 
     name: str = opt("sync", "run name: files go to <runs-dir>/<name>/")
     runs_dir: str = opt("runs", "where run directories live")
@@ -117,20 +134,21 @@ class Config:
 def check_flags(cfg: Config) -> None:
     """Flag combinations that cannot work (raised before anything starts)."""
     check_loss_flags(cfg)
+    check_task_flags(cfg)
     distill.check_distill_flags(cfg)
     check_max_model_len(cfg.max_model_len)
     check_at_least(cfg, 0, "eval_every")
 
 
 # ================================================================================================ rollout
-async def rollout_step(cfg: Config, engine, tok, pairs, rng: random.Random, n_groups: int, rank: int, step: int,
-                       max_model_len: int, counters: Counter) -> list[dict]:
+async def rollout_step(cfg: Config, engine, tok, task, reward, rng: random.Random, n_groups: int, rank: int,
+                       step: int, max_model_len: int, counters: Counter) -> list[dict]:
     """Generate ``n_groups`` prompt groups of ``group_size`` samples with the colocated engine and score them;
-    ``counters`` gets the samples and tokens generated and the engine resubmissions."""
+    ``counters`` gets the samples and tokens generated, the engine resubmissions and the failed reward calls."""
 
     async def one_group(i: int) -> dict:
-        pair = rng.choice(pairs)
-        prompt = toy.encode_prompt(tok, *pair)  # REAL MODEL: your chat template / tokenised prompt
+        item = task.draw(rng)  # a Prompt: the toy task's, or a --prompts row (ids through the chat template)
+        prompt = list(item.ids)
         stop = (tok.eos_token_id,) if cfg.length_tail <= 0 else ()
         budget = length_budget(cfg.max_new_tokens, cfg.length_tail, max_model_len - len(prompt), rng)
         sp = SamplingParams(temperature=cfg.temperature, max_new_tokens=budget, stop_token_ids=stop)
@@ -141,9 +159,10 @@ async def rollout_step(cfg: Config, engine, tok, pairs, rng: random.Random, n_gr
         counters["samples_generated"] += len(gens)
         counters["tokens_generated"] += sum(len(g.output_ids) for g in gens)
         counters["resubmissions"] += sum(g.num_submissions - 1 for g in gens)
-        # REAL MODEL: your verifier or reward model (toy.reward is the demo's exact match of a + b)
-        rewards = [toy.reward(tok, *pair, until_eos(g.output_ids, tok.eos_token_id)) for g in gens]
-        return group_record(uid, pair, prompt, gens, rewards, rank)
+        rewards, failed = await reward.scores([item] * len(gens), [until_eos(g.output_ids, tok.eos_token_id)
+                                                                   for g in gens])
+        counters["reward_failures"] += failed
+        return group_record(uid, item.metadata.get("pair", item.text), prompt, gens, rewards, rank)
 
     return list(await asyncio.gather(*[one_group(i) for i in range(n_groups)]))
 
@@ -154,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     rank, world, device = setup_dist()
     n_local = prompts_per_rank(cfg, world)
     rng = random.Random(cfg.seed * 1000 + rank)
-    files = RunFiles(cfg.runs_dir, cfg.name)
+    files = RunFiles(cfg.runs_dir, cfg.name, sinks=parse_log_flag(cfg.log_to), config=cfg)
     say = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
 
     # ---- set-up: checkpoint, policy (FSDP2 over the ranks), engine in this process, reference, optimiser
@@ -162,6 +181,14 @@ def main(argv: list[str] | None = None) -> None:
     seed_rank(cfg.seed, rank)  # after the warm start (it seeds and draws when not cached); the engine's seeds too
     max_model_len = resolve_max_model_len(cfg.max_model_len, path)
     tok, lm = load_hf(path, device)
+    # ---- the task (the toy additions, or --prompts) and its rewards: training, held-out
+    task = (load_task(tok, cfg, needs_reference=needs_reference(cfg.reward, eval_reward_spec(cfg)))
+            if cfg.prompts else toy.task(tok))
+    check_fits(task, max_model_len)
+    reward = Reward(cfg.reward, tok, reward_model=cfg.reward_model, device=device, timeout=cfg.reward_timeout)
+    spec = eval_reward_spec(cfg)
+    eval_reward = reward if spec == cfg.reward else Reward(spec, tok, reward_model=cfg.reward_model, device=device,
+                                                           timeout=cfg.reward_timeout)
     loop = asyncio.new_event_loop()  # the engine is created in, and always driven by, this loop
 
     async def start_engine():
@@ -172,11 +199,6 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         files.fresh()
     policy = PolicyLogprobs(lm, cfg.temperature)
-    eval_lm = lm
-    if world > 1:
-        # REAL MODEL: rank 0 keeps a whole unsharded copy only to run the held-out greedy evaluation with HF
-        # ``generate``; a real model would evaluate through its rollout engine instead.
-        eval_lm = load_hf(path, device)[1] if rank == 0 else None
     shard(policy, decoder_layers(lm), world)
     ref = None
     if cfg.kl_coef > 0:
@@ -184,19 +206,25 @@ def main(argv: list[str] | None = None) -> None:
     teacher = (distill.load_teacher(cfg.distill_from, path, device, world=world, mode=cfg.distill_mode)
                if cfg.distill_from else None)
     optim = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
-    pairs = toy.split_pairs()["rl"]  # REAL MODEL: your prompts (with whatever the reward needs)
-    counters = Counter()  # this rank's rollout counters: samples / tokens generated, resubmissions
+    counters = Counter()  # this rank's rollout counters: samples / tokens generated, resubmissions, reward failures
     totals = Counter()  # all ranks: samples and tokens generated and trained
 
-    def evaluate() -> float:  # REAL MODEL: your evaluation set and metric
-        return toy.heldout_accuracy(eval_lm, tok)
+    def evaluate(step: int):
+        """Rank 0: the held-out evaluation on the colocated engine (it holds the current weights)."""
+        result = loop.run_until_complete(heldout(engine, task.heldout, eval_reward, tok, cfg,
+                                                 max_new_tokens=cfg.max_new_tokens, tag=f"eval{step}"))
+        files.write_eval(step, result)
+        return result
 
-    acc_before = evaluate() if rank == 0 else 0.0
-    say(f"held-out accuracy before RL: {acc_before:.3f}")
-    teacher_acc = toy.heldout_accuracy(teacher, tok) if teacher is not None and rank == 0 else None
-    if teacher_acc is not None:
+    eval_before = evaluate(0) if rank == 0 else None
+    acc_before = eval_before.mean_at_k if eval_before is not None else 0.0
+    say(f"held-out accuracy before RL: {acc_before:.3f} ({len(task.heldout)} prompts, {task.source})")
+    teacher_acc = None
+    if teacher is not None and rank == 0:
+        teacher_acc = on_model(teacher, lambda e: heldout(e, task.heldout, eval_reward, tok, cfg,
+                                                          max_new_tokens=cfg.max_new_tokens)).mean_at_k
         say(f"teacher held-out accuracy: {teacher_acc:.3f}")
-    last_acc = acc_before
+    last_acc, last_eval = acc_before, eval_before
     bar = Progress(cfg.steps, 0, enabled=rank == 0 and not cfg.quiet)
     t_start = time.time()
     step = 0
@@ -205,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         before = Counter(counters)
         groups = loop.run_until_complete(
-            rollout_step(cfg, engine, tok, pairs, rng, n_local, rank, step, max_model_len, counters))
+            rollout_step(cfg, engine, tok, task, reward, rng, n_local, rank, step, max_model_len, counters))
         gen_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         bt = batch_tensors(groups, tok.pad_token_id, device)
@@ -219,26 +247,27 @@ def main(argv: list[str] | None = None) -> None:
         t2 = time.perf_counter()
         tensors = [(n.removeprefix("lm."), t) for n, t in full_tensors(policy)]
         loop.run_until_complete(engine.update_weights(tensors, version=step))
-        if eval_lm is not lm and rank == 0:
-            eval_lm.load_state_dict(dict(tensors), strict=False)
         sync_s = time.perf_counter() - t2
         # ---- logging: generated counts come from the rollout, trained counts from the batch, summed over ranks
-        gen = {k: counters[k] - before[k] for k in ("samples_generated", "tokens_generated", "resubmissions")}
+        gen = {k: counters[k] - before[k] for k in ("samples_generated", "tokens_generated", "resubmissions",
+                                                    "reward_failures")}
         sums = all_reduce(torch.tensor([bt["rewards"].sum().item(), bt["rewards"].numel(), bt["mask"].sum().item(),
-                                        gen["samples_generated"], gen["tokens_generated"], gen["resubmissions"]],
-                                       dtype=torch.float64))
+                                        gen["samples_generated"], gen["tokens_generated"], gen["resubmissions"],
+                                        gen["reward_failures"]], dtype=torch.float64))
         totals.update({"samples_trained": int(sums[1]), "tokens_trained": int(sums[2]),
                        "samples_generated": int(sums[3]), "tokens_generated": int(sums[4]),
-                       "resubmissions": int(sums[5])})
+                       "resubmissions": int(sums[5]), "reward_failures": int(sums[6])})
         done = step >= cfg.steps or (cfg.time_limit > 0 and time.time() - t_start > cfg.time_limit)
         done = broadcast_flag(done, device=device)  # rank 0's clock decides for every rank
         if rank == 0:
-            acc = evaluate() if (every(step, cfg.eval_every) or done) else None
-            last_acc = acc if acc is not None else last_acc
+            result = evaluate(step) if (every(step, cfg.eval_every) or done) else None
+            if result is not None:
+                last_acc, last_eval = result.mean_at_k, result
             step_s = time.perf_counter() - t0
-            reward = sums[0].item() / max(sums[1].item(), 1)
+            mean_reward = sums[0].item() / max(sums[1].item(), 1)
             files.log({
-                "step": step, "version": step, "reward": reward, "heldout_acc": acc, "loss": m["loss"],
+                "step": step, "version": step, "reward": mean_reward, "reward_failures": int(sums[6]),
+                **eval_metrics(result), "loss": m["loss"], "lr": optim.param_groups[0]["lr"],
                 "kl_k3": m.get("mismatch_kl_k3"), "kl_k1": m.get("mismatch_kl_k1"), "approx_kl": m.get("approx_kl"),
                 "clipfrac": m.get("clipfrac"), "clipfrac_low": m.get("clipfrac_low"),
                 "clipfrac_high": m.get("clipfrac_high"), "grad_norm": m["grad_norm"],
@@ -250,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
                 "resubmissions": totals["resubmissions"], "wall_seconds": time.time() - t_start,
                 **{k: v for k, v in m.items() if k.startswith(("correction_", "distill_"))},
             })
-            bar.update({"reward": reward, "acc": last_acc})
+            bar.update({"reward": mean_reward, "acc": last_acc})
         if done:
             break
     bar.close()
@@ -260,7 +289,8 @@ def main(argv: list[str] | None = None) -> None:
             "steps": step, "max_staleness": 0, "max_staleness_seen": 0,
             "samples_generated": totals["samples_generated"], "samples_trained": totals["samples_trained"],
             "samples_dropped_stale": 0, "rollout": dict(totals), "config": dataclasses.asdict(cfg),
-            "teacher_accuracy": teacher_acc,
+            "teacher_accuracy": teacher_acc, "task": task.source, "heldout_prompts": len(task.heldout),
+            "heldout_before": eval_before.metrics(), "heldout_after": last_eval.metrics(), "reward": reward.stats(),
         }
         files.write_summary(summary)
         say(f"held-out accuracy before RL: {acc_before:.3f}  after {step} steps: {last_acc:.3f}  "
@@ -268,6 +298,9 @@ def main(argv: list[str] | None = None) -> None:
     # release the engine inside the loop that drives it (its step task, vLLM's output handler), then the loop
     loop.run_until_complete(engine.aclose())
     loop.close()
+    for r in {id(reward): reward, id(eval_reward): eval_reward}.values():
+        r.close()
+    files.close()
     close_dist()
 
 

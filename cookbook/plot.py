@@ -2,6 +2,11 @@
 
 Panels: mean reward and held-out accuracy per step; trained tokens/s; staleness (max and mean token age); seconds per
 step split into queue wait, train and weight sync. Reads ``metrics.jsonl`` (and ``summary.json`` for the title).
+
+Per-step series are drawn twice: the raw values faint, and over them the smoothed curve of :func:`smooth` (the
+exponential moving average TensorBoard draws, debiased so that it starts at the first value), whose weight grows
+with the run's length (:func:`smoothing_weight`), so a 1200-step run's throughput and timing panels show trends
+instead of noise. Held-out accuracy (a few evaluations) is drawn as measured.
 """
 
 from __future__ import annotations
@@ -20,6 +25,41 @@ def load(run_dir: Path) -> tuple[list[dict], dict]:
     return rows, summary
 
 
+def smoothing_weight(n: int) -> float:
+    """The EMA weight for a series of ``n`` points: 0 (no smoothing) up to 25 points, then ``1 − 25/n`` (an
+    effective window of about ``n/25`` points), at most 0.98."""
+    return 0.0 if n <= 25 else min(0.98, 1.0 - 25.0 / n)
+
+
+def smooth(values: list[float | None], weight: float) -> list[float | None]:
+    """Debiased exponential moving average: ``m_t = w·m_{t−1} + (1 − w)·x_t``, ``s_t = m_t / (1 − w^k)`` after
+    ``k`` values (so ``s`` starts at the first value instead of near 0). ``None`` (a step without the metric) is
+    skipped and stays ``None``; ``w = 0`` returns the values."""
+    out: list[float | None] = []
+    m, k = 0.0, 0
+    for x in values:
+        if x is None:
+            out.append(None)
+            continue
+        m, k = weight * m + (1.0 - weight) * x, k + 1
+        out.append(m / (1.0 - weight**k) if weight > 0 else x)
+    return out
+
+
+def _curve(ax, step: list[int], values: list[float | None], label: str, color: str) -> None:
+    """``values`` faint and their smoothed curve over them, in one colour, one legend entry."""
+    pts = [(s, v) for s, v in zip(step, values) if v is not None]
+    if not pts:
+        return
+    xs, ys = zip(*pts)
+    w = smoothing_weight(len(ys))
+    if w > 0:
+        ax.plot(xs, ys, color=color, alpha=0.2, linewidth=0.8)
+        ax.plot(xs, smooth(list(ys), w), color=color, label=f"{label} (smoothed)")
+    else:
+        ax.plot(xs, ys, color=color, label=label)
+
+
 def plot(run_dir: str | Path) -> Path:
     import matplotlib
 
@@ -30,18 +70,19 @@ def plot(run_dir: str | Path) -> Path:
     rows, summary = load(run_dir)
     step = [r["step"] for r in rows]
     fig, ax = plt.subplots(2, 2, figsize=(11, 7))
+    colors = [f"C{i}" for i in range(10)]
     a = ax[0, 0]
-    a.plot(step, [r["reward"] for r in rows], label="train reward (mean)", alpha=0.6)
+    _curve(a, step, [r["reward"] for r in rows], "train reward (mean)", colors[0])
     ev = [(r["step"], r["heldout_acc"]) for r in rows if r.get("heldout_acc") is not None]
     if summary.get("accuracy_before") is not None:
         ev = [(0, summary["accuracy_before"]), *ev]
     if ev:
-        a.plot(*zip(*ev), "o-", label="held-out accuracy (greedy)")
+        a.plot(*zip(*ev), "o-", color=colors[1], label="held-out accuracy")
     a.set_xlabel("step")
     a.set_ylim(0, 1)
     a.legend()
     a = ax[0, 1]
-    a.plot(step, [r.get("tokens_per_s", 0) for r in rows])
+    _curve(a, step, [r.get("tokens_per_s") for r in rows], "trained tokens / s", colors[0])
     a.set_xlabel("step")
     a.set_ylabel("trained tokens / s")
     a = ax[1, 0]
@@ -50,15 +91,15 @@ def plot(run_dir: str | Path) -> Path:
         h = {int(k): v for k, v in (r.get("staleness_hist") or {}).items()}
         n = sum(h.values()) or 1
         ages.append((max(h) if h else 0, sum(k * v for k, v in h.items()) / n))
-    a.plot(step, [x[0] for x in ages], label="max token age")
-    a.plot(step, [x[1] for x in ages], label="mean token age")
+    a.plot(step, [x[0] for x in ages], color=colors[0], label="max token age")
+    _curve(a, step, [x[1] for x in ages], "mean token age", colors[1])
     a.set_xlabel("step")
     a.set_ylabel("versions")
     a.legend()
     a = ax[1, 1]
-    for key in ("queue_wait_seconds", "train_seconds", "sync_seconds", "generate_seconds"):
-        if any(key in r for r in rows):
-            a.plot(step, [r.get(key, 0) for r in rows], label=key.removesuffix("_seconds"))
+    for i, key in enumerate(("queue_wait_seconds", "train_seconds", "sync_seconds", "generate_seconds")):
+        if any(r.get(key) is not None for r in rows):
+            _curve(a, step, [r.get(key) for r in rows], key.removesuffix("_seconds"), colors[i])
     a.set_xlabel("step")
     a.set_ylabel("seconds")
     a.legend()

@@ -15,8 +15,8 @@ Roles, each on every rank (the trained ones sharded with FSDP2 ``fully_shard`` w
   (``--kl-in loss``, verl's ``use_kl_loss``);
 - **reward**: a learned reward model (``--reward rm``: ``rlblocks.reward.RewardModel`` on an HF
   sequence-classification checkpoint; on the toy task it is trained by :func:`reward_model_stage` first,
-  Bradley–Terry on pairs of completions ranked by the exact-match checker, and cached), the exact-match verifier
-  (``--reward verifier``) or ``math_reward`` through a ``RewardPool`` (``--reward math``);
+  Bradley–Terry on pairs of completions ranked by the exact-match checker, and cached), or any reward of
+  ``plumbing/rewards.py`` (``--reward verifier|math|code|module:function``);
 - the rollout engine: a ``TorchEngine`` in this process (colocated, verl's hybrid loop), weights pushed each step.
 
 One step (:func:`main` reads as this list):
@@ -31,10 +31,14 @@ One step (:func:`main` reads as this list):
    (``value_loss``), each aggregated with the mini-batch's global token count and stepped by its own optimiser.
 5. :func:`weights_to_engine`: ``full_tensors`` → ``engine.update_weights(version=step)``.
 
-Files: ``runs/<name>/metrics.jsonl`` (one line per step), ``summary.json``, ``ckpt.pt``, as the GRPO loops write
-them (``python cookbook/plot.py runs/<name>``). Lines a user changes for a real model or task say ``REAL MODEL:``.
-The whole pipeline (the reward-model stage, the roles, one PPO step, main) is this one file, so that it reads top to
-bottom; what every loop shares is in ``plumbing/``.
+Held-out evaluation (``plumbing/evaluation.py``): ``--eval-k`` samples per held-out prompt on the colocated engine,
+pass@k and mean@k of the ``--eval-reward`` (a learned reward model is no measure of accuracy: exact match on the toy
+task, ``math`` on a ``--prompts`` file), every ``--eval-every`` steps and before and after RL.
+
+Files: ``runs/<name>/metrics.jsonl`` (one line per step; TensorBoard / W&B with ``--log-to``), ``summary.json``,
+``eval/``, ``ckpt.pt``, as the GRPO loops write them (``python cookbook/plot.py runs/<name>``). Lines a user
+changes for a real model or task say ``REAL MODEL:``. The whole pipeline (the reward-model stage, the roles, one PPO
+step, main) is this one file, so that it reads top to bottom; what every loop shares is in ``plumbing/``.
 """
 
 from __future__ import annotations
@@ -46,30 +50,41 @@ import json
 import os
 import random
 import shutil
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import data
 import torch
 import toy
 from jaxtyping import Bool, Float, Int
 from plumbing import (
+    Progress,
+    Prompt,
+    Reward,
     RunFiles,
+    Task,
+    TaskFlags,
     all_reduce,
     broadcast_flag,
     check_at_least,
+    check_fits,
     check_max_model_len,
+    check_task_flags,
     close_dist,
     decoder_layers,
+    eval_metrics,
+    eval_reward_spec,
     every,
+    heldout,
     load_hf,
+    load_task,
     make_engine,
+    needs_reference,
     opt,
     parse_flags,
+    parse_log_flag,
     prompts_per_rank,
     rank0_first,
     resolve_max_model_len,
@@ -87,9 +102,9 @@ from rlblocks.sync import full_tensors
 
 
 @dataclass
-class Config:
+class Config(TaskFlags):
     """Synchronous colocated PPO: actor, critic, frozen reference, reward model or verifier (flags from these
-    fields)."""
+    fields; the data, reward, evaluation and --log-to flags every loop shares come from plumbing's TaskFlags)."""
 
     name: str = opt("ppo", "run name: files go to <runs-dir>/<name>/")
     runs_dir: str = opt("runs", "where run directories (and the cached warm start and reward model) live")
@@ -97,12 +112,9 @@ class Config:
                          "warm-started and cached")
     critic_model: str = opt("", "the critic's initial decoder (any HF checkpoint of the actor's width); empty: the "
                                 "actor's checkpoint, as verl does (DeepSpeed-Chat starts it from the reward model)")
-    prompts: str = opt("", "JSONL file of {\"prompt\", \"answer\"} objects to train on; empty: the toy addition task")
-    eval_prompts: str = opt("", "JSONL file of held-out prompts (with --prompts); empty: a tenth of --prompts "
-                                "(at most 500) is held out")
-    chat: bool = opt(True, "--prompts: wrap each prompt in the tokenizer's chat template when it has one")
-    reward: str = opt("rm", "rm: a learned reward model; verifier: exact match of the answer; math: math_reward "
-                            "(math-verify) through a RewardPool", ("rm", "verifier", "math"))
+    reward: str = opt("rm", "rm: a learned reward model (--reward-model; on the toy task trained here first); "
+                            "verifier: exact match; math: math_reward; code: code_reward; module:function or "
+                            "file.py:function: your fn(sample) -> float | RewardResult")
     reward_model: str = opt("", "--reward rm: an HF sequence-classification checkpoint (scores are standardised "
                                 "with the mean and std in its reward_stats.json when there is one); empty: trained "
                                 "here on the toy task, then cached")
@@ -156,13 +168,7 @@ def check_flags(cfg: Config) -> None:
     if cfg.kl_coef < 0:
         raise ArgumentError(f"--kl-coef: expected >= 0, got {cfg.kl_coef}")
     check_max_model_len(cfg.max_model_len)
-    if cfg.reward == "rm" and cfg.prompts and not cfg.reward_model:
-        raise ArgumentError("--reward-model: --reward rm with --prompts needs a reward-model checkpoint (the "
-                            "reward-model stage here trains one for the toy task only)")
-    if cfg.reward_model and cfg.reward != "rm":
-        raise ArgumentError(f"--reward-model: only --reward rm reads it, got --reward {cfg.reward}")
-    if cfg.eval_prompts and not cfg.prompts:
-        raise ArgumentError("--eval-prompts: held-out prompts of a --prompts file; the toy task has its own")
+    check_task_flags(cfg, rm_built_here=not cfg.prompts)  # the reward-model stage trains one for the toy task
 
 
 # ================================================================================================ roles
@@ -253,7 +259,7 @@ class RewardModelStage:
         return hashlib.sha1(blob.encode()).hexdigest()[:10]
 
 
-def preference_pairs(engine: TorchEngine, tok, prompts: list[data.Prompt], samples: int, rng: random.Random,
+def preference_pairs(engine: TorchEngine, tok, prompts: list[Prompt], samples: int, rng: random.Random,
                      loop: asyncio.AbstractEventLoop) -> list[tuple[list[int], list[int], list[int]]]:
     """``(prompt_ids, chosen_ids, rejected_ids)`` triples: the initial actor's ``samples`` completions of each
     prompt (temperature 1) and the reference completion (answer + EOS), ranked by the exact-match checker: every
@@ -273,7 +279,7 @@ def preference_pairs(engine: TorchEngine, tok, prompts: list[data.Prompt], sampl
     out = []
     for i, p in enumerate(prompts):
         a, b = p.metadata["pair"]
-        chosen = [*tok.encode(p.answer, add_special_tokens=False), eos]
+        chosen = [*tok.encode(p.reference, add_special_tokens=False), eos]
         wrong = {tuple(g.output_ids) for g in gens[i * samples:(i + 1) * samples]
                  if toy.reward(tok, a, b, list(g.output_ids)) == 0.0}
         if not wrong:
@@ -351,8 +357,8 @@ def reward_model_stage(stage: RewardModelStage, policy_path: str, cache_root: st
     loop = asyncio.new_event_loop()
     engine = TorchEngine.from_pretrained(policy_path, device=device, max_batch_size=1024)
     try:
-        train_pairs = preference_pairs(engine, tok, data.toy_prompts(tok, train), stage.samples, rng, loop)
-        test_pairs = preference_pairs(engine, tok, data.toy_prompts(tok, test), stage.samples, rng, loop)
+        train_pairs = preference_pairs(engine, tok, toy.prompts(tok, train), stage.samples, rng, loop)
+        test_pairs = preference_pairs(engine, tok, toy.prompts(tok, test), stage.samples, rng, loop)
     finally:
         loop.run_until_complete(engine.aclose())  # close() from the engine's own loop, its step task awaited
         loop.close()
@@ -427,16 +433,18 @@ def reward_model_stage(stage: RewardModelStage, policy_path: str, cache_root: st
 
 
 class Scorer:
-    """The reward role: ``score(batch, prompts) -> R [B]`` for ``--reward rm|verifier|math``.
+    """The reward role: ``score(batch, prompts) -> R [B]`` for ``--reward``.
 
     ``rm``: ``RewardModel.score_ids`` on the batch's own ``input_ids``/``attention_mask`` (prompt + response, the
     layout the reward model was trained on), standardised ``(r − mean) / std`` with the statistics saved next to
     the checkpoint (``reward_stats.json``) when there are some, so the critic's targets are of order 1.
-    ``verifier`` / ``math``: :class:`data.Verifier` on the decoded responses."""
+    Any other ``--reward``: ``plumbing.Reward`` on the decoded responses (a failed call scores 0, counted in
+    ``failures``)."""
 
-    def __init__(self, kind: str, tok, device: torch.device, *, reward_model: str = "") -> None:
+    def __init__(self, kind: str, tok, device: torch.device, *, reward_model: str = "", timeout: float = 60.0) -> None:
         self.kind = kind
         self.rm, self.verifier, self.mean, self.std = None, None, 0.0, 1.0
+        self.failures = 0
         if kind == "rm":
             from rlblocks.reward import RewardModel
 
@@ -449,14 +457,15 @@ class Scorer:
                 s = json.loads(stats.read_text())
                 self.mean, self.std = float(s["score_mean"]), max(float(s["score_std"]), 1e-6)
         else:
-            self.verifier = data.make_verifier(kind, tok)
+            self.verifier = Reward(kind, tok, device=device, timeout=timeout)
 
-    def score(self, batch: RolloutBatch, prompts: list[data.Prompt], outputs: list[list[int]],
+    def score(self, batch: RolloutBatch, prompts: list[Prompt], outputs: list[list[int]],
               loop: asyncio.AbstractEventLoop) -> Float[Tensor, " B"]:
         if self.rm is not None:
             raw = self.rm.score_ids(batch.input_ids, batch.attention_mask)
             return ((raw - self.mean) / self.std).to(batch.input_ids.device)
-        vals = loop.run_until_complete(self.verifier.scores(prompts, outputs))
+        vals, failed = loop.run_until_complete(self.verifier.scores(prompts, outputs))
+        self.failures += failed
         return torch.tensor(vals, dtype=torch.float32, device=batch.input_ids.device)
 
     def close(self) -> None:
@@ -465,13 +474,13 @@ class Scorer:
 
 
 # ================================================================================================ one PPO step
-def rollout(cfg: Config, engine: TorchEngine, tok, task: data.Task, rng: random.Random, n_prompts: int,
+def rollout(cfg: Config, engine: TorchEngine, tok, task: Task, rng: random.Random, n_prompts: int,
             step: int, rank: int, loop: asyncio.AbstractEventLoop, device: torch.device):
     """``n_prompts`` prompts × ``K`` samples from the colocated engine. Returns ``(batch, prompts per row,
     output ids per row)``; ``group_ids`` mark the rows of one prompt."""
     sp = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                         stop_token_ids=(tok.eos_token_id,))
-    items = [rng.choice(task.train) for _ in range(n_prompts)]
+    items = [task.draw(rng) for _ in range(n_prompts)]
     reqs = [GenerationRequest(f"s{step}-r{rank}-{i}/{k}", list(p.ids), sp) for i, p in enumerate(items)
             for k in range(cfg.group_size)]
 
@@ -682,7 +691,7 @@ def main(argv: list[str] | None = None) -> None:
     rank, world, device = setup_dist()
     n_local = prompts_per_rank(cfg, world)
     rng = random.Random(cfg.seed * 1000 + rank)
-    files = RunFiles(cfg.runs_dir, cfg.name)
+    files = RunFiles(cfg.runs_dir, cfg.name, sinks=parse_log_flag(cfg.log_to), config=cfg)
     say = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
 
     # ---- checkpoints: the actor's (warm start), the reward model's (stage 1)
@@ -702,18 +711,21 @@ def main(argv: list[str] | None = None) -> None:
     # ---- roles: actor, critic, reference, reward; the engine in this process
     tok, actor = load_actor(path, device, cfg.temperature)
     max_model_len = resolve_max_model_len(cfg.max_model_len, path)
-    task = data.load_task(tok, prompts=cfg.prompts, eval_prompts=cfg.eval_prompts, chat=cfg.chat)
-    data.check_fits(task, max_model_len)
+    eval_spec = eval_reward_spec(cfg)
+    task = (load_task(tok, cfg, needs_reference=needs_reference(cfg.reward, eval_spec)) if cfg.prompts
+            else toy.task(tok))
+    check_fits(task, max_model_len)
     loop = asyncio.new_event_loop()  # the engine binds to the loop that first drives it: always this one
     engine = make_engine("torch", path, device, max_model_len=max_model_len)
     critic = load_critic(cfg.critic_model or path, device)
     ref = None
     if cfg.kl_coef > 0:
         ref = load_actor(path, device, cfg.temperature)[1].eval().requires_grad_(False)
-    scorer = Scorer(cfg.reward, tok, device, reward_model=rm_path)
-    # the held-out metric: exact match on the toy task, math_reward on a --prompts file
-    checker = scorer.verifier if scorer.verifier is not None and (cfg.reward == "math" or not cfg.prompts) else \
-        data.make_verifier("math" if cfg.prompts else "verifier", tok)
+    scorer = Scorer(cfg.reward, tok, device, reward_model=rm_path, timeout=cfg.reward_timeout)
+    # the held-out metric (--eval-reward; rm: exact match on the toy task, math_reward on a --prompts file), also
+    # logged on the training samples as train_accuracy
+    checker = scorer.verifier if scorer.verifier is not None and eval_spec == cfg.reward else \
+        Reward(eval_spec, tok, reward_model=cfg.reward_model, device=device, timeout=cfg.reward_timeout)
     actor, critic = shard_role(actor, world), shard_role(critic, world)
     if ref is not None:
         ref = shard_role(ref, world)
@@ -722,13 +734,17 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         files.fresh()
 
-    def evaluate() -> float:  # rank 0: the engine holds the current weights, unsharded
-        return loop.run_until_complete(data.greedy_accuracy(engine, task.heldout, checker,
-                                                            max_new_tokens=cfg.max_new_tokens))
+    def evaluate(step: int):  # rank 0: the engine holds the current weights, unsharded
+        result = loop.run_until_complete(heldout(engine, task.heldout, checker, tok, cfg,
+                                                 max_new_tokens=cfg.max_new_tokens, tag=f"eval{step}"))
+        files.write_eval(step, result)
+        return result
 
-    acc_before = evaluate() if rank == 0 else 0.0
+    eval_before = evaluate(0) if rank == 0 else None
+    acc_before = eval_before.mean_at_k if eval_before is not None else 0.0
     say(f"held-out accuracy before RL: {acc_before:.3f} ({len(task.heldout)} prompts, {task.source})")
-    last_acc, totals, memory = acc_before, Counter(), {}
+    last_acc, last_eval, totals, memory = acc_before, eval_before, Counter(), {}
+    bar = Progress(cfg.steps, 0, enabled=rank == 0 and not cfg.quiet, desc="ppo")
     t_start = time.time()
     for step in range(cfg.steps):
         t0 = time.perf_counter()
@@ -737,9 +753,10 @@ def main(argv: list[str] | None = None) -> None:
         batch, prompts, outputs = rollout(cfg, engine, tok, task, rng, n_local, step, rank, loop, device)
         gen_s = time.perf_counter() - t0
         t1 = time.perf_counter()
+        failures_before = scorer.failures
         scores = scorer.score(batch, prompts, outputs, loop)
         checked = scores if checker is scorer.verifier else torch.tensor(
-            loop.run_until_complete(checker.scores(prompts, outputs)), device=device)
+            loop.run_until_complete(checker.scores(prompts, outputs))[0], device=device)
         reward_s = time.perf_counter() - t1
         # ---- 3-4. experience, then PPO epochs × mini-batches on the actor and the critic
         t2 = time.perf_counter()
@@ -753,17 +770,20 @@ def main(argv: list[str] | None = None) -> None:
         # ---- 5. weights into the colocated engine (version = step + 1)
         sync_s = weights_to_engine(actor, engine, step + 1, loop)
         st = experience_stats(exp, checked)
+        failed = int(all_reduce(torch.tensor(float(scorer.failures - failures_before), dtype=torch.float64)))
         totals.update({"samples_generated": st["samples"], "samples_trained": st["samples"],
-                       "tokens_trained": st["tokens"]})
+                       "tokens_trained": st["tokens"], "reward_failures": failed})
         done = step + 1 >= cfg.steps or (cfg.time_limit > 0 and time.time() - t_start > cfg.time_limit)
         done = broadcast_flag(done, device=device)  # rank 0's clock decides for every rank
         if rank == 0:
-            acc = evaluate() if (every(step + 1, cfg.eval_every) or done) else None
-            last_acc = acc if acc is not None else last_acc
+            result = evaluate(step + 1) if (every(step + 1, cfg.eval_every) or done) else None
+            if result is not None:
+                last_acc, last_eval = result.mean_at_k, result
             step_s = time.perf_counter() - t0
             files.log({
-                "step": step + 1, "version": step + 1, "reward": st["score"], "train_accuracy": st["train_accuracy"],
-                "heldout_acc": acc, **{k: v for k, v in st.items() if k not in ("score", "train_accuracy")}, **m,
+                "step": step + 1, "version": step + 1, "reward": st["score"], "reward_failures": failed,
+                "train_accuracy": st["train_accuracy"], **eval_metrics(result),
+                **{k: v for k, v in st.items() if k not in ("score", "train_accuracy")}, **m,
                 "staleness_hist": {"0": st["tokens"]}, "tokens_trained": st["tokens"],
                 "tokens_per_s": st["tokens"] / step_s, "step_seconds": step_s, "generate_seconds": gen_s,
                 "reward_seconds": reward_s, "train_seconds": train_s, "sync_seconds": sync_s,
@@ -771,15 +791,14 @@ def main(argv: list[str] | None = None) -> None:
                 "samples_generated": totals["samples_generated"], "samples_trained": totals["samples_trained"],
                 "wall_seconds": time.time() - t_start,
             })
-            if not cfg.quiet:
-                print(f"\rstep {step + 1}/{cfg.steps} score {st['score']:+.3f} train acc {st['train_accuracy']:.3f} "
-                      f"held-out {last_acc:.3f} clipfrac {m['clipfrac']:.3f} vf_mse {m['vf_mse']:.3f}",
-                      end="" if not done else "\n", file=sys.stderr, flush=True)
+            bar.update({"score": st["score"], "train_acc": st["train_accuracy"], "acc": last_acc,
+                        "clipfrac": m["clipfrac"], "vf_mse": m["vf_mse"]})
         if every(step + 1, cfg.save_every) or done:
             save_roles(files, actor, critic, actor_opt, critic_opt, step + 1, world, rank)
         if done:
             break
     steps_done = step + 1
+    bar.close()
     if rank == 0:
         summary = {
             "accuracy_before": acc_before, "accuracy_after": last_acc, "wall_seconds": time.time() - t_start,
@@ -787,8 +806,10 @@ def main(argv: list[str] | None = None) -> None:
             "samples_generated": totals["samples_generated"], "samples_trained": totals["samples_trained"],
             "samples_dropped_stale": 0, "rollout": dict(totals), "world_size": world,
             "reward_model": {"path": rm_path, **rm_stats} if cfg.reward == "rm" else None,
-            "reward_failures": checker.stats() if checker is not None else None,
-            "memory_bytes_per_rank": memory, "config": dataclasses.asdict(cfg),
+            "reward_failures": totals["reward_failures"], "eval_reward": checker.stats(),
+            "memory_bytes_per_rank": memory, "config": dataclasses.asdict(cfg), "task": task.source,
+            "heldout_prompts": len(task.heldout), "heldout_before": eval_before.metrics(),
+            "heldout_after": last_eval.metrics(),
         }
         files.write_summary(summary)
         say(f"held-out accuracy before RL: {acc_before:.3f}  after {steps_done} steps: {last_acc:.3f}  "
@@ -798,6 +819,7 @@ def main(argv: list[str] | None = None) -> None:
     if checker is not scorer.verifier:
         checker.close()
     loop.close()
+    files.close()
     close_dist()
 
 

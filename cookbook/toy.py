@@ -60,6 +60,24 @@ def encode_prompt(tokenizer, a: int, b: int) -> list[int]:
     return ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + list(ids)
 
 
+def prompts(tokenizer, pairs: list[tuple[int, int]]):
+    """The pairs as ``plumbing.Prompt`` s: text ``"a+b="``, reference ``str(a + b)``, ids :func:`encode_prompt`,
+    the pair in ``metadata["pair"]``."""
+    from plumbing import Prompt
+
+    return [Prompt(prompt_text(a, b), answer_text(a, b), tuple(encode_prompt(tokenizer, a, b)),
+                   ({"role": "user", "content": prompt_text(a, b)},), {"pair": (a, b)}) for a, b in pairs]
+
+
+def task(tokenizer):
+    """The toy task as a ``plumbing.Task``: the RL pairs to train on, the held-out pairs to evaluate (their
+    reward is ``--reward verifier``, exact match, which is :func:`reward`)."""
+    from plumbing import Task
+
+    split = split_pairs()
+    return Task(prompts(tokenizer, split["rl"]), prompts(tokenizer, split["heldout"]), "toy")
+
+
 def reward(tokenizer, a: int, b: int, output_ids: list[int]) -> float:
     """Exact-match reward: 1.0 iff the completion decodes to ``str(a + b)`` and ends with EOS (not cut by length)."""
     if not output_ids or output_ids[-1] != tokenizer.eos_token_id:

@@ -18,12 +18,16 @@ against the built-ins keeps working:
 | ``InsufficientGroupsError`` | ``RuntimeError`` | dynamic sampling could not fill its target |
 | ``SimulationStalled`` | ``RuntimeError`` | a simulated loop ran out of events before its last step |
 | ``PrefixMismatchError`` | ``ArgumentError`` | a rendering does not extend a trajectory's tokens exactly |
-| ``GatewayError`` | ``RuntimeError`` | the capture gateway answers a request with an OpenAI-style error |
+| ``GatewayError`` | ``RuntimeError`` | the gateway answers with an OpenAI-style error (status, code, param) |
+| ``ClientDisconnected`` | ``ConnectionError`` | a gateway client hung up before its answer (its turn is rolled back) |
+| ``QueueRefused`` | ``GatewayError`` | the queue refused a finished trajectory; it is kept, never dropped |
 | ``SessionNotFound`` | ``ArgumentError`` | no open gateway session has that id |
+| ``ToolUnavailable`` | ``RuntimeError`` | a tool refused a call: too many earlier calls timed out and still run |
+| ``RequestError`` | ``ArgumentError`` | a service request was refused (the Tinker server answers ``status``, a 4xx) |
 | ``RewardTimeout`` | ``TimeoutError`` | a reward call in a worker process ran past its timeout (the worker is killed) |
 | ``WorkerCrashed`` | ``RuntimeError`` | a reward worker process died during a call, or could not start |
 | ``WorkerError`` | ``RuntimeError`` | the function called in a reward worker process raised |
-| ``SandboxUnavailable`` | ``RuntimeError`` | the sandbox cannot put its isolation layers in force here |
+| ``SandboxUnavailable`` | ``RuntimeError`` | the sandbox cannot put its isolation layers in force (names them) |
 
 The same failure raises the same class from every engine and transport: a refused weight update is a
 ``WeightUpdateError`` whether TorchEngine, VLLMEngine, SGLangEngine or a sync receiver refused it. Exceptions are
@@ -37,6 +41,7 @@ from typing import Any
 
 __all__ = [
     "ArgumentError",
+    "ClientDisconnected",
     "DeltaError",
     "EngineError",
     "GatewayError",
@@ -44,7 +49,9 @@ __all__ = [
     "PrefixMismatchError",
     "QueueClosed",
     "QueueFull",
+    "QueueRefused",
     "RLBlocksError",
+    "RequestError",
     "RewardTimeout",
     "SGLangError",
     "SandboxUnavailable",
@@ -52,6 +59,7 @@ __all__ = [
     "SimulationStalled",
     "SyncError",
     "SyncMismatchError",
+    "ToolUnavailable",
     "WeightUpdateError",
     "WorkerCrashed",
     "WorkerError",
@@ -151,8 +159,36 @@ class GatewayError(RLBlocksError, RuntimeError):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class ClientDisconnected(RLBlocksError, ConnectionError):
+    """The client of a gateway request closed its connection before its response: nothing can be answered (a turn
+    generated for it is rolled back as undelivered)."""
+
+
+class QueueRefused(GatewayError):
+    """A session was closed with its reward but the queue refused its trajectory (closed, still full after the
+    hand-over timeout, or the callable raised). Nothing is lost: ``trajectory`` is kept in ``Gateway.finished``
+    (answered over HTTP as 503 with code ``queue_refused``)."""
+
+    def __init__(self, message: str, *, session_id: str, trajectory: Any) -> None:
+        super().__init__(503, message, type="server_error", code="queue_refused")
+        self.session_id, self.trajectory = session_id, trajectory
+
+
 class SessionNotFound(ArgumentError):
-    """No open gateway session has this id (unknown, already closed, or nothing was captured in it)."""
+    """No open gateway session has this id (unknown, already closed by a reward, or nothing was captured in it)."""
+
+
+class ToolUnavailable(RLBlocksError, RuntimeError):
+    """A tool refused a call because ``max_hung`` of its earlier calls timed out and are still running."""
+
+
+class RequestError(ArgumentError):
+    """A service request was refused. ``status`` is the HTTP status the server answers with (400 bad input, 404
+    unknown id or route, 409 conflict, 413 too large, 415 wrong content type); the message names the field."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = int(status)
 
 
 class RewardTimeout(RLBlocksError, TimeoutError):

@@ -28,9 +28,9 @@ import torch
 
 # the cookbook's modules import each other by name (their folder is sys.path[0] when a loop runs as a script)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cookbook"))
-import data
 import ppo
 import toy
+from plumbing import Reward
 
 from rlblocks.losses import aggregate, grpo_advantages, ppo_clip_loss
 from rlblocks.rollout import TorchEngine
@@ -38,12 +38,11 @@ from rlblocks.rollout import TorchEngine
 
 def rollout(path: str, tok, loop) -> tuple:
     engine = TorchEngine.from_pretrained(path, device="cpu", max_batch_size=1024)
-    task = data.load_task(tok)
+    task = toy.task(tok)
     cfg = SimpleNamespace(temperature=1.0, max_new_tokens=6, group_size=4)
     batch, prompts, outputs = ppo.rollout(cfg, engine, tok, task, random.Random(0), 16, 0, 0, loop,
                                           torch.device("cpu"))
-    verifier = data.make_verifier("verifier", tok)
-    scores = torch.tensor(loop.run_until_complete(verifier.scores(prompts, outputs)))
+    scores = torch.tensor(loop.run_until_complete(Reward("verifier", tok).scores(prompts, outputs))[0])
     return engine, batch, scores
 
 

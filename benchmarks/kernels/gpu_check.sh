@@ -18,8 +18,11 @@
 #   3 goal     the goal case first: T=8192 H=4096 V=131072 bf16, naive / liger / liger_sum / rlblocks /
 #              rlblocks_fused, forward and forward+backward
 #   4 tests    tests/kernels/test_gpu.py: the Triton kernels on CUDA against float64 references
-#   5 more     entropy and no-grad at the goal shape, then V=151936 H=896, V=32000, V=128256 H=8192
-#   6 table    the summary table of every measured row (TF/s and % of 989 TF/s with 6NHV for forward+backward,
+#   5 vllm fp8 tests/rollout/vllm/test_vllm_fp8.py -m gpu: VLLMEngine on a block-FP8 checkpoint written by
+#              rlblocks.sync.save_fp8_checkpoint, FP8 updates loaded and checked against HF on the dequantised
+#              weights (skipped when the machine's python3 has no vllm; its log is appended to tests.log)
+#   6 more     entropy and no-grad at the goal shape, then V=151936 H=896, V=32000, V=128256 H=8192
+#   7 table    the summary table of every measured row (TF/s and % of 989 TF/s with 6NHV for forward+backward,
 #              the executed-FLOPs TF/s, memory as a multiple of the bf16 logits, max error against float64)
 # Output under $OUT (8 files): summary.txt, goal.log, tests.log, more.log,
 # kernels_gpu-goal.{csv,json}, kernels_gpu-more.{csv,json}. Env: PY (python3), OUT, SAMPLES (20), BUDGET_S (480).
@@ -78,14 +81,14 @@ if (( ${PIPESTATUS[0]} != 0 )); then note "== env: FAILED"; exit 2; fi
 SITE=/tmp/site
 if [[ "$MODE" == validate ]]; then SITE="$(mktemp -d)"; fi
 if compgen -G ".whl/liger_kernel-*.whl" > /dev/null; then
-  step "2/6 liger install" 120 "$OUT/summary.liger.tmp" \
+  step "2/7 liger install" 120 "$OUT/summary.liger.tmp" \
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
   cat "$OUT/summary.liger.tmp" >> "$SUMMARY"; rm -f "$OUT/summary.liger.tmp"
   export PYTHONPATH="$ROOT:$SITE"
   "$PY" -c "from importlib.metadata import version; print('liger-kernel', version('liger-kernel'))" 2>&1 \
     | tee -a "$SUMMARY"
 else
-  note "== 2/6 liger: skipped (no .whl/liger_kernel-*.whl; the liger rows will say so)"
+  note "== 2/7 liger: skipped (no .whl/liger_kernel-*.whl; the liger rows will say so)"
 fi
 
 if [[ "$MODE" == validate ]]; then
@@ -102,22 +105,36 @@ fi
 
 # 3 the goal case first (cold compile + autotune of the kernels included)
 lim=$(( $(left) < 200 ? $(left) : 200 ))
-step "3/6 goal case" "$lim" "$OUT/goal.log" "$PY" benchmarks/kernels/bench.py "${GOAL[@]}" --out "$OUT" \
+step "3/7 goal case" "$lim" "$OUT/goal.log" "$PY" benchmarks/kernels/bench.py "${GOAL[@]}" --out "$OUT" \
   --time-budget-s $(( lim - 40 ))
 if [[ "$MODE" == validate ]]; then mv -f "$OUT/kernels_validate.csv" "$CSV_GOAL"; fi
 
 # 4 correctness on CUDA
 lim=$(( $(left) - 120 < 150 ? $(left) - 120 : 150 ))
-step "4/6 tests" "$lim" "$OUT/tests.log" "$PY" "${TESTS[@]}"
+step "4/7 tests" "$lim" "$OUT/tests.log" "$PY" "${TESTS[@]}"
 
-# 5 the other cases, with what is left
+# 5 block-FP8 in a real vLLM engine (GPU only; needs vllm in this python3)
+if "$PY" -c "import vllm" > /dev/null 2>&1; then
+  if [[ "$MODE" == validate ]]; then
+    FP8=(-m pytest -q -p no:cacheprovider --collect-only tests/rollout/vllm/test_vllm_fp8.py)
+  else
+    FP8=(-m pytest -q -p no:cacheprovider -m gpu --timeout 170 tests/rollout/vllm/test_vllm_fp8.py)
+  fi
+  lim=$(( $(left) - 90 < 180 ? $(left) - 90 : 180 ))
+  step "5/7 vllm fp8" "$lim" "$OUT/fp8.tmp" "$PY" "${FP8[@]}"
+  { echo "== vllm fp8"; cat "$OUT/fp8.tmp"; } >> "$OUT/tests.log"; rm -f "$OUT/fp8.tmp"
+else
+  note "== 5/7 vllm fp8: skipped (no vllm in $PY)"
+fi
+
+# 6 the other cases, with what is left
 lim=$(( $(left) - 15 ))
-step "5/6 more cases" "$lim" "$OUT/more.log" "$PY" benchmarks/kernels/bench.py "${MORE[@]}" --out "$OUT" \
+step "6/7 more cases" "$lim" "$OUT/more.log" "$PY" benchmarks/kernels/bench.py "${MORE[@]}" --out "$OUT" \
   --time-budget-s $(( lim - 40 ))
 if [[ "$MODE" == validate ]]; then mv -f "$OUT/kernels_validate.csv" "$CSV_MORE"; rm -f "$OUT/kernels_validate.json"; fi
 
 # 6 the table, from the rows written so far
-note "== 6/6 table ($(( $(date +%s) - START )) s elapsed)"
+note "== 7/7 table ($(( $(date +%s) - START )) s elapsed)"
 "$PY" benchmarks/kernels/bench.py --table-from "$CSV_GOAL" "$CSV_MORE" 2>&1 | tee -a "$SUMMARY"
 if (( FAILED )); then note "gpu_check: some steps FAILED (see above)"; exit 1; fi
 note "gpu_check: all steps ok in $(( $(date +%s) - START )) s"

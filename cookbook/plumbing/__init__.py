@@ -13,11 +13,26 @@ A loop imports it as ``from plumbing import ...``: a script's own folder (``cook
 - :mod:`.batches`: ``group_record`` (what travels from rollout to trainer), ``batch_tensors`` (what a step reads).
 - :mod:`.messages`: the typed control messages ``Weights``/``Stale``/``Stop``, ``RolloutEnd``, ``Outbox``/``Inbox``.
 - :mod:`.losses`: the policy-loss flags (``--loss``, clip offsets, ``--correction``) and ``policy_loss``.
+- :mod:`.data`: ``TaskFlags`` (every loop's data, reward, evaluation and tracking flags), ``--prompts`` files
+  (JSONL, Parquet, HF ``datasets`` directories), ``Prompt``/``Task``, ``load_task``.
+- :mod:`.rewards`: ``Reward`` (``--reward verifier|math|code|rm|module:function``), ``load_tools`` (``--tools``).
+- :mod:`.evaluation`: the held-out evaluation (``rlblocks.reward.evaluate``: pass@k, mean@k, per-prompt files).
+- :mod:`.tracking`: ``MetricsSink`` (``--log-to jsonl,tensorboard,wandb``), the keys every loop logs.
 
 Lines a user changes for a real model or task are marked ``REAL MODEL:`` in place.
 """
 
 from .batches import batch_tensors, group_record
+from .data import (
+    DataFlags,
+    Prompt,
+    Task,
+    TaskFlags,
+    check_fits,
+    check_task_flags,
+    encode_prompt,
+    load_task,
+)
 from .distributed import (
     all_reduce,
     broadcast_flag,
@@ -31,45 +46,68 @@ from .distributed import (
     setup_dist,
 )
 from .engines import check_max_model_len, length_budget, make_engine, model_max_len, resolve_max_model_len, until_eos
+from .evaluation import eval_metrics, heldout, on_model
 from .flags import check_at_least, every, opt, parse_flags
 from .losses import CORRECTION_CAP, POLICY_LOSSES, check_loss_flags, loss_defaults, policy_loss
 from .messages import Inbox, Outbox, RolloutEnd, Stale, Stop, Weights, recv_control, send_control
 from .policy import PolicyLogprobs, decoder_layers, load_hf, load_tokenizer, shard
+from .rewards import Reward, RewardFlags, eval_reward_spec, load_tools, needs_reference
 from .runs import Progress, RunFiles, mean_metrics
+from .tracking import COMMON_KEYS, LogFlags, MetricsSink, parse_log_flag
 
 __all__ = [
+    "COMMON_KEYS",
     "CORRECTION_CAP",
     "POLICY_LOSSES",
+    "DataFlags",
     "Inbox",
+    "LogFlags",
+    "MetricsSink",
     "Outbox",
     "PolicyLogprobs",
     "Progress",
+    "Prompt",
+    "Reward",
+    "RewardFlags",
     "RolloutEnd",
     "RunFiles",
     "Stale",
     "Stop",
+    "Task",
+    "TaskFlags",
     "Weights",
     "all_reduce",
     "batch_tensors",
     "broadcast_flag",
     "check_at_least",
+    "check_fits",
     "check_loss_flags",
     "check_max_model_len",
+    "check_task_flags",
     "close_dist",
     "decoder_layers",
+    "encode_prompt",
+    "eval_metrics",
+    "eval_reward_spec",
     "every",
     "global_counts",
     "group_record",
+    "heldout",
     "join_sync_group",
     "length_budget",
     "load_hf",
+    "load_task",
     "load_tokenizer",
+    "load_tools",
     "loss_defaults",
     "make_engine",
     "mean_metrics",
     "model_max_len",
+    "needs_reference",
+    "on_model",
     "opt",
     "parse_flags",
+    "parse_log_flag",
     "pick_port",
     "policy_loss",
     "prompts_per_rank",

@@ -3,18 +3,20 @@ trainer step reads (next-token layout)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from rlblocks.rollout import Generation, build_batch
 
 
-def group_record(uid: str, pair: tuple[int, int], prompt_ids: list[int], gens: list, rewards: list[float],
+def group_record(uid: str, prompt: Any, prompt_ids: list[int], gens: list, rewards: list[float],
                  rank: int) -> dict:
     """A finished prompt group as a plain, picklable dict (what travels from rollout to trainer and into the
-    queue's checkpoint). ``version`` is the OLDEST token version of the group (the staleness key)."""
-    # REAL MODEL: ``pair`` is the toy task's (a, b), kept for inspection only; store your prompt's reference answer
-    # or dataset index here (nothing in the trainer reads it).
+    queue's checkpoint). ``version`` is the OLDEST token version of the group (the staleness key). ``prompt`` says
+    which prompt the group answered (the toy task's ``(a, b)``, a ``--prompts`` row's text), for inspection only:
+    nothing in the trainer reads it."""
     samples = [
         {
             "output_ids": list(g.output_ids),
@@ -28,7 +30,7 @@ def group_record(uid: str, pair: tuple[int, int], prompt_ids: list[int], gens: l
     versions = [v for s in samples for v in s["output_versions"]]
     return {
         "uid": uid,
-        "pair": tuple(pair),
+        "prompt": prompt,
         "prompt_ids": list(prompt_ids),
         "samples": samples,
         "version": min(versions) if versions else 0,

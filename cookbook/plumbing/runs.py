@@ -1,11 +1,13 @@
-"""Run files and progress: ``runs/<name>/`` (metrics, summary, checkpoint), the per-step metric means, the
-progress bar."""
+"""Run files and progress: ``runs/<name>/`` (metrics to every sink, summary, checkpoint, held-out results), the
+per-step metric means, the progress bar (or line)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -14,30 +16,61 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .tracking import MetricsSink
+
 
 class RunFiles:
-    """``runs/<name>/``: ``metrics.jsonl`` (one JSON object per step, appended), ``summary.json``, ``ckpt.pt``."""
+    """``runs/<name>/``: ``metrics.jsonl`` (one JSON object per step, appended; also to TensorBoard / W&B with
+    ``sinks``, see :mod:`.tracking`), ``summary.json``, ``ckpt.pt``, and ``eval/step_<N>.jsonl`` (the per-prompt
+    results of each held-out evaluation). ``config``: the run's flags (W&B's run config)."""
 
-    def __init__(self, root: str, name: str) -> None:
+    def __init__(self, root: str, name: str, *, sinks: tuple[str, ...] = ("jsonl",), config: Any = None) -> None:
         self.dir = Path(root) / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics = self.dir / "metrics.jsonl"
         self.summary = self.dir / "summary.json"
         self.ckpt = self.dir / "ckpt.pt"
+        self.evals = self.dir / "eval"
+        if dataclasses.is_dataclass(config):
+            config = dataclasses.asdict(config)
+        self.sink = MetricsSink(self.metrics, self.dir, sinks, config=config, name=name)
 
     def fresh(self) -> None:
+        """Remove an earlier run's files (a fresh run; ``--resume`` keeps them)."""
         for p in (self.metrics, self.summary, self.ckpt):
             if p.exists():
                 p.unlink()
+        if self.evals.exists():
+            shutil.rmtree(self.evals)
+        self.sink.fresh()
 
     def log(self, record: dict) -> None:
-        with open(self.metrics, "a") as f:
-            f.write(json.dumps(_jsonable(record)) + "\n")
+        """One step's metrics (every key of :data:`.tracking.COMMON_KEYS` present) to every sink."""
+        self.sink.log(record, _jsonable(record))
+
+    def write_eval(self, step: int, result: Any) -> Path:
+        """The per-prompt results of a held-out evaluation (an ``rlblocks.reward.EvalResult``) at ``step``:
+        ``eval/step_<step>.jsonl``, one line per prompt, then a last line with the totals (``"totals": true``)."""
+        self.evals.mkdir(exist_ok=True)
+        path = self.evals / f"step_{step:06d}.jsonl"
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            for p in result.prompts:
+                f.write(json.dumps(_jsonable(p.record())) + "\n")
+            f.write(json.dumps({"totals": True, "step": step, "k": result.k, "n": result.n,
+                                **_jsonable(result.metrics())}) + "\n")
+        os.replace(tmp, path)
+        return path
 
     def write_summary(self, summary: dict) -> None:
         tmp = self.summary.with_suffix(".tmp")
         tmp.write_text(json.dumps(_jsonable(summary), indent=2) + "\n")
         os.replace(tmp, self.summary)
+        self.sink.summary(_jsonable(summary))
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard / W&B writers (idempotent)."""
+        self.sink.close()
 
     def save(self, state: dict) -> None:
         tmp = self.ckpt.with_suffix(".tmp")
@@ -62,17 +95,28 @@ def _jsonable(x: Any) -> Any:
 
 
 class Progress:
-    """tqdm progress bar when installed, else a one-line text bar on stderr."""
+    """Progress of a run: a bar on a terminal, a line every ``every`` seconds elsewhere.
 
-    def __init__(self, total: int, initial: int = 0, enabled: bool = True, desc: str = "grpo") -> None:
+    On a terminal (``stream.isatty()``): a tqdm bar when tqdm is installed, else a one-line text bar redrawn with
+    a carriage return. Elsewhere (CI, a batch job's log file) a carriage return would pile up into one huge line,
+    so a plain line ``desc: step n/total (x%) k=v ... elapsed s`` is printed at most every ``every`` seconds, and
+    at the last step. ``clock`` (seconds, monotonic) and ``stream`` (default ``sys.stderr``) are injectable.
+    """
+
+    def __init__(self, total: int, initial: int = 0, enabled: bool = True, desc: str = "grpo", *,
+                 every: float = 5.0, stream=None, clock=time.monotonic) -> None:
         self.enabled = enabled
-        self.total, self.n, self.t0 = total, initial, time.time()
+        self.total, self.n, self.desc, self.every = total, initial, desc, every
+        self.stream = stream if stream is not None else sys.stderr
+        self.clock = clock
+        self.t0 = self.last = clock()
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.bar = None
-        if enabled:
+        if enabled and self.tty:
             try:
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, desc=desc)
+                self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, desc=desc, file=self.stream)
             except ImportError:
                 self.bar = None
 
@@ -80,20 +124,28 @@ class Progress:
         if not self.enabled:
             return
         self.n += 1
+        tail = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in postfix.items())
         if self.bar is not None:
             self.bar.set_postfix({k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in postfix.items()},
                                  refresh=False)
             self.bar.update(1)
-        else:
+        elif self.tty:
             done = int(30 * self.n / max(self.total, 1))
-            tail = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in postfix.items())
-            print(f"\r[{'#' * done}{'.' * (30 - done)}] {self.n}/{self.total} {tail}", end="", file=sys.stderr)
+            print(f"\r[{'#' * done}{'.' * (30 - done)}] {self.n}/{self.total} {tail}", end="", file=self.stream,
+                  flush=True)
+        else:
+            now = self.clock()
+            if now - self.last >= self.every or self.n >= self.total:
+                self.last = now
+                pct = 100.0 * self.n / max(self.total, 1)
+                print(f"{self.desc}: step {self.n}/{self.total} ({pct:.0f}%) {tail} {now - self.t0:.0f} s",
+                      file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        elif self.enabled:
-            print(file=sys.stderr)
+        elif self.enabled and self.tty:
+            print(file=self.stream)
 
 
 def mean_metrics(records: list[dict[str, Tensor]]) -> dict[str, float]:

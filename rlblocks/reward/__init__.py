@@ -11,6 +11,8 @@
 - :class:`RewardPool` — concurrency bound, input order, timeouts, retries, ``stats()``; asyncio for async rewards,
   killable worker processes for synchronous CPU-bound ones (:class:`ProcessWorkers`).
 - :class:`WeightedReward`, :class:`FormatReward`, :class:`OverlongPenalty` — combinators.
+- :func:`evaluate` (an engine, prompts, a reward → :class:`EvalResult`), :func:`summarize`, :func:`pass_at_k` —
+  held-out pass@k (the unbiased estimator) and mean@k with per-prompt results.
 
 ``import rlblocks.reward`` imports only the standard library and rlblocks' small modules: no torch, transformers
 or math-verify (those load inside the file that needs them, when it is used), so a verifier worker process starts
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from .code import CodeReward, CodeTest, code_reward, extract_code, outputs_match
 from .combine import FormatReward, OverlongPenalty, WeightedReward
+from .evaluate import EvalResult, PromptResult, evaluate, pass_at_k, summarize
 from .math import MathReward, check_math, extract_answer, math_reward
 from .pool import RewardPool
 from .types import RewardFn, RewardResult, Sample
@@ -41,10 +44,12 @@ _LAZY = {
 __all__ = [
     "CodeReward",
     "CodeTest",
+    "EvalResult",
     "FormatReward",
     "MathReward",
     "OverlongPenalty",
     "ProcessWorkers",
+    "PromptResult",
     "RewardFn",
     "RewardModel",
     "RewardPool",
@@ -53,10 +58,13 @@ __all__ = [
     "WeightedReward",
     "check_math",
     "code_reward",
+    "evaluate",
     "extract_answer",
     "extract_code",
     "math_reward",
     "outputs_match",
+    "pass_at_k",
+    "summarize",
 ]
 
 

@@ -1,6 +1,7 @@
 """The child side of :class:`rlblocks.reward.workers.ProcessWorkers`: run pickled calls one at a time, forever.
 
-Started as ``python -c "from rlblocks.reward._worker import main; main()" CONFIG_JSON``. Frames on the pipes are an
+Started as ``python -c BOOTSTRAP CONFIG_JSON`` (the bootstrap drops the current directory from ``sys.path``, then
+calls :func:`main`). Frames on the pipes are an
 8-byte big-endian length followed by a pickle. The protocol owns the process's original stdin and stdout; the
 called functions see ``/dev/null`` as stdin and the worker's stderr as stdout, so a ``print`` in a verifier cannot
 corrupt a frame. This module imports only the standard library, so a worker starts in a fraction of a second.
@@ -64,7 +65,9 @@ def main() -> None:
     try:
         for name in cfg.get("preload", []):
             __import__(name)
-        _write_frame(proto_out, pickle.dumps(("ready", os.getpid())))
+        # the rlblocks this worker imported (the parent refuses a worker that found another one)
+        package = os.path.dirname(os.path.abspath(sys.modules["rlblocks"].__file__))
+        _write_frame(proto_out, pickle.dumps(("ready", os.getpid(), package)))
     except BaseException as e:  # a failed preload is reported, then the worker exits
         _write_frame(proto_out, pickle.dumps(("error", type(e).__name__, str(e), traceback.format_exc())))
         return

@@ -5,9 +5,19 @@ Extraction (:func:`extract_answer`), in this order:
 1. the content of the LAST ``\\boxed{...}`` (or ``\\fbox{...}``, or the brace-less ``\\boxed 5``), braces
    balanced; a response that opens a ``\\boxed{`` but never closes one has NO answer (it is not rescued by a
    number found elsewhere, which would reward a truncated response by accident);
-2. otherwise the LAST number in the text: an integer or decimal, with optional thousands separators
-   (``1,234.5``), an optional leading minus (only where it cannot be a subtraction: ``5-3`` ends in ``3``), or a
-   plain fraction ``a/b``.
+2. otherwise the LAST of these in the text (the one that ends last):
+
+   - a LaTeX math span, ``$...$``, ``$$...$$``, ``\\(...\\)`` or ``\\[...\\]``, taken whole (``$x = \\frac12$``
+     gives ``x = \\frac12``, which math-verify compares as the equation's right-hand side); a span whose text
+     reads as prose once ``\\text{}`` and commands are removed (two letters in a row: ``$5 and $6`` is money,
+     not math) is not one, and a span that is a plain number is read as a number;
+   - a bare LaTeX fraction or root outside such spans (``\\frac12``, ``\\dfrac{3}{4}``, ``-\\tfrac{1}{2}``,
+     ``2\\sqrt{3}``);
+   - a number outside both: an integer or decimal, with optional thousands separators (``1,234.5``), an optional
+     leading minus (only where it cannot be a subtraction: ``5-3`` ends in ``3``), or a plain fraction ``a/b``.
+
+   The digits inside a LaTeX expression are never read as a number of their own (``\\frac12`` is one half, not
+   12).
 
 Checking (:func:`check_math`): the reference (a string or a number; a ``\\boxed{}`` in it, or a GSM8K-style
 ``#### 72`` tail, is extracted the same way) and the answer are each parsed by ``math-verify`` (HF's parser:
@@ -20,7 +30,7 @@ A reference that ``math-verify`` cannot turn into a sympy object is refused (an 
 Outcome: ``score = 1.0`` if equal, else ``0.0`` (also when no answer was found or the answer did not parse:
 that is a wrong response, not a failure). A reference that does not parse is a failure (``error`` set): the
 data is broken, not the response. ``details``: ``answer`` (extracted text or None), ``answer_source``
-(``"boxed"``, ``"last_number"`` or None) and ``reason`` when the score is 0 without a comparison.
+(``"boxed"``, ``"latex"``, ``"last_number"`` or None) and ``reason`` when the score is 0 without a comparison.
 
 Timeout: ``math-verify`` can run for minutes on pathological input (``\\boxed{10^{10^{10}}}`` makes sympy
 build a ten-billion-digit integer inside C code, where no signal reaches). :class:`MathReward` therefore runs
@@ -46,6 +56,12 @@ __all__ = ["MathReward", "check_math", "extract_answer", "math_reward"]
 
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?")
+# LaTeX math spans, in the order a reader meets them: $$..$$ before $..$ (an escaped \$ is a dollar sign)
+_MATH_SPAN = re.compile(r"\$\$(.+?)\$\$|\\\[(.+?)\\\]|\\\((.+?)\\\)|(?<!\\)\$(.+?)(?<!\\)\$", re.DOTALL)
+_TEXT_GROUP = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{[^{}]*\}")
+_COMMAND = re.compile(r"\\[A-Za-z]+")
+_ARG = r"(?:\{[^{}]*\}|\d)"
+_BARE_LATEX = re.compile(rf"-?(?:\d+\s*)?\\sqrt\s*{_ARG}|-?\\[dt]?frac\s*{_ARG}\s*{_ARG}")
 
 
 def _boxed_contents(text: str) -> tuple[list[str], bool]:
@@ -79,20 +95,52 @@ def _boxed_contents(text: str) -> tuple[list[str], bool]:
     return found, seen
 
 
-def _last_number(text: str) -> str | None:
-    last = None
+def _last_number(text: str) -> tuple[str | None, int]:
+    """The last number of ``text`` (thousands separators removed) and the position where it ends (-1: none)."""
+    last, end = None, -1
     for m in _NUMBER.finditer(text):
         s = m.group(0)
         # A minus right after a word character or a closing bracket is a subtraction, not a sign: "5-3" ends in 3.
         if s.startswith("-") and m.start() > 0 and (text[m.start() - 1].isalnum() or text[m.start() - 1] in ")]}"):
             s = s[1:]
-        last = s.replace(",", "")
-    return last
+        last, end = s.replace(",", ""), m.end()
+    return last, end
+
+
+def _is_prose(math: str) -> bool:
+    """A ``$...$`` span that is words, not mathematics: two letters in a row once ``\\text{...}`` groups and
+    LaTeX commands are removed (``5 and `` between two prices; ``x^2``, ``\\frac{a}{b}`` or ``5\\text{ cm}``
+    are mathematics)."""
+    return re.search(r"[A-Za-z]{2}", _COMMAND.sub(" ", _TEXT_GROUP.sub(" ", math))) is not None
+
+
+def _last_latex(text: str) -> tuple[int, str, str | None, list[tuple[int, int]]]:
+    """The LaTeX candidate that ends last: ``(end, answer, source, spans)``, ``end = -1`` when there is none;
+    ``spans`` are the character ranges LaTeX occupies (no number is read inside them)."""
+    best: tuple[int, str, str | None] = (-1, "", None)
+    spans: list[tuple[int, int]] = []
+    for m in _MATH_SPAN.finditer(text):
+        body = next(g for g in m.groups() if g is not None).strip().rstrip(".,;").strip()
+        if not body or _is_prose(body):
+            continue  # not mathematics: its numbers count as plain numbers
+        spans.append(m.span())
+        if _NUMBER.fullmatch(body):
+            best = (m.end(), body.replace(",", ""), "latex")
+        else:
+            best = (m.end(), body, "latex")
+    for m in _BARE_LATEX.finditer(text):
+        if any(a <= m.start() < b for a, b in spans):
+            continue
+        spans.append(m.span())
+        if m.end() > best[0]:
+            best = (m.end(), m.group(0), "latex")
+    return (*best, spans)
 
 
 def extract_answer(text: str) -> tuple[str | None, str | None]:
-    """``(answer, source)``: the last ``\\boxed{}`` content (source ``"boxed"``), else the last number
-    (``"last_number"``), else ``(None, None)``. An unclosed ``\\boxed{`` gives ``(None, None)``."""
+    """``(answer, source)``: the last ``\\boxed{}`` content (source ``"boxed"``), else whichever ends last of a
+    LaTeX math span or bare LaTeX fraction/root (``"latex"``) and a number outside them (``"last_number"``), else
+    ``(None, None)``. An unclosed ``\\boxed{`` gives ``(None, None)``. See the module docstring."""
     if not isinstance(text, str):
         raise ArgumentError(f"text: expected a str, got {type(text).__name__}")
     boxed, seen = _boxed_contents(text)
@@ -100,8 +148,17 @@ def extract_answer(text: str) -> tuple[str | None, str | None]:
         return boxed[-1], "boxed"
     if seen:
         return None, None
-    num = _last_number(text)
-    return (num, "last_number") if num is not None else (None, None)
+    end, latex, source, spans = _last_latex(text)
+    # numbers outside the LaTeX: blank the spans out (same length, so positions stay comparable)
+    plain = text
+    for a, b in spans:
+        plain = plain[:a] + " " * (b - a) + plain[b:]
+    num, num_end = _last_number(plain)
+    if num is not None and num_end > end:
+        return num, "last_number"
+    if source is not None:
+        return latex, source
+    return None, None
 
 
 def _reference_text(reference: object) -> str:

@@ -13,7 +13,11 @@ the queue. Usable from any event loop (:meth:`ProcessWorkers.arun`) or none (:me
 
 The function and its arguments travel by pickle, so the function must be importable by name in a fresh interpreter
 (defined at module level of an importable module, as with ``multiprocessing``'s spawn start method). The child
-gets this process's ``sys.path`` as ``PYTHONPATH`` and does not re-import the ``__main__`` script.
+gets this process's ``sys.path`` as ``PYTHONPATH`` and does not re-import the ``__main__`` script. The current
+directory that ``python -c`` puts first on a child's ``sys.path`` is removed before anything is imported, so a
+worker started from a directory that holds another ``rlblocks`` (a checkout, a stale copy) still imports this
+process's; the worker reports the ``rlblocks`` it imported when it starts, and one that differs is refused
+(:class:`WorkerCrashed`).
 """
 
 from __future__ import annotations
@@ -41,7 +45,17 @@ from rlblocks.errors import ArgumentError, RewardTimeout, WorkerCrashed, WorkerE
 __all__ = ["ProcessWorkers"]
 
 _HEADER = struct.Struct(">Q")
+# ``python -c`` puts "" (the current directory) first on sys.path: drop it before the first import, so the worker
+# imports the rlblocks on this process's sys.path (its PYTHONPATH), not one that happens to sit in the directory
+_BOOTSTRAP = ("import sys\nif sys.path and sys.path[0] == '':\n    del sys.path[0]\n"
+              "from rlblocks.reward._worker import main\nmain()")
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the rlblocks/ package directory
 _STDERR_KEEP = 1 << 20  # a worker's stderr file is emptied after a call once it holds more than this
+
+
+def _same_package(path: object) -> bool:
+    """The worker's ``rlblocks`` package directory is this process's."""
+    return isinstance(path, str) and os.path.realpath(path) == os.path.realpath(_PACKAGE_DIR)
 
 
 def _describe_exit(rc: int | None) -> str:
@@ -252,7 +266,7 @@ class ProcessWorkers:
         stderr_file = tempfile.TemporaryFile(prefix="rlblocks-reward-worker-", mode="a+b")
         try:
             proc = subprocess.Popen(
-                [self.python, "-c", "from rlblocks.reward._worker import main; main()", cfg],
+                [self.python, "-c", _BOOTSTRAP, cfg],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr_file, env=env,
                 start_new_session=True, close_fds=True,
             )
@@ -268,6 +282,11 @@ class ProcessWorkers:
         except TimeoutError:
             frame = b""
         reply = pickle.loads(frame) if frame else None
+        if reply and reply[0] == "ready" and not _same_package(reply[2]):
+            self._discard(child)
+            self._count("crashes")
+            raise WorkerCrashed(f"worker process imported rlblocks from {reply[2]}, this process from "
+                                f"{_PACKAGE_DIR}: give the worker this process's sys.path (PYTHONPATH) or python")
         if not reply or reply[0] != "ready":
             detail = reply[3] if reply and reply[0] == "error" else child.stderr_tail()
             self._discard(child)

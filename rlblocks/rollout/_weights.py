@@ -219,7 +219,9 @@ def _check_finite(engine: str, name: str, t: Tensor) -> None:
     acc = torch.float64 if t.dtype == torch.float64 else torch.float32
     if bool(torch.isfinite(t.sum(dtype=acc))):
         return
-    bad = int((~torch.isfinite(t)).sum())
+    # torch has no isfinite for the float8 dtypes: read them as float32 (exact), only on this slow path
+    values = t.float() if t.element_size() == 1 else t
+    bad = int((~torch.isfinite(values)).sum())
     if bad:
         raise refuse(engine, f"{name!r}: {bad} of {t.numel()} values are not finite (NaN or inf)")
 

@@ -17,9 +17,17 @@ template into a :class:`~rlblocks.rollout.trajectory.Trajectory`; then, per turn
 
 Every request of one episode carries the episode's ``session_id``, so a :class:`~rlblocks.rollout.router.Router`
 keeps the episode on one engine (prefix-cache locality). Budgets: ``max_turns`` and ``max_total_tokens`` (the
-longest sequence the engine is asked to extend). An environment that raises or exceeds ``env_timeout`` ends the
-episode with ``finish_reason`` ``"env_error"`` / ``"env_timeout"`` and the error text; the episode (with the
-trajectory so far) is returned and counted in :class:`EpisodeStats`, never lost.
+longest sequence the engine is asked to extend). An environment that raises, exceeds ``env_timeout`` or returns
+a reward that is not a finite number (NaN, inf: refused, never summed into the episode's reward) ends the episode
+with ``finish_reason`` ``"env_error"`` / ``"env_timeout"`` and the error text; an engine that fails or refuses a
+turn ends it with ``"engine_error"``. The episode (with the trajectory so far) is returned and counted in
+:class:`EpisodeStats`, never lost.
+
+Tools: an async tool is awaited (and cancelled at its timeout). A sync tool runs each call in a daemon thread of
+its own, so a call that hangs never holds a shared pool: a timed-out call cannot be killed, it is abandoned and keeps
+its thread until it returns (counted in ``Tool.hung``); a tool with ``max_hung`` such calls refuses new ones with
+:class:`~rlblocks.errors.ToolUnavailable` (an ``error: ...`` observation for the model) until some return, which
+bounds the threads one broken tool can hold. Share one ``Tool`` across episodes to share that bound.
 
 Tool calls use the Hermes/Qwen format: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the
 assistant's text; results come back as ``tool`` role messages (the chat template decides how they render).
@@ -36,6 +44,7 @@ import math
 import numbers
 import operator
 import re
+import threading
 import time
 import traceback
 import uuid
@@ -45,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from rlblocks._checks import check_int, check_optional_int, check_seconds, check_str_pair
-from rlblocks.errors import ArgumentError
+from rlblocks.errors import ArgumentError, ToolUnavailable
 
 from .resume import ResumableResult, resumable_generate
 from .trajectory import OnMismatch, Trajectory, render_chat
@@ -68,7 +77,7 @@ __all__ = [
 ]
 
 TOOL_CALL_TAGS = ("<tool_call>", "</tool_call>")
-FINISH_REASONS = ("done", "max_turns", "max_tokens", "env_error", "env_timeout", "abort")
+FINISH_REASONS = ("done", "max_turns", "max_tokens", "env_error", "env_timeout", "engine_error", "abort")
 
 
 # ================================================================================================ environment
@@ -214,6 +223,11 @@ class Tool:
     ``fn(**arguments)`` may be sync or async; its result is converted to text (``str`` as is, anything else with
     ``json.dumps``). ``parameters`` is a JSON-schema object. :meth:`schema` is the OpenAI-style description the
     chat template renders. Calling the tool validates the arguments against ``parameters`` first.
+
+    ``timeout``: seconds per call (None: no limit). A sync ``fn`` runs each call in a thread of its own; a call
+    that times out (or whose caller is cancelled) is abandoned and keeps its thread until ``fn`` returns. While
+    ``max_hung`` abandoned calls are still running, a new call raises :class:`~rlblocks.errors.ToolUnavailable`
+    at once instead of starting another thread (module docstring). ``hung`` is the current count.
     """
 
     name: str
@@ -221,6 +235,9 @@ class Tool:
     description: str = ""
     parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
     timeout: float | None = None
+    max_hung: int = 8
+    _hung: int = field(default=0, init=False, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.name):
@@ -231,13 +248,15 @@ class Tool:
             raise ArgumentError(f"description: expected a str, got {type(self.description).__name__}")
         # a timeout <= 0 fires at once, "1" fails only at the first call: both are refused here
         self.timeout = check_seconds("timeout", self.timeout, allow_none=True)
+        self.max_hung = check_int("max_hung", self.max_hung, minimum=1)
         if not isinstance(self.parameters, dict) or self.parameters.get("type", "object") != "object":
             raise ArgumentError(f"parameters: expected a JSON-schema object ({{'type': 'object', ...}}), got "
                                 f"{self.parameters!r:.80}")
 
     @classmethod
     def from_function(cls, fn: Callable[..., Any], *, name: str | None = None, description: str | None = None,
-                      parameters: dict[str, Any] | None = None, timeout: float | None = None) -> Tool:
+                      parameters: dict[str, Any] | None = None, timeout: float | None = None,
+                      max_hung: int = 8) -> Tool:
         """A tool from a function: name from ``fn.__name__``, description from the first docstring paragraph,
         parameters (when not given) from the signature (``str``/``int``/``float``/``bool``/``list``/``dict``
         annotations; parameters without a default are required)."""
@@ -258,23 +277,73 @@ class Tool:
             parameters = {"type": "object", "properties": props, "required": required}
         doc = inspect.getdoc(fn) or ""
         return cls(name or fn.__name__, fn, description if description is not None else doc.split("\n\n")[0],
-                   parameters, timeout)
+                   parameters, timeout, max_hung)
 
     def schema(self) -> dict[str, Any]:
         return {"type": "function",
                 "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
 
+    @property
+    def hung(self) -> int:
+        """Calls that timed out (or were cancelled) and whose thread is still running ``fn``."""
+        with self._lock:
+            return self._hung
+
     async def __call__(self, arguments: Mapping[str, Any]) -> str:
-        """Run the tool; raises ``ArgumentError`` when the arguments do not fit the schema."""
+        """Run the tool; raises ``ArgumentError`` when the arguments do not fit the schema, ``asyncio.TimeoutError``
+        after ``timeout``, :class:`~rlblocks.errors.ToolUnavailable` when ``max_hung`` calls are still hung."""
         problem = _check_arguments(self.parameters, arguments)
         if problem:
             raise ArgumentError(f"{self.name}: {problem}")
         if inspect.iscoroutinefunction(self.fn):
             coro = self.fn(**arguments)
-        else:  # a sync tool runs in a thread so that a slow one does not stall the event loop
-            coro = asyncio.to_thread(self.fn, **arguments)
-        out = await (coro if self.timeout is None else asyncio.wait_for(coro, self.timeout))
+            out = await (coro if self.timeout is None else asyncio.wait_for(coro, self.timeout))
+        else:
+            out = await self._in_thread(arguments)
         return out if isinstance(out, str) else json.dumps(out)
+
+    async def _in_thread(self, arguments: Mapping[str, Any]) -> Any:
+        """A sync call in a daemon thread of its own (not a shared pool, which hung calls would fill)."""
+        with self._lock:
+            if self._hung >= self.max_hung:
+                raise ToolUnavailable(f"{self.name}: {self._hung} earlier calls timed out and are still running "
+                                      f"(max_hung={self.max_hung}); this call was not started")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        state = {"done": False, "abandoned": False}  # guarded by self._lock
+
+        def work() -> None:
+            try:
+                result, error = self.fn(**arguments), None
+            except BaseException as e:  # handed to the caller, as a pool thread would
+                result, error = None, e
+            with self._lock:
+                state["done"] = True
+                if state["abandoned"]:
+                    self._hung -= 1
+                    return
+            try:
+                loop.call_soon_threadsafe(_settle, fut, result, error)
+            except RuntimeError:  # the loop was closed meanwhile: nobody waits for the result
+                pass
+
+        threading.Thread(target=work, name=f"rlblocks-tool:{self.name}", daemon=True).start()
+        try:
+            return await (fut if self.timeout is None else asyncio.wait_for(fut, self.timeout))
+        except BaseException:
+            with self._lock:
+                if not state["done"]:
+                    state["abandoned"] = True
+                    self._hung += 1
+            raise
+
+
+def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if not fut.done():
+        if error is None:
+            fut.set_result(result)
+        else:
+            fut.set_exception(error)
 
 
 class ToolEnv:
@@ -569,9 +638,11 @@ class Episode:
 
     ``trajectory`` is None only when ``env.reset()`` itself failed. ``reward`` is the sum of the step rewards.
     ``finish_reason``: ``"done"`` (the environment ended it), ``"max_turns"``, ``"max_tokens"`` (no room left in
-    ``max_total_tokens``), ``"env_error"`` / ``"env_timeout"`` (``error`` holds the text), or ``"abort"`` (a turn
-    came back aborted after ``max_submissions`` engine calls). ``turn_finish`` lists each turn's end:
-    the stop text, ``"stop"`` (stop token), ``"length"`` or ``"abort"``.
+    ``max_total_tokens``), ``"env_error"`` / ``"env_timeout"`` (``error`` holds the text; a non-finite step reward
+    is an ``env_error``), ``"engine_error"`` (the engine failed or refused a turn; ``error`` holds the text), or
+    ``"abort"`` (a turn came back aborted after ``max_submissions`` engine calls). Only ``"done"``,
+    ``"max_turns"`` and ``"max_tokens"`` are complete episodes; :attr:`failed` says the others are not.
+    ``turn_finish`` lists each turn's end: the stop text, ``"stop"`` (stop token), ``"length"`` or ``"abort"``.
     """
 
     session_id: str
@@ -590,14 +661,19 @@ class Episode:
     def prefix_mismatches(self) -> int:
         return 0 if self.trajectory is None else self.trajectory.prefix_mismatches
 
+    @property
+    def failed(self) -> bool:
+        """The episode did not end normally (an environment or engine error, a timeout, an abort)."""
+        return self.finish_reason in ("env_error", "env_timeout", "engine_error", "abort")
+
 
 class EpisodeStats:
     """Counters over recorded episodes; :meth:`stats` returns a plain dict.
 
-    Keys: ``episodes``, ``turns``, ``tool_calls``, ``env_errors``, ``env_timeouts``, ``prefix_mismatches``,
-    ``branches``, ``model_tokens``, ``env_tokens``, ``reward_sum``, ``finish_reasons`` (reason -> count) and
-    ``last_errors`` (the 16 most recent ``(session_id, finish_reason, error)``; every error is also in its
-    :class:`Episode`).
+    Keys: ``episodes``, ``turns``, ``tool_calls``, ``env_errors``, ``env_timeouts``, ``engine_errors``,
+    ``prefix_mismatches``, ``branches``, ``model_tokens``, ``env_tokens``, ``reward_sum``, ``finish_reasons``
+    (reason -> count) and ``last_errors`` (the 16 most recent ``(session_id, finish_reason, error)``; every error
+    is also in its :class:`Episode`).
     """
 
     def __init__(self) -> None:
@@ -615,6 +691,7 @@ class EpisodeStats:
         c["tool_calls"] += episode.num_tool_calls
         c["env_errors"] += episode.finish_reason == "env_error"
         c["env_timeouts"] += episode.finish_reason == "env_timeout"
+        c["engine_errors"] += episode.finish_reason == "engine_error"
         t = episode.trajectory
         if t is not None:
             c["prefix_mismatches"] += t.prefix_mismatches
@@ -627,8 +704,8 @@ class EpisodeStats:
             self._errors.append((episode.session_id, episode.finish_reason, episode.error))
 
     def stats(self) -> dict[str, Any]:
-        keys = ("episodes", "turns", "tool_calls", "env_errors", "env_timeouts", "prefix_mismatches", "branches",
-                "model_tokens", "env_tokens")
+        keys = ("episodes", "turns", "tool_calls", "env_errors", "env_timeouts", "engine_errors", "prefix_mismatches",
+                "branches", "model_tokens", "env_tokens")
         out: dict[str, Any] = {k: int(self._c[k]) for k in keys}
         out["reward_sum"] = self._reward
         out["finish_reasons"] = dict(self._reasons)
@@ -665,6 +742,12 @@ def _as_step(out: Any) -> StepResult:
     obs, reward, done, info = out
     if isinstance(reward, (bool, str, bytes)) or not isinstance(reward, numbers.Real):
         raise TypeError(f"env.step: reward: expected a real number, got {type(reward).__name__} {reward!r:.40}")
+    try:
+        value = float(reward)
+    except OverflowError:  # an int beyond the float range
+        value = math.inf
+    if not math.isfinite(value):  # a NaN/inf reward would poison its group's advantages: never summed
+        raise ArgumentError(f"env.step: reward: expected a finite real number, got {reward!r:.40}")
     if not isinstance(done, bool) and type(done).__name__ != "bool_":  # numpy's bool from gym-style envs is fine
         raise TypeError(f"env.step: done: expected True or False, got {type(done).__name__} {done!r:.40}")
     info = {} if info is None else info
@@ -673,7 +756,7 @@ def _as_step(out: Any) -> StepResult:
     calls = info.get("tool_calls", 0) or 0
     if isinstance(calls, bool) or not isinstance(calls, numbers.Integral) or calls < 0:
         raise TypeError(f"env.step: info['tool_calls']: expected an int >= 0, got {calls!r:.40}")
-    return StepResult(obs, float(reward), bool(done), info)
+    return StepResult(obs, value, bool(done), info)
 
 
 async def _timed(coro: Awaitable[Any], timeout: float | None) -> Any:
@@ -764,9 +847,11 @@ async def run_episode(
         return finish("env_timeout", f"env.reset() did not return within {env_timeout} s")
     except Exception as e:
         return finish("env_error", _error_text(e))
-    tools = getattr(env, "tools", None)
-    traj = Trajectory.from_messages(tokenizer, first, tools=tools, session_id=sid, group_id=group_id,
-                                    **dict(template_kwargs or {}))
+    try:  # the first messages could not be rendered: the environment's fault
+        traj = Trajectory.from_messages(tokenizer, first, tools=getattr(env, "tools", None), session_id=sid,
+                                        group_id=group_id, **dict(template_kwargs or {}))
+    except Exception as e:
+        return finish("env_error", _error_text(e))
     ep.trajectory = traj
     for turn in range(max_turns):
         budget = sampling.max_new_tokens
@@ -774,14 +859,17 @@ async def run_episode(
             budget = min(budget, max_total_tokens - len(traj))
             if budget <= 0:
                 return finish("max_tokens")
-        res, stopped_by = await generate_turn(
-            engine, traj.token_ids, dataclasses.replace(sampling, max_new_tokens=budget),
-            request_id=f"{sid}/t{turn}", session_id=sid, stop_texts=stop_texts, tokenizer=tokenizer,
-            mask_stale=mask_stale, max_submissions=max_submissions,
-        )
-        body = res.output_ids[:-1] if res.output_ids and res.output_ids[-1] in stop_ids else res.output_ids
-        text = tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        traj.append_generation(res, message={"role": "assistant", "content": text})
+        try:  # an engine that fails or refuses ends the episode, which is still returned and counted
+            res, stopped_by = await generate_turn(
+                engine, traj.token_ids, dataclasses.replace(sampling, max_new_tokens=budget),
+                request_id=f"{sid}/t{turn}", session_id=sid, stop_texts=stop_texts, tokenizer=tokenizer,
+                mask_stale=mask_stale, max_submissions=max_submissions,
+            )
+            body = res.output_ids[:-1] if res.output_ids and res.output_ids[-1] in stop_ids else res.output_ids
+            text = tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            traj.append_generation(res, message={"role": "assistant", "content": text})
+        except Exception as e:
+            return finish("engine_error", f"turn {turn}: {_error_text(e)}")
         ep.turn_finish.append(stopped_by or res.finish_reason)
         if res.finish_reason == "abort":
             return finish("abort", f"turn {turn} was still aborted after {res.num_submissions} engine calls")

@@ -45,7 +45,9 @@ last bits with the batch composition (as in vLLM and SGLang); greedy tokens then
 
 Weight updates, pause, sleep and close
 --------------------------------------
-``update_weights`` materialises the iterable and checks it with the rule every engine shares (see
+``update_weights`` materialises the iterable (dequantising weights sent in the block-FP8 format of
+:mod:`rlblocks.sync.fp8`: the engine then computes with exactly an FP8 engine's weights) and checks it with the rule
+every engine shares (see
 :mod:`rlblocks.rollout._weights`: names, shapes, dtypes, finite values, completeness unless ``partial=True``, tied
 aliases, versions only forward unless ``allow_rollback=True``) *before* touching anything
 (:class:`~rlblocks.errors.WeightUpdateError`; weights and version unchanged). It then waits for the current step to
@@ -87,7 +89,7 @@ from torch import Tensor
 from rlblocks.errors import ArgumentError, EngineError
 
 from ._common import InFlightCount, Lifecycle, StatsView
-from ._weights import WeightLayout, check_update_version
+from ._weights import WeightLayout, check_update_version, refuse
 from .routing import RoutingRecorder
 from .types import Generation, GenerationRequest
 
@@ -434,12 +436,13 @@ class TorchEngine:
         The whole update is checked first (:mod:`rlblocks.rollout._weights`; a refusal raises
         :class:`~rlblocks.errors.WeightUpdateError` with weights, caches and version unchanged). Pauses itself
         (keep) if not paused and resumes afterwards. After a level-2 sleep, a complete update is what lets the
-        engine generate again."""
+        engine generate again. Weights may come in the block-FP8 wire format (``rlblocks.sync.quantize_named``):
+        they are dequantised into the engine's dtype first (see :meth:`_dequantize_fp8`)."""
         self._state.check_open()
         self._bind_loop()
         version = check_update_version("TorchEngine", version, self._version, allow_rollback=allow_rollback)
         self._state.check_update(partial)
-        items = self._layout.validate(list(named_tensors), engine="TorchEngine", partial=partial)
+        items = self._layout.validate(self._dequantize_fp8(list(named_tensors)), engine="TorchEngine", partial=partial)
         targets = self._targets()
         self._state.updating += 1
         try:
@@ -457,6 +460,27 @@ class TorchEngine:
         finally:
             self._state.updating -= 1
             self._wake.set()
+
+    def _dequantize_fp8(self, items: list) -> list:
+        """FP8 hook of :meth:`update_weights`: an update in the block-FP8 wire format of :mod:`rlblocks.sync.fp8`
+        (``name`` as ``float8_e4m3fn`` plus ``name + "_scale_inv"``, 128 x 128 blocks) is dequantised here, each pair
+        into one tensor of the weight's own dtype (``float32(q) * scale`` rounded once), so the engine computes with
+        exactly the weights an FP8 engine holds. Anything else passes through untouched. A float8 tensor without its
+        scales, or scales without their weight, is refused like any other bad update."""
+        from rlblocks.sync.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_named
+
+        specs = self._layout.specs
+        if not any(
+            isinstance(it, tuple | list) and len(it) == 2 and isinstance(it[0], str) and isinstance(it[1], Tensor)
+            and (it[1].dtype == FP8_DTYPE or (it[0].endswith(SCALE_SUFFIX) and it[0] not in specs))
+            for it in items
+        ):
+            return items
+        own = {n: s.dtype or torch.float32 for n, s in specs.items()}
+        try:
+            return dequantize_named(items, dtype=own, own=own)
+        except ArgumentError as e:
+            raise refuse("TorchEngine", str(e)) from None
 
     def _targets(self) -> dict[str, Tensor]:
         """Every tensor an update may write, by ``state_dict()`` name (buffers included)."""

@@ -65,7 +65,7 @@ from rlblocks._deprecate import renamed_kwargs, warn_renamed
 from rlblocks.errors import ArgumentError, EngineError, WeightUpdateError
 
 from ._common import InFlightCount, Lifecycle, StatsView, wait_first
-from ._weights import WeightLayout, check_update_version, refuse
+from ._weights import WeightLayout, WeightSpec, check_update_version, refuse
 from .types import Generation, GenerationRequest, SamplingParams
 
 __all__ = ["VLLMEngine", "VLLMEngineStats", "WorkerExtension", "nccl_trainer_init", "nccl_trainer_send"]
@@ -208,6 +208,8 @@ class VLLMEngine:
         self._max_staleness = max_staleness
         self._layout = None if expected_weights is None else WeightLayout.from_shapes(expected_weights)
         self._packed: dict[str, str] = {}
+        self._fp8: dict[str, tuple[int, ...]] | None = None  # block-FP8 weights: {name: scale shape}, see _fp8_layout
+        self._checkpoint_config: Any = None  # the HF config the layout was built from (None: layout given)
         self._inflight: dict[str, _InFlight] = {}
         self._state = Lifecycle("VLLMEngine")
         self._vllm_paused = False  # whether vLLM's scheduler was told to pause
@@ -647,9 +649,62 @@ class VLLMEngine:
                 model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=mc.trust_remote_code)
             # vLLM loads checkpoint names only: non-persistent buffers (rotary frequencies) are not part of it
             self._layout = WeightLayout.from_module(model, non_persistent_buffers=False)
+            self._checkpoint_config = cfg
+        if self._fp8 is None:
+            self._fp8 = self._fp8_layout(self._checkpoint_config)
         if not self._packed:
             self._packed = self._packed_modules(self._llm.model_config)
         return self._layout
+
+    def _fp8_layout(self, cfg: Any) -> dict[str, tuple[int, ...]]:
+        """Block-FP8 engines (started from a checkpoint whose ``quantization_config`` is ``quant_method="fp8"`` with
+        a ``weight_block_size``, e.g. one written by :func:`rlblocks.sync.save_fp8_checkpoint`): the weights it holds
+        as FP8, ``{name: scale shape}``, under :class:`rlblocks.sync.FP8Rules` of that config; the layout gains
+        their ``<name>_scale_inv`` entries. Empty for any other engine."""
+        from rlblocks.sync.fp8 import SCALE_SUFFIX, FP8Rules, scale_shape
+
+        # the checkpoint's own config (the one the layout was built from), not vLLM's copy of it
+        qc = getattr(cfg, "quantization_config", None)
+        if qc is not None and not isinstance(qc, Mapping):
+            qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
+        if not qc or "fp8" not in str(qc.get("quant_method", "")) or not qc.get("weight_block_size"):
+            return {}
+        rules = FP8Rules.from_hf_config(qc)
+        specs = dict(self._layout.specs)
+        fp8 = {}
+        for name, spec in self._layout.specs.items():
+            if rules.quantizes(name, spec.shape, spec.dtype or torch.float32):
+                fp8[name] = scale_shape(spec.shape, rules.block)
+                specs[name + SCALE_SUFFIX] = WeightSpec(fp8[name], torch.float32, required=spec.required)
+        self._layout = WeightLayout(specs, aliases=self._layout.aliases)
+        return fp8
+
+    def _check_fp8(self, items: list) -> list:
+        """A block-FP8 engine's update must carry every FP8 weight as ``float8_e4m3fn`` and its scales as float32
+        (:mod:`rlblocks.sync.fp8`; a bf16 weight would be cast into the FP8 parameter without new scales): checked
+        here, with the values (no NaN byte in a weight, every scale finite and positive). Returns the items with
+        meta stand-ins for the FP8 tensors, whose values the shared rule cannot read (it checks names, shapes,
+        completeness); :meth:`validate_weights` puts the real tensors back."""
+        from rlblocks.sync.fp8 import FP8_DTYPE, SCALE_SUFFIX
+
+        scales = {n + SCALE_SUFFIX: n for n in self._fp8}
+        out = []
+        for item in items:
+            name, t = item if isinstance(item, tuple | list) and len(item) == 2 else (None, None)
+            if not isinstance(t, Tensor) or (name not in self._fp8 and name not in scales):
+                out.append(item)
+                continue
+            want = FP8_DTYPE if name in self._fp8 else torch.float32
+            if t.dtype != want:
+                hint = " (quantise with rlblocks.sync.quantize_named)" if want == FP8_DTYPE else ""
+                raise refuse("VLLMEngine", f"{name!r}: this engine holds block-FP8 weights, expected {want}, "
+                                           f"got {t.dtype}{hint}")
+            if not t.is_meta and want == FP8_DTYPE and bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any()):
+                raise refuse("VLLMEngine", f"{name!r}: NaN values in an FP8 weight")
+            if not t.is_meta and want == torch.float32 and not bool((torch.isfinite(t) & (t > 0)).all()):
+                raise refuse("VLLMEngine", f"{name!r}: FP8 scales must be finite and positive")
+            out.append((name, t.to("meta") if want == FP8_DTYPE else t))
+        return out
 
     @staticmethod
     def _packed_modules(model_config: Any) -> dict[str, str]:
@@ -681,7 +736,14 @@ class VLLMEngine:
         undefined, so a partial update must send every part of the fused modules it touches. Raises
         :class:`~rlblocks.errors.WeightUpdateError`."""
         layout = self._weight_layout()
-        items = layout.validate(named_tensors, engine="VLLMEngine", partial=partial)
+        named_tensors = list(named_tensors)
+        if self._fp8:
+            real = {it[0]: it[1] for it in named_tensors if isinstance(it, tuple | list) and len(it) == 2
+                    and isinstance(it[0], str)}
+            checked = layout.validate(self._check_fp8(named_tensors), engine="VLLMEngine", partial=partial)
+            items = [(n, real[n] if t.is_meta and n in real else t) for n, t in checked]
+        else:
+            items = layout.validate(named_tensors, engine="VLLMEngine", partial=partial)
         seen = {n for n, _ in items}
         groups: dict[str, set[str]] = {}
         for name in layout.required:

@@ -9,6 +9,8 @@ delta sync, LoRA sync, resharding (FSDP2 full tensors, megatron-core <-> HF).
 - :class:`DeltaEncoder`, :class:`DeltaDecoder`, :class:`DirectoryTransport`, :class:`GroupDeltaTransport`: sparse
   delta packets with checksums, and their transports.
 - :func:`lora_state`, :func:`merge_lora`, :class:`LoraSyncer`, :func:`split_lora_message`: LoRA adapters only.
+- :func:`quantize_named`, :func:`dequantize_named`, :class:`FP8Rules`, :func:`save_fp8_checkpoint`: blockwise FP8
+  (``weight`` + ``weight_scale_inv``, 128 x 128 blocks) on the way to the rollout engine.
 - :func:`full_tensors` (FSDP2), :func:`hf_to_megatron`, :func:`megatron_to_hf`, :func:`megatron_to_hf_streaming`.
 
 Every module here needs only torch (peft is imported inside :func:`lora_state`; megatron-core is never imported).
@@ -20,6 +22,15 @@ from .broadcast import SyncGroup, WeightReceiver, WeightSender, init_sync_group
 from .buckets import Bucket, TensorMeta, pack_buckets, unpack_bucket
 from .delta import DeltaDecoder, DeltaEncoder, DeltaPacket
 from .delta_transport import DirectoryTransport, GroupDeltaTransport
+from .fp8 import (
+    FP8Rules,
+    dequantize_fp8,
+    dequantize_named,
+    quantize_fp8,
+    quantize_named,
+    quantized_specs,
+    save_fp8_checkpoint,
+)
 from .fsdp import full_tensors
 from .handoff import HandoffMessage, HandoffSender, open_handoff, update_from_handoff
 from .lora import LoraSyncer, lora_state, merge_lora, split_lora_message
@@ -31,6 +42,7 @@ __all__ = [
     "DeltaEncoder",
     "DeltaPacket",
     "DirectoryTransport",
+    "FP8Rules",
     "GPTDims",
     "GroupDeltaTransport",
     "HandoffMessage",
@@ -40,6 +52,8 @@ __all__ = [
     "TensorMeta",
     "WeightReceiver",
     "WeightSender",
+    "dequantize_fp8",
+    "dequantize_named",
     "full_tensors",
     "gpt_dims",
     "hf_to_megatron",
@@ -50,6 +64,10 @@ __all__ = [
     "merge_lora",
     "open_handoff",
     "pack_buckets",
+    "quantize_fp8",
+    "quantize_named",
+    "quantized_specs",
+    "save_fp8_checkpoint",
     "split_lora_message",
     "unpack_bucket",
     "update_from_handoff",

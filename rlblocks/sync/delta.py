@@ -31,11 +31,13 @@ tensor's new CRC; on a mismatch it restores the old values, so a refused packet 
 Byte order is the host's (little-endian on every supported platform).
 
 Speed: encoding and verified apply make a few passes over the model bytes and none per element in Python (see
-:mod:`rlblocks.sync._bits`): int64-word comparison with only the changed words examined lane by lane, the snapshot
-updated by scatter, CRC-32 by ISA-L when installed (the same checksum as zlib's), all in chunks on a thread pool
-(``RLBLOCKS_SYNC_THREADS``, default ``torch.get_num_threads()``). With an encoder snapshot on a GPU
-(``DeltaEncoder(..., device="cuda")``) the comparison runs there and only positions and values cross to the host;
-the CRCs are computed on the host from a chunked copy.
+:mod:`rlblocks.sync._bits`): int64-word comparison with only the changed words examined lane by lane, CRC-32 by
+ISA-L when installed (the same checksum as zlib's), all in chunks on a thread pool (``RLBLOCKS_SYNC_THREADS``,
+default ``torch.get_num_threads()``). On the CPU with ``numba`` installed the encoder's comparison, its gap16
+positions, values and snapshot update are one compiled pass per chunk (``_bits.native_delta``); without it (or with
+``RLBLOCKS_SYNC_NATIVE=0``) torch calls do the same in about five passes, with byte-identical packets. With an
+encoder snapshot on a GPU (``DeltaEncoder(..., device="cuda")``) the comparison runs there and only positions and
+values cross to the host; the CRCs are computed on the host from a chunked copy.
 """
 
 from __future__ import annotations
@@ -57,12 +59,14 @@ from rlblocks._checks import check_bool, check_version
 from rlblocks.errors import ArgumentError, DeltaError
 from rlblocks.sync._bits import (
     INT_VIEW,
+    NativeDelta,
     changed_indices,
     crc32_bytes,
     crc32_tensor,
     int_view,
     masked_put,
     masked_take,
+    native_delta,
     pack_bits,
     sampled_density,
     unpack_bits,
@@ -469,20 +473,31 @@ class DeltaEncoder:
             staged.copy_(new)
             new = staged
         new = new.contiguous()
-        n, esize = snap.numel(), snap.element_size()
+        n = snap.numel()
         base_crc = self._crc[name]
         if 16 * sampled_density(_flat(snap), _flat(new)) > 1 and n >= 4096:
             rec = self._encode_many(name, snap, new, base_crc)
             if rec is not None:
                 return rec
-        # One pass over old and new (int64 words, threaded chunks): changed indices, their new values, the
-        # snapshot brought up to date, and the CRC of the new contents.
+        # One compiled pass over old and new where numba is installed (gap16 positions, values, snapshot update
+        # and CRC at once: rlblocks.sync._bits.native_delta); else the torch pass (int64 words, threaded chunks):
+        # changed indices, their new values, the snapshot brought up to date, and the CRC of the new contents.
+        # Both give the same record, byte for byte.
+        nat = native_delta(_flat(snap), _flat(new), update=True, with_crc=True)
+        if nat is not None:
+            return self._record(name, snap, base_crc, nat.count, nat.nwide, nat.crc, nat)
         idx, vals, crc = changed_indices(_flat(snap), _flat(new), update=True, with_crc=True)
         k = idx.numel()
-        if k == 0:
-            return DeltaTensor(name, snap.dtype, tuple(snap.shape), "none", 0, _empty(), _empty(), base_crc, base_crc)
         gaps = torch.diff(idx, prepend=idx.new_full((1,), -1))
         wide = int(torch.count_nonzero(gaps >= _ESC))
+        return self._record(name, snap, base_crc, k, wide, crc, (idx, vals, gaps))
+
+    def _record(self, name: str, snap: Tensor, base_crc: int, k: int, wide: int, crc: int, found) -> DeltaTensor:
+        """The smallest record for ``k`` changes (``wide`` escaped gaps), from a :class:`NativeDelta` or the torch
+        path's ``(idx, vals, gaps)``; the snapshot already holds the new contents (CRC ``crc``)."""
+        n, esize = snap.numel(), snap.element_size()
+        if k == 0:
+            return DeltaTensor(name, snap.dtype, tuple(snap.shape), "none", 0, _empty(), _empty(), base_crc, base_crc)
         idx_enc = "idx32" if n <= 2**31 - 1 else "idx64"
         costs = {
             "gap16": 2 * k + 8 * wide,
@@ -491,9 +506,13 @@ class DeltaEncoder:
             "dense": (n - k) * esize,
         }
         enc = min(costs, key=costs.__getitem__)
+        native = isinstance(found, NativeDelta)
         if enc == "dense":
             values, positions, k = _u8(snap).clone(), _empty(), n
+        elif native and enc == "gap16":
+            values, positions = found.values.view(torch.uint8), found.gap16_bytes()
         else:
+            idx, vals, gaps = (found.indices(), found.values, None) if native else found
             values = vals.reshape(-1).view(torch.uint8)
             if enc == "bitmap":
                 positions = _encode_bitmap(idx, n)

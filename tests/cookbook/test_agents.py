@@ -11,7 +11,7 @@ import torch
 # a deprecated rlblocks name (the library's DeprecationWarnings all start with "rlblocks:") fails the test
 pytestmark = pytest.mark.filterwarnings("error:rlblocks:DeprecationWarning")
 
-TIMING = ("generate_seconds", "step_seconds", "wall_seconds")
+TIMING = ("generate_seconds", "step_seconds", "wall_seconds", "train_seconds", "sync_seconds", "tokens_per_s")
 
 
 @pytest.fixture(scope="module")

@@ -141,9 +141,10 @@ def test_sync_ppo_epochs_clip(demo_model_dir, tmp_path):
     assert max(r["clipfrac_low"] + r["clipfrac_high"] for r in rows) > 0
 
 
-# what differs between two runs of one seed: the clock
+# what differs between two runs of one seed: the clock (``seconds``: the reward pool's wall time)
 TIMING = ("step_seconds", "generate_seconds", "train_seconds", "sync_seconds", "reward_seconds", "queue_wait_seconds",
-          "tokens_per_s", "wall_seconds", "cpu_seconds", "rl_seconds_this_run", "config", "memory_bytes_per_rank")
+          "tokens_per_s", "wall_seconds", "cpu_seconds", "rl_seconds_this_run", "config", "memory_bytes_per_rank",
+          "seconds")
 
 
 def untimed(x):

@@ -11,12 +11,11 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import data
 import ppo
 import pytest
 import torch
 import toy
-from plumbing import parse_flags
+from plumbing import Reward, parse_flags
 from torch import nn
 
 from rlblocks.losses import whiten
@@ -205,12 +204,12 @@ def demo_roles(demo_model_dir):
     tok, actor = ppo.load_actor(demo_model_dir, torch.device("cpu"), 1.0)
     critic = ppo.load_critic(demo_model_dir, torch.device("cpu"))
     engine = ppo.TorchEngine.from_pretrained(demo_model_dir, device="cpu")
-    task = data.load_task(tok)
+    task = toy.task(tok)
     loop = asyncio.new_event_loop()
     cfg = SimpleNamespace(temperature=1.0, max_new_tokens=6, group_size=4)
     batch, prompts, outputs = ppo.rollout(cfg, engine, tok, task, random.Random(0), 16, 0, 0, loop,
                                           torch.device("cpu"))
-    checked = loop.run_until_complete(data.make_verifier("verifier", tok).scores(prompts, outputs))
+    checked, _ = loop.run_until_complete(Reward("verifier", tok).scores(prompts, outputs))
     loop.run_until_complete(engine.aclose())
     loop.close()
     return actor, critic, batch, torch.tensor(checked)
@@ -269,56 +268,6 @@ def test_critic_values_match_a_forward_of_each_unpadded_row(demo_model_dir, demo
             expected = h[p - 1 : p + n - 1] @ critic.head.weight[0] + 0.3
             torch.testing.assert_close(values[b, :n], expected, rtol=1e-4, atol=1e-5)
             assert bool((values[b, n:] == 0).all())
-
-
-def test_exact_match_verifier_is_the_toy_reward():
-    import asyncio
-
-    tok = toy.build_tokenizer()
-    pairs = toy.split_pairs()["rl"][:6]
-    prompts = data.toy_prompts(tok, pairs)
-    eos = tok.eos_token_id
-    outs = []
-    for a, b in pairs:  # right, right but cut by the budget (no EOS), wrong, empty
-        right = tok.encode(str(a + b), add_special_tokens=False)
-        outs += [[*right, eos], right, [*tok.encode(str(a + b + 1), add_special_tokens=False), eos], []]
-    rows = [p for p in prompts for _ in range(4)]
-    got = asyncio.run(data.make_verifier("verifier", tok).scores(rows, outs))
-    assert got == [toy.reward(tok, *p.metadata["pair"], o) for p, o in zip(rows, outs)]
-    assert got[:4] == [1.0, 0.0, 0.0, 0.0]
-    assert [list(p.ids) for p in prompts] == [toy.encode_prompt(tok, a, b) for a, b in pairs]
-
-
-def test_jsonl_prompts_are_read_split_and_refused_with_the_line(tmp_path):
-    from rlblocks.errors import ArgumentError
-
-    tok = toy.build_tokenizer()
-    path = tmp_path / "p.jsonl"
-    path.write_text("\n".join(json.dumps({"prompt": f"{i}+1=", "answer": i + 1, "src": "x"}) for i in range(30))
-                    + "\n\n")
-    task = data.load_task(tok, prompts=str(path))
-    assert len(task.heldout) == 3 and len(task.train) == 27  # a tenth held out
-    assert {p.text for p in task.train}.isdisjoint({p.text for p in task.heldout})
-    assert all(p.answer == str(int(p.text.split("+")[0]) + 1) and p.metadata == {"src": "x"} for p in task.train)
-    assert list(task.train[0].ids) == [tok.bos_token_id, *tok.encode(task.train[0].text, add_special_tokens=False)]
-    held = tmp_path / "h.jsonl"
-    held.write_text(json.dumps({"prompt": "5+5=", "answer": "10"}) + "\n")
-    task = data.load_task(tok, prompts=str(path), eval_prompts=str(held))
-    assert len(task.train) == 30 and [p.text for p in task.heldout] == ["5+5="]
-    bad = tmp_path / "bad.jsonl"
-    for text, needle in [('{"prompt": "1+1=", "answer": "2"}\nnot json', ":2:"),
-                         ('{"prompt": "1+1="}', "'answer'"), ('{"prompt": "", "answer": "1"}', "'prompt'"),
-                         ('{"prompt": "1+1=", "answer": true}', "'answer'"), ("", "empty")]:
-        bad.write_text(text)
-        with pytest.raises(ArgumentError, match="--prompts") as e:
-            data.read_jsonl(bad)
-        assert needle in str(e.value), (text, str(e.value))
-    with pytest.raises(ArgumentError, match="no such file"):
-        data.load_task(tok, prompts=str(tmp_path / "missing.jsonl"))
-    long = tmp_path / "long.jsonl"
-    long.write_text("\n".join(json.dumps({"prompt": "1" * n, "answer": "1"}) for n in (3, 70)))
-    with pytest.raises(ArgumentError, match="64 positions"):
-        data.check_fits(data.load_task(tok, prompts=str(long)), 64)
 
 
 # ------------------------------------------------------------------------------------------------ reward-model stage
@@ -474,8 +423,8 @@ def test_jsonl_prompts_with_math_reward(demo_model_dir, tmp_path):
           "--group-size", "4", "--eval-every", "1", "--quiet"])
     rows, summary = _read(tmp_path / "math")
     _check_run(rows, summary, 2, 16)
-    pool = summary["reward_failures"]["pool"]
-    assert summary["reward_failures"]["failures"] == 0
+    pool = summary["eval_reward"]["pool"]  # --reward math: the held-out reward is the training one
+    assert summary["reward_failures"] == summary["eval_reward"]["failures"] == 0
     # every training sample and every held-out greedy answer (4 of the 40 prompts, evaluated 3 times) was checked
     assert pool["submitted"] == pool["completed"] == pool["ok"] == 2 * 16 + 3 * 4
 

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 # the public modules whose names the API pages render: every public top-level module or package, and the simulator
 API = ("rlblocks.errors", "rlblocks.kernels", "rlblocks.losses", "rlblocks.reward", "rlblocks.rollout",
-       "rlblocks.sandbox", "rlblocks.sched", "rlblocks.sched.sim", "rlblocks.sync")
+       "rlblocks.sandbox", "rlblocks.sched", "rlblocks.sched.sim", "rlblocks.sync", "rlblocks.tinker")
 _DIRECTIVE = re.compile(r"^::: *([\w.]+) *$")
 
 

@@ -31,6 +31,10 @@ EXPECTED = {  # class -> the built-in (or standard-library) exception it also is
     errors.SimulationStalled: RuntimeError,
     errors.PrefixMismatchError: ValueError,  # an ArgumentError
     errors.GatewayError: RuntimeError,
+    errors.ClientDisconnected: ConnectionError,
+    errors.QueueRefused: RuntimeError,  # a GatewayError
+    errors.ToolUnavailable: RuntimeError,
+    errors.RequestError: ValueError,  # an ArgumentError
     errors.SessionNotFound: ValueError,  # an ArgumentError
     errors.RewardTimeout: TimeoutError,
     errors.WorkerCrashed: RuntimeError,
@@ -51,6 +55,9 @@ def test_every_error_derives_from_the_base_and_its_builtin():
     assert issubclass(errors.DeltaError, errors.WeightUpdateError)
     assert issubclass(errors.SGLangError, errors.EngineError)
     assert issubclass(errors.PrefixMismatchError, errors.ArgumentError)
+    assert issubclass(errors.SessionNotFound, errors.ArgumentError)
+    assert issubclass(errors.RequestError, errors.ArgumentError)
+    assert issubclass(errors.QueueRefused, errors.GatewayError)
     assert rlblocks.RLBlocksError is errors.RLBlocksError
 
 

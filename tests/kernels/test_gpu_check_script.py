@@ -26,10 +26,11 @@ def test_validate_mode_runs_every_step(tmp_path):
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     summary = (tmp_path / "out" / "summary.txt").read_text()
-    for step in ("3/6 goal case: ok", "4/6 tests: ok", "5/6 more cases: ok", "all steps ok"):
+    for step in ("3/7 goal case: ok", "4/7 tests: ok", "6/7 more cases: ok", "all steps ok"):
         assert step in summary, summary
+    assert "5/7 vllm fp8: ok" in summary or "5/7 vllm fp8: skipped (no vllm" in summary, summary
     assert "liger" in summary  # installed from .whl/, or a line saying why the liger rows are skipped
-    table = summary[summary.index("== 6/6 table") :].splitlines()
+    table = summary[summary.index("== 7/7 table") :].splitlines()
     header = next(ln for ln in table if ln.startswith("case"))
     for col in ("TF/s", "%peak", "exec TF/s", "mem/bf16 logits", "max err fp64"):
         assert col in header

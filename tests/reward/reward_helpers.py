@@ -41,3 +41,12 @@ def loaded(names):
     import sys
 
     return [n for n in names if n in sys.modules]
+
+
+def where(_sample=None):
+    """The ``rlblocks`` package directory this worker imported, and the head of its ``sys.path``."""
+    import sys
+
+    import rlblocks
+
+    return os.path.dirname(os.path.abspath(rlblocks.__file__)), sys.path[:2]

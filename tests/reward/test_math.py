@@ -46,6 +46,21 @@ TABLE = [
     ("5-3 = 2", "2", 1.0),
     ("5 - 3", "-3", 0.0),  # a subtraction, not a negative number
     ("72", 72, 1.0),  # numeric references
+    # LaTeX without a box: the last math span or bare fraction, read as an expression, not as its digits
+    ("The answer is $\\frac12$", "1/2", 1.0),
+    ("$x = \\frac{1}{2}$", 0.5, 1.0),
+    ("$\\frac{3}{4}$", 0.75, 1.0),
+    ("The answer is $\\frac12$", "12", 0.0),  # one half, not twelve
+    ("so the answer is \\dfrac{3}{4}.", "0.75", 1.0),
+    ("so the answer is -\\tfrac{1}{2}", "-0.5", 1.0),
+    ("Half of 10 is $\\frac{10}{2}$.", "5", 1.0),
+    ("\\(y = 2\\sqrt{3}\\)", "2\\sqrt3", 1.0),
+    ("\\[\\frac{5}{2}\\]", "2.5", 1.0),
+    ("$$\\frac{7}{8}$$", "0.875", 1.0),
+    ("We get $3x = 6$, so the answer is 2.", "2", 1.0),  # a later plain number wins over an earlier span
+    ("We get $3x = 6$, so the answer is 2.", "6", 0.0),
+    ("He paid $5 and $13 in all.", "13", 1.0),  # dollar signs around prose are money, not math
+    ("$\\frac{1}{3}$ of 12 is 4", "4", 1.0),
     ("\\boxed{1/2}", 0.5, 1.0),
     # wrong answers
     ("\\boxed{4}", "3", 0.0),
@@ -85,6 +100,16 @@ def test_verifier_table(response, reference, expected):
         ("ratio 3/4", "3/4", "last_number"),
         ("(-2)", "-2", "last_number"),
         ("f(x)-2", "2", "last_number"),
+        ("The answer is $\\frac12$.", "\\frac12", "latex"),
+        ("$x = \\frac{1}{2}$.", "x = \\frac{1}{2}", "latex"),
+        ("thus \\dfrac{3}{4} of them", "\\dfrac{3}{4}", "latex"),
+        ("thus -\\frac{1}{2}", "-\\frac{1}{2}", "latex"),
+        ("thus 2\\sqrt{3}", "2\\sqrt{3}", "latex"),
+        ("$1,234$ in all", "1234", "latex"),
+        ("$\\frac{1}{2}$ then 7", "7", "last_number"),
+        ("We get $3x = 6$, so x is 2", "2", "last_number"),
+        ("costs $5 and $13", "13", "last_number"),
+        ("a price of \\$5 or \\$7", "7", "last_number"),
         ("\\boxed{7", None, None),
         ("nothing", None, None),
     ],

@@ -136,7 +136,62 @@ def loop_receiver(cfg, group, res):
             print("READY", flush=True)
 
 
+def fp8_state(seed: int) -> dict[str, torch.Tensor]:
+    """bf16 weights of LM-like names: partial 128-blocks, one tensor above the bucket size, kept-in-bf16 ones."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": torch.randn(64, 260, generator=g).bfloat16(),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(260, 260, generator=g).bfloat16(),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(260, 700, generator=g).bfloat16(),  # 182 kB of FP8
+        "model.layers.0.mlp.up_proj.weight": (torch.randn(700, 260, generator=g) * 1e-3).bfloat16(),
+        "model.layers.0.input_layernorm.weight": torch.ones(260).bfloat16(),
+        "lm_head.weight": torch.randn(64, 260, generator=g).bfloat16(),
+    }
+
+
+def fp8_trainer(cfg, group, res):
+    """FP8 over WeightSender (streamed with a manifest, small and direct buckets), then two FP8 deltas."""
+    from rlblocks.sync import quantize_named, quantized_specs
+    from rlblocks.sync.buckets import tensor_spec
+
+    sd = fp8_state(0)
+    specs = quantized_specs([tensor_spec(n, t) for n, t in sd.items()])
+    WeightSender(group, bucket_bytes=64 << 10, direct_bytes=100 << 10).send(
+        quantize_named(iter(sd.items())), version=1, manifest=specs
+    )
+    fp8 = dict(quantize_named(sd))
+    res["full_crc"] = crcs(fp8)
+    enc = DeltaEncoder(fp8, version=1)
+    tr = GroupDeltaTransport(group)
+    g = torch.Generator().manual_seed(1)
+    for v in (2, 3):
+        for t in sd.values():
+            t.add_((torch.randn(t.shape, generator=g) * 1e-2).bfloat16())
+        fp8 = dict(quantize_named(sd))
+        tr.send(enc.encode(fp8, version=v))
+    res["delta_crc"] = crcs(fp8)
+
+
+def fp8_rollout(cfg, group, res):
+    """Receives the FP8 stream (checked against the FP8 manifest), then applies the deltas to it in place."""
+    from rlblocks.sync import quantized_specs
+    from rlblocks.sync.buckets import tensor_spec
+
+    expected = quantized_specs([tensor_spec(n, t) for n, t in fp8_state(5).items()])  # layout only
+    version, it = WeightReceiver(group, expected=expected).receive()
+    got = {n: t.clone() for n, t in it}
+    res["version"] = version
+    res["full_crc"] = crcs(got)
+    res["dtypes"] = {n: str(t.dtype) for n, t in got.items()}
+    dec = DeltaDecoder(got, version=version)
+    tr = GroupDeltaTransport(group)
+    res["versions"] = [dec.apply(tr.receive()) for _ in range(2)]
+    res["delta_crc"] = crcs(got)
+
+
 ROLES = {
+    "fp8_trainer": fp8_trainer,
+    "fp8_rollout": fp8_rollout,
     "session_trainer": session_trainer,
     "session_rollout": session_rollout,
     "loop_sender": loop_sender,

@@ -89,6 +89,8 @@ BAD = [
     # tools
     ("timeout", lambda tok: Tool("a", print, timeout=-1)),
     ("timeout", lambda tok: Tool("a", print, timeout="1")),
+    ("max_hung", lambda tok: Tool("a", print, max_hung=0)),
+    ("max_hung", lambda tok: Tool.from_function(print, max_hung=2.5)),
     ("description", lambda tok: Tool("a", print, description=5)),
     ("fn", lambda tok: Tool.from_function(5)),
     ("max_calls_per_turn", lambda tok: ToolEnv(MSGS, [], max_calls_per_turn=2.5)),

@@ -1,0 +1,91 @@
+"""``python -m rlblocks.tinker``: serve the Tinker API for local HF models (see ``--help``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rlblocks.tinker", description=(
+        "Serve the Tinker training API (the official tinker SDK and tinker-cookbook recipes) for local HF models. "
+        "Point the SDK at it with TINKER_BASE_URL=http://HOST:PORT and any TINKER_API_KEY starting with 'tml-'."))
+    p.add_argument("--model", action="append", required=True, metavar="NAME=HF_DIR",
+                   help="a model to serve: the name clients use (base_model) and its HF checkpoint directory; repeat "
+                        "for several")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at startup)")
+    p.add_argument("--engine", choices=("torch", "vllm"), default="torch",
+                   help="sampling engine: rlblocks' TorchEngine (default) or VLLMEngine with LoRA adapters")
+    p.add_argument("--state-dir", default="tinker-state", help="where checkpoints live (default ./tinker-state)")
+    p.add_argument("--device", default=None, help="training (and TorchEngine) device; default cuda if available")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="base weights' dtype (default bfloat16 on CUDA, float32 on CPU); adapters are float32")
+    p.add_argument("--api-key", default=None, help="require this X-API-Key (default: accept any)")
+    p.add_argument("--max-body-mb", type=float, default=256.0, help="largest request body accepted (MiB)")
+    p.add_argument("--keep-snapshots", type=int, default=16,
+                   help="unnamed sampler snapshots kept per training model (older ones expire)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's); 1 is fastest for small models on a few cores")
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    args = p.parse_args(argv)
+    models = {}
+    for spec in args.model:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            p.error(f"--model: expected NAME=HF_DIR, got {spec!r}")
+        if not os.path.isdir(path):
+            p.error(f"--model {name}: {path!r} is not a directory")
+        if name in models:
+            p.error(f"--model: {name!r} given twice")
+        models[name] = path
+    args.models = models
+    return args
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    import torch
+
+    from rlblocks.tinker.server import bind, create_app, make_server
+    from rlblocks.tinker.service import TinkerService
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+    service = TinkerService(args.models, state_dir=args.state_dir, engine=args.engine, device=args.device,
+                            dtype=dtype, keep_snapshots=args.keep_snapshots)
+    sock = bind(args.host, args.port)
+    port = sock.getsockname()[1]
+
+    def announce() -> None:
+        print(f"rlblocks.tinker: serving {sorted(args.models)} at http://{args.host}:{port} "
+              f"(engine {args.engine}, state {os.path.abspath(args.state_dir)})", flush=True)
+
+    app = create_app(service, api_key=args.api_key, max_body_bytes=int(args.max_body_mb * (1 << 20)),
+                     on_ready=announce)
+    await make_server(app, sock, log_level=args.log_level).serve(sockets=[sock])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        import uvloop  # a faster event loop where installed (uvicorn's own default); asyncio's otherwise
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
+    try:
+        asyncio.run(_serve(args))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

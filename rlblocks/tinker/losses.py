@@ -1,0 +1,228 @@
+"""Tinker's built-in ``loss_fn`` values, each mapped onto ``rlblocks.losses``, and the checks of their inputs.
+
+Conventions of the Tinker API (its loss docs and ``tinker.types``), kept here exactly:
+
+- Each datum is one sequence of ``N = model_input.length`` positions; every ``loss_fn_inputs`` tensor has ``N``
+  rows; position ``i`` scores ``target_tokens[i]`` given ``model_input[: i + 1]``. ``target_logprobs`` below is the
+  learner's ``log p_θ(target_tokens[i] | prefix)`` (untempered), computed by ``rlblocks.kernels``;
+  ``sampling_logprobs`` is the datum's ``logprobs`` input (the sampler's, ``q``); ``A`` its ``advantages``.
+- **Reduction: a sum.** The loss of a request is the sum of the per-token losses over every position of every
+  datum (no mean, no length normalisation; Tinker's docs: "for all objectives we sum the token-level losses"), and
+  ``forward_backward`` calls before an ``optim_step`` add their gradients. ``loss:sum`` reports that sum.
+- **Sign**: the loss is minimised; every RL objective enters as its negative.
+- **Clip thresholds** are Tinker's absolute ratio bounds ``clip_low_threshold`` / ``clip_high_threshold``
+  (``loss_fn_config``, defaults 0.8 / 1.2: ε = 0.2 each way); ``rlblocks.losses`` takes offsets from 1, so
+  ``eps_low = 1 − clip_low_threshold`` and ``eps_high = clip_high_threshold − 1``.
+
+The mapping (``r = exp(target_logprobs − sampling_logprobs)``, log-ratio clamped to ±20 by ``rlblocks.losses``
+before ``exp``, which Tinker does not do: beyond e^±20 the ratio saturates and its gradient is 0):
+
+=====================  ==========================================  ============================================
+``loss_fn``            Tinker's per-token loss                      rlblocks
+=====================  ==========================================  ============================================
+``cross_entropy``      ``−weights·target_logprobs``                  ``pg_loss(logp, None, weights, mask)``
+                       (``target_tokens``/``weights`` may be          (``weights`` act as the advantages); an
+                       ``[N, K]``: top-K distillation)                 ``[N, K]`` datum is flattened to ``N·K``
+``importance_sampling``  ``−r·A``                                    ``ppo_clip_loss`` with bounds that never
+                                                                     bind (``eps_low = 1 − 2⁻⁴⁰`` < 1 − e⁻²⁰,
+                                                                     ``eps_high = ∞``): ``max(−rA, −rA) = −rA``
+``ppo``                ``−min(r·A, clip(r, lo, hi)·A)``              ``ppo_clip_loss(eps_low=1 − lo,
+                                                                     eps_high=hi − 1)``
+``cispo``              ``−sg(clip(r, lo, hi))·target_logprobs·A``     ``cispo_loss(eps_low=1 − lo,
+                                                                     eps_high=hi − 1)``
+``dro``                ``−(target_logprobs·A −                       ``pg_loss(logp, None, A, mask)`` +
+                       ½β·(target_logprobs − sampling_logprobs)²)``   ``β·kl_estimate(logp, q, kind="k2")``
+                                                                     (k2 = ½·(logp − q)²); β default 0.05
+``gspo``               GSPO-token: ``s = exp(mean_{t∈M} log r_t)``,   ``gspo_loss(eps_low=1 − lo, eps_high=hi −
+                       ``s_t = sg(s)·p_t/sg(p_t)``,                   1, mask=M)``: the same sequence ratio over
+                       ``−min(s_t·A_t, clip(s_t, lo, hi)·A_t)``,      ``M``, the same token form and clip
+                       ``M`` = ``sequence_ratio_mask != 0``
+=====================  ==========================================  ============================================
+
+GSPO: the rlblocks loss is taken over ``M`` only, which equals Tinker's sum over all positions when the advantages
+are 0 outside ``M`` (as every Tinker recipe builds them); a datum with a nonzero advantage outside ``M`` is refused
+rather than silently dropped. The docs do not state GSPO's default thresholds; PPO's (0.8 / 1.2) are used.
+
+Not served, with a clear error: ``stable_reinforce`` (its objective depends on stability information the hosted
+sampler records and the docs do not define, so it cannot be stated from the SDK's documentation) and ``custom``
+(server-side traced losses; the SDK runs ``forward_backward_custom`` client-side against this server, as a
+``forward`` plus a ``cross_entropy`` backward with ``weights = −∂C/∂logprobs``). Per-token clip thresholds in
+``loss_fn_inputs`` are refused (``loss_fn_config`` holds the scalar thresholds).
+
+Numerics: the per-token losses are computed by ``rlblocks.losses`` in float32 (float64 for float64 inputs), and the
+sum in that dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+from jaxtyping import Bool, Float
+from torch import Tensor
+
+from rlblocks.errors import RequestError
+from rlblocks.losses import cispo_loss, gspo_loss, kl_estimate, pg_loss, ppo_clip_loss
+
+__all__ = ["LOSS_FNS", "LossSpec", "check_loss_config", "check_loss_inputs", "tinker_loss"]
+
+_NEVER_BINDS = 2.0**-40
+"""``1 − eps_low`` for a lower clip that never binds: below e⁻²⁰, the smallest ratio after the ±20 log-ratio clamp."""
+
+_CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+_RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """The ``loss_fn_inputs`` a built-in loss reads and the ``loss_fn_config`` keys it takes (with defaults)."""
+
+    inputs: tuple[str, ...]
+    config: Mapping[str, float] = field(default_factory=dict)
+    topk_targets: bool = False  # target_tokens / weights may be [N, K]
+
+
+LOSS_FNS: dict[str, LossSpec] = {
+    "cross_entropy": LossSpec(("target_tokens", "weights"), topk_targets=True),
+    "importance_sampling": LossSpec(_RL_INPUTS),
+    "ppo": LossSpec(_RL_INPUTS, _CLIP),
+    "cispo": LossSpec(_RL_INPUTS, _CLIP),
+    "dro": LossSpec(_RL_INPUTS, {"beta": 0.05}),
+    "gspo": LossSpec((*_RL_INPUTS, "sequence_ratio_mask"), _CLIP),
+}
+
+_REFUSED = {
+    "stable_reinforce": "its objective uses stability information recorded by the hosted sampler that Tinker's "
+    "documentation does not define, so this server cannot reproduce it; train with importance_sampling, ppo, "
+    "cispo, dro or gspo",
+    "custom": "server-side custom losses are not served; forward_backward_custom runs the loss client-side "
+    "(this server tells the SDK so through /client/config)",
+}
+
+
+def check_loss_config(loss_fn: str, config: Mapping[str, object] | None) -> dict[str, float]:
+    """``loss_fn`` and its ``loss_fn_config`` with defaults filled in; raises ``RequestError`` naming the field."""
+    if loss_fn in _REFUSED:
+        raise RequestError(f"loss_fn: {loss_fn!r} is not supported: {_REFUSED[loss_fn]}")
+    spec = LOSS_FNS.get(loss_fn)
+    if spec is None:
+        raise RequestError(f"loss_fn: expected one of {sorted(LOSS_FNS)}, got {loss_fn!r}")
+    out = dict(spec.config)
+    for k, v in (config or {}).items():
+        if k not in spec.config:
+            known = sorted(spec.config) or "none"
+            raise RequestError(f"loss_fn_config[{k!r}]: not a parameter of loss_fn {loss_fn!r} (it takes {known})")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise RequestError(f"loss_fn_config[{k!r}]: expected a finite number, got {v!r}")
+        out[k] = float(v)
+    if "clip_low_threshold" in out:
+        lo, hi = out["clip_low_threshold"], out["clip_high_threshold"]
+        if not 0.0 <= lo <= 1.0:
+            raise RequestError(f"loss_fn_config['clip_low_threshold']: expected a ratio bound in [0, 1], got {lo}")
+        if not hi >= 1.0:
+            raise RequestError(f"loss_fn_config['clip_high_threshold']: expected a ratio bound >= 1, got {hi}")
+    if out.get("beta", 0.0) < 0:
+        raise RequestError(f"loss_fn_config['beta']: expected a value >= 0, got {out['beta']}")
+    return out
+
+
+def _is_float(t) -> bool:
+    return t.dtype.is_floating_point if isinstance(t, Tensor) else t.dtype.kind == "f"
+
+
+def check_loss_inputs(loss_fn: str, where: str, n: int, inputs: Mapping[str, Tensor | np.ndarray]) -> None:
+    """Check one datum's ``loss_fn_inputs`` (torch tensors or numpy arrays) for ``loss_fn`` (``n`` = its model
+    input length); ``where`` prefixes the field names in the message (e.g. ``"data[3]"``)."""
+    spec = LOSS_FNS[loss_fn]
+    for name in inputs:
+        if name not in spec.inputs:
+            hint = (" (per-token clip thresholds are not supported: pass clip_low_threshold / clip_high_threshold "
+                    "in loss_fn_config)") if name.startswith("clip_") else ""
+            raise RequestError(f"{where}.loss_fn_inputs[{name!r}]: not an input of loss_fn {loss_fn!r} "
+                               f"(expected {list(spec.inputs)}){hint}")
+    for name in spec.inputs:
+        if name not in inputs:
+            raise RequestError(f"{where}.loss_fn_inputs[{name!r}]: missing; loss_fn {loss_fn!r} needs "
+                               f"{list(spec.inputs)}")
+    tgt = inputs["target_tokens"]
+    if _is_float(tgt):
+        raise RequestError(f"{where}.loss_fn_inputs['target_tokens']: expected int64 token ids, got float32")
+    ok_ndim = (1, 2) if spec.topk_targets else (1,)
+    if tgt.ndim not in ok_ndim or tgt.shape[0] != n:
+        want = f"[{n}]" + (f" or [{n}, K]" if spec.topk_targets else "")
+        raise RequestError(f"{where}.loss_fn_inputs['target_tokens']: expected shape {want} (one row per model "
+                           f"input token), got {list(tgt.shape)}")
+    for name in spec.inputs:
+        if name == "target_tokens":
+            continue
+        t = inputs[name]
+        want = list(tgt.shape) if name == "weights" else [n]
+        if list(t.shape) != want:
+            raise RequestError(f"{where}.loss_fn_inputs[{name!r}]: expected shape {want} (that of target_tokens), "
+                               f"got {list(t.shape)}")
+        if not _is_float(t):
+            raise RequestError(f"{where}.loss_fn_inputs[{name!r}]: expected float32 values, got int64")
+    if loss_fn == "gspo":
+        outside = np.asarray((inputs["sequence_ratio_mask"] == 0) & (inputs["advantages"] != 0))
+        if bool(outside.any()):
+            i = int(np.flatnonzero(outside)[0])
+            raise RequestError(f"{where}.loss_fn_inputs['advantages'][{i}]: nonzero outside sequence_ratio_mask; "
+                               "gspo takes its loss over the masked tokens, so put the advantages there (or mark "
+                               "position in sequence_ratio_mask)")
+
+
+def tinker_loss(
+    loss_fn: str,
+    config: Mapping[str, float],
+    logp: Float[Tensor, "B T"] | Float[Tensor, "B T K"],
+    inputs: Mapping[str, Tensor],
+    mask: Bool[Tensor, "B T"],
+) -> tuple[Float[Tensor, ""], Float[Tensor, "B T"] | Float[Tensor, "B T K"]]:
+    """Tinker's ``loss_fn`` on a padded batch: ``(loss, per_token_loss)`` with ``loss = per_token_loss.sum()``.
+
+    ``logp`` is the learner's ``target_logprobs`` (with grad), ``[B, T]`` (``[B, T, K]`` for top-K
+    ``cross_entropy``); ``inputs`` the datums' ``loss_fn_inputs`` right-padded to ``[B, T]`` (``[B, T, K]``);
+    ``mask`` marks the real positions (padding: anything, never read into the loss). ``config`` is the output of
+    :func:`check_loss_config`. The mapping of each loss onto ``rlblocks.losses`` is in the module docstring; the
+    per-token loss is exactly 0 at padding.
+    """
+    m = mask
+    if logp.dim() == 3:  # top-K cross-entropy: every (position, candidate) pair is one token of the sum
+        b, t, k = logp.shape
+        m = mask[..., None].expand(b, t, k).reshape(b, t * k)
+        per, _ = pg_loss(logp.reshape(b, t * k), None, inputs["weights"].reshape(b, t * k).to(logp.dtype), m)
+        per = per.reshape(b, t, k)
+        return per.sum(), per
+    if loss_fn == "cross_entropy":
+        per, _ = pg_loss(logp, None, inputs["weights"].to(logp.dtype), m)
+        return per.sum(), per
+    q = inputs["logprobs"].to(logp.dtype)
+    adv = inputs["advantages"].to(logp.dtype)
+    if loss_fn == "importance_sampling":
+        per, _ = ppo_clip_loss(logp, q, adv, m, eps_low=1.0 - _NEVER_BINDS, eps_high=math.inf)
+    elif loss_fn == "ppo":
+        per, _ = ppo_clip_loss(logp, q, adv, m, eps_low=_eps_low(config, strict=True), eps_high=_eps_high(config))
+    elif loss_fn == "cispo":
+        per, _ = cispo_loss(logp, q, adv, m, eps_low=_eps_low(config, strict=False), eps_high=_eps_high(config))
+    elif loss_fn == "dro":
+        pg, _ = pg_loss(logp, None, adv, m)
+        per = pg + config["beta"] * kl_estimate(logp, q, kind="k2", mask=m)
+    elif loss_fn == "gspo":
+        in_ratio = m & (inputs["sequence_ratio_mask"] != 0)
+        per, _ = gspo_loss(logp, q, adv, in_ratio, eps_low=_eps_low(config, strict=True), eps_high=_eps_high(config))
+    else:
+        raise RequestError(f"loss_fn: expected one of {sorted(LOSS_FNS)}, got {loss_fn!r}")
+    return per.sum(), per
+
+
+def _eps_low(config: Mapping[str, float], *, strict: bool) -> float:
+    # ppo/gspo need eps_low < 1; a threshold of 0 (no lower clip) is the same as one below every reachable ratio
+    eps = 1.0 - config["clip_low_threshold"]
+    return min(eps, 1.0 - _NEVER_BINDS) if strict else eps
+
+
+def _eps_high(config: Mapping[str, float]) -> float:
+    return config["clip_high_threshold"] - 1.0
+
