@@ -12,45 +12,14 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from rlblocks._checks import check_floating, shape_str
-from rlblocks._deprecate import warn_renamed
 from rlblocks.errors import ArgumentError
 
 LOG_RATIO_CLAMP = 20.0
 """Log-ratios are clamped to ``[-20, 20]`` before ``exp`` (e^20 ≈ 4.9e8 stays finite in fp32 and bf16)."""
 
 
-MISSING: object = type("Missing", (), {"__repr__": lambda self: "<missing>"})()
-"""Default of arguments whose absence selects a deprecated call form (``None`` is a meaningful value there)."""
-
-DEPRECATED_METRIC_KEYS = {
-    "behav_weight_mean": "rollout_weight_mean",
-    "behav_capped_frac": "rollout_capped_frac",
-}
-"""Metric keys renamed with the ``behav_logp -> rollout_logp`` rename: ``old key -> new key``."""
-
-
 class Metrics(dict):
-    """The ``dict[str, Tensor]`` of 0-dim metrics a loss returns.
-
-    A renamed key (``DEPRECATED_METRIC_KEYS``) can still be *read* for one release, with a DeprecationWarning,
-    but it is not stored: iteration, ``len`` and logging loops see every metric once, under its new name.
-    """
-
-    def __missing__(self, key: str) -> Tensor:
-        new = DEPRECATED_METRIC_KEYS.get(key)
-        if new is None or not dict.__contains__(self, new):
-            raise KeyError(key)
-        warn_renamed(f"the metric key {key!r}", f"{new!r}", stacklevel=3)
-        return dict.__getitem__(self, new)
-
-    def get(self, key: str, default: object = None) -> object:  # dict.get does not consult __missing__
-        if dict.__contains__(self, key):
-            return dict.__getitem__(self, key)
-        new = DEPRECATED_METRIC_KEYS.get(key)
-        if new is not None and dict.__contains__(self, new):
-            warn_renamed(f"the metric key {key!r}", f"{new!r}", stacklevel=3)
-            return dict.__getitem__(self, new)
-        return default
+    """The ``dict[str, Tensor]`` of 0-dim metrics a loss returns (a plain ``dict``; the name marks what it holds)."""
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:

@@ -5,9 +5,6 @@ log-probs of the sampled tokens before this update, ``rollout_logp`` the engine'
 tokens. The rollout engine (vLLM, SGLang) and the trainer compute different probabilities for the same tokens
 (kernels, precision, sampling filters, or a policy several versions old); these weights correct the policy
 gradient for that and the metrics tell how large the gap is.
-
-The first argument was called ``train_logp`` before; ``train_logp=`` still works for one release, with a
-DeprecationWarning.
 """
 
 from __future__ import annotations
@@ -17,7 +14,6 @@ from jaxtyping import Bool, Float, Int, Shaped
 from torch import Tensor
 
 from rlblocks._checks import check_choice, check_real, check_same_shape, check_tensor, check_token_pair
-from rlblocks._deprecate import renamed_kwargs
 from rlblocks.errors import ArgumentError
 from rlblocks.losses._common import LOG_RATIO_CLAMP, detached_log_ratio, masked_mean, masked_sum, safe
 from rlblocks.losses._groups import segment_index
@@ -25,7 +21,6 @@ from rlblocks.losses._groups import segment_index
 __all__ = ["mismatch_metrics", "rollout_correction"]
 
 
-@renamed_kwargs(train_logp="old_logp")
 def rollout_correction(
     old_logp: Float[Tensor, "B T"],
     rollout_logp: Float[Tensor, "B T"],

@@ -18,7 +18,6 @@ from rlblocks._checks import (
     check_real,
     check_token_pair,
 )
-from rlblocks._deprecate import renamed_kwargs
 from rlblocks.errors import ArgumentError
 from rlblocks.losses._common import broadcast_advantages, compute_dtype, masked_sum, safe
 from rlblocks.losses._groups import dense_group_index, group_reduce, poison_nonfinite_groups
@@ -26,7 +25,6 @@ from rlblocks.losses._groups import dense_group_index, group_reduce, poison_nonf
 __all__ = ["off_policy_sequence_mask", "overlong_penalty", "top_entropy_mask", "zero_variance_groups"]
 
 
-@renamed_kwargs(old_logp="rollout_logp")
 def off_policy_sequence_mask(
     advantages: Float[Tensor, "B T"] | Float[Tensor, " B"],
     logp: Float[Tensor, "B T"],
@@ -42,7 +40,7 @@ def off_policy_sequence_mask(
     estimate of KL(π_rollout‖π_θ)). ``rollout_logp`` is the sampling policy as the engine reported it: DeepSeek-V3.2
     takes "the sampling probability directly returned by the inference framework", so the test covers both the
     policy's staleness and the engine/trainer mismatch. Everything else valid is kept (a NaN drift or advantage
-    keeps the token: it is never dropped on a NaN comparison). The keyword was ``old_logp=`` before (deprecated).
+    keeps the token: it is never dropped on a NaN comparison).
     """
     m = check_token_pair("logp", logp, "rollout_logp", rollout_logp, mask)
     d = check_real("delta", delta)

@@ -14,7 +14,6 @@ from jaxtyping import Float, Int, Shaped
 from torch import Tensor
 
 from rlblocks._checks import as_int, check_int, check_real, check_same_shape, check_tensor, check_token_pair
-from rlblocks._deprecate import renamed_kwargs
 from rlblocks.errors import ArgumentError
 from rlblocks.losses._common import LOG_RATIO_CLAMP, detached_log_ratio, masked_mean, masked_sum, safe
 
@@ -42,7 +41,6 @@ def _check_versions(versions: Tensor, like: Tensor, current_version: object, max
     return check_int("max_staleness", max_staleness, minimum=0, what=what)
 
 
-@renamed_kwargs(train_logp="old_logp")
 def mismatch_metrics(
     old_logp: Float[Tensor, "B T"],
     rollout_logp: Float[Tensor, "B T"],

@@ -32,11 +32,8 @@ from jaxtyping import Float, Shaped
 from torch import Tensor
 
 from rlblocks._checks import as_bool_mask, check_floating, check_ndim, check_real, check_same_shape, check_token_pair
-from rlblocks._deprecate import renamed_kwargs, warn_renamed
-from rlblocks.errors import ArgumentError
 from rlblocks.losses._common import (
     LOG_RATIO_CLAMP,
-    MISSING,
     Metrics,
     broadcast_advantages,
     compute_dtype,
@@ -313,9 +310,9 @@ def gmpo_loss(
 
 def pg_loss(
     logp: Float[Tensor, "B T"],
-    old_logp: Float[Tensor, "B T"] | None = MISSING,  # type: ignore[assignment]
-    advantages: Float[Tensor, "B T"] | Float[Tensor, " B"] = MISSING,  # type: ignore[assignment]
-    mask: Shaped[Tensor, "B T"] = MISSING,  # type: ignore[assignment]
+    old_logp: Float[Tensor, "B T"] | None,
+    advantages: Float[Tensor, "B T"] | Float[Tensor, " B"],
+    mask: Shaped[Tensor, "B T"],
     *,
     weights: Float[Tensor, "B T"] | None = None,
 ) -> tuple[Float[Tensor, "B T"], Metrics]:
@@ -323,29 +320,11 @@ def pg_loss(
 
     The signature of every policy loss, ``(logp, old_logp, advantages, mask)``. The loss does not use
     ``old_logp``; it feeds ``approx_kl`` (k3 of KL(π_old‖π_θ), as in the other losses). ``old_logp=None`` means
-    π_old = π_θ (one update per batch): ``approx_kl`` is then exactly 0. The earlier form
-    ``pg_loss(logp, advantages, mask)`` still works for one release, with a DeprecationWarning.
+    π_old = π_θ (one update per batch): ``approx_kl`` is then exactly 0.
 
     ``weights`` (e.g. from ``rollout_correction``) may hold NaN/inf at masked positions. Metrics:
     ``weight_mean`` (mean weight over valid tokens; 1 without weights), ``approx_kl``.
     """
-    if mask is MISSING or advantages is MISSING:
-        # Fewer than four tensors: the earlier form pg_loss(logp, advantages, mask), whose advantages land in
-        # old_logp (positionally) and whose mask lands in advantages (positionally) or in mask (by keyword).
-        given = [x for x in (old_logp, advantages, mask) if x is not MISSING]
-        if len(given) != 2:
-            raise ArgumentError(
-                f"pg_loss: expected (logp, old_logp, advantages, mask) with old_logp possibly None, got logp and "
-                f"{len(given)} more tensor(s)"
-            )
-        warn_renamed("`pg_loss(logp, advantages, mask)`", "`pg_loss(logp, old_logp, advantages, mask)` "
-                     "(old_logp may be None)")
-        old_logp = None
-        advantages, mask = given
-    elif old_logp is MISSING:
-        warn_renamed("`pg_loss` without `old_logp`", "`pg_loss(logp, old_logp, advantages, mask)` "
-                     "(old_logp may be None)")
-        old_logp = None
     check_floating("logp", logp)
     check_ndim("logp", logp, 2, "[B, T]")
     if old_logp is None:
@@ -370,14 +349,13 @@ def pg_loss(
     return loss, Metrics(weight_mean=masked_mean(w, m), approx_kl=_approx_kl(log_ratio, m))
 
 
-@renamed_kwargs(prox_logp="old_logp", behav_logp="rollout_logp", behav_weight_cap="rollout_weight_cap")
 def decoupled_ppo_loss(
     logp: Float[Tensor, "B T"],
-    old_logp: Float[Tensor, "B T"] = MISSING,  # type: ignore[assignment]
-    advantages: Float[Tensor, "B T"] | Float[Tensor, " B"] = MISSING,  # type: ignore[assignment]
-    mask: Shaped[Tensor, "B T"] = MISSING,  # type: ignore[assignment]
-    *legacy: Tensor,
-    rollout_logp: Float[Tensor, "B T"] = MISSING,  # type: ignore[assignment]
+    old_logp: Float[Tensor, "B T"],
+    advantages: Float[Tensor, "B T"] | Float[Tensor, " B"],
+    mask: Shaped[Tensor, "B T"],
+    *,
+    rollout_logp: Float[Tensor, "B T"],
     eps_low: float = 0.2,
     eps_high: float = 0.2,
     rollout_weight_cap: float | None = None,
@@ -393,29 +371,8 @@ def decoupled_ppo_loss(
 
     Metrics: those of ``ppo_clip_loss`` (``clipfrac``, ``clipfrac_low``, ``clipfrac_high``, ``dual_clipfrac``,
     ``approx_kl``, measured against π_old) plus ``rollout_weight_mean`` (mean ``w`` over kept tokens) and
-    ``rollout_capped_frac`` (fraction of valid tokens dropped by the cap). The earlier keys ``behav_weight_mean`` /
-    ``behav_capped_frac`` can still be read, with a DeprecationWarning, for one release.
-
-    Deprecated for one release (DeprecationWarning): the 5-positional form
-    ``decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask)`` and the keywords ``prox_logp=``,
-    ``behav_logp=``, ``behav_weight_cap=``.
+    ``rollout_capped_frac`` (fraction of valid tokens dropped by the cap).
     """
-    if legacy:
-        if len(legacy) != 1 or rollout_logp is not MISSING:
-            also = " and rollout_logp=" if rollout_logp is not MISSING else ""
-            raise ArgumentError(
-                "decoupled_ppo_loss: expected (logp, old_logp, advantages, mask, *, rollout_logp=...), "
-                f"got {4 + len(legacy)} positional arguments{also}"
-            )
-        # the deprecated form (logp, prox_logp, behav_logp, advantages, mask)
-        warn_renamed("`decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask)`",
-                     "`decoupled_ppo_loss(logp, old_logp, advantages, mask, rollout_logp=...)`", stacklevel=4)
-        rollout_logp, advantages, mask = advantages, mask, legacy[0]
-    for name, value in (("old_logp", old_logp), ("advantages", advantages), ("mask", mask),
-                        ("rollout_logp", rollout_logp)):
-        if value is MISSING:
-            raise ArgumentError(f"{name}: required; call decoupled_ppo_loss(logp, old_logp, advantages, mask, "
-                                "rollout_logp=...)")
     m = check_token_pair("logp", logp, "old_logp", old_logp, mask)
     check_floating("rollout_logp", rollout_logp)
     check_same_shape("logp", logp, "rollout_logp", rollout_logp)

@@ -61,6 +61,7 @@ from .trajectory import OnMismatch, Trajectory, render_chat
 from .types import GenerationRequest, RolloutEngine, SamplingParams
 
 __all__ = [
+    "EPISODE_FINISH_REASONS",
     "TOOL_CALL_TAGS",
     "Env",
     "Episode",
@@ -77,7 +78,10 @@ __all__ = [
 ]
 
 TOOL_CALL_TAGS = ("<tool_call>", "</tool_call>")
-FINISH_REASONS = ("done", "max_turns", "max_tokens", "env_error", "env_timeout", "engine_error", "abort")
+EPISODE_FINISH_REASONS = ("done", "max_turns", "max_tokens", "env_error", "env_timeout", "engine_error", "abort")
+"""How an episode can end (:attr:`Episode.finish_reason`); a generation's own ends are ``types.FINISH_REASONS``."""
+EPISODE_FAILURES = EPISODE_FINISH_REASONS[3:]
+"""The ends of an episode that did not end normally (:attr:`Episode.failed`)."""
 
 
 # ================================================================================================ environment
@@ -664,7 +668,7 @@ class Episode:
     @property
     def failed(self) -> bool:
         """The episode did not end normally (an environment or engine error, a timeout, an abort)."""
-        return self.finish_reason in ("env_error", "env_timeout", "engine_error", "abort")
+        return self.finish_reason in EPISODE_FAILURES
 
 
 class EpisodeStats:

@@ -24,7 +24,6 @@ from torch import Tensor
 
 from rlblocks.errors import ArgumentError
 
-from ._common import InFlightCount
 from .types import Generation, GenerationRequest, RolloutEngine
 
 __all__ = ["Router"]
@@ -64,7 +63,7 @@ class Router:
     @property
     def num_in_flight(self) -> int:
         """Requests in flight through this router (all engines)."""
-        return InFlightCount(len(self._where))
+        return len(self._where)
 
     def stats(self) -> dict:
         """``{"num_in_flight", "in_flight": [per engine], "assigned": [per engine], "engines": [engine.stats()]}``."""

@@ -110,10 +110,9 @@ import torch
 from torch import Tensor
 
 from rlblocks._checks import check_bool
-from rlblocks._deprecate import renamed_kwargs
 from rlblocks.errors import ArgumentError, EngineError, SGLangError
 
-from ._common import InFlightCount, Lifecycle, wait_first
+from ._common import Lifecycle, wait_first
 from ._weights import WeightLayout, check_tensors, check_update_version, refuse
 from .types import Generation, GenerationRequest
 
@@ -326,7 +325,7 @@ class SGLangEngine:
     @property
     def num_in_flight(self) -> int:
         """Requests of this client submitted and not yet returned."""
-        return InFlightCount(len(self._inflight))
+        return len(self._inflight)
 
     def stats(self) -> dict:
         """The counters of :class:`SGLangEngineStats` as a dict."""
@@ -750,7 +749,6 @@ class SGLangEngine:
         await self._update("/update_weights_from_disk", payload, version=version, partial=False,
                            allow_rollback=allow_rollback, session=False)
 
-    @renamed_kwargs(master_address="master_addr")
     async def init_weights_update_group(
         self,
         master_addr: str,

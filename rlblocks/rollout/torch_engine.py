@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import random
 from collections import OrderedDict
@@ -88,7 +89,7 @@ from torch import Tensor
 
 from rlblocks.errors import ArgumentError, EngineError
 
-from ._common import InFlightCount, Lifecycle, StatsView
+from ._common import Lifecycle
 from ._weights import WeightLayout, check_update_version, refuse
 from .routing import RoutingRecorder
 from .types import Generation, GenerationRequest
@@ -345,13 +346,11 @@ class TorchEngine:
     @property
     def num_in_flight(self) -> int:
         """Requests submitted and not yet returned (running, frozen or waiting)."""
-        return InFlightCount(len(self._seqs))
+        return len(self._seqs)
 
-    @property
-    def stats(self) -> StatsView:
-        """``engine.stats()``: the counters of :class:`EngineStats` as a dict (reading ``engine.stats.<counter>``
-        still works for one release, with a DeprecationWarning)."""
-        return StatsView(self._stats, "TorchEngine")
+    def stats(self) -> dict:
+        """The counters of :class:`EngineStats` as a dict."""
+        return dataclasses.asdict(self._stats)
 
     def num_output_tokens(self, request_id: str) -> int | None:
         """Tokens generated so far by an in-flight request, or ``None`` if it is not in flight."""

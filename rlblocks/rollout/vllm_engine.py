@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -61,10 +62,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from rlblocks._deprecate import renamed_kwargs, warn_renamed
 from rlblocks.errors import ArgumentError, EngineError, WeightUpdateError
 
-from ._common import InFlightCount, Lifecycle, StatsView, wait_first
+from ._common import Lifecycle, wait_first
 from ._weights import WeightLayout, WeightSpec, check_update_version, refuse
 from .types import Generation, GenerationRequest, SamplingParams
 
@@ -408,13 +408,11 @@ class VLLMEngine:
     @property
     def num_in_flight(self) -> int:
         """Requests submitted and not yet returned."""
-        return InFlightCount(len(self._inflight))
+        return len(self._inflight)
 
-    @property
-    def stats(self) -> StatsView:
-        """``engine.stats()``: the counters of :class:`VLLMEngineStats` as a dict (``engine.stats.<counter>``
-        still works for one release, with a DeprecationWarning)."""
-        return StatsView(self._stats, "VLLMEngine")
+    def stats(self) -> dict:
+        """The counters of :class:`VLLMEngineStats` as a dict."""
+        return dataclasses.asdict(self._stats)
 
     def in_flight_ids(self) -> list[str]:
         """The request ids submitted and not yet returned, in submission order."""
@@ -811,7 +809,6 @@ class VLLMEngine:
         await self._swap(version, partial, allow_rollback, load)
 
     # ---- NCCL path (GPU only): a trainer in another job broadcasts into the workers
-    @renamed_kwargs(master_address="master_addr")
     async def init_weight_transfer(
         self, *, master_addr: str, master_port: int, world_size: int, rank_offset: int = 1, packed: bool = True
     ) -> None:
@@ -1091,22 +1088,12 @@ class VLLMEngine:
         """Whether :meth:`sleep` frees memory (vLLM sleep mode: ``enable_sleep_mode=True`` on GPU)."""
         return bool(self._llm.model_config.enable_sleep_mode) and torch.cuda.is_available()
 
-    async def sleep(self, level: int = 1, **deprecated: Any) -> None:
+    async def sleep(self, level: int = 1) -> None:
         """Sleep as the protocol defines it (:class:`~rlblocks.rollout.types.RolloutEngine`): every request in
         flight returns its partial output, frozen ``keep`` ones included; new requests wait in this client. With
         vLLM sleep mode (:attr:`releases_memory`), ``AsyncLLM.sleep(level, mode="abort")``: level 1 offloads the
         weights to CPU and frees the KV cache, level 2 frees the weights too (a complete :meth:`update_weights` after
         :meth:`wake` loads new ones). Without it (every CPU engine) the same rules hold and nothing is freed."""
-        if "mode" in deprecated:
-            mode = deprecated.pop("mode")
-            if mode != "abort":
-                raise ArgumentError(
-                    f"mode: a sleep aborts every request in flight (a kept request could resume on discarded "
-                    f"weights), got mode={mode!r}; use pause('keep') without sleeping to keep requests"
-                )
-            warn_renamed("`VLLMEngine.sleep(mode=...)`", "`sleep(level)` (a sleep always aborts)")
-        if deprecated:
-            raise ArgumentError(f"sleep: unexpected keyword arguments {sorted(deprecated)}")
         if not self._state.check_sleep(level):
             return
         async with self._control:
@@ -1143,7 +1130,6 @@ class VLLMEngine:
 
 
 # ---------------------------------------------------------------------- trainer side of the NCCL path
-@renamed_kwargs(master_address="master_addr")
 def nccl_trainer_init(*, master_addr: str, master_port: int, world_size: int) -> Any:
     """Trainer (rank 0) side of :meth:`VLLMEngine.init_weight_transfer`, run concurrently with it: vLLM's
     ``StatelessProcessGroup`` on a TCPStore at ``master_addr:master_port`` plus a ``PyNcclCommunicator`` on the

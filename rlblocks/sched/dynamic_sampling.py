@@ -36,7 +36,6 @@ from typing import Any
 from torch import Tensor
 
 from rlblocks._checks import check_bool, check_int, check_optional_int, check_real
-from rlblocks._deprecate import warn_renamed
 from rlblocks.errors import ArgumentError, InsufficientGroupsError
 
 
@@ -254,39 +253,21 @@ class DynamicSampler:
         with self._lock:
             return self._stats_locked()
 
-    def counts(self) -> dict[str, int]:
-        """Deprecated name of :meth:`stats`."""
-        warn_renamed("`DynamicSampler.counts()`", "`DynamicSampler.stats()`")
-        return self.stats()
-
     def reset(self) -> dict[str, Any]:
         """Start the next step. Returns what the ending step left over, so nothing is lost:
         ``{"stats": ..., "surplus": [...], "filtered": [...], "filled": [...]}`` (surplus groups passed the filter
         and may seed the next batch). Groups still in flight are carried over: they count as submitted in the new
         step (their results arrive there), which suits fully asynchronous loops; ``stats["carried_in_flight"]``
-        says how many. (The key ``"counts"`` is a deprecated alias of ``"stats"``.)
+        says how many.
         """
         with self._lock:
             carried = self._in_flight_locked()
             snapshot = self._stats_locked()
             snapshot.pop("in_flight")
             snapshot["carried_in_flight"] = carried
-            out = _ResetResult(stats=snapshot, surplus=self._surplus, filtered=self._filtered, filled=self._filled)
+            out = dict(stats=snapshot, surplus=self._surplus, filtered=self._filtered, filled=self._filled)
             self._clear()
             self._submitted = carried
             self.steps += 1
             return out
 
-
-class _ResetResult(dict):
-    """The plain dict :meth:`DynamicSampler.reset` returns; reading the old key ``"counts"`` warns and gives
-    ``"stats"``."""
-
-    def __getitem__(self, key: Any) -> Any:
-        if key == "counts" and not dict.__contains__(self, "counts"):
-            warn_renamed("`DynamicSampler.reset()['counts']`", "`['stats']`")
-            key = "stats"
-        return dict.__getitem__(self, key)
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        return self[key] if key == "counts" or key in self else default
