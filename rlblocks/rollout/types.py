@@ -74,7 +74,13 @@ class GenerationRequest:
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ArgumentError(f"request_id: expected a non-empty str, got {self.request_id!r}")
-        self.prompt_ids = [check_int(f"prompt_ids[{i}]", t, minimum=0) for i, t in enumerate(self.prompt_ids)]
+        ids = self.prompt_ids
+        # fast path for the common case (a list of non-negative Python ints): the per-token check builds a name
+        # string per token, which dominated the gateway's per-request CPU time on long prompts
+        if isinstance(ids, list) and all(type(t) is int for t in ids) and (not ids or min(ids) >= 0):
+            self.prompt_ids = list(ids)
+        else:
+            self.prompt_ids = [check_int(f"prompt_ids[{i}]", t, minimum=0) for i, t in enumerate(ids)]
         if len(self.prompt_ids) == 0:
             raise ArgumentError("prompt_ids: expected at least one token, got an empty list")
 

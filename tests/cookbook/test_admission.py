@@ -25,7 +25,7 @@ B, ETA = 4, 1  # global prompt groups per step, max staleness
 def make_rollout(rank: int = 1, ranks: int = 1, **flags) -> grpo_async.Rollout:
     cfg = grpo_async.Config(prompts_per_step=B, max_staleness=ETA, max_concurrent=64, rollout_ranks=ranks, **flags)
     return grpo_async.Rollout(cfg, rank, n_train=1, sample_group=None, sync_group=None, tokenizer=None,
-                              engine=None, max_model_len=64)
+                              engine=None, max_model_len=64, task=None, reward=None)
 
 
 def simulate(rollouts: list[grpo_async.Rollout], *, steps: int, ticks: int, slow_every: dict[int, int],
