@@ -33,19 +33,25 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from rlblocks._checks import check_bool, check_int, check_optional_int, check_real
 from rlblocks.errors import ArgumentError, InsufficientGroupsError
+from rlblocks.losses.masks import zero_variance_groups
 
 
 def nonzero_reward_variance(group: Any, rewards: Sequence[float]) -> bool:
     """Default filter: keep a group iff its rewards are not all equal (exact comparison, no tolerance).
 
-    A group of one sample has zero variance and is rejected.
+    The rule is :func:`rlblocks.losses.zero_variance_groups` (its one home), applied to this one group: a group of
+    one sample has zero variance and is rejected; a group holding a NaN or ±inf reward is kept, so the broken
+    reward is never discarded with it (:meth:`DynamicSampler.add_group` refuses non-finite rewards before this).
     """
-    first = rewards[0]
-    return any(r != first for r in rewards)
+    r = torch.tensor([float(x) for x in rewards], dtype=torch.float64)
+    if r.numel() == 0:
+        raise ArgumentError("rewards: expected at least one reward per group, got none")
+    return not bool(zero_variance_groups(r, torch.zeros(r.numel(), dtype=torch.long))[0])
 
 
 def _as_rewards(rewards: Sequence[float] | Tensor) -> list[float]:
