@@ -1,4 +1,5 @@
-"""Token and sequence masks used by recent recipes: OPSM, high-entropy tokens, overlong penalty, zero-variance groups.
+"""Masks of recent recipes that do not compare trainer and engine: high-entropy tokens, overlong penalty,
+zero-variance groups (the one home of each rule; the train/rollout masks are in :mod:`rlblocks.losses.mismatch`).
 
 All are detached, sync-free and compile with ``torch.compile(fullgraph=True)``.
 """
@@ -16,40 +17,14 @@ from rlblocks._checks import (
     check_int,
     check_ndim,
     check_real,
-    check_token_pair,
 )
 from rlblocks.errors import ArgumentError
-from rlblocks.losses._common import broadcast_advantages, compute_dtype, masked_sum, safe
+from rlblocks.losses._common import compute_dtype
 from rlblocks.losses._groups import dense_group_index, group_reduce, poison_nonfinite_groups
 
-__all__ = ["off_policy_sequence_mask", "overlong_penalty", "top_entropy_mask", "zero_variance_groups"]
+__all__ = ["overlong_penalty", "top_entropy_mask", "zero_variance_groups"]
 
 
-def off_policy_sequence_mask(
-    advantages: Float[Tensor, "B T"] | Float[Tensor, " B"],
-    logp: Float[Tensor, "B T"],
-    rollout_logp: Float[Tensor, "B T"],
-    mask: Shaped[Tensor, "B T"],
-    *,
-    delta: float,
-) -> Bool[Tensor, "B T"]:
-    """Off-policy sequence masking (OPSM, DeepSeek-V3.2). Returns the keep mask ``[B, T]``.
-
-    A token is dropped when its advantage is negative and its sequence has drifted:
-    ``A_{i,t} < 0`` and ``mean_t (rollout_logp − logp) > delta`` (the per-sequence mean over valid tokens, a k1
-    estimate of KL(π_rollout‖π_θ)). ``rollout_logp`` is the sampling policy as the engine reported it: DeepSeek-V3.2
-    takes "the sampling probability directly returned by the inference framework", so the test covers both the
-    policy's staleness and the engine/trainer mismatch. Everything else valid is kept (a NaN drift or advantage
-    keeps the token: it is never dropped on a NaN comparison).
-    """
-    m = check_token_pair("logp", logp, "rollout_logp", rollout_logp, mask)
-    d = check_real("delta", delta)
-    dt = compute_dtype(logp)
-    adv = broadcast_advantages(advantages, logp, m).detach()
-    diff = (safe(rollout_logp, m, dt) - safe(logp, m, dt)).detach()
-    seq_kl = masked_sum(diff, m, -1) / m.sum(-1).clamp(min=1).to(dt)
-    drop = (adv < 0) & (seq_kl > d)[:, None]
-    return m & ~drop
 
 
 def top_entropy_mask(

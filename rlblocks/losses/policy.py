@@ -423,3 +423,87 @@ def value_loss(
         clipfrac = masked_mean((err2 > err1).to(dt), m)
     loss = safe(loss, m, dt)
     return loss, Metrics(vf_clipfrac=clipfrac, vf_mse=masked_mean(err1.detach(), m))
+
+
+def dppo_mask(
+    logp: Float[Tensor, "B T"],
+    old_logp: Float[Tensor, "B T"],
+    advantages: Float[Tensor, "B T"] | Float[Tensor, " B"],
+    mask: Shaped[Tensor, "B T"],
+    *,
+    delta_low: float = 0.2,
+    delta_high: float = 0.2,
+) -> tuple[Bool[Tensor, "B T"], Metrics]:
+    """DPPO band mask (prime-rl's default loss; DPPO-Binary-TV, arXiv 2602.04879): a trust region on the
+    *probability* difference, one-sided by the sign of the advantage.
+
+    ``Δ_t = e^{logp_t} − e^{old_logp_t}`` (detached). Dropped: ``A > 0`` and ``Δ > delta_high`` (the token's
+    probability already rose too far), or ``A ≤ 0`` and ``Δ < −delta_low`` (it already fell too far); prime-rl's
+    ``dppo_mask_high``/``dppo_mask_low``, default 0.2 each. Unlike a ratio band, a rare token (p = 0.01) can
+    move by a large ratio and stay in, while a likely token's step is bounded in absolute terms. prime-rl
+    compares the trainer with the engine (its ``old_logp`` slot holds the inference log-probs, one update per
+    batch); pass ``rollout_logp`` as ``old_logp`` for that. ``A = 0`` follows the ``A ≤ 0`` rule, as in
+    prime-rl (such a token carries no policy gradient anyway). Returns ``(keep, metrics)``; metrics (valid
+    tokens): ``masked_frac`` (all dropped), ``masked_low_frac`` (dropped with ``A < 0``), ``masked_high_frac``
+    (dropped with ``A > 0``).
+    """
+    m = check_token_pair("logp", logp, "old_logp", old_logp, mask)
+    dl = check_real("delta_low", delta_low, ge=0.0)
+    dh = check_real("delta_high", delta_high, ge=0.0)
+    dt = compute_dtype(logp)
+    adv = broadcast_advantages(advantages, logp, m).detach()
+    delta = torch.exp(safe(logp, m, dt).detach()) - torch.exp(safe(old_logp, m, dt).detach())
+    pos = adv > 0
+    high = m & pos & (delta > dh)
+    low = m & ~pos & (delta < -dl)
+    keep = m & ~(low | high)
+    metrics = Metrics(
+        masked_frac=masked_mean((low | high).to(dt), m),
+        masked_low_frac=masked_mean((low & (adv < 0)).to(dt), m),
+        masked_high_frac=masked_mean(high.to(dt), m),
+    )
+    return keep, metrics
+
+
+def dppo_loss(
+    logp: Float[Tensor, "B T"],
+    old_logp: Float[Tensor, "B T"],
+    advantages: Float[Tensor, "B T"] | Float[Tensor, " B"],
+    mask: Shaped[Tensor, "B T"],
+    *,
+    delta_low: float = 0.2,
+    delta_high: float = 0.2,
+    kl_coef: float = 1e-3,
+) -> tuple[Float[Tensor, "B T"], Metrics]:
+    """DPPO + log² loss (prime-rl's default RL loss): ``ℓ_t = −keep_t·r_t·A_t + kl_coef·(log r_t)²``.
+
+    ``log r = clamp(logp − old_logp, ±20)`` (no gradient beyond the clamp), ``r = e^{log r}`` with gradient
+    ``r·∇logp`` (no ratio clip: the
+    trust region is ``dppo_mask``'s probability band, ``keep``). The mismatch term ``(log r)²`` (Kimi-K2.5's
+    squared log-ratio, prime-rl's ``kl_tau``, default 1e-3) acts on *every* valid token, kept or not, with
+    gradient ``2·kl_coef·log r·∇logp``: it pulls the trainer back toward π_old where the band stopped the
+    policy-gradient term. Reduce with ``aggregate`` (prime-rl normalises by the total token count, i.e.
+    ``token-mean``). Metrics: ``clipfrac`` (tokens dropped by the band, the trust region's analogue of PPO's
+    clip fraction), ``clipfrac_low``, ``clipfrac_high``, ``approx_kl`` (k3 of KL(π_old‖π_θ)), ``log_ratio_sq``
+    (mean ``(log r)²`` over valid tokens).
+    """
+    keep, mm = dppo_mask(logp, old_logp, advantages, mask, delta_low=delta_low, delta_high=delta_high)
+    c = check_real("kl_coef", kl_coef, ge=0.0)
+    m = check_token_pair("logp", logp, "old_logp", old_logp, mask)
+    dt = compute_dtype(logp)
+    lp = safe(logp, m, dt)
+    olp = safe(old_logp, m, dt).detach()
+    adv = broadcast_advantages(advantages, logp, m).detach()
+    log_r = (lp - olp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    r = torch.exp(log_r)
+    zero = torch.zeros((), dtype=dt, device=lp.device)
+    loss = torch.where(keep, -r * adv, zero) + c * torch.where(m, log_r * log_r, zero)
+    lrd = log_r.detach()
+    metrics = Metrics(
+        clipfrac=mm["masked_frac"],
+        clipfrac_low=mm["masked_low_frac"],
+        clipfrac_high=mm["masked_high_frac"],
+        approx_kl=masked_mean(torch.expm1(lrd) - lrd, m),
+        log_ratio_sq=masked_mean(lrd * lrd, m),
+    )
+    return safe(loss, m, dt), metrics
