@@ -47,7 +47,7 @@ from .routing import (
 )
 from .sglang_engine import SGLangEngine
 from .torch_engine import TorchEngine
-from .trajectory import Trajectory, render_chat, to_tensors, trajectory_rows
+from .trajectory import Trajectory, render_chat, render_chat_text, to_tensors, trajectory_rows
 from .types import FinishReason, Generation, GenerationRequest, RolloutEngine, SamplingParams
 
 if TYPE_CHECKING:
@@ -96,6 +96,7 @@ __all__ = [
     "parse_tool_calls",
     "python_tool",
     "render_chat",
+    "render_chat_text",
     "replay_routing",
     "response_routing",
     "resumable_generate",

@@ -12,8 +12,10 @@ template into a :class:`~rlblocks.rollout.trajectory.Trajectory`; then, per turn
    (``</tool_call>``): a tag that is one token is a stop token; a multi-token tag stops generation on its last
    token and the turn ends only if the decoded turn then ends with the tag (otherwise generation continues);
 3. the model's tokens are appended as they are (never re-tokenised); the decoded text is the action given to
-   ``env.step``; the environment's observation messages are appended as a chat-template DELTA (rendered, checked
-   to extend the trajectory exactly, only the suffix appended).
+   ``env.step``; the environment's observation messages are appended as a chat-template DELTA: the conversation
+   is rendered to text and only what follows the trajectory's own text (the observation, the template's glue,
+   the generation prompt) is tokenised and appended (:meth:`~rlblocks.rollout.trajectory.Trajectory.text_delta`);
+   a template that rewrote history falls back to the token-level prefix check, and branches (counted).
 
 Every request of one episode carries the episode's ``session_id``, so a :class:`~rlblocks.rollout.router.Router`
 keeps the episode on one engine (prefix-cache locality). Budgets: ``max_turns`` and ``max_total_tokens`` (the
@@ -57,7 +59,7 @@ from rlblocks._checks import check_int, check_optional_int, check_seconds, check
 from rlblocks.errors import ArgumentError, ToolUnavailable
 
 from .resume import ResumableResult, resumable_generate
-from .trajectory import OnMismatch, Trajectory, render_chat
+from .trajectory import OnMismatch, Trajectory, render_chat_text
 from .types import GenerationRequest, RolloutEngine, SamplingParams
 
 __all__ = [
@@ -796,9 +798,9 @@ async def run_episode(
             when it has one, so a long episode ends with ``"max_tokens"`` instead of a refused request).
         session_id: sent with every request (default: a fresh uuid); ``group_id`` is stored on the trajectory.
         env_timeout: seconds for each ``reset``/``step`` (None: no limit).
-        on_mismatch: what to do when an observation's rendering does not extend the trajectory exactly
-            (``"branch"``: keep the segment, start a new one, count it; ``"raise"``: raise
-            :class:`~rlblocks.rollout.trajectory.PrefixMismatchError`).
+        on_mismatch: what to do when the chat template rewrote history, so that an observation's rendering
+            extends the trajectory neither as text nor token for token (``"branch"``: keep the segment, start a
+            new one, count it; ``"raise"``: raise :class:`~rlblocks.rollout.trajectory.PrefixMismatchError`).
         stop_texts: texts that end a turn (the closing tool-call tag).
         mask_stale: passed to :func:`generate_turn`.
         max_submissions: passed to :func:`generate_turn`.
@@ -894,12 +896,20 @@ async def run_episode(
             break
         full = [*traj.messages, *obs]
         try:
-            ids = render_chat(tokenizer, full, tools=traj.tools, **traj.template_kwargs)
+            text = render_chat_text(tokenizer, full, tools=traj.tools, **traj.template_kwargs)
         except Exception as e:  # the observation could not be rendered: the environment's fault
             return finish("env_error", _error_text(e))
-        if max_total_tokens is not None and len(ids) >= max_total_tokens:
+        # the observation's delta after the engine's ids; only a template that rewrote history needs the whole
+        # rendering's ids (checked as a prefix, or branched)
+        delta = traj.text_delta(tokenizer, text)
+        ids = None if delta is not None else list(tokenizer.encode(text, add_special_tokens=False))
+        if max_total_tokens is not None and (len(traj) + len(delta) if ids is None else len(ids)) >= max_total_tokens:
             # no room for another model token: the observation is kept in the info, not in the token sequence
             traj.info["observation_over_budget"] = obs
             return finish("max_tokens")
-        traj.extend_to(ids, on_mismatch=on_mismatch, messages=full, tokenizer=tokenizer)
+        if ids is None:
+            traj.append_env(delta)
+            traj.messages = full
+        else:
+            traj.extend_to(ids, on_mismatch=on_mismatch, messages=full, tokenizer=tokenizer)
     return finish("max_turns")

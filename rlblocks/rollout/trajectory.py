@@ -18,13 +18,22 @@ Per token a trajectory stores:
 ``loss_mask`` is true on model tokens only (and, when a generation carries its own mask, e.g.
 ``resumable_generate(..., mask_stale=True)``, only where that mask is true).
 
-Chat templates are applied as a DELTA (:meth:`Trajectory.append_messages`): the whole extended conversation is
-rendered, the rendering must start with exactly the tokens already in the trajectory, and only the new suffix is
-appended (as environment tokens). A template that rewrites history (strips earlier reasoning, trims whitespace the
-model produced, re-serialises a tool call) fails that check: a :class:`PrefixMismatchError` names the first
-differing position, or, with ``on_mismatch="branch"``, the trajectory starts a new *branch* whose prompt is the new
-rendering; the finished segment is kept in ``branches`` (nothing is dropped) and the mismatch is counted in
-``prefix_mismatches``. Every segment becomes its own row in :func:`to_tensors`.
+Chat templates are applied as a DELTA (:meth:`Trajectory.append_messages`, :meth:`Trajectory.extend_to_text`),
+without ever re-tokenising a model turn. A sampled sequence is often not the tokenizer's canonical encoding of its
+own text (a model may emit ``"a" "b"`` where BPE merges ``"ab"``), so the extended conversation is compared as
+TEXT: the whole conversation is rendered with the chat template and, when that rendering starts with the text the
+trajectory's ids decode to, only the rest (the new messages, the template's glue between turns, the generation
+prompt) is tokenised on its own and appended after the engine's ids. The glue therefore comes from the template
+itself. The rest is tokenised after the trajectory's last token when that is an added token (e.g. the end-of-turn
+token), as it is in the full rendering, and the delta is kept only if it is stable: the trajectory's ids followed
+by the delta must decode to exactly the rendering. Otherwise (a template that rewrites history: strips earlier
+reasoning, trims whitespace the model produced, re-serialises a tool call; or a tokenizer whose decoding does not
+give back the text) the rendering is tokenised whole and must start with exactly the trajectory's ids, the check
+done at token level. Failing that, a :class:`PrefixMismatchError` names the first differing position, or, with
+``on_mismatch="branch"``, the trajectory starts a new *branch* whose prompt is the new rendering; the finished
+segment is kept in ``branches`` (nothing is dropped) and the mismatch is counted in ``prefix_mismatches``. Every
+segment becomes its own row in :func:`to_tensors`. For a tokenizer whose every id sequence is canonical (e.g. a
+character-level one) both ways give the same ids.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ __all__ = [
     "ROLES",
     "Trajectory",
     "render_chat",
+    "render_chat_text",
     "to_tensors",
     "trajectory_rows",
 ]
@@ -72,6 +82,28 @@ def _dicts(name: str, value: object) -> list[dict]:
     return [dict(m) for m in value]
 
 
+def render_chat_text(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    **template_kwargs: Any,
+) -> str:
+    """``messages`` rendered to text with ``tokenizer``'s chat template (Hugging Face ``apply_chat_template`` with
+    ``tokenize=False``; ``tools`` and ``template_kwargs`` are passed to it)."""
+    if not hasattr(tokenizer, "apply_chat_template"):
+        raise ArgumentError(f"tokenizer: expected a Hugging Face tokenizer with a chat template, got "
+                            f"{type(tokenizer).__name__}")
+    return tokenizer.apply_chat_template(
+        _dicts("messages", messages),
+        tools=None if tools is None else _dicts("tools", tools),
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+        **template_kwargs,
+    )
+
+
 def render_chat(
     tokenizer: Any,
     messages: Sequence[Mapping[str, Any]],
@@ -80,23 +112,19 @@ def render_chat(
     add_generation_prompt: bool = True,
     **template_kwargs: Any,
 ) -> list[int]:
-    """Token ids of ``messages`` rendered with ``tokenizer``'s chat template (Hugging Face ``apply_chat_template``).
+    """Token ids of ``messages`` rendered with ``tokenizer``'s chat template (:func:`render_chat_text`).
 
-    The template is rendered to text (``tools`` and ``template_kwargs`` are passed to it) and the text is encoded
-    with ``add_special_tokens=False``: templates write their own BOS (``{{ bos_token }}``), so the tokenizer must
-    not add a second one.
+    The text is encoded with ``add_special_tokens=False``: templates write their own BOS (``{{ bos_token }}``), so
+    the tokenizer must not add a second one.
     """
-    if not hasattr(tokenizer, "apply_chat_template"):
-        raise ArgumentError(f"tokenizer: expected a Hugging Face tokenizer with a chat template, got "
-                            f"{type(tokenizer).__name__}")
-    text = tokenizer.apply_chat_template(
-        _dicts("messages", messages),
-        tools=None if tools is None else _dicts("tools", tools),
-        add_generation_prompt=add_generation_prompt,
-        tokenize=False,
-        **template_kwargs,
-    )
+    text = render_chat_text(tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                            **template_kwargs)
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    """The exact text of ``ids`` (special tokens written out, no clean-up of spaces)."""
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 class Trajectory:
@@ -315,6 +343,64 @@ class Trajectory:
             self.messages = _dicts("messages", messages)
         return delta
 
+    def text_delta(self, tokenizer: Any, text: str) -> list[int] | None:
+        """The ids that extend the trajectory to the rendering ``text`` without re-tokenising its tokens, or None.
+
+        ``text`` must start with the text the trajectory's ids decode to (special tokens written out); the rest is
+        tokenised on its own: after the trajectory's last token when that is an added token (so that a tokenizer
+        which treats the start of a text specially, e.g. a SentencePiece dummy prefix, tokenises the rest as it
+        would inside the full rendering), else alone. A candidate is returned only if the trajectory's ids followed
+        by it decode to exactly ``text``. None when ``text`` does not extend the trajectory's text or no candidate
+        decodes back to it (then only a token-level prefix check can extend the trajectory). Nothing is changed.
+        """
+        if not isinstance(text, str):
+            raise ArgumentError(f"text: expected the rendered conversation as a str, got {type(text).__name__}")
+        mine = self.token_ids
+        current = _decode(tokenizer, mine)
+        if not text.startswith(current):
+            return None
+        rest = text[len(current):]
+        if not rest:
+            return []
+        candidates: list[list[int]] = []
+        last = mine[-1]
+        added = tokenizer.get_added_vocab() if callable(getattr(tokenizer, "get_added_vocab", None)) else {}
+        piece = tokenizer.convert_ids_to_tokens(last) if added else None
+        if piece is not None and added.get(piece) == last:
+            anchored = list(tokenizer.encode(piece + rest, add_special_tokens=False))
+            if anchored[:1] == [last]:
+                candidates.append(anchored[1:])
+        alone = list(tokenizer.encode(rest, add_special_tokens=False))
+        if alone not in candidates:
+            candidates.append(alone)
+        for ids in candidates:
+            if _decode(tokenizer, mine + ids) == text:
+                return ids
+        return None
+
+    def extend_to_text(
+        self,
+        tokenizer: Any,
+        text: str,
+        *,
+        on_mismatch: OnMismatch = "raise",
+        messages: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        """Make the trajectory the rendering ``text`` of the conversation ``messages`` (which replaces
+        ``messages``), keeping its ids: the :meth:`text_delta` is appended as environment tokens when there is one,
+        else ``text`` is tokenised whole and must extend the trajectory's ids exactly (:meth:`extend_to`, with
+        ``on_mismatch``). Returns the appended ids (the whole new prompt after a branch)."""
+        if on_mismatch not in ("raise", "branch"):
+            raise ArgumentError(f"on_mismatch: expected 'raise' or 'branch', got {on_mismatch!r}")
+        delta = self.text_delta(tokenizer, text)
+        if delta is None:
+            return self.extend_to(list(tokenizer.encode(text, add_special_tokens=False)), on_mismatch=on_mismatch,
+                                  messages=messages, tokenizer=tokenizer)
+        self.append_env(delta)
+        if messages is not None:
+            self.messages = _dicts("messages", messages)
+        return delta
+
     def append_messages(
         self,
         tokenizer: Any,
@@ -323,13 +409,14 @@ class Trajectory:
         on_mismatch: OnMismatch = "raise",
         add_generation_prompt: bool = True,
     ) -> list[int]:
-        """Render ``self.messages + messages`` with the chat template (and ``tools``), check that the rendering
-        extends the trajectory exactly, and append only the new suffix as environment tokens (see
+        """Append ``messages`` (tool results, user turns) after the trajectory without re-tokenising it: render
+        ``self.messages + messages`` with the chat template (and ``tools``) and append only what the new messages,
+        the template's glue and the generation prompt add (:meth:`extend_to_text`; see the module docstring, and
         :meth:`extend_to` for ``on_mismatch``). Returns the appended ids."""
         full = [*self.messages, *_dicts("messages", messages)]
-        ids = render_chat(tokenizer, full, tools=self.tools, add_generation_prompt=add_generation_prompt,
-                          **self.template_kwargs)
-        return self.extend_to(ids, on_mismatch=on_mismatch, messages=full, tokenizer=tokenizer)
+        text = render_chat_text(tokenizer, full, tools=self.tools, add_generation_prompt=add_generation_prompt,
+                                **self.template_kwargs)
+        return self.extend_to_text(tokenizer, text, on_mismatch=on_mismatch, messages=full)
 
     def branch(
         self, prompt_ids: Sequence[int] | Tensor, *, messages: Sequence[Mapping[str, Any]] | None = None

@@ -20,9 +20,13 @@ headers) or longer than 512 characters is refused with a 400 naming the header o
 accumulates one :class:`~rlblocks.rollout.trajectory.Trajectory` with the exact ids, processed log-probs and weight
 versions the engine produced. A chat request's messages are rendered with the chat template; assistant messages this
 gateway returned (recognised by content and tool-call ids) are rendered from the model's raw text, so the re-sent
-history gives back the sampled tokens; the rendering must extend the session's trajectory token for token: the
-suffix is appended as environment tokens (tool results, the next user message), a mismatch (an edited history, a
-client that rebuilt a message) branches the trajectory and is counted (``prefix_mismatches``). Every request of a
+history gives back the sampled text. The re-sent history is matched by content, never by re-tokenising what the
+model sampled: when the rendering starts with the text of the session's trajectory, only the rest (tool results,
+the next user message, the template's glue) is tokenised and appended as environment tokens, after the engine's
+ids; otherwise the rendering's ids must extend the trajectory token for token, and a mismatch (an edited history,
+a client that rebuilt a message, a template that rewrites history) branches the trajectory and is counted
+(``prefix_mismatches``; with ``on_mismatch="raise"`` a 409 names the first message that differs from the session's
+stored one). A text prompt of ``/v1/completions`` is matched the same way. Every request of a
 session carries its ``session_id`` to the engine, so a Router keeps the session on one engine. Requests of one
 session are served one at a time.
 

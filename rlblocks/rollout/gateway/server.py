@@ -50,7 +50,7 @@ from rlblocks.errors import ArgumentError, ClientDisconnected, GatewayError, Ses
 
 from ..agent import TOOL_CALL_TAGS, generate_turn
 from ..resume import ResumableResult
-from ..trajectory import OnMismatch, Trajectory, render_chat
+from ..trajectory import OnMismatch, Trajectory, render_chat_text
 from ..types import RolloutEngine, SamplingParams
 from . import schema
 from .sessions import Session, SessionStore, Turn, fingerprint
@@ -666,21 +666,19 @@ class Gateway:
             self._store.release(sess)
 
     def _begin_turn(self, sess: Session, req: Any, chat: bool) -> Turn:
-        """Step 1: the prompt (the chat template's rendering of the canonical messages, or the completion's
-        tokens), which must extend the session's trajectory."""
+        """Step 1: the prompt (the chat template's rendering of the canonical messages, or the completion's text
+        or tokens), which must extend the session's trajectory."""
         if chat:
             messages = self._store.canonical(sess, [m.for_template() for m in req.messages])
             try:
-                ids = render_chat(self.tokenizer, messages, tools=req.tools, add_generation_prompt=True,
-                                  **self.template_kwargs)
+                text = render_chat_text(self.tokenizer, messages, tools=req.tools, add_generation_prompt=True,
+                                        **self.template_kwargs)
             except Exception as e:
                 raise schema.bad_request("messages", f"the chat template could not render them: {type(e).__name__}: "
                                          f"{e}") from e
-            return self._store.begin_turn(sess, ids, messages=messages, tools=req.tools, on_mismatch=self.on_mismatch,
-                                          tokenizer=self.tokenizer)
-        ids = req.prompt if isinstance(req.prompt, list) else list(self.tokenizer.encode(req.prompt,
-                                                                                          add_special_tokens=False))
-        return self._store.begin_turn(sess, ids, messages=None, tools=None, on_mismatch=self.on_mismatch,
+            return self._store.begin_turn(sess, text, messages=messages, tools=req.tools, on_mismatch=self.on_mismatch,
+                                          tokenizer=self.tokenizer, template_kwargs=self.template_kwargs)
+        return self._store.begin_turn(sess, req.prompt, messages=None, tools=None, on_mismatch=self.on_mismatch,
                                       tokenizer=self.tokenizer)
 
     def _sampling(self, req: Any) -> SamplingParams:

@@ -51,7 +51,7 @@ _MISSING = object()
 @dataclass
 class Session:
     """An open session: its trajectory (None until a turn was captured), the assistant messages it returned
-    (fingerprint -> the model's raw text, so a re-sent history renders back the sampled tokens), how many requests
+    (fingerprint -> the model's raw text, so a re-sent history renders back the sampled text), how many requests
     it served, and the lock that serves them one at a time."""
 
     session_id: str
@@ -81,6 +81,21 @@ def fingerprint(content: str | None, tool_calls: Sequence[Mapping[str, Any]] | N
         fn = tc.get("function", {}) if isinstance(tc, Mapping) else {}
         calls.append([tc.get("id") if isinstance(tc, Mapping) else None, fn.get("name"), fn.get("arguments")])
     return json.dumps([content or "", calls], sort_keys=True)
+
+
+def _first_edit(stored: list[dict[str, Any]], messages: list[dict[str, Any]], stored_tools: Any, tools: Any
+                ) -> str | None:
+    """Why a request's history is not the session's (compared by content, after :meth:`SessionStore.canonical`):
+    the first stored message it does not re-send unchanged, or a changed tool list; None when it re-sends all."""
+    if (stored_tools or None) != (tools or None):
+        return "; the request's tools differ from the session's"
+    for i, m in enumerate(stored):
+        if i >= len(messages):
+            return f"; the request re-sends {len(messages)} of the session's {len(stored)} messages"
+        if messages[i] != m:
+            return (f"; messages[{i}] (role {messages[i].get('role')!r}) is not the message the session has there "
+                    f"(role {m.get('role')!r})")
+    return None
 
 
 def _snapshot(traj: Trajectory | None) -> dict[str, Any] | None:
@@ -149,12 +164,21 @@ class SessionStore:
         return out
 
     # ------------------------------------------------------------------ turns (the session's lock is held)
-    def begin_turn(self, sess: Session, ids: list[int], *, messages: list[dict[str, Any]] | None,
-                   tools: list[dict[str, Any]] | None, on_mismatch: OnMismatch, tokenizer: Any) -> Turn:
-        """Extend ``sess``'s trajectory to ``ids`` (the request's rendering) for a new turn.
+    def begin_turn(self, sess: Session, prompt: str | list[int], *, messages: list[dict[str, Any]] | None,
+                   tools: list[dict[str, Any]] | None, on_mismatch: OnMismatch, tokenizer: Any,
+                   template_kwargs: Mapping[str, Any] | None = None) -> Turn:
+        """Extend ``sess``'s trajectory to ``prompt`` for a new turn: the request's rendering (the chat template's
+        text of ``messages``, or a completion's text), or a completion's token ids.
 
-        409 when the session was closed by a reward while the request waited, or when the rendering does not
-        extend the trajectory and ``on_mismatch="raise"``; 400 when the trajectory refuses the ids."""
+        A text is matched against the trajectory by content, never by re-tokenising what the model sampled: when it
+        starts with the trajectory's text, only the rest is tokenised and appended
+        (:meth:`~rlblocks.rollout.trajectory.Trajectory.extend_to_text`); a history the client edited, or that the
+        template rewrote, falls back to the token-level prefix check (a branch, counted). Token ids must extend the
+        trajectory's ids exactly.
+
+        409 when the session was closed by a reward while the request waited, or when the prompt does not extend
+        the trajectory and ``on_mismatch="raise"`` (naming the first message that differs from the session's
+        stored one); 400 when the trajectory refuses the ids."""
         sid = sess.session_id
         current = self.sessions.get(sid)
         if current is None and sess.trajectory is None:
@@ -166,14 +190,20 @@ class SessionStore:
             raise GatewayError(409, f"session {sid!r} was closed by a reward", code="session_closed")
         turn = Turn(sess, _snapshot(sess.trajectory),
                     0 if sess.trajectory is None else sess.trajectory.prefix_mismatches)
+        traj = sess.trajectory
         try:
-            if sess.trajectory is None:
-                sess.trajectory = Trajectory(ids, messages=messages, tools=tools, session_id=sid)
+            if traj is None:
+                ids = list(tokenizer.encode(prompt, add_special_tokens=False)) if isinstance(prompt, str) else prompt
+                sess.trajectory = Trajectory(ids, messages=messages, tools=tools, session_id=sid,
+                                             template_kwargs=template_kwargs)
+            elif isinstance(prompt, str):
+                traj.extend_to_text(tokenizer, prompt, on_mismatch=on_mismatch, messages=messages)
             else:
-                sess.trajectory.extend_to(ids, on_mismatch=on_mismatch, messages=messages, tokenizer=tokenizer)
+                traj.extend_to(prompt, on_mismatch=on_mismatch, tokenizer=tokenizer)
         except PrefixMismatchError as e:
+            edited = None if messages is None else _first_edit(traj.messages, messages, traj.tools, tools)
             self.rollback(turn)
-            raise GatewayError(409, str(e), code="prefix_mismatch") from e
+            raise GatewayError(409, f"{e}{edited or ''}", code="prefix_mismatch") from e
         except ArgumentError as e:  # the request's own tokens were refused: the client's error, not ours
             self.rollback(turn)
             raise GatewayError(400, f"{'messages' if messages is not None else 'prompt'}: {e}",

@@ -84,6 +84,9 @@ BAD = [
     ("generation.loss_mask", lambda tok: Trajectory([1, 2]).append_generation(_rr([False]))),
     ("messages", lambda tok: Trajectory([1]).append_env([2], messages="hi")),
     (r"messages\[0\]", lambda tok: Trajectory([1], messages=[5])),
+    ("text", lambda tok: Trajectory([1]).text_delta(tok, [5])),
+    ("text", lambda tok: Trajectory([1]).extend_to_text(tok, None)),
+    ("on_mismatch", lambda tok: Trajectory([1]).extend_to_text(tok, "a", on_mismatch="skip")),
     (r"trajectories\[0\]", lambda tok: trajectory_rows([1, 2])),
     ("trajectories", lambda tok: trajectory_rows([])),
     # tools
