@@ -1,4 +1,4 @@
-"""The shared weight-update rule (rlblocks.rollout._weights) on its own: finite-value check (fast path and its
+"""The shared weight-update rule (rlblocks.rollout.engines._weights) on its own: finite-value check (fast path and its
 overflow fallback), layouts of tied modules, and the message shape every engine uses."""
 
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlblocks.errors import ArgumentError, WeightUpdateError
-from rlblocks.rollout._weights import WeightLayout, check_tensors, check_update_version
+from rlblocks.rollout.engines._weights import WeightLayout, check_tensors, check_update_version
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])

@@ -3,7 +3,7 @@
 tool.
 
 Episode loop (:func:`run_episode`): the environment's first messages are rendered with the tokenizer's chat
-template into a :class:`~rlblocks.rollout.trajectory.Trajectory`; then, per turn,
+template into a :class:`~rlblocks.rollout.Trajectory`; then, per turn,
 
 1. the whole trajectory is the prompt of one :func:`generate_turn`: every engine call goes through
    :func:`~rlblocks.rollout.resume.resumable_generate`, so a weight update in the middle of a turn keeps the
@@ -14,7 +14,7 @@ template into a :class:`~rlblocks.rollout.trajectory.Trajectory`; then, per turn
 3. the model's tokens are appended as they are (never re-tokenised); the decoded text is the action given to
    ``env.step``; the environment's observation messages are appended as a chat-template DELTA: the conversation
    is rendered to text and only what follows the trajectory's own text (the observation, the template's glue,
-   the generation prompt) is tokenised and appended (:meth:`~rlblocks.rollout.trajectory.Trajectory.text_delta`);
+   the generation prompt) is tokenised and appended (:meth:`~rlblocks.rollout.Trajectory.text_delta`);
    a template that rewrote history falls back to the token-level prefix check, and branches (counted).
 
 Every request of one episode carries the episode's ``session_id``, so a :class:`~rlblocks.rollout.router.Router`
@@ -58,9 +58,9 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 from rlblocks._checks import check_int, check_optional_int, check_seconds, check_str_pair
 from rlblocks.errors import ArgumentError, ToolUnavailable
 
-from .resume import ResumableResult, resumable_generate
+from ..resume import ResumableResult, resumable_generate
+from ..types import GenerationRequest, RolloutEngine, SamplingParams
 from .trajectory import OnMismatch, Trajectory, render_chat_text
-from .types import GenerationRequest, RolloutEngine, SamplingParams
 
 __all__ = [
     "EPISODE_FINISH_REASONS",
@@ -800,7 +800,7 @@ async def run_episode(
         env_timeout: seconds for each ``reset``/``step`` (None: no limit).
         on_mismatch: what to do when the chat template rewrote history, so that an observation's rendering
             extends the trajectory neither as text nor token for token (``"branch"``: keep the segment, start a
-            new one, count it; ``"raise"``: raise :class:`~rlblocks.rollout.trajectory.PrefixMismatchError`).
+            new one, count it; ``"raise"``: raise :class:`~rlblocks.errors.PrefixMismatchError`).
         stop_texts: texts that end a turn (the closing tool-call tag).
         mask_stale: passed to :func:`generate_turn`.
         max_submissions: passed to :func:`generate_turn`.

@@ -48,8 +48,8 @@ from torch import Tensor
 from rlblocks._checks import check_int, check_int_list, check_real_list
 from rlblocks.errors import ArgumentError, PrefixMismatchError
 
-from .batch import RolloutBatch, own_loss_mask, per_row
-from .types import Generation
+from ..batch import RolloutBatch, own_loss_mask, per_row
+from ..types import Generation
 
 __all__ = [
     "ROLES",

@@ -56,7 +56,7 @@ Generation
 
 Weight updates
 --------------
-The update is checked with the rule every engine shares (:mod:`rlblocks.rollout._weights`; names, shapes and
+The update is checked with the rule every engine shares (:mod:`rlblocks.rollout.engines._weights`; names, shapes and
 completeness only when ``expected_weights`` is given, since the client cannot see the model otherwise), then:
 
 1. the scheduler is paused in ``retract`` mode: running requests go back to the queue, and the cache flush that
@@ -112,9 +112,9 @@ from torch import Tensor
 from rlblocks._checks import check_bool
 from rlblocks.errors import ArgumentError, EngineError, SGLangError
 
-from ._common import Lifecycle, wait_first
+from ..types import Generation, GenerationRequest
 from ._weights import WeightLayout, check_tensors, check_update_version, refuse
-from .types import Generation, GenerationRequest
+from .lifecycle import Lifecycle, wait_first
 
 __all__ = ["SGLangEngine", "SGLangEngineStats", "serialize_named_tensors"]
 

@@ -47,13 +47,12 @@ Weight updates, pause, sleep and close
 --------------------------------------
 ``update_weights`` materialises the iterable (dequantising weights sent in the block-FP8 format of
 :mod:`rlblocks.sync.fp8`: the engine then computes with exactly an FP8 engine's weights) and checks it with the rule
-every engine shares (see
-:mod:`rlblocks.rollout._weights`: names, shapes, dtypes, finite values, completeness unless ``partial=True``, tied
-aliases, versions only forward unless ``allow_rollback=True``) *before* touching anything
-(:class:`~rlblocks.errors.WeightUpdateError`; weights and version unchanged). It then waits for the current step to
-end, copies the tensors (``copy_`` with dtype cast), clears the prefix cache, drops the KV of requests frozen by
-``pause("keep")`` (they are re-prefilled under the new weights when resumed; their earlier tokens keep their old
-version) and only then sets ``version``.
+every engine shares (see :mod:`rlblocks.rollout.engines._weights`: names, shapes, dtypes, finite values,
+completeness unless ``partial=True``, tied aliases, versions only forward unless ``allow_rollback=True``) *before*
+touching anything (:class:`~rlblocks.errors.WeightUpdateError`; weights and version unchanged). It then waits for
+the current step to end, copies the tensors (``copy_`` with dtype cast), clears the prefix cache, drops the KV of
+requests frozen by ``pause("keep")`` (they are re-prefilled under the new weights when resumed; their earlier tokens
+keep their old version) and only then sets ``version``.
 ``sleep(level)`` follows the protocol (:class:`~rlblocks.rollout.types.RolloutEngine`): every request in flight
 returns its partial output, every KV cache is dropped; level 1 moves the weights to CPU on CUDA (on CPU they are
 already in host memory, so only the KV caches are freed) and ``wake()`` moves them back; level 2 frees the
@@ -89,10 +88,10 @@ from torch import Tensor
 
 from rlblocks.errors import ArgumentError, EngineError
 
-from ._common import Lifecycle
+from ..routing import RoutingRecorder
+from ..types import Generation, GenerationRequest
 from ._weights import WeightLayout, check_update_version, refuse
-from .routing import RoutingRecorder
-from .types import Generation, GenerationRequest
+from .lifecycle import Lifecycle
 
 __all__ = ["EngineStats", "TorchEngine", "processed_logprobs"]
 
@@ -432,7 +431,7 @@ class TorchEngine:
     ) -> None:
         """Load ``named_tensors`` (``state_dict()`` names) between steps and set ``version`` afterwards.
 
-        The whole update is checked first (:mod:`rlblocks.rollout._weights`; a refusal raises
+        The whole update is checked first (:mod:`rlblocks.rollout.engines._weights`; a refusal raises
         :class:`~rlblocks.errors.WeightUpdateError` with weights, caches and version unchanged). Pauses itself
         (keep) if not paused and resumes afterwards. After a level-2 sleep, a complete update is what lets the
         engine generate again. Weights may come in the block-FP8 wire format (``rlblocks.sync.quantize_named``):

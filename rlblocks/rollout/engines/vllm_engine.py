@@ -22,7 +22,7 @@ Conventions
   A request served with a LoRA adapter carries the adapter's version on every token (adapters are never swapped
   under a running request).
 - **Weight updates** (*quiesce, swap, commit, resume*): check the update with the rule every engine shares
-  (:mod:`rlblocks.rollout._weights`, against the model's checkpoint layout; a refusal raises
+  (:mod:`rlblocks.rollout.engines._weights`, against the model's checkpoint layout; a refusal raises
   :class:`~rlblocks.errors.WeightUpdateError` and nothing is loaded) → pause (mode ``keep``, unless already paused) →
   ``collective_rpc`` into the worker's ``reload_weights(weights_iterator=...)`` (via :class:`WorkerExtension`) →
   ``reset_prefix_cache(reset_running_requests=True)`` (frozen requests are preempted and re-prefilled under the
@@ -64,14 +64,14 @@ from torch import Tensor
 
 from rlblocks.errors import ArgumentError, EngineError, WeightUpdateError
 
-from ._common import Lifecycle, wait_first
+from ..types import Generation, GenerationRequest, SamplingParams
 from ._weights import WeightLayout, WeightSpec, check_update_version, refuse
-from .types import Generation, GenerationRequest, SamplingParams
+from .lifecycle import Lifecycle, wait_first
 
 __all__ = ["VLLMEngine", "VLLMEngineStats", "WorkerExtension", "nccl_trainer_init", "nccl_trainer_send"]
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-WORKER_EXTENSION = "rlblocks.rollout.vllm_engine.WorkerExtension"
+WORKER_EXTENSION = "rlblocks.rollout.engines.vllm_engine.WorkerExtension"
 
 
 def _encode_tensor(t: Tensor) -> tuple[str, list[int], bytes]:
@@ -726,7 +726,7 @@ class VLLMEngine:
         self, named_tensors: Iterable[tuple[str, Tensor]], *, partial: bool = False
     ) -> list[tuple[str, Tensor]]:
         """Check an update against the model before anything is loaded (the shared rule of
-        :mod:`rlblocks.rollout._weights`) and return it as ``[(checkpoint name, tensor)]``.
+        :mod:`rlblocks.rollout.engines._weights`) and return it as ``[(checkpoint name, tensor)]``.
 
         Tied aliases are folded into the name vLLM loads (``lm_head.weight`` of a tied model becomes
         ``model.embed_tokens.weight``, which vLLM loads instead of skipping). vLLM also fuses e.g. ``q/k/v_proj``

@@ -48,9 +48,9 @@ except ImportError as e:  # pragma: no cover - the optional extra is not install
 from rlblocks._checks import check_int, check_seconds, check_str_pair
 from rlblocks.errors import ArgumentError, ClientDisconnected, GatewayError, SessionNotFound
 
-from ..agent import TOOL_CALL_TAGS, generate_turn
+from ..agents.episode import TOOL_CALL_TAGS, generate_turn
+from ..agents.trajectory import OnMismatch, Trajectory, render_chat_text
 from ..resume import ResumableResult
-from ..trajectory import OnMismatch, Trajectory, render_chat_text
 from ..types import RolloutEngine, SamplingParams
 from . import schema
 from .sessions import Session, SessionStore, Turn, fingerprint

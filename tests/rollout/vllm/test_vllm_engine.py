@@ -445,7 +445,7 @@ def test_protocol_members(vllm_engine, run, wait_tokens):
 
 
 def test_nccl_unpacked_send_is_contiguous():
-    from rlblocks.rollout.vllm_engine import nccl_trainer_send
+    from rlblocks.rollout.engines.vllm_engine import nccl_trainer_send
 
     class Group:
         def __init__(self):
