@@ -24,9 +24,11 @@ next version. Held-out evaluation: ``--eval-k`` episodes per held-out prompt (gr
 through ``rlblocks.reward.summarize``, every ``--eval-every`` steps and before and after RL.
 
 Files: ``runs/<name>/metrics.jsonl`` (one line per step; TensorBoard / W&B with ``--log-to``), ``eval/``,
-``summary.json`` (with ``turns_mean``, ``tool_calls``,
-``env_errors``, ``prefix_mismatches``), ``policy/`` (the trained model and tokenizer); ``python cookbook/plot.py
-runs/<name>`` draws the curves.
+``summary.json`` (with ``turns_mean``, ``tool_calls``, ``env_errors``, ``prefix_mismatches``), ``ckpt.pt`` and
+``journal.jsonl``, ``policy/`` (the trained model and tokenizer); ``python cookbook/plot.py runs/<name>`` draws the
+curves. ``--resume`` (or a ``torchrun --max-restarts`` restart) continues from the last checkpoint with the queued
+groups, as ``grpo_async.py`` does: every episode received is trained, dropped as stale, lost in a crash (received
+after the last checkpoint) or left in the queue, each counted, and the staleness bound holds across the restart.
 """
 
 from __future__ import annotations
@@ -61,19 +63,25 @@ from plumbing import (
     every,
     join_sync_group,
     load_hf,
+    load_model_state,
+    load_optim_state,
     load_task,
     load_tokenizer,
     load_tools,
     make_engine,
     model_max_len,
+    model_state,
     needs_reference,
     on_model,
     opt,
+    optim_state,
     parse_flags,
     parse_log_flag,
     pick_port,
     rank0_first,
     recv_control,
+    resume_run,
+    save_run_checkpoint,
     seed_rank,
     send_control,
     setup_dist,
@@ -113,6 +121,8 @@ class Config(TaskFlags):
     max_turns: int = opt(3, "most model turns of an episode")
     turn_tokens: int = opt(16, "response budget of one turn")
     warmstart_target: float = opt(0.2, "warm start: stop once greedy accuracy on SFT problems reaches this")
+    save_every: int = opt(25, "checkpoint every N steps, and after the last (0: after the last only)")
+    resume: bool = opt(False, "continue from runs/<name>/ckpt.pt (a torchrun restart does so by itself)")
     seed: int = opt(0, "seed")
     quiet: bool = opt(False, "no per-eval progress lines")
 
@@ -121,7 +131,7 @@ def check_flags(cfg: Config) -> None:
     """Flag values that cannot work (refused before any process group is created)."""
     check_at_least(cfg, 1, "steps", "prompts_per_step", "group_size", "max_concurrent", "heldout", "max_turns",
                    "turn_tokens")
-    check_at_least(cfg, 0, "max_staleness", "eval_every")
+    check_at_least(cfg, 0, "max_staleness", "eval_every", "save_every")
     check_task_flags(cfg)
     if not cfg.chat:
         raise ArgumentError("--no-chat: an episode renders every turn with the tokenizer's chat template; the agent "
@@ -146,6 +156,7 @@ class Rollout:
         self.stats = EpisodeStats()
         self.outbox = Outbox(sample_group)  # to trainer rank 0, by a thread
         self.counter = 0
+        self.run_index = 0  # the run's start number (Weights.run): group uids are unique across restarts
         self.stopping = False
         self.first = asyncio.Event()
         self.wake = asyncio.Event()
@@ -178,8 +189,9 @@ class Rollout:
         while not self.stopping:
             v = self.engine.version
             while not self.stopping and self.ctrl.try_submit(v):
-                gid = self.rank * 10**9 + self.counter  # group ids unique over rollout ranks (advantage groups)
-                tasks.add(loop.create_task(self._group(f"r{self.rank}-{self.counter}", gid)))
+                # group ids unique over rollout ranks and restarts (advantage groups)
+                gid = (self.rank * 1000 + self.run_index) * 10**9 + self.counter
+                tasks.add(loop.create_task(self._group(f"r{self.rank}-{self.run_index}-{self.counter}", gid)))
                 self.counter += 1
             self.wake.clear()
             waiter = loop.create_task(self.wake.wait())
@@ -210,14 +222,25 @@ class Rollout:
                 continue
             version, it = receiver.receive()
             tensors = [(n, t.clone()) for n, t in it]
-            asyncio.run_coroutine_threadsafe(self._update(tensors, version), loop).result()
+            asyncio.run_coroutine_threadsafe(self._update(tensors, version, msg), loop).result()
 
-    async def _update(self, tensors, version: int) -> None:
+    async def _update(self, tensors, version: int, msg: Weights) -> None:
         """Quiesce, swap, commit, resume: turns in flight come back aborted and are resumed by
-        resumable_generate under the new weights; their earlier tokens keep their version."""
+        resumable_generate under the new weights; their earlier tokens keep their version. A run's first weights
+        (fresh or resumed) restart the admission counters at ``version``, with this rank's groups still queued at
+        the trainer counted as accepted (``Weights``)."""
         await self.engine.pause(mode="abort")
         await self.engine.update_weights(tensors, version=version)
         await self.engine.resume()
+        if msg.first:
+            self.ctrl.on_version_recovered(version)
+            if queued := msg.queued.get(self.rank, 0):
+                self.ctrl.on_submit(queued)
+                self.ctrl.on_accept(queued)
+            if msg.run:  # a restarted run: other problems and sampling seeds than the run that crashed drew
+                self.run_index = msg.run
+                self.rng = random.Random((self.cfg.seed * 1000 + self.rank) * 1009 + msg.run)
+                random.seed((self.cfg.seed * 1000 + self.rank) * 1009 + msg.run)
         self.first.set()
         self.wake.set()
 
@@ -266,7 +289,6 @@ def trainer_main(cfg: Config, world: int, sample_group, path: str, port: int) ->
     """Rank 0: take B fresh groups, one GRPO update over their trajectories, push the weights; repeat."""
     # ---- set-up: run files, policy and its evaluation copy, optimiser, queue + inbox, weight channel
     files = RunFiles(cfg.runs_dir, cfg.name, sinks=parse_log_flag(cfg.log_to), config=cfg)
-    files.fresh()
     tok = load_tokenizer(path, chat=True)
     model = load_hf(path, torch.device("cpu"))[1]
     eval_model = load_hf(path, torch.device("cpu"))[1]
@@ -276,24 +298,56 @@ def trainer_main(cfg: Config, world: int, sample_group, path: str, port: int) ->
     eval_reward = Reward(eval_reward_spec(cfg), tok, reward_model=cfg.reward_model, timeout=cfg.reward_timeout)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     stale = Counter()  # groups dropped as stale since the last push, by rollout rank
+    # fresh run, or resume from the last checkpoint (--resume, or torchrun restarted the group after a rank died)
+    recovery = resume_run(files, cfg, rank=0, world=1,
+                          required=("step", "model", "optim", "rng", "config", "queue", "counters"))
+    ck = recovery.state
+    # samples_generated (received), samples_trained, samples_without_trajectory, groups_dropped_stale,
+    # samples_lost_in_crash, max_staleness_seen: over every start of the run
+    tally = Counter(ck["counters"]) if ck is not None else Counter()
+    if ck is not None:
+        load_model_state(model, ck["model"])
+        load_optim_state(model, optim, ck["optim"], 1)
+        eval_reward.load_state_dict(ck["eval_reward"])
+    if recovery.received > tally["samples_generated"]:  # received after the checkpoint: died with the crashed run
+        tally["samples_lost_in_crash"] += recovery.received - tally["samples_generated"]
+        tally["samples_generated"] = recovery.received
 
     def on_stale(rec: dict, version: int) -> None:  # counted and reported to its rollout rank, never silent
         stale[int(rec["rank"])] += 1
 
     q = StalenessQueue(max_staleness=cfg.max_staleness, on_stale=on_stale)
-    inbox = Inbox(range(1, world), sample_group, q, samples=lambda rec: len(rec["episodes"]))
+    if ck is not None:
+        q.load_state_dict(ck["queue"])
+    inbox = Inbox(range(1, world), sample_group, q, samples=lambda rec: len(rec["episodes"]),
+                  generated=tally["samples_generated"], journal=recovery.journal)
     sync_group = join_sync_group(0, 1, world, port)
     sender = WeightSender(sync_group, 0)
 
-    def push(version: int) -> float:
-        """The stale groups' count to their ranks (they free those slots), then the weights as ``version``."""
+    def push(version: int, first: bool = False) -> float:
+        """The stale groups' count to their ranks (they free those slots), then the weights as ``version``; the
+        run's first push also carries each rank's groups still queued here and the run's start number."""
         t0 = time.perf_counter()
         if stale:
             send_control(sync_group, Stale(dict(stale)))
             stale.clear()
-        send_control(sync_group, Weights(version=version, kind="full", first=version == 0))
+        queued = Counter(int(it["rank"]) for it, _, _ in q.state_dict()["items"]) if first else {}
+        send_control(sync_group, Weights(version=version, kind="full", first=first, queued=dict(queued),
+                                         run=len(recovery.starts) - 1 if first else 0))
         sender.send([(n, p.detach()) for n, p in model.state_dict().items()], version=version)
         return time.perf_counter() - t0
+
+    def save_checkpoint() -> None:
+        """The run checkpoint: weights, optimizer, the queue (read with the received count under the inbox's lock,
+        so they agree), the counters and the summary's figures so far."""
+        with inbox.lock:
+            queue, tally["samples_generated"] = q.state_dict(), inbox.generated
+        state = {"step": step, "model": model_state(model, 1), "optim": optim_state(model, optim, 1),
+                 "queue": queue, "counters": dict(tally), "episodes": dict(ep_counts),
+                 "accuracy_before": acc_before, "accuracy_after": last_acc, "heldout_before": heldout_before,
+                 "heldout_after": heldout_after, "eval_reward": eval_reward.state_dict(),
+                 "wall_seconds": time.time() - t_start}
+        save_run_checkpoint(files, cfg, state, rank=0, world=1)
 
     eval_stats = EpisodeStats()
 
@@ -306,15 +360,21 @@ def trainer_main(cfg: Config, world: int, sample_group, path: str, port: int) ->
         files.write_eval(step, result)
         return result
 
-    step = 0
-    push(step)
-    eval_before = last_eval = evaluate(0)
-    acc_before = eval_before.mean_at_k
+    step = recovery.step
+    push(step, first=True)
+    if ck is None:
+        eval_before = evaluate(0)
+        acc_before = last_acc = eval_before.mean_at_k
+        heldout_before = heldout_after = eval_before.metrics()
+    else:
+        acc_before, last_acc = ck["accuracy_before"], ck["accuracy_after"]
+        heldout_before, heldout_after = ck["heldout_before"], ck["heldout_after"]
     print(f"held-out accuracy before RL: {acc_before:.3f} ({len(heldout)} prompts, {loop_task.source}, "
           f"{cfg.eval_k} episode(s) each)", flush=True)
     t_start = t_rl = time.time()
-    last_acc, max_age, trained_eps, dropped_stale = acc_before, 0, 0, 0
-    ep_counts: Counter = Counter()
+    if ck is not None:
+        t_start -= ck["wall_seconds"]
+    ep_counts: Counter = Counter(ck["episodes"]) if ck is not None else Counter()
     while step < cfg.steps:
         # ---- 1. take B groups whose oldest token is at most η versions old
         t0 = time.perf_counter()
@@ -326,6 +386,7 @@ def trainer_main(cfg: Config, world: int, sample_group, path: str, port: int) ->
         wait_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         trajs = [t for rec in batch for t in rec["trajectories"] if t is not None]
+        tally["samples_without_trajectory"] += sum(t is None for rec in batch for t in rec["trajectories"])
         for rec in batch:
             for reason, turns, calls, _r in rec["episodes"]:
                 ep_counts["episodes"] += 1
@@ -343,21 +404,21 @@ def trainer_main(cfg: Config, world: int, sample_group, path: str, port: int) ->
         optim.step()
         ages = Counter(step - v for t in trajs for s in t.segments() for v, r in zip(s.versions, s.roles)
                        if r == "model")
-        max_age = max(max_age, max(ages) if ages else 0)
+        tally["max_staleness_seen"] = max(tally["max_staleness_seen"], max(ages) if ages else 0)
         train_s = time.perf_counter() - t1
         step += 1
-        trained_eps += len(trajs)
-        dropped_stale += sum(stale.values())
+        tally["samples_trained"] += len(trajs)
+        tally["groups_dropped_stale"] += sum(stale.values())
         # ---- 3. the new weights to every rollout rank (version = step)
         sync_s = push(step)
-        # ---- 4. evaluation and logging
+        # ---- 4. evaluation, logging, checkpoint
         done = step >= cfg.steps or (cfg.time_limit > 0 and time.time() - t_rl > cfg.time_limit)
         result = evaluate(step) if (every(step, cfg.eval_every) or done) else None
         if result is not None:
-            last_acc, last_eval = result.mean_at_k, result
-        rewards = [t.reward for t in trajs]
+            last_acc, heldout_after = result.mean_at_k, result.metrics()
         acc = last_acc if result is not None else None
-        rec = {
+        rewards = [t.reward for t in trajs]
+        row = {
             "step": step, "version": step, "reward": sum(rewards) / len(rewards),
             "reward_failures": sum(int(r.get("reward_failures", 0)) for r in batch), **eval_metrics(result),
             "loss": m["loss"], "approx_kl": m.get("approx_kl"),
@@ -366,37 +427,45 @@ def trainer_main(cfg: Config, world: int, sample_group, path: str, port: int) ->
             "tokens_per_s": m["tokens_trained"] / (time.perf_counter() - t0), "queue_wait_seconds": wait_s,
             "train_seconds": train_s, "sync_seconds": sync_s, "queue_len": len(q),
             "step_seconds": time.perf_counter() - t0, "generate_seconds": None,  # the rollout ranks generate
-            "samples_generated": inbox.generated, "samples_trained": trained_eps,
+            "samples_generated": inbox.generated, "samples_trained": tally["samples_trained"],
             "tool_calls_per_episode": sum(c for r in batch for _, _, c, _ in r["episodes"]) / len(trajs),
             "turns_mean": sum(t for r in batch for _, t, _, _ in r["episodes"]) / len(trajs),
             "lr": optim.param_groups[0]["lr"], "wall_seconds": time.time() - t_start,
+            "trained_uids": [r["uid"] for r in batch],
         }
-        files.log(rec)
+        files.log(row)
         if acc is not None and not cfg.quiet:
-            print(f"step {step:4d}  {time.time() - t_rl:5.0f} s  reward {rec['reward']:.3f}  held-out {acc:.3f}  "
-                  f"tool calls/episode {rec['tool_calls_per_episode']:.2f}  queue {len(q)}", flush=True)
+            print(f"step {step:4d}  {time.time() - t_rl:5.0f} s  reward {row['reward']:.3f}  held-out {acc:.3f}  "
+                  f"tool calls/episode {row['tool_calls_per_episode']:.2f}  queue {len(q)}", flush=True)
+        if every(step, cfg.save_every) or done:
+            save_checkpoint()
         if done:
             break
     # ---- the end: stop the rollout ranks, collect their counters, write the summary and the policy
     send_control(sync_group, Stop())
     inbox.join()
     rollout = _sum_stats([e.episodes for e in inbox.ended.values()])
-    counts = Counter()
+    rollout_counts = Counter()
     for e in inbox.ended.values():
-        counts.update(e.counters)
+        rollout_counts.update(e.counters)
+    # every episode received is trained, without a trajectory (its env failed to reset), dropped as stale, lost in
+    # a crash (received after the last checkpoint) or left in the queue
     summary = {
         "accuracy_before": acc_before, "accuracy_after": last_acc, "wall_seconds": time.time() - t_start,
         "rl_seconds_this_run": time.time() - t_rl, "steps": step, "max_staleness": cfg.max_staleness,
-        "max_staleness_seen": max_age, "samples_generated": rollout["episodes"], "samples_trained": trained_eps,
-        "samples_dropped_stale": dropped_stale * cfg.group_size, "samples_left_in_queue": len(q) * cfg.group_size,
+        "max_staleness_seen": tally["max_staleness_seen"], "samples_generated": inbox.generated,
+        "samples_trained": tally["samples_trained"], "samples_without_trajectory": tally["samples_without_trajectory"],
+        "samples_dropped_stale": tally["groups_dropped_stale"] * cfg.group_size,
+        "samples_lost_in_crash": tally["samples_lost_in_crash"], "samples_left_in_queue": len(q) * cfg.group_size,
+        "episodes_run_this_start": rollout["episodes"],
         "turns_mean": rollout["turns"] / max(rollout["episodes"], 1), "tool_calls": rollout["tool_calls"],
         "env_errors": rollout["env_errors"] + rollout["env_timeouts"],
         "prefix_mismatches": rollout["prefix_mismatches"],
         "finish_reasons": rollout["finish_reasons"], "trained_episodes": dict(ep_counts),
-        "rollout": dict(counts), "eval_episode_stats": eval_stats.stats(), "config": dataclasses.asdict(cfg),
-        "task": loop_task.source, "heldout_prompts": len(heldout), "heldout_before": eval_before.metrics(),
-        "heldout_after": last_eval.metrics(), "reward_failures": counts["reward_failures"],
-        "eval_reward": eval_reward.stats(),
+        "rollout": dict(rollout_counts), "eval_episode_stats": eval_stats.stats(), "config": dataclasses.asdict(cfg),
+        "task": loop_task.source, "heldout_prompts": len(heldout), "heldout_before": heldout_before,
+        "heldout_after": heldout_after, "reward_failures": rollout_counts["reward_failures"],
+        "eval_reward": eval_reward.stats(), **recovery.summary(),
     }
     files.write_summary(summary)
     files.close()

@@ -40,7 +40,8 @@ from jaxtyping import Float
 from plumbing import global_counts, load_hf, mean_metrics, policy_loss
 from torch import Tensor, nn
 
-from rlblocks.errors import ArgumentError
+from rlblocks.checkpoint import MAGIC, load_checkpoint
+from rlblocks.errors import ArgumentError, CheckpointError
 from rlblocks.kernels import linear_token_logprobs, linear_vocab_kl
 from rlblocks.losses import aggregate, distill_advantages, grpo_advantages
 
@@ -85,7 +86,8 @@ def load_teacher(path: str, student_path: str, device: torch.device, *, world: i
     """The frozen teacher LM (eval mode, no grad) from ``path``:
 
     - an HF checkpoint directory (``config.json`` inside): loaded as is; its vocabulary must be the student's;
-    - a cookbook run directory or its ``ckpt.pt`` (what ``grpo_async.py`` saves: ``{"model": state_dict, ...}``):
+    - a cookbook run directory or its ``ckpt.pt`` (the run checkpoint every loop saves, ``{"model": state_dict, ...}``;
+      a plain ``torch.save`` file of that shape, or of the state dict itself, too):
       the weights are loaded, strictly, into a copy of the student's architecture read from ``student_path``.
 
     ``mode="dense"`` computes the KL from the student's whole LM head on this rank, so it needs ``world == 1``
@@ -105,7 +107,7 @@ def load_teacher(path: str, student_path: str, device: torch.device, *, world: i
     if os.path.isdir(p):
         teacher = load_hf(p, torch.device("cpu"))[1]
     else:
-        state = torch.load(p, map_location="cpu", weights_only=True)
+        state = read_teacher_file(p)
         weights = state.get("model") if isinstance(state, dict) and "model" in state else state
         teacher = student
         missing, unexpected = teacher.load_state_dict(weights, strict=False)
@@ -118,6 +120,19 @@ def load_teacher(path: str, student_path: str, device: torch.device, *, world: i
         raise ArgumentError(f"--distill-from: the teacher's vocabulary has {v_t} entries, the student's {v_s}; "
                             "on-policy distillation scores the student's token ids with the teacher")
     return teacher.to(device).eval().requires_grad_(False)
+
+
+def read_teacher_file(path: str) -> dict:
+    """A teacher file: a cookbook run checkpoint (``rlblocks.checkpoint``, checked) or a plain ``torch.save`` state
+    dict (loaded with ``weights_only=True``). A damaged run checkpoint is refused, naming ``--distill-from``."""
+    with open(path, "rb") as f:
+        ours = f.read(len(MAGIC)) == MAGIC
+    if not ours:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return load_checkpoint(path, required=("model",))
+    except CheckpointError as e:
+        raise ArgumentError(f"--distill-from: {e}") from e
 
 
 def hidden_states(lm: nn.Module, bt: dict[str, Tensor]) -> tuple[Float[Tensor, "B Lm1 H"], Float[Tensor, "V H"]]:

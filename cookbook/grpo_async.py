@@ -32,7 +32,13 @@ Held-out evaluation on trainer rank 0 (``plumbing/evaluation.py``): ``--eval-k``
 TorchEngine over the trainer's model, pass@k and mean@k, every ``--eval-every`` steps and before and after RL.
 
 Files: ``runs/<name>/metrics.jsonl`` (one line per step; TensorBoard / W&B with ``--log-to``), ``summary.json``,
-``eval/`` (per-prompt held-out results), ``ckpt.pt`` (``--resume``).
+``eval/`` (per-prompt held-out results), ``ckpt.pt`` and ``journal.jsonl``. ``--resume`` (or a ``torchrun
+--max-restarts`` restart after a rank died) continues from the last checkpoint: the weights, the optimizer, the queue
+with every group waiting in it, the counters. No sample is trained twice or lost unaccounted: ``samples_generated =
+samples_trained + samples_dropped_stale + samples_lost_in_crash + samples_left_in_queue`` over every restart (groups
+received after the last checkpoint died with the crashed trainer and are counted lost, from the journal), and the
+staleness bound holds across the restart (the queue is re-checked at the restored version, the rollout ranks'
+admission restarts there).
 Lines a user changes for a real model or task are marked ``REAL MODEL:``. The whole loop (rollout side, trainer side,
 main) is this one file, so that it reads top to bottom; what every loop shares is in ``plumbing/``.
 """
@@ -59,6 +65,7 @@ from plumbing import (
     Outbox,
     PolicyLogprobs,
     Progress,
+    Recovery,
     Reward,
     RolloutEnd,
     RunFiles,
@@ -84,13 +91,17 @@ from plumbing import (
     join_sync_group,
     length_budget,
     load_hf,
+    load_model_state,
+    load_optim_state,
     load_task,
     load_tokenizer,
     loss_defaults,
     make_engine,
+    model_state,
     needs_reference,
     on_model,
     opt,
+    optim_state,
     parse_flags,
     parse_log_flag,
     pick_port,
@@ -98,6 +109,8 @@ from plumbing import (
     rank0_first,
     recv_control,
     resolve_max_model_len,
+    resume_run,
+    save_run_checkpoint,
     seed_rank,
     send_control,
     setup_dist,
@@ -173,7 +186,7 @@ class Config(TaskFlags):
     eval_every: int = opt(50, "held-out greedy accuracy every N steps, and before and after RL (0: only before "
                               "and after)")
     save_every: int = opt(20, "checkpoint every N steps (0: never)")
-    resume: bool = opt(False, "continue from runs/<name>/ckpt.pt")
+    resume: bool = opt(False, "continue from runs/<name>/ckpt.pt (a torchrun restart does so by itself)")
     seed: int = opt(0, "seed")
     sync_port: int = opt(0, "port of the weight-sync group's store on rank 0 (0: a free one)")
     quiet: bool = opt(False, "no progress bar")
@@ -210,6 +223,7 @@ class Rollout:
         self.rng = random.Random(cfg.seed * 1000 + rank)
         self.outbox = Outbox(sample_group)  # to trainer rank 0, by a thread
         self.counter = 0
+        self.run_index = 0  # the run's start number (Weights.run): group uids are unique across restarts
         self.counters = Counter()
         self.first_weights = asyncio.Event()
         self.version_event = asyncio.Event()
@@ -291,7 +305,7 @@ class Rollout:
         tasks: set[asyncio.Task] = set()
         while not self.stopping:
             for _ in range(self.admit(self.engine.version)):
-                uid = f"r{self.rank}-{self.counter}"
+                uid = f"r{self.rank}-{self.run_index}-{self.counter}"
                 self.counter += 1
                 t = loop.create_task(self._group(uid, self.task.draw(self.rng)))
                 tasks.add(t)
@@ -364,6 +378,10 @@ class Rollout:
             if queued := msg.queued.get(self.rank, 0):
                 self.ctrl.on_submit(queued)
                 self.ctrl.on_accept(queued)
+            if msg.run:  # a restarted run: other prompts and sampling seeds than the run that crashed drew
+                self.run_index = msg.run
+                self.rng = random.Random((self.cfg.seed * 1000 + self.rank) * 1009 + msg.run)
+                random.seed((self.cfg.seed * 1000 + self.rank) * 1009 + msg.run)
         self.first_weights.set()
         self.version_event.set()
 
@@ -446,6 +464,7 @@ class Trainer:
     encoder: DeltaEncoder | None = None
     stale_by_rank: Counter = field(default_factory=Counter)  # dropped as stale, not yet reported to their rank
     stale_uids: list[str] = field(default_factory=list)
+    recovery: Recovery | None = None
 
     @property
     def is0(self) -> bool:
@@ -472,15 +491,12 @@ def setup_trainer(cfg: Config, rank: int, world: int, n_train: int, device, grou
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         peft_model = get_peft_model(lm, LoraConfig(r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank,
                                                    target_modules=targets, lora_dropout=0.0))
-    ckpt = files.load() if cfg.resume else None
+    # fresh run, or resume from the last checkpoint (--resume, or torchrun restarted the group after a rank died)
+    rec = resume_run(files, cfg, rank=rank, world=n_train, group=groups["train"],
+                     required=("step", "model", "optim", "rng", "config", "queue", "counters"))
+    ckpt = rec.state
     if ckpt is not None:
-        missing, unexpected = lm.load_state_dict(ckpt["model"], strict=False)
-        if unexpected or any(k in dict(lm.named_parameters()) for k in missing):
-            raise ArgumentError(f"--resume: {files.ckpt} does not fit --model: parameters missing {missing} or "
-                                f"unexpected {unexpected}")
-    elif rank == 0 and not cfg.resume:
-        files.fresh()
-    dist.barrier(groups["train"])
+        load_model_state(lm, ckpt["model"])
     policy = PolicyLogprobs(lm, cfg.temperature)
     eval_lm = lm
     if n_train > 1:
@@ -493,23 +509,27 @@ def setup_trainer(cfg: Config, rank: int, world: int, n_train: int, device, grou
         ref = PolicyLogprobs(load_hf(path, device)[1].eval(), cfg.temperature).requires_grad_(False)
     optim = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
     t = Trainer(cfg=cfg, rank=rank, n_train=n_train, device=device, group=groups["train"], files=files, tok=tok,
-                lm=lm, policy=policy, optim=optim, ref=ref, eval_lm=eval_lm, peft_model=peft_model)
+                lm=lm, policy=policy, optim=optim, ref=ref, eval_lm=eval_lm, peft_model=peft_model, recovery=rec)
     if ckpt is not None:
         t.step = ckpt["step"]
         t.counters.update(ckpt["counters"])
         t.accuracy_before = ckpt["accuracy_before"]
         t.wall_before = ckpt["wall_seconds"]
         t.stale_uids = list(ckpt["stale_uids"])
-        if n_train > 1:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-            set_optimizer_state_dict(policy, optim, ckpt["optim"], options=StateDictOptions(full_state_dict=True))
-        else:
-            optim.load_state_dict(ckpt["optim"])
+        load_optim_state(policy, optim, ckpt["optim"], n_train)
+        if eval_lm is not None and eval_lm is not lm:
+            eval_lm.load_state_dict(ckpt["model"])
+    if t.is0 and rec.received > t.counters["samples_generated"]:
+        # groups the crashed run received after its checkpoint: trained (by weights the crash threw away),
+        # dropped or still queued then; none of them is in the restored queue, so each is counted lost
+        t.counters["samples_lost_in_crash"] += rec.received - t.counters["samples_generated"]
+        t.counters["samples_generated"] = rec.received
     if t.is0:
         t.task = load_loop_task(cfg, tok, resolve_max_model_len(cfg.max_model_len, path))
         t.eval_reward = Reward(eval_reward_spec(cfg), tok, reward_model=cfg.reward_model, device=device,
                                timeout=cfg.reward_timeout)
+        if ckpt is not None:  # the held-out reward's counters of the run so far
+            t.eval_reward.load_state_dict(ckpt["eval_reward"])
 
         def on_stale(item: dict, version: int) -> None:  # counted and reported to its rollout rank, never silent
             t.stale_by_rank.update({int(item["rank"]): 1})
@@ -522,7 +542,8 @@ def setup_trainer(cfg: Config, rank: int, world: int, n_train: int, device, grou
         t.sender = WeightSender(t.sync_group, 0, bucket_bytes=64 << 20)
         t.transport = GroupDeltaTransport(t.sync_group, 0)
         t.syncer = LoraSyncer(t.sender.send, keep=cfg.max_staleness + 1)
-        t.inbox = Inbox(range(n_train, world), groups["sample"], t.queue, generated=t.counters["samples_generated"])
+        t.inbox = Inbox(range(n_train, world), groups["sample"], t.queue, generated=t.counters["samples_generated"],
+                        journal=rec.journal)
     return t
 
 
@@ -536,7 +557,8 @@ def push_weights(t: Trainer, first: bool = False) -> tuple[list, float]:
     cfg = t.cfg
     kind = "lora" if cfg.sync == "lora" else "full" if (first or cfg.sync == "full") else "delta"
     queued = Counter(int(item["rank"]) for item, _, _ in t.queue.state_dict()["items"]) if first else {}
-    send_control(t.sync_group, Weights(version=t.step, kind=kind, first=first, queued=dict(queued)))
+    send_control(t.sync_group, Weights(version=t.step, kind=kind, first=first, queued=dict(queued),
+                                       run=len(t.recovery.starts) - 1 if first else 0))
     if kind == "lora":
         t.syncer.sync(t.peft_model, version=t.step)
     elif kind == "full":
@@ -633,26 +655,26 @@ def log_step(t: Trainer, tensors, stats: dict, m: dict[str, float], batch: list[
     })
 
 
-def save_checkpoint(t: Trainer, tensors) -> None:
-    """``ckpt.pt``: weights, optimiser (gathered from every trainer rank), step, the queue's items and counters,
-    so ``--resume`` continues with every queued sample (nothing generated is lost across a crash)."""
-    if t.n_train > 1:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        optim_state = get_optimizer_state_dict(t.policy, t.optim,
-                                               options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    else:
-        optim_state = t.optim.state_dict()
+def save_checkpoint(t: Trainer) -> None:
+    """The run checkpoint (``ckpt.pt``): weights and optimiser (gathered from every trainer rank), step, every
+    trainer rank's RNG states, the queue's items and the counters, the queue and ``samples_generated`` read under
+    the inbox's lock so that they agree; ``--resume`` continues with every queued group (nothing received before
+    the checkpoint is lost across a crash)."""
+    model = {k.removeprefix("lm."): v for k, v in model_state(t.policy, t.n_train).items()}
+    optim = optim_state(t.policy, t.optim, t.n_train)
+    state: dict[str, Any] = {}
     if t.is0:
-        t.counters["samples_generated"] = t.inbox.generated
-        t.files.save({"model": dict(tensors), "optim": optim_state, "step": t.step, "queue": t.queue.state_dict(),
-                      "counters": dict(t.counters), "accuracy_before": t.accuracy_before,
-                      "stale_uids": t.stale_uids, "wall_seconds": t.wall_seconds()})
+        with t.inbox.lock:
+            queue, t.counters["samples_generated"] = t.queue.state_dict(), t.inbox.generated
+        state = {"model": model, "optim": optim, "step": t.step, "queue": queue, "counters": dict(t.counters),
+                 "accuracy_before": t.accuracy_before, "stale_uids": list(t.stale_uids),
+                 "eval_reward": t.eval_reward.state_dict(), "wall_seconds": t.wall_seconds()}
+    save_run_checkpoint(t.files, t.cfg, state, rank=t.rank, world=t.n_train, group=t.group)
 
 
 def finish(t: Trainer) -> None:
     """Rank 0: stop the rollout ranks, collect their counters, write summary.json (every sample accounted for:
-    generated = trained + dropped stale + left in the queue)."""
+    generated = trained + dropped stale + lost in a crash + left in the queue; restarts and steps redone)."""
     send_control(t.sync_group, Stop())
     t.inbox.join()
     rollout = Counter()
@@ -665,12 +687,14 @@ def finish(t: Trainer) -> None:
         "max_staleness": cfg.max_staleness,
         "max_staleness_seen": t.counters["max_staleness_seen"], "samples_generated": t.inbox.generated,
         "samples_trained": t.counters["samples_trained"], "samples_dropped_stale": t.counters["samples_dropped_stale"],
-        "samples_left_in_queue": len(q) * cfg.group_size, "rollout": dict(rollout), "stale_uids": t.stale_uids,
+        "samples_lost_in_crash": t.counters["samples_lost_in_crash"], "samples_left_in_queue": len(q) * cfg.group_size,
+        "rollout": dict(rollout), "stale_uids": t.stale_uids,
         "left_uids": [item["uid"] for item, _, _ in q.state_dict()["items"]], "config": dataclasses.asdict(cfg),
         "task": t.task.source, "heldout_prompts": len(t.task.heldout),
         "heldout_before": t.eval_before.metrics() if t.eval_before is not None else None,
         "heldout_after": t.last_eval.metrics() if t.last_eval is not None else None,
         "reward_failures": rollout.get("reward_failures", 0), "eval_reward": t.eval_reward.stats(),
+        **t.recovery.summary(),
     }
     t.files.write_summary(summary)
     t.files.close()
@@ -714,7 +738,7 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
             log_step(t, tensors, stats, m, batch, timings, done)
             bar.update({"reward": stats["reward"], "acc": t.last_acc, "stale": stats["max_age"]})
         if cfg.save_every and (every(t.step, cfg.save_every) or done):
-            save_checkpoint(t, tensors)
+            save_checkpoint(t)
         if done:
             break
     bar.close()

@@ -17,8 +17,11 @@ sampled by the weights of the step's start (``max_staleness_seen`` is 0); the on
 Held-out evaluation (``plumbing/evaluation.py``): ``--eval-k`` samples per held-out prompt on the colocated engine,
 pass@k and mean@k, every ``--eval-every`` steps and before and after RL.
 
-Files: ``runs/<name>/metrics.jsonl`` (one line per step; TensorBoard / W&B with ``--log-to``), ``summary.json`` and
-``eval/`` (per-prompt held-out results), as ``grpo_async.py`` writes them.
+Files: ``runs/<name>/metrics.jsonl`` (one line per step; TensorBoard / W&B with ``--log-to``), ``summary.json``,
+``eval/`` (per-prompt held-out results) and ``ckpt.pt``, as ``grpo_async.py`` writes them. ``--resume`` (or a
+``torchrun --max-restarts`` restart) continues from the last checkpoint; on CPU with the TorchEngine the resumed run
+ends with the weights an uninterrupted run of the seed ends with, to the bit (the checkpoint holds the weights, the
+optimizer, every rank's RNG states, the data sampler's and the counters).
 Lines a user changes for a real model or task are marked ``REAL MODEL:``.
 """
 
@@ -60,17 +63,24 @@ from plumbing import (
     heldout,
     length_budget,
     load_hf,
+    load_model_state,
+    load_optim_state,
     load_task,
     loss_defaults,
     make_engine,
+    model_state,
     needs_reference,
     on_model,
     opt,
+    optim_state,
     parse_flags,
     parse_log_flag,
     prompts_per_rank,
     rank0_first,
     resolve_max_model_len,
+    restore_rng,
+    resume_run,
+    save_run_checkpoint,
     seed_rank,
     setup_dist,
     shard,
@@ -120,6 +130,8 @@ class Config(TaskFlags):
     length_tail: float = opt(0.0, "benchmark: >0 forces lognormal response lengths with this median (p99/p50≈10)")
     eval_every: int = opt(10, "held-out greedy accuracy every N steps, and before and after RL (0: only before "
                               "and after)")
+    save_every: int = opt(20, "checkpoint every N steps, and after the last (0: after the last only)")
+    resume: bool = opt(False, "continue from runs/<name>/ckpt.pt (a torchrun restart does so by itself)")
     seed: int = opt(0, "seed")
     quiet: bool = opt(False, "no progress bar")
     # on-policy distillation (cookbook/distill.py): the same loop, with a frozen teacher scoring the student's samples
@@ -137,7 +149,7 @@ def check_flags(cfg: Config) -> None:
     check_task_flags(cfg)
     distill.check_distill_flags(cfg)
     check_max_model_len(cfg.max_model_len)
-    check_at_least(cfg, 0, "eval_every")
+    check_at_least(cfg, 0, "eval_every", "save_every")
 
 
 # ================================================================================================ rollout
@@ -196,8 +208,11 @@ def main(argv: list[str] | None = None) -> None:
                            sglang_url=cfg.sglang_url)
 
     engine = loop.run_until_complete(start_engine())
-    if rank == 0:
-        files.fresh()
+    # ---- fresh run, or resume: the weights (before sharding) and the engine at the checkpoint's version
+    rec = resume_run(files, cfg, rank=rank, world=world)
+    if rec.state is not None:
+        load_model_state(lm, rec.state["model"])
+        loop.run_until_complete(engine.update_weights(list(rec.state["model"].items()), version=rec.step))
     policy = PolicyLogprobs(lm, cfg.temperature)
     shard(policy, decoder_layers(lm), world)
     ref = None
@@ -216,18 +231,41 @@ def main(argv: list[str] | None = None) -> None:
         files.write_eval(step, result)
         return result
 
-    eval_before = evaluate(0) if rank == 0 else None
-    acc_before = eval_before.mean_at_k if eval_before is not None else 0.0
+    step, t_start = rec.step, time.time()
+    if rec.state is None:
+        eval_before = evaluate(0) if rank == 0 else None
+        acc_before = eval_before.mean_at_k if eval_before is not None else 0.0
+        heldout_before = eval_before.metrics() if eval_before is not None else None
+        teacher_acc = None
+        if teacher is not None and rank == 0:
+            teacher_acc = on_model(teacher, lambda e: heldout(e, task.heldout, eval_reward, tok, cfg,
+                                                              max_new_tokens=cfg.max_new_tokens)).mean_at_k
+        last_acc, heldout_after = acc_before, heldout_before
+    else:  # the optimizer, the counters and the figures of the run so far
+        load_optim_state(policy, optim, rec.state["optim"], world)
+        totals.update(rec.state["totals"])
+        if rank == 0:  # the reward counters of the summary (rank 0's, as it reports them)
+            reward.load_state_dict(rec.state["rewards"]["train"])
+            if eval_reward is not reward:
+                eval_reward.load_state_dict(rec.state["rewards"]["eval"])
+        acc_before, teacher_acc, last_acc, heldout_before, heldout_after = (rec.state["summary"][k] for k in (
+            "accuracy_before", "teacher_accuracy", "accuracy_after", "heldout_before", "heldout_after"))
+        t_start -= rec.state["summary"]["wall_seconds"]
     say(f"held-out accuracy before RL: {acc_before:.3f} ({len(task.heldout)} prompts, {task.source})")
-    teacher_acc = None
-    if teacher is not None and rank == 0:
-        teacher_acc = on_model(teacher, lambda e: heldout(e, task.heldout, eval_reward, tok, cfg,
-                                                          max_new_tokens=cfg.max_new_tokens)).mean_at_k
+    if teacher_acc is not None:
         say(f"teacher held-out accuracy: {teacher_acc:.3f}")
-    last_acc, last_eval = acc_before, eval_before
-    bar = Progress(cfg.steps, 0, enabled=rank == 0 and not cfg.quiet)
-    t_start = time.time()
-    step = 0
+
+    def save_checkpoint() -> None:  # weights, optimizer, counters; every rank's RNG and the prompt sampler's
+        state = {"step": step, "model": {k.removeprefix("lm."): v for k, v in model_state(policy, world).items()},
+                 "optim": optim_state(policy, optim, world), "totals": dict(totals),
+                 "rewards": {"train": reward.state_dict(), "eval": eval_reward.state_dict()},
+                 "summary": {"accuracy_before": acc_before, "teacher_accuracy": teacher_acc,
+                             "accuracy_after": last_acc, "heldout_before": heldout_before,
+                             "heldout_after": heldout_after, "wall_seconds": time.time() - t_start}}
+        save_run_checkpoint(files, cfg, state, rank=rank, world=world, generators={"data": rng})
+
+    bar = Progress(cfg.steps, step, enabled=rank == 0 and not cfg.quiet)
+    restore_rng(rec, rank, {"data": rng})  # last before the first step: set-up draws nothing after this
     while step < cfg.steps:
         # ---- one step: generate with the current weights, then update on exactly those samples
         t0 = time.perf_counter()
@@ -262,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             result = evaluate(step) if (every(step, cfg.eval_every) or done) else None
             if result is not None:
-                last_acc, last_eval = result.mean_at_k, result
+                last_acc, heldout_after = result.mean_at_k, result.metrics()
             step_s = time.perf_counter() - t0
             mean_reward = sums[0].item() / max(sums[1].item(), 1)
             files.log({
@@ -280,6 +318,8 @@ def main(argv: list[str] | None = None) -> None:
                 **{k: v for k, v in m.items() if k.startswith(("correction_", "distill_"))},
             })
             bar.update({"reward": mean_reward, "acc": last_acc})
+        if every(step, cfg.save_every) or done:
+            save_checkpoint()
         if done:
             break
     bar.close()
@@ -290,7 +330,8 @@ def main(argv: list[str] | None = None) -> None:
             "samples_generated": totals["samples_generated"], "samples_trained": totals["samples_trained"],
             "samples_dropped_stale": 0, "rollout": dict(totals), "config": dataclasses.asdict(cfg),
             "teacher_accuracy": teacher_acc, "task": task.source, "heldout_prompts": len(task.heldout),
-            "heldout_before": eval_before.metrics(), "heldout_after": last_eval.metrics(), "reward": reward.stats(),
+            "heldout_before": heldout_before, "heldout_after": heldout_after, "reward": reward.stats(),
+            **rec.summary(),
         }
         files.write_summary(summary)
         say(f"held-out accuracy before RL: {acc_before:.3f}  after {step} steps: {last_acc:.3f}  "

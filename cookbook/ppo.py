@@ -36,9 +36,12 @@ pass@k and mean@k of the ``--eval-reward`` (a learned reward model is no measure
 task, ``math`` on a ``--prompts`` file), every ``--eval-every`` steps and before and after RL.
 
 Files: ``runs/<name>/metrics.jsonl`` (one line per step; TensorBoard / W&B with ``--log-to``), ``summary.json``,
-``eval/``, ``ckpt.pt``, as the GRPO loops write them (``python cookbook/plot.py runs/<name>``). Lines a user
-changes for a real model or task say ``REAL MODEL:``. The whole pipeline (the reward-model stage, the roles, one PPO
-step, main) is this one file, so that it reads top to bottom; what every loop shares is in ``plumbing/``.
+``eval/``, ``ckpt.pt``, as the GRPO loops write them (``python cookbook/plot.py runs/<name>``). ``--resume`` (or a
+``torchrun --max-restarts`` restart) continues from the last checkpoint (actor, critic, both optimizers, every rank's
+RNG states and the prompt sampler's); on CPU the resumed run ends with the weights of an uninterrupted run of the
+seed, to the bit. Lines a user changes for a real model or task say ``REAL MODEL:``. The whole pipeline (the
+reward-model stage, the roles, one PPO step, main) is this one file, so that it reads top to bottom; what every loop
+shares is in ``plumbing/``.
 """
 
 from __future__ import annotations
@@ -79,15 +82,22 @@ from plumbing import (
     every,
     heldout,
     load_hf,
+    load_model_state,
+    load_optim_state,
     load_task,
     make_engine,
+    model_state,
     needs_reference,
     opt,
+    optim_state,
     parse_flags,
     parse_log_flag,
     prompts_per_rank,
     rank0_first,
     resolve_max_model_len,
+    restore_rng,
+    resume_run,
+    save_run_checkpoint,
     seed_rank,
     setup_dist,
     shard,
@@ -153,6 +163,7 @@ class Config(TaskFlags):
     eval_every: int = opt(25, "held-out greedy accuracy every N steps, and before and after RL (0: only before "
                               "and after)")
     save_every: int = opt(0, "checkpoint every N steps (0: at the end only)")
+    resume: bool = opt(False, "continue from runs/<name>/ckpt.pt (a torchrun restart does so by itself)")
     seed: int = opt(0, "seed")
     quiet: bool = opt(False, "no progress line")
 
@@ -460,13 +471,17 @@ class Scorer:
             self.verifier = Reward(kind, tok, device=device, timeout=timeout)
 
     def score(self, batch: RolloutBatch, prompts: list[Prompt], outputs: list[list[int]],
-              loop: asyncio.AbstractEventLoop) -> Float[Tensor, " B"]:
+              loop: asyncio.AbstractEventLoop, group_size: int) -> tuple[Float[Tensor, " B"], Bool[Tensor, " B"]]:
+        """``(R, keep)``: ``keep`` is False for every response of a group whose reward call failed (its retries
+        ran out, counted in ``failures``): those rows are not trained (their ``R`` is a 0.0 placeholder)."""
+        dev = batch.input_ids.device
         if self.rm is not None:
             raw = self.rm.score_ids(batch.input_ids, batch.attention_mask)
-            return ((raw - self.mean) / self.std).to(batch.input_ids.device)
-        vals, failed = loop.run_until_complete(self.verifier.scores(prompts, outputs))
+            return ((raw - self.mean) / self.std).to(dev), torch.ones(raw.shape[0], dtype=torch.bool, device=dev)
+        vals, keep, failed = loop.run_until_complete(self.verifier.group_scores(prompts, outputs, group_size))
         self.failures += failed
-        return torch.tensor(vals, dtype=torch.float32, device=batch.input_ids.device)
+        return (torch.tensor(vals, dtype=torch.float32, device=dev), torch.tensor(keep, dtype=torch.bool,
+                                                                                    device=dev))
 
     def close(self) -> None:
         if self.verifier is not None:
@@ -616,7 +631,8 @@ def weights_to_engine(actor: nn.Module, engine: TorchEngine, version: int, loop:
 
 def experience_stats(exp: Experience, checker_scores: Tensor | None) -> dict[str, float]:
     """Batch-wide (all ranks) means: score R, checker accuracy of the training samples, KL k1 to the reference,
-    values, returns, the critic's explained variance ``1 − Var(returns − V_old)/Var(returns)``; counts."""
+    values, returns, the critic's explained variance ``1 − Var(returns − V_old)/Var(returns)``; counts
+    (``samples_trained``: rows with a trained token, i.e. not of a group whose reward failed)."""
     m = exp.batch.loss_mask
     z = torch.zeros((), device=m.device)
     kl = torch.where(m, exp.old_logp - exp.ref_logp, 0.0).sum() if exp.ref_logp is not None else z
@@ -625,12 +641,12 @@ def experience_stats(exp: Experience, checker_scores: Tensor | None) -> dict[str
     cs = checker_scores if checker_scores is not None else torch.zeros_like(exp.scores)
     s = all_reduce(torch.stack([
         torch.tensor(float(exp.scores.numel()), device=m.device), exp.scores.sum(), cs.sum(), m.sum().float(), kl,
-        val.sum(), ret.sum(), (ret * ret).sum(), err.sum(), (err * err).sum(),
+        val.sum(), ret.sum(), (ret * ret).sum(), err.sum(), (err * err).sum(), m.any(-1).sum().float(),
     ]).to(torch.float64)).tolist()
     n, tokens = s[0], max(s[3], 1.0)
     var_ret = s[7] / tokens - (s[6] / tokens) ** 2
     var_err = s[9] / tokens - (s[8] / tokens) ** 2
-    return {"samples": int(n), "tokens": int(s[3]), "score": s[1] / n,
+    return {"samples": int(n), "samples_trained": int(s[10]), "tokens": int(s[3]), "score": s[1] / n,
             "train_accuracy": s[2] / n if checker_scores is not None else None,
             "kl_ref_k1": s[4] / tokens, "value_mean": s[5] / tokens, "return_mean": s[6] / tokens,
             "explained_variance": 1.0 - var_err / var_ret if var_ret > 0 else 0.0}
@@ -668,21 +684,15 @@ def decay_lrs(cfg: Config, optims: list[tuple[torch.optim.Optimizer, float]], st
             pg["lr"] = base * frac
 
 
-def save_roles(files: RunFiles, actor: nn.Module, critic: nn.Module, actor_opt, critic_opt, step: int,
-                    world: int, rank: int) -> None:
-    """``ckpt.pt``: actor and critic weights (HF names) and both optimisers' states, gathered to full tensors."""
-    if world > 1:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        a_sd, a_opt = get_state_dict(actor, actor_opt, options=opts)
-        c_sd, c_opt = get_state_dict(critic, critic_opt, options=opts)
-    else:
-        a_sd, a_opt = actor.state_dict(), actor_opt.state_dict()
-        c_sd, c_opt = critic.state_dict(), critic_opt.state_dict()
-    if rank == 0:
-        files.save({"actor": {k.removeprefix("lm."): v for k, v in a_sd.items()}, "critic": c_sd,
-                    "actor_optim": a_opt, "critic_optim": c_opt, "step": step})
+def save_roles(files: RunFiles, cfg: Config, actor: nn.Module, critic: nn.Module, actor_opt, critic_opt, step: int,
+               world: int, rank: int, rng: random.Random, extra: dict[str, Any]) -> None:
+    """``ckpt.pt``, the run checkpoint: actor (``model``, HF names) and critic weights and both optimisers'
+    states gathered to full tensors, the step, every rank's RNG states (the prompt sampler's too) and ``extra``
+    (counters and the summary's figures so far)."""
+    state = {"step": step, "model": {k.removeprefix("lm."): v for k, v in model_state(actor, world).items()},
+             "critic": model_state(critic, world), "actor_optim": optim_state(actor, actor_opt, world),
+             "critic_optim": optim_state(critic, critic_opt, world), **extra}
+    save_run_checkpoint(files, cfg, state, rank=rank, world=world, generators={"data": rng})
 
 
 # ================================================================================================ main
@@ -726,13 +736,18 @@ def main(argv: list[str] | None = None) -> None:
     # logged on the training samples as train_accuracy
     checker = scorer.verifier if scorer.verifier is not None and eval_spec == cfg.reward else \
         Reward(eval_spec, tok, reward_model=cfg.reward_model, device=device, timeout=cfg.reward_timeout)
+    # ---- fresh run, or resume: both roles' weights (before sharding), the engine at the checkpoint's version
+    rec = resume_run(files, cfg, rank=rank, world=world,
+                     required=("step", "model", "critic", "actor_optim", "critic_optim", "rng", "config"))
+    if rec.state is not None:
+        load_model_state(actor.lm, rec.state["model"], what="actor")
+        load_model_state(critic, rec.state["critic"], what="critic")
+        loop.run_until_complete(engine.update_weights(list(rec.state["model"].items()), version=rec.step))
     actor, critic = shard_role(actor, world), shard_role(critic, world)
     if ref is not None:
         ref = shard_role(ref, world)
     actor_opt = torch.optim.AdamW(actor.parameters(), lr=cfg.lr, weight_decay=0.0)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
-    if rank == 0:
-        files.fresh()
 
     def evaluate(step: int):  # rank 0: the engine holds the current weights, unsharded
         result = loop.run_until_complete(heldout(engine, task.heldout, checker, tok, cfg,
@@ -740,13 +755,33 @@ def main(argv: list[str] | None = None) -> None:
         files.write_eval(step, result)
         return result
 
-    eval_before = evaluate(0) if rank == 0 else None
-    acc_before = eval_before.mean_at_k if eval_before is not None else 0.0
+    totals, memory, t_start = Counter(), {}, time.time()
+    if rec.state is None:
+        eval_before = evaluate(0) if rank == 0 else None
+        acc_before = eval_before.mean_at_k if eval_before is not None else 0.0
+        heldout_before = eval_before.metrics() if eval_before is not None else None
+        last_acc, heldout_after = acc_before, heldout_before
+    else:  # both optimizers, the counters and the figures of the run so far
+        load_optim_state(actor, actor_opt, rec.state["actor_optim"], world)
+        load_optim_state(critic, critic_opt, rec.state["critic_optim"], world)
+        totals.update(rec.state["totals"])
+        checker.load_state_dict(rec.state["checker"])  # the held-out reward's counters of the run so far
+        acc_before, last_acc, heldout_before, heldout_after, memory = (rec.state["summary"][k] for k in (
+            "accuracy_before", "accuracy_after", "heldout_before", "heldout_after", "memory_bytes_per_rank"))
+        t_start -= rec.state["summary"]["wall_seconds"]
     say(f"held-out accuracy before RL: {acc_before:.3f} ({len(task.heldout)} prompts, {task.source})")
-    last_acc, last_eval, totals, memory = acc_before, eval_before, Counter(), {}
-    bar = Progress(cfg.steps, 0, enabled=rank == 0 and not cfg.quiet, desc="ppo")
-    t_start = time.time()
-    for step in range(cfg.steps):
+
+    def save_checkpoint(steps_done: int) -> None:
+        extra = {"totals": dict(totals), "checker": checker.state_dict(),
+                 "summary": {"accuracy_before": acc_before, "accuracy_after": last_acc,
+                             "heldout_before": heldout_before, "heldout_after": heldout_after,
+                             "memory_bytes_per_rank": memory, "wall_seconds": time.time() - t_start}}
+        save_roles(files, cfg, actor, critic, actor_opt, critic_opt, steps_done, world, rank, rng, extra)
+
+    steps_done = rec.step
+    bar = Progress(cfg.steps, rec.step, enabled=rank == 0 and not cfg.quiet, desc="ppo")
+    restore_rng(rec, rank, {"data": rng})  # last before the first step: set-up draws nothing after this
+    for step in range(rec.step, cfg.steps):
         t0 = time.perf_counter()
         decay_lrs(cfg, [(actor_opt, cfg.lr), (critic_opt, cfg.critic_lr)], step)
         # ---- 1-2. rollout and reward
@@ -754,8 +789,10 @@ def main(argv: list[str] | None = None) -> None:
         gen_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         failures_before = scorer.failures
-        scores = scorer.score(batch, prompts, outputs, loop)
-        checked = scores if checker is scorer.verifier else torch.tensor(
+        scores, keep = scorer.score(batch, prompts, outputs, loop, cfg.group_size)
+        # a group whose reward failed (retries ran out) is failed whole: its rows are not trained, never scored 0
+        batch.loss_mask = batch.loss_mask & keep[:, None]
+        checked = scores if checker is scorer.verifier else torch.tensor(  # a failed check counts as wrong here
             loop.run_until_complete(checker.scores(prompts, outputs))[0], device=device)
         reward_s = time.perf_counter() - t1
         # ---- 3-4. experience, then PPO epochs × mini-batches on the actor and the critic
@@ -771,14 +808,15 @@ def main(argv: list[str] | None = None) -> None:
         sync_s = weights_to_engine(actor, engine, step + 1, loop)
         st = experience_stats(exp, checked)
         failed = int(all_reduce(torch.tensor(float(scorer.failures - failures_before), dtype=torch.float64)))
-        totals.update({"samples_generated": st["samples"], "samples_trained": st["samples"],
+        totals.update({"samples_generated": st["samples"], "samples_trained": st["samples_trained"],
+                       "samples_failed_reward": st["samples"] - st["samples_trained"],
                        "tokens_trained": st["tokens"], "reward_failures": failed})
         done = step + 1 >= cfg.steps or (cfg.time_limit > 0 and time.time() - t_start > cfg.time_limit)
         done = broadcast_flag(done, device=device)  # rank 0's clock decides for every rank
         if rank == 0:
             result = evaluate(step + 1) if (every(step + 1, cfg.eval_every) or done) else None
             if result is not None:
-                last_acc, last_eval = result.mean_at_k, result
+                last_acc, heldout_after = result.mean_at_k, result.metrics()
             step_s = time.perf_counter() - t0
             files.log({
                 "step": step + 1, "version": step + 1, "reward": st["score"], "reward_failures": failed,
@@ -793,23 +831,24 @@ def main(argv: list[str] | None = None) -> None:
             })
             bar.update({"score": st["score"], "train_acc": st["train_accuracy"], "acc": last_acc,
                         "clipfrac": m["clipfrac"], "vf_mse": m["vf_mse"]})
+        steps_done = step + 1
         if every(step + 1, cfg.save_every) or done:
-            save_roles(files, actor, critic, actor_opt, critic_opt, step + 1, world, rank)
+            save_checkpoint(steps_done)
         if done:
             break
-    steps_done = step + 1
     bar.close()
     if rank == 0:
         summary = {
             "accuracy_before": acc_before, "accuracy_after": last_acc, "wall_seconds": time.time() - t_start,
             "cpu_seconds": time.process_time(), "steps": steps_done, "max_staleness": 0, "max_staleness_seen": 0,
             "samples_generated": totals["samples_generated"], "samples_trained": totals["samples_trained"],
-            "samples_dropped_stale": 0, "rollout": dict(totals), "world_size": world,
+            "samples_dropped_stale": 0, "samples_failed_reward": totals["samples_failed_reward"],
+            "rollout": dict(totals), "world_size": world,
             "reward_model": {"path": rm_path, **rm_stats} if cfg.reward == "rm" else None,
             "reward_failures": totals["reward_failures"], "eval_reward": checker.stats(),
             "memory_bytes_per_rank": memory, "config": dataclasses.asdict(cfg), "task": task.source,
-            "heldout_prompts": len(task.heldout), "heldout_before": eval_before.metrics(),
-            "heldout_after": last_eval.metrics(),
+            "heldout_prompts": len(task.heldout), "heldout_before": heldout_before,
+            "heldout_after": heldout_after, **rec.summary(),
         }
         files.write_summary(summary)
         say(f"held-out accuracy before RL: {acc_before:.3f}  after {steps_done} steps: {last_acc:.3f}  "

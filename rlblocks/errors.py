@@ -24,6 +24,9 @@ against the built-ins keeps working:
 | ``SessionNotFound`` | ``ArgumentError`` | no open gateway session has that id |
 | ``ToolUnavailable`` | ``RuntimeError`` | a tool refused a call: too many earlier calls timed out and still run |
 | ``RequestError`` | ``ArgumentError`` | a service request was refused (the Tinker server answers ``status``, a 4xx) |
+| ``CheckpointError`` | ``ValueError`` | a checkpoint is missing, foreign, torn, damaged or lacks a key (none loaded) |
+| ``EngineDied`` | ``EngineError`` | a ``Router`` took an engine out while it served a request (the request moves on) |
+| ``NoLiveEngine`` | ``EngineError`` | a ``Router`` has no live engine left to serve a request |
 | ``RewardTimeout`` | ``TimeoutError`` | a reward call in a worker process ran past its timeout (the worker is killed) |
 | ``WorkerCrashed`` | ``RuntimeError`` | a reward worker process died during a call, or could not start |
 | ``WorkerError`` | ``RuntimeError`` | the function called in a reward worker process raised |
@@ -41,11 +44,14 @@ from typing import Any
 
 __all__ = [
     "ArgumentError",
+    "CheckpointError",
     "ClientDisconnected",
     "DeltaError",
+    "EngineDied",
     "EngineError",
     "GatewayError",
     "InsufficientGroupsError",
+    "NoLiveEngine",
     "PrefixMismatchError",
     "QueueClosed",
     "QueueFull",
@@ -206,3 +212,18 @@ class WorkerError(RLBlocksError, RuntimeError):
         super().__init__(message)
         self.remote_type = remote_type
         self.remote_traceback = remote_traceback
+
+
+class CheckpointError(RLBlocksError, ValueError):
+    """A checkpoint was refused: no file, a foreign file, a torn or damaged one (length or checksum), another format
+    version or kind, or a missing key. The message names the file and the fault; nothing was loaded."""
+
+
+class EngineDied(EngineError):
+    """A ``Router`` took one of its engines out (a failed call, a missed heartbeat) while that engine served a
+    request; the router answers it by moving the request to a live engine, so callers see it only from the router's
+    own machinery."""
+
+
+class NoLiveEngine(EngineError):
+    """A ``Router`` was asked to generate while every one of its engines is out (dead, not yet rejoined)."""

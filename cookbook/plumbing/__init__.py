@@ -6,6 +6,8 @@ A loop imports it as ``from plumbing import ...``: a script's own folder (``cook
 - :mod:`.flags`: ``opt``/``parse_flags`` (every field of a loop's ``Config`` dataclass is a flag), flag checks,
   ``every`` (the ``--eval-every``/``--save-every`` rule).
 - :mod:`.runs`: ``RunFiles`` (``runs/<name>/``: metrics, summary, checkpoint), ``Progress``, ``mean_metrics``.
+- :mod:`.checkpoints`: ``--resume``: ``resume_run`` / ``save_run_checkpoint`` (the run checkpoint, every rank's
+  RNG states, the journal of starts and received groups), ``restore_rng``, model and optimizer states (FSDP2 too).
 - :mod:`.distributed`: ``setup_dist`` (process group, device, CPU threads), ``seed_rank``, ``prompts_per_rank``,
   ``rank0_first``, the weight-sync group, collectives (``all_reduce``, ``global_counts``, ``broadcast_flag``).
 - :mod:`.policy`: loading an HF checkpoint, ``PolicyLogprobs`` (the policy's per-token log-probs), FSDP2 sharding.
@@ -23,6 +25,19 @@ Lines a user changes for a real model or task are marked ``REAL MODEL:`` in plac
 """
 
 from .batches import batch_tensors, group_record
+from .checkpoints import (
+    FREE_FLAGS,
+    Journal,
+    Recovery,
+    load_model_state,
+    load_optim_state,
+    model_state,
+    optim_state,
+    restart_count,
+    restore_rng,
+    resume_run,
+    save_run_checkpoint,
+)
 from .data import (
     DataFlags,
     Prompt,
@@ -58,15 +73,18 @@ from .tracking import COMMON_KEYS, LogFlags, MetricsSink, parse_log_flag
 __all__ = [
     "COMMON_KEYS",
     "CORRECTION_CAP",
+    "FREE_FLAGS",
     "POLICY_LOSSES",
     "DataFlags",
     "Inbox",
+    "Journal",
     "LogFlags",
     "MetricsSink",
     "Outbox",
     "PolicyLogprobs",
     "Progress",
     "Prompt",
+    "Recovery",
     "Reward",
     "RewardFlags",
     "RolloutEnd",
@@ -96,6 +114,8 @@ __all__ = [
     "join_sync_group",
     "length_budget",
     "load_hf",
+    "load_model_state",
+    "load_optim_state",
     "load_task",
     "load_tokenizer",
     "load_tools",
@@ -103,9 +123,11 @@ __all__ = [
     "make_engine",
     "mean_metrics",
     "model_max_len",
+    "model_state",
     "needs_reference",
     "on_model",
     "opt",
+    "optim_state",
     "parse_flags",
     "parse_log_flag",
     "pick_port",
@@ -114,6 +136,10 @@ __all__ = [
     "rank0_first",
     "recv_control",
     "resolve_max_model_len",
+    "restart_count",
+    "restore_rng",
+    "resume_run",
+    "save_run_checkpoint",
     "seed_rank",
     "send_control",
     "setup_dist",

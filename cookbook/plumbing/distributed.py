@@ -31,7 +31,7 @@ def setup_dist(*, threads: int | None = None, cpu: bool = False) -> tuple[int, i
     """
     gpu = torch.cuda.is_available() and not cpu
     if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if gpu else "gloo")
+        dist.init_process_group(backend="nccl" if gpu else "gloo", **_restart_store())
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if threads is not None:
         torch.set_num_threads(threads)
@@ -41,6 +41,27 @@ def setup_dist(*, threads: int | None = None, cpu: bool = False) -> tuple[int, i
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         return rank, world, torch.device("cuda", torch.cuda.current_device())
     return rank, world, torch.device("cpu")
+
+
+def _restart_store() -> dict[str, Any]:
+    """The default group's store after a ``torchrun --max-restarts`` restart on one node.
+
+    torchrun shares its rendezvous store with the workers (``TORCHELASTIC_USE_AGENT_STORE``), and the keys of the
+    attempt that crashed are still in it: a rank that reads its peer's address from the old attempt fails to
+    connect (gloo's ``connectFullMesh``, NCCL's unique id), and the restart is spent. On one node every worker has
+    the same ``TORCHELASTIC_RESTART_COUNT``, so a prefix per attempt keeps the attempts apart. Over several nodes
+    the counts can differ between agents: start torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` there (a new
+    store per attempt), as torch recommends."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        print("setup_dist: a torchrun restart over several nodes with a shared rendezvous store may read the crashed "
+              "attempt's keys; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun", flush=True)
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    return {"store": dist.PrefixStore(f"rlblocks/attempt-{restart}", store), "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 def close_dist() -> None:

@@ -24,12 +24,15 @@ import torch.distributed as dist
 class Weights:
     """New weights follow: ``kind`` full buckets, a delta packet or LoRA adapters, committed as ``version``.
     ``first`` marks a run's first push (fresh or resumed): the admission counters restart at ``version`` and each
-    rollout rank's groups already waiting in the trainer's queue (``queued``, by rank) count as admitted."""
+    rollout rank's groups already waiting in the trainer's queue (``queued``, by rank) count as admitted; ``run``
+    numbers the starts of the run (0 for the first, then one more per resume or restart), so that the rollout ranks
+    name their groups uniquely across restarts and draw new prompts."""
 
     version: int
     kind: str
     first: bool = False
     queued: dict[int, int] = field(default_factory=dict)
+    run: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,11 +105,13 @@ class Inbox:
     """Trainer rank 0: one thread per rollout rank in ``sources`` receives group records into ``q`` (a
     ``StalenessQueue``, keyed by each record's ``version``) until that rank's :class:`RolloutEnd`. Nothing is
     dropped: ``generated`` counts the samples received (``samples(record)`` each, starting at ``generated``), and
-    ``ended`` holds each finished rank's :class:`RolloutEnd`."""
+    ``ended`` holds each finished rank's :class:`RolloutEnd`. The put, the count and the ``journal`` line of a
+    record (``{"event": "recv", "uid", "samples"}``, when a journal is given) happen together under ``lock``: a
+    checkpoint that reads the queue and ``generated`` under it sees them agree."""
 
     def __init__(self, sources: Iterable[int], group, q, *, generated: int = 0,
-                 samples: Callable[[dict], int] = lambda rec: len(rec["samples"])) -> None:
-        self.q, self.generated, self.samples = q, generated, samples
+                 samples: Callable[[dict], int] = lambda rec: len(rec["samples"]), journal=None) -> None:
+        self.q, self.generated, self.samples, self.journal = q, generated, samples, journal
         self.ended: dict[int, RolloutEnd] = {}
         self.lock = threading.Lock()
         self.threads = [threading.Thread(target=self._loop, args=(r, group), daemon=True) for r in sources]
@@ -122,9 +127,12 @@ class Inbox:
                 with self.lock:
                     self.ended[src] = rec
                 return
-            self.q.put(rec, rec["version"])
             with self.lock:
-                self.generated += self.samples(rec)
+                self.q.put(rec, rec["version"])  # an unbounded queue: never blocks under the lock
+                n = self.samples(rec)
+                self.generated += n
+                if self.journal is not None:
+                    self.journal.append({"event": "recv", "uid": rec["uid"], "samples": n})
 
     def join(self) -> None:
         for t in self.threads:

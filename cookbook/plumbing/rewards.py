@@ -19,8 +19,11 @@
   ``async def`` reward runs on the loop's event loop; a plain function runs in killable worker processes.
 
 Every reward runs through a :class:`~rlblocks.reward.RewardPool` (bounded concurrency, input order, a timeout that
-never stalls the loop, one retry). A call that fails (timeout, crash, a reference that does not parse, an
-exception) scores 0.0 and is counted (``failures``, logged as ``reward_failures``), never dropped.
+never stalls the loop, one retry on a fresh worker: a crashed or hung worker is replaced). A call that still fails
+(timeout, crash, a reference that does not parse, an exception) is counted (``failures``, logged as
+``reward_failures``), never dropped: :meth:`Reward.scores` scores it 0.0; :meth:`Reward.group_scores` fails its
+whole group instead (a group baseline computed without it, or with it read as 0, would be biased), counted in
+``groups_failed``.
 
 ``--eval-reward`` scores the held-out evaluation; empty: the same as ``--reward``, except that a learned reward
 model is no measure of accuracy, so ``rm`` is evaluated with ``verifier`` on a toy task and ``math`` on a file.
@@ -164,8 +167,9 @@ class Reward:
     (``rlblocks.reward.evaluate``), ``await reward.score_answer(prompt, text)`` (an agent episode's final answer).
 
     ``spec``: a ``--reward`` value; ``tokenizer`` decodes responses; ``reward_model`` and ``device``: ``rm``'s
-    checkpoint and device; ``timeout``: seconds per call. ``failures`` counts the calls that failed (scored 0);
-    ``stats()`` adds the pool's counters; ``close()`` stops worker processes (idempotent).
+    checkpoint and device; ``timeout``: seconds per call. ``failures`` counts the calls that failed (their retries
+    ran out), ``groups_failed`` the groups :meth:`group_scores` failed whole for them; ``stats()`` adds the pool's
+    counters; ``close()`` stops worker processes (idempotent).
     """
 
     def __init__(self, spec: str, tokenizer, *, reward_model: str = "", device: Any = "cpu",
@@ -173,8 +177,9 @@ class Reward:
         from rlblocks.reward import RewardPool
 
         check_reward_spec(spec)
-        self.spec, self.tok, self.failures = spec, tokenizer, 0
+        self.spec, self.tok, self.failures, self.groups_failed = spec, tokenizer, 0, 0
         self._closers: list[Any] = []
+        self._earlier: dict[str, Any] = {}  # a resumed run's counters of its earlier starts (load_state_dict)
         if spec == "verifier":
             fn = ExactMatch()
         elif spec == "math":
@@ -215,9 +220,9 @@ class Reward:
         self.failures += sum(1 for r in results if not r.ok)
         return results
 
-    async def scores(self, prompts: Sequence[Any], output_ids: Sequence[Sequence[int]]) -> tuple[list[float], int]:
-        """``(scores, failures)``: one score per response (prompt ``i``'s response ``output_ids[i]``; a failed call
-        scores 0.0) and how many calls failed."""
+    async def results(self, prompts: Sequence[Any], output_ids: Sequence[Sequence[int]]) -> list[Any]:
+        """One :class:`~rlblocks.reward.RewardResult` per response (prompt ``i``'s response ``output_ids[i]``), in
+        order; failed calls included and counted in ``failures``."""
         from rlblocks.reward import Sample
 
         if len(prompts) != len(output_ids):
@@ -227,8 +232,33 @@ class Reward:
         samples = [Sample(self.text(ids), reference=p.reference, prompt=p.text, response_len=len(ids),
                           metadata={**p.metadata, "finish_reason": "stop" if ids and ids[-1] == eos else "length"})
                    for p, ids in zip(prompts, output_ids)]
-        results = await self.ascore(samples)
+        return await self.ascore(samples)
+
+    async def scores(self, prompts: Sequence[Any], output_ids: Sequence[Sequence[int]]) -> tuple[list[float], int]:
+        """``(scores, failures)``: one score per response (a failed call scores 0.0) and how many calls failed."""
+        results = await self.results(prompts, output_ids)
         return [r.score if r.ok else 0.0 for r in results], sum(1 for r in results if not r.ok)
+
+    async def group_scores(self, prompts: Sequence[Any], output_ids: Sequence[Sequence[int]],
+                           group_size: int) -> tuple[list[float], list[bool], int]:
+        """``(scores, keep, failures)`` for responses in groups of ``group_size`` consecutive ones (the samples of
+        one prompt): a group with a failed call is failed whole (``keep`` False for each of its responses, their
+        scores 0.0 placeholders that must not be trained on; counted in ``groups_failed``), so that no group's
+        baseline is computed without one of its samples or with a failed one read as 0. ``failures``: the calls
+        that failed."""
+        from rlblocks.reward import GroupResult
+
+        if group_size < 1 or len(output_ids) % group_size:
+            raise ArgumentError(f"group_size: expected a divisor of the {len(output_ids)} responses, got "
+                                f"{group_size}")
+        results = await self.results(prompts, output_ids)
+        scores, keep = [], []
+        for g in range(0, len(results), group_size):
+            group = GroupResult.of(results[g:g + group_size])
+            scores += group.scores if group.ok else [0.0] * group_size
+            keep += [group.ok] * group_size
+            self.groups_failed += not group.ok
+        return scores, keep, sum(1 for r in results if not r.ok)
 
     async def score_answer(self, prompt: Any, answer: str, counts: Any = None) -> float:
         """The score of an agent episode's final answer (a failed call scores 0.0 and is counted, also in
@@ -242,7 +272,30 @@ class Reward:
         return r.score if r.ok else 0.0
 
     def stats(self) -> dict[str, Any]:
-        return {"reward": self.spec, "failures": self.failures, "pool": self.pool.stats()}
+        """The counters of the whole run: this process's plus those of the earlier starts a resumed run loaded
+        (:meth:`load_state_dict`); ``max_in_flight`` is the largest, ``in_flight`` and ``pending`` are this
+        process's."""
+        pool = self.pool.stats()
+        for k, v in self._earlier.get("pool", {}).items():
+            if k == "max_in_flight":
+                pool[k] = max(pool.get(k, 0), v)
+            elif k not in ("in_flight", "pending"):
+                pool[k] = pool.get(k, 0) + v
+        return {"reward": self.spec, "failures": self.failures + self._earlier.get("failures", 0),
+                "groups_failed": self.groups_failed + self._earlier.get("groups_failed", 0), "pool": pool}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run's counters so far (:meth:`stats`), for the run checkpoint."""
+        return self.stats()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A resumed run's counters start from the checkpoint's (``state``: a :meth:`state_dict`); this process's
+        calls add to them."""
+        if not isinstance(state, dict) or state.get("reward") != self.spec:
+            raise ArgumentError(f"state: expected the counters of a --reward {self.spec} (Reward.state_dict()), got "
+                                f"{state!r:.80}")
+        self._earlier = {"failures": int(state.get("failures", 0)), "groups_failed": int(state.get("groups_failed", 0)),
+                         "pool": dict(state.get("pool", {}))}
 
     def close(self) -> None:
         for c in self._closers:

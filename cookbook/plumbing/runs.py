@@ -16,13 +16,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlblocks.checkpoint import Checkpoint
+
 from .tracking import MetricsSink
 
 
 class RunFiles:
     """``runs/<name>/``: ``metrics.jsonl`` (one JSON object per step, appended; also to TensorBoard / W&B with
-    ``sinks``, see :mod:`.tracking`), ``summary.json``, ``ckpt.pt``, and ``eval/step_<N>.jsonl`` (the per-prompt
-    results of each held-out evaluation). ``config``: the run's flags (W&B's run config)."""
+    ``sinks``, see :mod:`.tracking`), ``summary.json``, ``ckpt.pt`` (the latest run checkpoint, with ``ckpt.prev.pt``
+    the one before: ``rlblocks.checkpoint.Checkpoint``), ``journal.jsonl`` (the run's starts and, in the async loops,
+    every group the trainer received: see :mod:`.checkpoints`) and ``eval/step_<N>.jsonl`` (the per-prompt results of
+    each held-out evaluation). ``config``: the run's flags (W&B's run config)."""
 
     def __init__(self, root: str, name: str, *, sinks: tuple[str, ...] = ("jsonl",), config: Any = None) -> None:
         self.dir = Path(root) / name
@@ -30,16 +34,18 @@ class RunFiles:
         self.metrics = self.dir / "metrics.jsonl"
         self.summary = self.dir / "summary.json"
         self.ckpt = self.dir / "ckpt.pt"
+        self.checkpoint = Checkpoint(self.ckpt)
+        self.journal = self.dir / "journal.jsonl"
         self.evals = self.dir / "eval"
         if dataclasses.is_dataclass(config):
             config = dataclasses.asdict(config)
         self.sink = MetricsSink(self.metrics, self.dir, sinks, config=config, name=name)
 
     def fresh(self) -> None:
-        """Remove an earlier run's files (a fresh run; ``--resume`` keeps them)."""
-        for p in (self.metrics, self.summary, self.ckpt):
-            if p.exists():
-                p.unlink()
+        """A new run: every file of an earlier run of this name goes (``--resume`` keeps them)."""
+        for p in (self.metrics, self.summary, self.journal):
+            p.unlink(missing_ok=True)
+        self.checkpoint.remove()
         if self.evals.exists():
             shutil.rmtree(self.evals)
         self.sink.fresh()
@@ -62,6 +68,28 @@ class RunFiles:
         os.replace(tmp, path)
         return path
 
+    def metrics_rows(self) -> list[dict]:
+        """The rows of ``metrics.jsonl`` (a torn last line, from a crash while it was written, is left out)."""
+        if not self.metrics.exists():
+            return []
+        rows = []
+        for line in self.metrics.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                break
+        return rows
+
+    def keep_metrics_until(self, step: int) -> int:
+        """Drop the rows logged after ``step`` (a resumed run redoes those steps); returns the last step logged
+        before (0 for none). Rewritten atomically."""
+        rows = self.metrics_rows()
+        last = max((int(r.get("step", 0)) for r in rows), default=0)
+        tmp = self.metrics.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows if int(r.get("step", 0)) <= step))
+        os.replace(tmp, self.metrics)
+        return last
+
     def write_summary(self, summary: dict) -> None:
         tmp = self.summary.with_suffix(".tmp")
         tmp.write_text(json.dumps(_jsonable(summary), indent=2) + "\n")
@@ -73,13 +101,15 @@ class RunFiles:
         self.sink.close()
 
     def save(self, state: dict) -> None:
-        tmp = self.ckpt.with_suffix(".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, self.ckpt)
+        """Write the run checkpoint (atomic and checked; the one before it is kept as ``ckpt.prev.pt``)."""
+        self.checkpoint.save(state, meta={"step": int(state.get("step", 0))})
 
-    def load(self) -> dict | None:
-        """The state :meth:`save` wrote last (``None`` when there is none)."""
-        return torch.load(self.ckpt, weights_only=False) if self.ckpt.exists() else None
+    def load(self, required: tuple[str, ...] = ()) -> dict | None:
+        """The newest run checkpoint that passes every check (``None`` when there is none; a damaged latest one
+        falls back to the previous, listed in ``self.checkpoint.skipped``)."""
+        if not self.checkpoint.exists():
+            return None
+        return self.checkpoint.load(required=required)[0]
 
 
 def _jsonable(x: Any) -> Any:

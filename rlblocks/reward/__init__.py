@@ -8,8 +8,9 @@
   :mod:`rlblocks.sandbox`; score = fraction passed, per-test outcomes.
 - :class:`RewardModel` — an HF sequence-classification model (or a causal LM + scalar head), batched,
   padding-aware, on any device (imported on first use: it needs torch).
-- :class:`RewardPool` — concurrency bound, input order, timeouts, retries, ``stats()``; asyncio for async rewards,
-  killable worker processes for synchronous CPU-bound ones (:class:`ProcessWorkers`).
+- :class:`RewardPool` — concurrency bound, input order, timeouts, bounded retries (:class:`RetryPolicy`),
+  ``stats()``; asyncio for async rewards, killable worker processes for synchronous CPU-bound ones
+  (:class:`ProcessWorkers`: a crashed or hung worker is replaced); groups failed whole (:class:`GroupResult`).
 - :class:`WeightedReward`, :class:`FormatReward`, :class:`OverlongPenalty` — combinators.
 - :func:`evaluate` (an engine, prompts, a reward → :class:`EvalResult`), :func:`summarize`, :func:`pass_at_k` —
   held-out pass@k (the unbiased estimator) and mean@k with per-prompt results.
@@ -29,7 +30,8 @@ from .combine import FormatReward, OverlongPenalty, WeightedReward
 from .evaluate import EvalResult, PromptResult, evaluate, pass_at_k, summarize
 from .math import MathReward, check_math, extract_answer, math_reward
 from .pool import RewardPool
-from .types import RewardFn, RewardResult, Sample
+from .retry import RetryPolicy
+from .types import GroupResult, RewardFn, RewardResult, Sample
 from .workers import ProcessWorkers
 
 if TYPE_CHECKING:
@@ -46,10 +48,12 @@ __all__ = [
     "CodeTest",
     "EvalResult",
     "FormatReward",
+    "GroupResult",
     "MathReward",
     "OverlongPenalty",
     "ProcessWorkers",
     "PromptResult",
+    "RetryPolicy",
     "RewardFn",
     "RewardModel",
     "RewardPool",

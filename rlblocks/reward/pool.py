@@ -14,11 +14,18 @@ Guarantees:
 
 - ``await pool.ascore(samples)`` returns one :class:`~rlblocks.reward.RewardResult` per sample, in input order.
 - At most ``max_concurrency`` calls are in flight at once (per event loop), across all ``ascore`` calls of the pool.
-- A timeout, an exception, a crashed worker or an invalid return value is retried up to ``retries`` times, then
-  becomes an error result (``score=None``, ``error`` says why); a failure the reward *returned* (``error`` set) is
-  final, not retried (it is the reward's verdict, e.g. an unparsable reference). No sample is lost and none can
-  stall the batch: an async reward that ignores cancellation is abandoned after ``cancel_grace`` seconds (counted).
-- ``stats()`` counts everything: ``submitted == completed + cancelled + pending``, ``completed == ok + failed``.
+- A timeout, an exception, a crashed worker or an invalid return value is retried under the pool's
+  :class:`~rlblocks.reward.RetryPolicy` (bounded; a crashed or timed-out worker process is replaced by a fresh
+  one for the retry), then becomes an error result (``score=None``, ``error`` says why, ``details["failure"]``
+  its kind); a failure the reward *returned* (``error`` set) is final, not retried (it is the reward's verdict,
+  e.g. an unparsable reference; a code test that ran out of wall time stays ``"timeout"`` in its details). No
+  sample is lost and none can stall the batch: an async reward that ignores cancellation is abandoned after
+  ``cancel_grace`` seconds (counted).
+- :meth:`RewardPool.ascore_groups` scores groups (the responses to one prompt) and fails a group whole when any
+  of its samples failed (:class:`~rlblocks.reward.GroupResult`), so a group baseline is never computed over a
+  partial group nor with a failed sample read as 0.
+- ``stats()`` counts everything: ``submitted == completed + cancelled + pending``, ``completed == ok + failed``;
+  ``groups``, ``groups_failed``, ``samples_in_failed_groups``.
 
 ``seconds`` of each result is the pool's wall time for that sample: from its first attempt's start to its result,
 retries and retry delays included, waiting for a free slot excluded. ``details["attempts"]`` is the number of
@@ -40,7 +47,8 @@ from typing import Any
 
 from rlblocks._checks import check_int, check_seconds
 from rlblocks.errors import ArgumentError, RewardTimeout, WorkerCrashed, WorkerError
-from rlblocks.reward.types import RewardResult, Sample
+from rlblocks.reward.retry import RetryPolicy
+from rlblocks.reward.types import GroupResult, RewardResult, Sample
 from rlblocks.reward.workers import ProcessWorkers, check_importable
 
 __all__ = ["RewardPool"]
@@ -90,11 +98,12 @@ class RewardPool:
         max_concurrency: most calls in flight at once.
         timeout: seconds one attempt may take (async: from the call; processes: from the moment a worker starts
             it). Finite: a reward can never stall the loop.
-        retries: extra attempts after a timeout, an exception, a crash or an invalid return value.
+        retries: extra attempts after a timeout, an exception, a crash or an invalid return value: an int ``n``
+            (``RetryPolicy(max_retries=n)``, at once) or a :class:`~rlblocks.reward.RetryPolicy` (which kinds,
+            delays with back-off).
         processes: worker processes for a synchronous ``fn`` (default ``min(max_concurrency, os.cpu_count())``);
             refused for an async ``fn``.
         memory_bytes: ``RLIMIT_AS`` of each worker process (synchronous ``fn`` only).
-        retry_delay: seconds to wait before a retry.
         cancel_grace: seconds a timed-out async call gets to finish its cancellation before it is abandoned.
 
     Use ``await pool.ascore(samples)`` in a loop, ``pool.score(samples)`` outside one, ``await pool(sample)`` (the
@@ -106,11 +115,10 @@ class RewardPool:
         fn: Callable[..., Any],
         max_concurrency: int = 16,
         timeout: float = 60.0,
-        retries: int = 0,
+        retries: int | RetryPolicy = 0,
         *,
         processes: int | None = None,
         memory_bytes: int | None = None,
-        retry_delay: float = 0.0,
         cancel_grace: float = 1.0,
     ) -> None:
         if not callable(fn):
@@ -118,8 +126,8 @@ class RewardPool:
         self.fn = fn
         self.max_concurrency = check_int("max_concurrency", max_concurrency, minimum=1)
         self.timeout = check_seconds("timeout", timeout)
-        self.retries = check_int("retries", retries, minimum=0)
-        self.retry_delay = check_seconds("retry_delay", retry_delay, allow_zero=True)
+        self.retry = retries if isinstance(retries, RetryPolicy) else RetryPolicy(
+            max_retries=check_int("retries", retries, minimum=0, what="an int >= 0 or a RetryPolicy"))
         self.cancel_grace = check_seconds("cancel_grace", cancel_grace, allow_zero=True)
         self.is_async = is_async_reward(fn)
         self._workers: ProcessWorkers | None = None
@@ -138,7 +146,8 @@ class RewardPool:
         self._in_flight = 0
         self._counts: dict[str, Any] = dict.fromkeys(
             ("submitted", "completed", "ok", "failed", "cancelled", "attempts", "retries", "timeouts", "exceptions",
-             "crashes", "invalid", "returned_errors", "abandoned", "max_in_flight"), 0)
+             "crashes", "invalid", "returned_errors", "abandoned", "max_in_flight", "groups", "groups_failed",
+             "samples_in_failed_groups"), 0)
         self._counts["seconds"] = 0.0
 
     # ------------------------------------------------------------------ public
@@ -177,6 +186,28 @@ class RewardPool:
             raise
         return results  # every slot is filled: each runner ran until the shared iterator was exhausted
 
+    async def ascore_groups(self, groups: Iterable[Iterable[Sample]]) -> list[GroupResult]:
+        """One :class:`~rlblocks.reward.GroupResult` per group, in order: every sample of every group is scored
+        as by :meth:`ascore` (concurrently, retried under the pool's policy), then a group with any failed sample
+        is failed whole (counted in ``groups_failed`` and ``samples_in_failed_groups``)."""
+        if isinstance(groups, (Sample, str, bytes)):
+            raise ArgumentError("groups: expected an iterable of groups (lists of Sample), got "
+                                f"{type(groups).__name__}")
+        parts = [list(g) for g in groups]
+        for i, g in enumerate(parts):
+            if not g:
+                raise ArgumentError(f"groups[{i}]: expected at least one sample, got an empty group")
+        flat = await self.ascore([s for g in parts for s in g])
+        out, at = [], 0
+        for g in parts:
+            out.append(GroupResult.of(flat[at:at + len(g)]))
+            at += len(g)
+        with self._lock:
+            self._counts["groups"] += len(out)
+            self._counts["groups_failed"] += sum(not r.ok for r in out)
+            self._counts["samples_in_failed_groups"] += sum(len(r.results) for r in out if not r.ok)
+        return out
+
     def score(self, samples: Iterable[Sample]) -> list[RewardResult]:
         """Blocking :meth:`ascore` on a fresh event loop. Do not call it from a running event loop."""
         return asyncio.run(self.ascore(samples))
@@ -198,6 +229,7 @@ class RewardPool:
         Per attempt: ``attempts``, ``retries``, ``timeouts``, ``exceptions``, ``crashes`` (worker died),
         ``invalid`` (returned neither a result nor a number), ``returned_errors`` (the reward returned an error
         result), ``abandoned`` (timed out and ignored cancellation). ``in_flight`` now and ``max_in_flight`` ever.
+        Per group (:meth:`ascore_groups`): ``groups``, ``groups_failed``, ``samples_in_failed_groups``.
         """
         with self._lock:
             out = dict(self._counts)
@@ -268,14 +300,15 @@ class RewardPool:
                     self._add("returned_errors")
                 break
             self._add(outcome.kind)
-            if attempts > self.retries:
+            if attempts > self.retry.max_retries or not self.retry.retries(outcome.kind):
                 outcome = RewardResult.failure(
-                    f"{outcome.text} (attempt {attempts} of {self.retries + 1})", details={"failure": outcome.kind}
+                    f"{outcome.text} (attempt {attempts} of at most {self.retry.max_retries + 1})",
+                    details={"failure": outcome.kind},
                 )
                 break
             self._add("retries")
-            if self.retry_delay:
-                await asyncio.sleep(self.retry_delay)
+            if wait := self.retry.wait_before(attempts):
+                await asyncio.sleep(wait)
         details = {**outcome.details, "attempts": attempts}
         return dataclasses.replace(outcome, seconds=time.perf_counter() - t0, details=details)
 

@@ -24,7 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 from rlblocks._checks import check_int, check_real
 from rlblocks.errors import ArgumentError
 
-__all__ = ["RewardFn", "RewardResult", "Sample"]
+__all__ = ["GroupResult", "RewardFn", "RewardResult", "Sample"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,37 @@ class RewardResult:
     def failure(cls, error: str, *, seconds: float = 0.0, **kwargs: Any) -> RewardResult:
         """A failed result: ``score=None`` and the error text."""
         return cls(score=None, error=error, seconds=seconds, **kwargs)
+
+
+@dataclass
+class GroupResult:
+    """The results of one group of samples (the responses to one prompt), scored or failed as a whole.
+
+    A group-relative advantage (GRPO's mean and std over the group) computed without one of its samples is biased,
+    and a failed sample scored 0 is a lie, so a group with any failed sample is failed whole: ``error`` names the
+    first failed sample and why, ``ok`` is False and ``scores`` is ``None``; ``results`` still holds every
+    sample's own result (the ones that scored included). Otherwise ``scores`` lists every sample's score."""
+
+    results: list[RewardResult]
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def scores(self) -> list[float] | None:
+        return [r.score for r in self.results] if self.error is None else None
+
+    @classmethod
+    def of(cls, results: list[RewardResult]) -> GroupResult:
+        """The group of ``results``: failed whole when any of them failed."""
+        bad = next((i for i, r in enumerate(results) if not r.ok), None)
+        if bad is None:
+            return cls(list(results))
+        n_bad = sum(not r.ok for r in results)
+        return cls(list(results), error=f"sample {bad} of {len(results)} failed ({n_bad} in all): "
+                                        f"{results[bad].error}")
 
 
 @runtime_checkable

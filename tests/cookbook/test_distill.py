@@ -16,6 +16,7 @@ import torch
 import toy
 from plumbing import PolicyLogprobs, batch_tensors, parse_flags
 
+from rlblocks.checkpoint import save_checkpoint
 from rlblocks.errors import ArgumentError
 
 # a deprecated rlblocks name (the library's DeprecationWarnings all start with "rlblocks:") fails the test
@@ -199,14 +200,20 @@ def test_load_teacher_from_an_hf_dir_and_from_a_run_ckpt(tok, tmp_path):
     teacher = fresh_model(tok, 2)
     hf_dir = save_model(tok, teacher, tmp_path / "teacher")
     run = tmp_path / "run"
-    run.mkdir()  # what grpo_async.py's save_checkpoint writes: {"model": state_dict, "optim": ..., "step": ...}
-    torch.save({"model": teacher.state_dict(), "step": 3, "counters": {"samples": 1}}, run / "ckpt.pt")
+    run.mkdir()  # what every loop's run checkpoint holds: {"model": state_dict, "optim": ..., "step": ...}
+    save_checkpoint(run / "ckpt.pt", {"model": teacher.state_dict(), "step": 3, "counters": {"samples": 1}})
+    plain = tmp_path / "plain.pt"  # a plain torch.save file of the same shape
+    torch.save({"model": teacher.state_dict(), "step": 3}, plain)
     bt = sample_batch(tok)
     want = distill.teacher_logprobs(teacher, bt)
-    for path in (hf_dir, str(run), str(run / "ckpt.pt")):
+    for path in (hf_dir, str(run), str(run / "ckpt.pt"), str(plain)):
         t = distill.load_teacher(path, student_dir, torch.device("cpu"))
         assert not t.training and not any(p.requires_grad for p in t.parameters())
         torch.testing.assert_close(distill.teacher_logprobs(t, bt), want, rtol=0, atol=1e-6)
+    data = (run / "ckpt.pt").read_bytes()
+    (run / "ckpt.pt").write_bytes(data[: len(data) - 100])  # torn: refused, never half-loaded
+    with pytest.raises(ArgumentError, match=r"--distill-from: .*torn checkpoint"):
+        distill.load_teacher(str(run), student_dir, torch.device("cpu"))
 
 
 def test_load_teacher_refuses_what_cannot_be_a_teacher(tok, tmp_path):

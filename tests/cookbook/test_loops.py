@@ -233,15 +233,11 @@ def test_async_resume_after_kill(tiny_hf_dir, tmp_path):
             pass
     proc.wait(timeout=30)
     assert ckpt.exists(), proc.stderr.read()[-4000:]
-    import torch
+    from rlblocks.checkpoint import load_checkpoint
 
-    state = torch.load(ckpt, weights_only=False)
+    state = load_checkpoint(ckpt)
     saved_step = state["step"]
     queued_uids = {item["uid"] for item, _, _ in state["queue"]["items"]}
-    # keep only the metrics up to the checkpoint, as a restart would see them after a crash between writes
-    mpath = tmp_path / "r" / "metrics.jsonl"
-    lines = [x for x in mpath.read_text().splitlines() if json.loads(x)["step"] <= saved_step]
-    mpath.write_text("".join(x + "\n" for x in lines))
     total = saved_step + 3
     _run(_async_cmd(2, tiny_hf_dir, tmp_path, "r", "--steps", str(total), "--save-every", "2", "--max-staleness",
                     "1", "--resume"))
@@ -254,6 +250,13 @@ def test_async_resume_after_kill(tiny_hf_dir, tmp_path):
     stale = set(summary.get("stale_uids", []))
     left = set(summary.get("left_uids", []))
     assert queued_uids <= trained_after | stale | left  # every sample queued at the checkpoint survived the kill
+    # the rows logged after the checkpoint by the killed run were dropped (those steps were done again), and every
+    # sample received is accounted for over both runs
+    assert summary["restarts"] == 1 and summary["resumed_from_steps"] == [saved_step]
+    assert summary["samples_generated"] == (summary["samples_trained"] + summary["samples_dropped_stale"]
+                                            + summary["samples_lost_in_crash"] + summary["samples_left_in_queue"])
+    trained = [u for r in rows for u in r["trained_uids"]]
+    assert len(trained) == len(set(trained))
 
 
 @pytest.mark.slow

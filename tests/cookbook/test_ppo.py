@@ -18,6 +18,7 @@ import toy
 from plumbing import Reward, parse_flags
 from torch import nn
 
+from rlblocks.checkpoint import load_checkpoint
 from rlblocks.losses import whiten
 from rlblocks.rollout import Generation, build_batch
 
@@ -387,8 +388,8 @@ def test_two_ranks_fsdp2(demo_model_dir, tmp_path):
     actor = summary["memory_bytes_per_rank"]["actor"]
     assert actor["weights"] < 0.6 * full  # FSDP2: rank 0 holds about half of the actor
     assert summary["memory_bytes_per_rank"]["engine"]["weights"] == full  # the engine's copy is whole
-    ckpt = torch.load(tmp_path / "two" / "ckpt.pt", weights_only=False)
-    assert ckpt["step"] == 3 and "model.embed_tokens.weight" in ckpt["actor"]
+    ckpt = load_checkpoint(tmp_path / "two" / "ckpt.pt")
+    assert ckpt["step"] == 3 and "model.embed_tokens.weight" in ckpt["model"]
 
 
 def test_runs_of_one_seed_train_bit_identical_roles(demo_model_dir, tmp_path):
@@ -398,8 +399,8 @@ def test_runs_of_one_seed_train_bit_identical_roles(demo_model_dir, tmp_path):
         _run([sys.executable, "cookbook/ppo.py", "--model", demo_model_dir, "--reward", "verifier", "--runs-dir",
               str(tmp_path), "--name", name, "--steps", "2", "--prompts-per-step", "8", "--group-size", "4",
               "--eval-every", "0", "--quiet", "--lr", "3e-3", "--seed", seed])
-    a, b, c = (torch.load(tmp_path / n / "ckpt.pt", weights_only=False) for n in "abc")
-    for role in ("actor", "critic"):
+    a, b, c = (load_checkpoint(tmp_path / n / "ckpt.pt") for n in "abc")
+    for role in ("model", "critic"):
         assert a[role].keys() == b[role].keys()
         assert all(torch.equal(a[role][k], b[role][k]) for k in a[role]), role
         assert not all(torch.equal(a[role][k], c[role][k]) for k in a[role]), role
@@ -441,3 +442,26 @@ def test_help_and_refused_flags(capsys):
         with pytest.raises(SystemExit) as e:
             parse_flags(ppo.Config, argv, check=ppo.check_flags)
         assert e.value.code == 2 and flag in capsys.readouterr().err, argv
+
+
+def test_a_group_whose_check_failed_is_failed_whole_never_scored_zero():
+    import asyncio
+
+    from plumbing import Reward
+
+    from rlblocks.reward import RewardResult
+
+    r = Reward("verifier", None)
+    try:
+        async def results(prompts, output_ids):  # the second response's check failed (its retries ran out)
+            return [RewardResult(1.0), RewardResult.failure("timeout"), RewardResult(0.0), RewardResult(1.0),
+                    RewardResult(0.0), RewardResult(0.0)]
+
+        r.results = results
+        vals, keep, failed = asyncio.run(r.group_scores([None] * 6, [[1]] * 6, 2))
+        assert keep == [False, False, True, True, True, True] and vals == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+        assert failed == 1 and r.stats()["groups_failed"] == 1
+        with pytest.raises(ValueError, match="group_size"):
+            asyncio.run(r.group_scores([None] * 6, [[1]] * 6, 4))
+    finally:
+        r.close()

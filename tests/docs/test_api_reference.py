@@ -19,8 +19,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 # the public modules whose names the API pages render: every public top-level module or package, and the simulator
-API = ("rlblocks.errors", "rlblocks.kernels", "rlblocks.losses", "rlblocks.reward", "rlblocks.rollout",
-       "rlblocks.sandbox", "rlblocks.sched", "rlblocks.sched.sim", "rlblocks.sync", "rlblocks.tinker")
+API = ("rlblocks.checkpoint", "rlblocks.errors", "rlblocks.kernels", "rlblocks.losses", "rlblocks.reward",
+       "rlblocks.rollout", "rlblocks.sandbox", "rlblocks.sched", "rlblocks.sched.sim", "rlblocks.sync",
+       "rlblocks.tinker")
 _DIRECTIVE = re.compile(r"^::: *([\w.]+) *$")
 
 

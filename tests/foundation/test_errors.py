@@ -40,6 +40,9 @@ EXPECTED = {  # class -> the built-in (or standard-library) exception it also is
     errors.WorkerCrashed: RuntimeError,
     errors.WorkerError: RuntimeError,
     errors.SandboxUnavailable: RuntimeError,
+    errors.CheckpointError: ValueError,
+    errors.NoLiveEngine: RuntimeError,  # an EngineError
+    errors.EngineDied: RuntimeError,  # an EngineError
 }
 
 
@@ -58,6 +61,7 @@ def test_every_error_derives_from_the_base_and_its_builtin():
     assert issubclass(errors.SessionNotFound, errors.ArgumentError)
     assert issubclass(errors.RequestError, errors.ArgumentError)
     assert issubclass(errors.QueueRefused, errors.GatewayError)
+    assert issubclass(errors.NoLiveEngine, errors.EngineError)
     assert rlblocks.RLBlocksError is errors.RLBlocksError
 
 

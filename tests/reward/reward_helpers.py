@@ -43,6 +43,24 @@ def loaded(names):
     return [n for n in names if n in sys.modules]
 
 
+def first_attempt_dies(sample):
+    """The first call of a sample (no ``metadata["marker"]`` file yet) writes its pid there and then dies as
+    ``metadata["how"]`` says: ``"killed"`` waits to be killed by the test, ``"hang"`` blocks until the pool's
+    timeout kills its worker, ``"crash"`` exits at once. A later call (in a fresh worker) scores ``metadata["i"]``."""
+    marker = sample.metadata["marker"]
+    if not os.path.exists(marker):
+        tmp = f"{marker}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(tmp, marker)  # the test sees a whole pid or nothing
+        how = sample.metadata["how"]
+        if how == "crash":
+            os._exit(7)
+        while True:  # "killed" or "hang": only killing the process ends this call
+            time.sleep(3600)
+    return float(sample.metadata["i"])
+
+
 def where(_sample=None):
     """The ``rlblocks`` package directory this worker imported, and the head of its ``sys.path``."""
     import sys

@@ -264,6 +264,10 @@ class FakeSGLang:
     def handle_get(self, path):
         if self.dead:
             return 500, {"error": {"message": self.dead}}
+        if path == "/health":  # srt/entrypoints/http_server.py health: 200 while the scheduler lives
+            return 200, None
+        if path.startswith("/_test/num_tokens/"):  # not SGLang's: a test in another process watches a request
+            return 200, {"num_tokens": self.num_tokens(path.removeprefix("/_test/num_tokens/"))}
         if path == "/model_info":
             body = {"model_path": "/ckpt", "weight_version": self.version, "is_generation": True}
             api_types.GetModelInfoResponse.from_json_value(body)

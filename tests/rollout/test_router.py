@@ -180,6 +180,11 @@ def test_abort_routing_broadcast_and_resubmission_stickiness():
         "num_in_flight": 0,
         "in_flight": [0, 0],
         "assigned": [len(e.served) for e in engines],
+        "alive": [True, True],
+        "failovers": 0,
+        "rejoins": 0,
+        "health_checks": 0,
+        "failures": [],
         "engines": [{"served": len(e.served)} for e in engines],
     }
     assert got == ["r1"] and g1.finish_reason == "abort"

@@ -96,6 +96,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import functools
+import http.client
 import io
 import json
 import urllib.error
@@ -261,18 +263,18 @@ class SGLangEngine:
         self._ctl_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sglang-control")
 
     # ------------------------------------------------------------------ http
-    def _call(self, method: str, path: str, payload: dict | None) -> tuple[int, Any]:
+    def _call(self, method: str, path: str, payload: dict | None, timeout: float | None = None) -> tuple[int, Any]:
         data = None if payload is None else json.dumps(payload).encode()
         req = urllib.request.Request(self.base_url + path, data=data, method=method)
         req.add_header("Content-Type", "application/json")
         if self.api_key:
             req.add_header("Authorization", f"Bearer {self.api_key}")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            with urllib.request.urlopen(req, timeout=self.timeout if timeout is None else timeout) as resp:
                 status, raw = resp.status, resp.read()
         except urllib.error.HTTPError as exc:
             status, raw = exc.code, exc.read()
-        except (urllib.error.URLError, OSError) as exc:  # refused, reset, timed out
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # refused, reset, cut, timed out
             raise SGLangError(f"{method} {path}: no answer from {self.base_url}: {exc}") from exc
         if not raw:
             return status, None
@@ -300,6 +302,15 @@ class SGLangEngine:
         if check and status >= 400:
             raise SGLangError(f"{method} {path}: HTTP {status}: {str(body)[:2000]}", status=status, body=body)
         return status, body
+
+    async def health(self, timeout: float = 5.0) -> None:
+        """The heartbeat a :class:`~rlblocks.rollout.Router` calls: ``GET /health`` must answer HTTP 200 within
+        ``timeout`` seconds, else :class:`SGLangError` (a dead, hung or unreachable server)."""
+        self._state.check_open()
+        call = functools.partial(self._call, "GET", "/health", None, timeout=timeout)
+        status, body = await asyncio.get_running_loop().run_in_executor(self._ctl_pool, call)
+        if status != 200:
+            raise SGLangError(f"GET /health: HTTP {status}: {str(body)[:300]}", status=status, body=body)
 
     async def _server_flag(self, name: str) -> bool:
         """A launch flag of the server, from ``GET /server_info`` (read once)."""
