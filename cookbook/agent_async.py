@@ -113,6 +113,8 @@ class Config(TaskFlags):
     grad_clip: float = opt(1.0, "max grad norm")
     eps_clip: float = opt(0.2, "PPO clip offset (both sides)")
     temperature: float = opt(1.0, "sampling temperature")
+    prefix_share: bool = opt(True, "trainer forward over the prefix tree of each batch: the episodes of a group "
+                             "share their prompt, each turn's row the history before it (same loss up to rounding)")
     eval_every: int = opt(25, "held-out greedy accuracy every N steps, and before and after RL (0: only before "
                               "and after)")
     heldout: int = opt(300, "held-out prompts evaluated: the first this many (the toy task has 300)")
@@ -395,7 +397,8 @@ def trainer_main(cfg: Config, world: int, sample_group, path: str, port: int) ->
                 ep_counts[f"finish_{reason}"] += 1
         # ---- 2. GRPO over the trajectories: advantages per episode, PPO-clip against the engine's logprobs
         optim.zero_grad(set_to_none=True)
-        m = task.grpo_backward(model, trajs, tok.pad_token_id, eps_low=cfg.eps_clip, eps_high=cfg.eps_clip)
+        m = task.grpo_backward(model, trajs, tok.pad_token_id, eps_low=cfg.eps_clip, eps_high=cfg.eps_clip,
+                                   prefix_share=cfg.prefix_share)
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         if cfg.lr_decay:
             prog = max(step / cfg.steps, (time.time() - t_rl) / cfg.time_limit if cfg.time_limit else 0.0)

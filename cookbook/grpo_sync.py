@@ -2,6 +2,7 @@
 
     python cookbook/grpo_sync.py --name sync-demo                       # CPU demo, one process
     torchrun --nproc_per_node 8 cookbook/grpo_sync.py --model /ckpt     # FSDP2 over 8 ranks, engine on each rank
+    torchrun --nproc_per_node 8 cookbook/grpo_sync.py --model /ckpt --cp 4   # long traces: 2 DP × 4 CP ranks
 
 Every rank holds the policy (FSDP2 ``fully_shard`` when there is more than one rank) and an in-process rollout
 engine (``--engine torch|vllm``; ``sglang`` drives a server you started next to the trainer). Each step, each rank
@@ -9,7 +10,10 @@ generates its share of the ``B`` prompt groups (``K`` samples each) of the task 
 ``--prompts``), scores them (``--reward``), and runs
 ``grpo_step`` (``cookbook/grpo.py``, the update ``grpo_async.py`` runs too): GRPO advantages, π_old once, then
 ``--ppo-epochs`` × ``--mini-batches`` optimizer updates with ``linear_token_logprobs`` log-probs and globally
-normalised aggregation. It then gathers the new weights (``full_tensors``) and loads them into its engine
+normalised aggregation. With ``--cp N`` the trainer ranks form DP × CP groups: the N ranks of a CP group each
+generate part of one data-parallel share, exchange it, and train on all of it, each forwarding a zigzag shard of
+every sequence (ring attention across the group; ``causal_lm_logprobs(..., cp_group=)``), so a long trace's
+activations are split N ways. It then gathers the new weights (``full_tensors``) and loads them into its engine
 (``update_weights``, version = step). Every trained token was
 sampled by the weights of the step's start (``max_staleness_seen`` is 0); the only train/rollout gap is numerical
 (``--correction`` handles it).
@@ -59,6 +63,7 @@ from plumbing import (
     eval_metrics,
     eval_reward_spec,
     every,
+    gather_cp,
     group_record,
     heldout,
     length_budget,
@@ -84,9 +89,11 @@ from plumbing import (
     seed_rank,
     setup_dist,
     shard,
+    trainer_groups,
     until_eos,
 )
 
+from rlblocks.errors import ArgumentError
 from rlblocks.rollout import GenerationRequest, SamplingParams, resumable_generate
 from rlblocks.sync import full_tensors
 
@@ -126,6 +133,8 @@ class Config(TaskFlags):
     lr: float = opt(3e-4, "AdamW learning rate")
     grad_clip: float = opt(1.0, "max grad norm")
     temperature: float = opt(1.0, "sampling temperature (log-probs use the same)")
+    prefix_share: bool = opt(True, "trainer forward over the prefix tree of each batch: a group's prompt is "
+                             "forwarded once (same log-probs and gradients up to float rounding)")
     max_new_tokens: int = opt(6, "response budget")
     length_tail: float = opt(0.0, "benchmark: >0 forces lognormal response lengths with this median (p99/p50≈10)")
     eval_every: int = opt(10, "held-out greedy accuracy every N steps, and before and after RL (0: only before "
@@ -134,6 +143,8 @@ class Config(TaskFlags):
     resume: bool = opt(False, "continue from runs/<name>/ckpt.pt (a torchrun restart does so by itself)")
     seed: int = opt(0, "seed")
     quiet: bool = opt(False, "no progress bar")
+    cp: int = opt(1, "context-parallel ranks per sequence (ranks = DP × CP): each sequence's positions are split over "
+                     "CP ranks with ring attention, for traces too long for one device's activations; 1: off")
     # on-policy distillation (cookbook/distill.py): the same loop, with a frozen teacher scoring the student's samples
     distill_from: str = opt("", "teacher checkpoint: an HF directory, or a run directory / ckpt.pt (weights loaded "
                                 "into the student's architecture); empty: plain GRPO")
@@ -150,6 +161,10 @@ def check_flags(cfg: Config) -> None:
     distill.check_distill_flags(cfg)
     check_max_model_len(cfg.max_model_len)
     check_at_least(cfg, 0, "eval_every", "save_every")
+    check_at_least(cfg, 1, "cp")
+    if cfg.cp > 1 and cfg.distill_from:
+        raise ArgumentError("--cp: context parallelism covers the policy and the reference, not the --distill-from "
+                            f"teacher; got --cp {cfg.cp} with --distill-from")
 
 
 # ================================================================================================ rollout
@@ -183,7 +198,8 @@ async def rollout_step(cfg: Config, engine, tok, task, reward, rng: random.Rando
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_flags(Config, argv, check=check_flags)
     rank, world, device = setup_dist()
-    n_local = prompts_per_rank(cfg, world)
+    n_local = prompts_per_rank(cfg, world)  # prompt groups this rank generates
+    tg = trainer_groups(range(world), cfg.cp, rank)  # DP × CP; a CP group trains on what its ranks generated
     rng = random.Random(cfg.seed * 1000 + rank)
     files = RunFiles(cfg.runs_dir, cfg.name, sinks=parse_log_flag(cfg.log_to), config=cfg)
     say = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
@@ -213,11 +229,12 @@ def main(argv: list[str] | None = None) -> None:
     if rec.state is not None:
         load_model_state(lm, rec.state["model"])
         loop.run_until_complete(engine.update_weights(list(rec.state["model"].items()), version=rec.step))
-    policy = PolicyLogprobs(lm, cfg.temperature)
+    policy = PolicyLogprobs(lm, cfg.temperature, cfg.prefix_share, cp_group=tg.cp)
     shard(policy, decoder_layers(lm), world)
     ref = None
     if cfg.kl_coef > 0:
-        ref = PolicyLogprobs(load_hf(path, device)[1].eval(), cfg.temperature).requires_grad_(False)
+        ref = PolicyLogprobs(load_hf(path, device)[1].eval(), cfg.temperature, cfg.prefix_share,
+                             cp_group=tg.cp).requires_grad_(False)
     teacher = (distill.load_teacher(cfg.distill_from, path, device, world=world, mode=cfg.distill_mode)
                if cfg.distill_from else None)
     optim = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -274,11 +291,12 @@ def main(argv: list[str] | None = None) -> None:
             rollout_step(cfg, engine, tok, task, reward, rng, n_local, rank, step, max_model_len, counters))
         gen_s = time.perf_counter() - t0
         t1 = time.perf_counter()
+        groups = gather_cp(groups, tg)  # --cp: the CP group's ranks train on the share they generated together
         bt = batch_tensors(groups, tok.pad_token_id, device)
         if teacher is not None:
             m = distill.distill_step(cfg, policy, optim, bt, teacher, grad_scale=float(world), step=step)
         else:
-            m = grpo_step(cfg, policy, optim, bt, ref_policy=ref, grad_scale=float(world), step=step)
+            m = grpo_step(cfg, policy, optim, bt, ref_policy=ref, group=tg.dp, grad_scale=float(world), step=step)
         train_s = time.perf_counter() - t1
         step += 1
         # ---- weight push into the colocated engine (version = step)
@@ -289,9 +307,11 @@ def main(argv: list[str] | None = None) -> None:
         # ---- logging: generated counts come from the rollout, trained counts from the batch, summed over ranks
         gen = {k: counters[k] - before[k] for k in ("samples_generated", "tokens_generated", "resubmissions",
                                                     "reward_failures")}
-        sums = all_reduce(torch.tensor([bt["rewards"].sum().item(), bt["rewards"].numel(), bt["mask"].sum().item(),
-                                        gen["samples_generated"], gen["tokens_generated"], gen["resubmissions"],
-                                        gen["reward_failures"]], dtype=torch.float64))
+        sums = torch.cat([  # trained: over the DP ranks (a CP group shares its batch); generated: over all ranks
+            all_reduce(torch.tensor([bt["rewards"].sum().item(), bt["rewards"].numel(), bt["mask"].sum().item()],
+                                    dtype=torch.float64), group=tg.dp),
+            all_reduce(torch.tensor([gen["samples_generated"], gen["tokens_generated"], gen["resubmissions"],
+                                     gen["reward_failures"]], dtype=torch.float64))])
         totals.update({"samples_trained": int(sums[1]), "tokens_trained": int(sums[2]),
                        "samples_generated": int(sums[3]), "tokens_generated": int(sums[4]),
                        "resubmissions": int(sums[5]), "reward_failures": int(sums[6])})

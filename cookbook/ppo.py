@@ -106,6 +106,7 @@ from torch import Tensor, nn
 
 from rlblocks.errors import ArgumentError
 from rlblocks.kernels import causal_lm_logprobs
+from rlblocks.kernels.prefix_share import prefix_shared_hidden_states
 from rlblocks.losses import aggregate, gae, kl_estimate, ppo_clip_loss, value_loss
 from rlblocks.rollout import GenerationRequest, RolloutBatch, SamplingParams, TorchEngine, build_batch
 from rlblocks.sync import full_tensors
@@ -159,6 +160,8 @@ class Config(TaskFlags):
     lr_decay: bool = opt(True, "decay both learning rates linearly to 10% over --steps")
     grad_clip: float = opt(1.0, "max grad norm (each model)")
     temperature: float = opt(1.0, "sampling temperature (log-probs use the same)")
+    prefix_share: bool = opt(True, "actor, reference and critic forward over the prefix tree of each batch: a "
+                             "group's prompt is forwarded once (same outputs and gradients up to float rounding)")
     max_new_tokens: int = opt(6, "response budget")
     eval_every: int = opt(25, "held-out greedy accuracy every N steps, and before and after RL (0: only before "
                               "and after)")
@@ -188,16 +191,19 @@ class Actor(nn.Module):
     [B, T]``, the log-probs of the response tokens (``causal_lm_logprobs``, aligned with ``RolloutBatch``).
 
     The HF model lives inside this module so that, under FSDP2 (``fully_shard`` on each decoder layer, then on this
-    module), the embeddings, final norm and LM head are unsharded for the duration of ``forward``."""
+    module), the embeddings, final norm and LM head are unsharded for the duration of ``forward``.
+    ``prefix_share``: ``causal_lm_logprobs(..., prefix_share=True)``, each shared prefix forwarded once."""
 
-    def __init__(self, lm: nn.Module, temperature: float = 1.0) -> None:
+    def __init__(self, lm: nn.Module, temperature: float = 1.0, prefix_share: bool = False) -> None:
         super().__init__()
         self.lm = lm
         self.temperature = float(temperature)
+        self.prefix_share = bool(prefix_share)
 
     def forward(self, input_ids: Int[Tensor, "B L"], prompt_lens: Int[Tensor, " B"],
                 response_mask: Bool[Tensor, "B T"]) -> Float[Tensor, "B T"]:
-        return causal_lm_logprobs(self.lm, input_ids, prompt_lens, response_mask, temperature=self.temperature)
+        return causal_lm_logprobs(self.lm, input_ids, prompt_lens, response_mask, temperature=self.temperature,
+                                  prefix_share=self.prefix_share)
 
 
 class Critic(nn.Module):
@@ -207,11 +213,13 @@ class Critic(nn.Module):
     head(h[b, P_b + t − 1])``, the value of the state in which response token ``t`` is chosen (the hidden state
     that predicts it, so values line up with ``logp`` and ``RolloutBatch``); 0 where ``response_mask`` is false.
     The head starts at zero (every value 0): the critic first learns the scale of the returns, the decoder starts
-    from a pretrained checkpoint (verl: the actor's; DeepSpeed-Chat: the reward model's)."""
+    from a pretrained checkpoint (verl: the actor's; DeepSpeed-Chat: the reward model's). ``prefix_share``: the
+    hidden states come from one forward over the prefix tree of the rows (``prefix_shared_hidden_states``)."""
 
-    def __init__(self, body: nn.Module, hidden_size: int) -> None:
+    def __init__(self, body: nn.Module, hidden_size: int, prefix_share: bool = False) -> None:
         super().__init__()
         self.body = body
+        self.prefix_share = bool(prefix_share)
         self.head = nn.Linear(hidden_size, 1)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
@@ -219,27 +227,31 @@ class Critic(nn.Module):
     def forward(self, input_ids: Int[Tensor, "B L"], prompt_lens: Int[Tensor, " B"],
                 response_mask: Bool[Tensor, "B T"]) -> Float[Tensor, "B T"]:
         b, seq_len = input_ids.shape
-        hidden = self.body(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, L, H]
-        pos = prompt_lens[:, None] + torch.arange(response_mask.shape[1], device=input_ids.device)[None, :] - 1
-        src = pos.clamp(0, seq_len - 1)  # past the row's end only where response_mask is false
-        h = hidden.gather(1, src[..., None].expand(b, src.shape[1], hidden.shape[-1]))
+        if self.prefix_share:
+            h = prefix_shared_hidden_states(self.body, input_ids, prompt_lens, response_mask)
+        else:
+            hidden = self.body(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, L, H]
+            pos = prompt_lens[:, None] + torch.arange(response_mask.shape[1], device=input_ids.device)[None, :] - 1
+            src = pos.clamp(0, seq_len - 1)  # past the row's end only where response_mask is false
+            h = hidden.gather(1, src[..., None].expand(b, src.shape[1], hidden.shape[-1]))
         v = self.head(h).squeeze(-1).float()
         return torch.where(response_mask, v, 0.0)
 
 
-def load_actor(path: str, device: torch.device, temperature: float) -> tuple[Any, nn.Module]:
+def load_actor(path: str, device: torch.device, temperature: float,
+               prefix_share: bool = False) -> tuple[Any, nn.Module]:
     """Tokenizer and actor (an :class:`Actor` around ``AutoModelForCausalLM``) from an HF checkpoint directory."""
     tok, lm = load_hf(path, device)
-    return tok, Actor(lm, temperature)
+    return tok, Actor(lm, temperature, prefix_share)
 
 
-def load_critic(path: str, device: torch.device) -> Critic:
+def load_critic(path: str, device: torch.device, prefix_share: bool = False) -> Critic:
     """A :class:`Critic` whose decoder is ``AutoModel.from_pretrained(path)`` (the body of a causal LM or of a
     sequence-classification checkpoint; its LM head, which a value model does not use, is not loaded)."""
     from transformers import AutoModel
 
     body = AutoModel.from_pretrained(path, dtype=torch.float32)
-    return Critic(body, body.config.hidden_size).to(device)
+    return Critic(body, body.config.hidden_size, prefix_share).to(device)
 
 
 def shard_role(module: Actor | Critic, world: int) -> nn.Module:
@@ -719,7 +731,7 @@ def main(argv: list[str] | None = None) -> None:
     seed_rank(cfg.seed, rank)  # after the cached stages (they seed and draw when built); the engine's seeds too
 
     # ---- roles: actor, critic, reference, reward; the engine in this process
-    tok, actor = load_actor(path, device, cfg.temperature)
+    tok, actor = load_actor(path, device, cfg.temperature, cfg.prefix_share)
     max_model_len = resolve_max_model_len(cfg.max_model_len, path)
     eval_spec = eval_reward_spec(cfg)
     task = (load_task(tok, cfg, needs_reference=needs_reference(cfg.reward, eval_spec)) if cfg.prompts
@@ -727,10 +739,10 @@ def main(argv: list[str] | None = None) -> None:
     check_fits(task, max_model_len)
     loop = asyncio.new_event_loop()  # the engine binds to the loop that first drives it: always this one
     engine = make_engine("torch", path, device, max_model_len=max_model_len)
-    critic = load_critic(cfg.critic_model or path, device)
+    critic = load_critic(cfg.critic_model or path, device, cfg.prefix_share)
     ref = None
     if cfg.kl_coef > 0:
-        ref = load_actor(path, device, cfg.temperature)[1].eval().requires_grad_(False)
+        ref = load_actor(path, device, cfg.temperature, cfg.prefix_share)[1].eval().requires_grad_(False)
     scorer = Scorer(cfg.reward, tok, device, reward_model=rm_path, timeout=cfg.reward_timeout)
     # the held-out metric (--eval-reward; rm: exact match on the toy task, math_reward on a --prompts file), also
     # logged on the training samples as train_accuracy

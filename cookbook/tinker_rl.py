@@ -192,6 +192,8 @@ class Config:
     lora_rank: int = opt(32, "LoRA rank of the trained adapter")
     loss_fn: str = opt("ppo", "Tinker loss of forward_backward", choices=("importance_sampling", "ppo", "cispo", "dro"))
     substeps: int = opt(2, "optimizer steps per sampled batch (cookbook num_substeps)")
+    off_policy: int = opt(-1, "cookbook async mode: sampling runs up to N steps ahead of training (AsyncConfig "
+                              "max_steps_off_policy, trained with --loss-fn); -1: synchronous")
     eval_every: int = opt(0, "cookbook evaluations of the held-out metric every N steps (0: off)")
     threads: int = opt(1, "torch threads of the server process")
     seed: int = opt(0, "dataset shuffling seed")
@@ -201,6 +203,7 @@ def check_flags(cfg: Config) -> None:
     """Refuse flag values the loop cannot run with (exit status 2, naming the flag)."""
     check_at_least(cfg, 1, "steps", "chunk", "groups_per_batch", "group_size", "lora_rank", "substeps", "threads")
     check_at_least(cfg, 0, "eval_every", "seed")
+    check_at_least(cfg, -1, "off_policy")
     if cfg.lr <= 0:
         raise ArgumentError(f"--lr: expected a float > 0, got {cfg.lr}")
     if cfg.time_limit < 0:
@@ -232,7 +235,10 @@ def main(argv: list[str] | None = None) -> dict:
             learning_rate=args.lr, model_name=MODEL_NAME, recipe_name="rlblocks_toy_addition", max_tokens=6,
             dataset_builder=AdditionDatasetBuilder(groups_per_batch=args.groups_per_batch,
                                                    group_size=args.group_size, seed=args.seed),
-            log_path=str(log_path), base_url=server.base_url, lora_rank=args.lora_rank, loss_fn=args.loss_fn,
+            log_path=str(log_path), base_url=server.base_url, lora_rank=args.lora_rank,
+            **({"async_config": train.AsyncConfig(max_steps_off_policy=args.off_policy,
+                                                  groups_per_batch=args.groups_per_batch, loss_fn=args.loss_fn)}
+               if args.off_policy >= 0 else {"loss_fn": args.loss_fn}),
             max_steps=args.steps, eval_every=args.eval_every, num_substeps=args.substeps, save_every=0,
             num_groups_to_log=0,
             rollout_json_export=False, evaluator_builders=[HeldoutAccuracy] if args.eval_every else [],
@@ -266,6 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
         "service_greedy_accuracy_after": after_service["heldout/accuracy"],
         "steps": done, "groups_per_batch": args.groups_per_batch, "group_size": args.group_size,
         "lr": args.lr, "lora_rank": args.lora_rank, "loss_fn": args.loss_fn, "substeps": args.substeps,
+        "off_policy": args.off_policy,
         "rl_seconds": train_s,
         "total_seconds": time.time() - t0, "load_average_1min_at_end": load,
         "rl_cpu_seconds_server": server_cpu, "rl_cpu_seconds_client": client_cpu,

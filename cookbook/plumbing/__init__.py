@@ -9,7 +9,8 @@ A loop imports it as ``from plumbing import ...``: a script's own folder (``cook
 - :mod:`.checkpoints`: ``--resume``: ``resume_run`` / ``save_run_checkpoint`` (the run checkpoint, every rank's
   RNG states, the journal of starts and received groups), ``restore_rng``, model and optimizer states (FSDP2 too).
 - :mod:`.distributed`: ``setup_dist`` (process group, device, CPU threads), ``seed_rank``, ``prompts_per_rank``,
-  ``rank0_first``, the weight-sync group, collectives (``all_reduce``, ``global_counts``, ``broadcast_flag``).
+  ``trainer_groups`` (DP × CP), ``rank0_first``, the weight-sync group, collectives (``all_reduce``,
+  ``global_counts``, ``broadcast_flag``, ``gather_cp``).
 - :mod:`.policy`: loading an HF checkpoint, ``PolicyLogprobs`` (the policy's per-token log-probs), FSDP2 sharding.
 - :mod:`.engines`: ``make_engine`` (``--engine``), ``--max-model-len``, response budgets.
 - :mod:`.batches`: ``group_record`` (what travels from rollout to trainer), ``batch_tensors`` (what a step reads).
@@ -49,9 +50,11 @@ from .data import (
     load_task,
 )
 from .distributed import (
+    TrainerGroups,
     all_reduce,
     broadcast_flag,
     close_dist,
+    gather_cp,
     global_counts,
     join_sync_group,
     pick_port,
@@ -59,6 +62,7 @@ from .distributed import (
     rank0_first,
     seed_rank,
     setup_dist,
+    trainer_groups,
 )
 from .engines import check_max_model_len, length_budget, make_engine, model_max_len, resolve_max_model_len, until_eos
 from .evaluation import eval_metrics, heldout, on_model
@@ -93,6 +97,7 @@ __all__ = [
     "Stop",
     "Task",
     "TaskFlags",
+    "TrainerGroups",
     "Weights",
     "all_reduce",
     "batch_tensors",
@@ -108,6 +113,7 @@ __all__ = [
     "eval_metrics",
     "eval_reward_spec",
     "every",
+    "gather_cp",
     "global_counts",
     "group_record",
     "heldout",
@@ -144,5 +150,6 @@ __all__ = [
     "send_control",
     "setup_dist",
     "shard",
+    "trainer_groups",
     "until_eos",
 ]

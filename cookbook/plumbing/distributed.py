@@ -1,12 +1,14 @@
-"""Processes: the default process group and device, seeding, the per-rank share of a batch, the weight-sync group
-between trainer rank 0 and the rollout ranks, and the collectives the trainer steps use."""
+"""Processes: the default process group and device, seeding, the per-rank share of a batch, the trainer ranks'
+data-parallel × context-parallel groups, the weight-sync group between trainer rank 0 and the rollout ranks, and
+the collectives the trainer steps use."""
 
 from __future__ import annotations
 
 import os
 import random
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -89,6 +91,58 @@ def prompts_per_rank(cfg: Any, world: int, rollout_ranks: int = 0) -> int:
         raise ArgumentError(f"--mini-batches: expected at most the samples per rank ({n_local * cfg.group_size}), "
                             f"got {cfg.mini_batches}")
     return n_local
+
+
+@dataclass(frozen=True)
+class TrainerGroups:
+    """This rank's place among the trainer ranks, grouped DP × CP (:func:`trainer_groups`).
+
+    ``cp``: the context-parallel group (``None`` for ``--cp 1``): its ranks train the SAME samples, each forwarding
+    a zigzag shard of every sequence, with ring attention between them. ``dp``: the data-parallel group (``None``:
+    the caller's trainer group): one rank per CP index; the samples are split over it, and the loss normalisers
+    (token and sequence counts) are summed over it. Gradients are reduced over all trainer ranks (FSDP2): each
+    rank's covers its own tokens, so their sum is the gradient of the whole batch."""
+
+    dp: Any
+    cp: Any
+    dp_rank: int
+    dp_size: int
+    cp_rank: int
+    cp_size: int
+
+
+def trainer_groups(train_ranks: Sequence[int], cp: int, rank: int, *, train_group: Any = None) -> TrainerGroups:
+    """The DP × CP groups of the trainer ranks ``train_ranks`` (global ranks, in order): trainer ``i`` is CP rank
+    ``i % cp`` of CP group ``i // cp`` (consecutive ranks, so a CP group sits on one node's fast links) and DP rank
+    ``i // cp``. ``train_group`` serves as the DP group when ``cp == 1``. Call it on EVERY rank of the world, in the
+    same order (``new_group`` is collective); a rank outside ``train_ranks`` gets ``dp = cp = None``."""
+    n = len(train_ranks)
+    if cp < 1 or n % cp:
+        raise ArgumentError(f"--cp: expected a divisor of the trainer rank count {n}, got {cp}")
+    if cp == 1:
+        i = list(train_ranks).index(rank) if rank in train_ranks else 0
+        return TrainerGroups(train_group, None, i, n, 0, 1)
+    mine = dict(dp=None, cp=None)
+    for d in range(n // cp):  # every rank creates every group, in the same order
+        ranks = list(train_ranks[d * cp : (d + 1) * cp])
+        g = dist.new_group(ranks)
+        mine["cp"] = g if rank in ranks else mine["cp"]
+    for c in range(cp):
+        ranks = list(train_ranks[c::cp])
+        g = dist.new_group(ranks)
+        mine["dp"] = g if rank in ranks else mine["dp"]
+    i = list(train_ranks).index(rank) if rank in train_ranks else 0
+    return TrainerGroups(mine["dp"], mine["cp"], i // cp, n // cp, i % cp, cp)
+
+
+def gather_cp(items: list[T], groups: TrainerGroups) -> list[T]:
+    """The items of every rank of this rank's CP group, concatenated in CP-rank order (the same list on each): the
+    ranks of a CP group generate separate parts of one data-parallel share and then train on all of it."""
+    if groups.cp is None:
+        return items
+    parts: list[Any] = [None] * groups.cp_size
+    dist.all_gather_object(parts, items, group=groups.cp)
+    return [x for part in parts for x in part]
 
 
 def rank0_first(rank: int, fn: Callable[[], T]) -> T:

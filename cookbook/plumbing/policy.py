@@ -41,13 +41,21 @@ class PolicyLogprobs(nn.Module):
     is the token at position ``t + 1`` (``input_ids[:, t + 1]``, as :func:`batch_tensors` writes it) or -100
     (ignored: logp 0, no gradient). In ``causal_lm_logprobs``' terms every row's "prompt" is its first token and the
     scored positions are the labelled ones. The LM head lives in this module, so under FSDP2 (``fully_shard`` on the
-    decoder layers, then on this module) it is unsharded during ``forward``.
+    decoder layers, then on this module) it is unsharded during ``forward``. ``prefix_share``: the decoder runs
+    once over the prefix tree of the rows (``causal_lm_logprobs(..., prefix_share=True)``), so a group's prompt
+    is forwarded once; the same log-probs and gradients up to float rounding. With ``cp_group`` (``--cp``) every
+    rank of the group passes the same rows and gets the same full ``logp``; each forwards a zigzag shard of the
+    positions (``causal_lm_logprobs(..., cp_group=)``), and its gradients cover its own tokens. The two do not
+    combine: with ``cp_group`` the rows are not prefix-shared.
     """
 
-    def __init__(self, lm: nn.Module, temperature: float = 1.0) -> None:
+    def __init__(self, lm: nn.Module, temperature: float = 1.0, prefix_share: bool = False, cp_group=None) -> None:
         super().__init__()
         self.lm = lm
         self.temperature = float(temperature)
+        # a CP group shards positions; prefix-shared rows cannot be sharded, so CP wins
+        self.prefix_share = bool(prefix_share) and cp_group is None
+        self.cp_group = cp_group
 
     def forward(
         self, input_ids: Int[Tensor, "B L"], attention_mask: Int[Tensor, "B L"], labels: Int[Tensor, "B Lm1"]
@@ -61,7 +69,8 @@ class PolicyLogprobs(nn.Module):
         # REAL MODEL: causal_lm_logprobs finds the decoder body through get_decoder() (Llama/Qwen/Mistral-style HF
         # models, PEFT-wrapped or not); a vision-language or encoder-decoder model needs its own hidden states.
         return causal_lm_logprobs(self.lm, input_ids, first, scored, attention_mask=attention_mask,
-                                  temperature=self.temperature)
+                                  temperature=self.temperature, prefix_share=self.prefix_share,
+                                  cp_group=self.cp_group)
 
 
 def decoder_layers(lm: nn.Module) -> nn.ModuleList:

@@ -12,7 +12,13 @@
 - ``linear_vocab_kl(student_hidden, student_weight, teacher_hidden, teacher_weight, ...)``: the same from hidden
   states without materialising either logits tensor.
 - ``causal_lm_logprobs(model, input_ids, prompt_lens, response_mask, ...)``: per-token log-probs of an HF causal LM
-  aligned with ``rlblocks.rollout.RolloutBatch``, through ``linear_token_logprobs``.
+  aligned with ``rlblocks.rollout.RolloutBatch``, through ``linear_token_logprobs``; with ``cp_group=`` context
+  parallel (each rank forwards a zigzag shard of the sequence, ``ring_attention`` across the group).
+- ``ring_attention(q, k, v, group)``, ``zigzag_positions``: causal ring attention over zigzag shards (forward and
+  backward); ``ring_attention_local``: every rank's part of it in one process (the one-device check of the
+  ring's math and kernels); ``cp_shard_mask``: the response tokens a rank scores (the loss side);
+  ``enable_context_parallel``: register the ring attention as the model's attention implementation (done on the
+  first ``cp_group`` call).
 
 Every op module imports triton (where installed) when it is imported, so all of them load on first use:
 ``import rlblocks.kernels`` imports neither triton nor any kernel module.
@@ -24,29 +30,41 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .context_parallel import cp_shard_mask, enable_context_parallel
     from .hf import causal_lm_logprobs
     from .kl import vocab_kl
     from .linear_kl import linear_vocab_kl
     from .linear_logprobs import linear_token_logprobs, linear_token_logprobs_loss
     from .logprobs import token_logprobs
+    from .ring import ring_attention, ring_attention_local, zigzag_positions
 
 # heavy (triton): name -> module, imported on first access
 _LAZY = {
     "causal_lm_logprobs": ".hf",
+    "cp_shard_mask": ".context_parallel",
+    "enable_context_parallel": ".context_parallel",
     "linear_token_logprobs": ".linear_logprobs",
     "linear_token_logprobs_loss": ".linear_logprobs",
     "linear_vocab_kl": ".linear_kl",
+    "ring_attention": ".ring",
+    "ring_attention_local": ".ring",
     "token_logprobs": ".logprobs",
     "vocab_kl": ".kl",
+    "zigzag_positions": ".ring",
 }
 
 __all__ = [
     "causal_lm_logprobs",
+    "cp_shard_mask",
+    "enable_context_parallel",
     "linear_token_logprobs",
     "linear_token_logprobs_loss",
     "linear_vocab_kl",
+    "ring_attention",
+    "ring_attention_local",
     "token_logprobs",
     "vocab_kl",
+    "zigzag_positions",
 ]
 
 

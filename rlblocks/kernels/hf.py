@@ -69,6 +69,27 @@ def _head_temperature(model: nn.Module, temperature: float) -> float:
     return temperature
 
 
+def _lm_head_weight(head: Any) -> Any:
+    """The weight the LM head applies: ``head.weight``, or for a PEFT LoRA layer its base weight plus
+    ``scale · B @ A`` (``get_delta_weight``, differentiable in A and B) of every active adapter not merged into it
+    (a PEFT layer's ``.weight`` is the base weight alone). LoRA dropout is not applied (the eval-mode head)."""
+    base = getattr(head, "base_layer", None)
+    if base is None or not callable(getattr(head, "get_delta_weight", None)):
+        return getattr(head, "weight", None)
+    weight = base.weight
+    if getattr(head, "disable_adapters", False):
+        return weight
+    merged = set(getattr(head, "merged_adapters", ()))
+    for name in getattr(head, "active_adapters", ()):
+        if name not in getattr(head, "lora_A", {}) or name in merged:
+            continue
+        if getattr(head, "use_dora", {}).get(name, False):
+            raise ArgumentError(f"model: the LM head's adapter {name!r} is DoRA, whose output is not hidden @ Wᵀ of "
+                                "one weight; merge it first (merge_and_unload) or adapt the decoder only")
+        weight = weight + head.get_delta_weight(name).to(weight.dtype)
+    return weight
+
+
 def causal_lm_logprobs(
     model: nn.Module,
     input_ids: Int[Tensor, "B L"],
@@ -84,6 +105,10 @@ def causal_lm_logprobs(
     backend: str | None = None,
     validate: bool = True,
     model_kwargs: Mapping[str, Any] | None = None,
+    prefix_share: bool = False,
+    prefix_max_tokens: int | None = None,
+    prefix_attention: str | None = None,
+    cp_group: Any = None,
     **unknown: Any,
 ) -> Float[Tensor, "B T"] | tuple[Tensor, ...]:
     """Trainer log-probs ``logp [B, T]`` (and entropy) of the response tokens of an HF causal LM.
@@ -100,7 +125,8 @@ def causal_lm_logprobs(
 
     Args:
         model: an HF causal LM (``LlamaForCausalLM``-like, or a PEFT model around one). Its LM head must be a
-            bias-free linear layer (``get_output_embeddings()``); tied embeddings are fine.
+            bias-free linear layer (``get_output_embeddings()``); tied embeddings are fine; a LoRA adapter on the
+            head counts (its active, unmerged adapters are added to the base weight).
         input_ids: ``[B, L]`` prompt then response of each row, right-padded (``RolloutBatch.input_ids``).
         prompt_lens: ``[B]`` prompt length of each row (>= 1: the first response token is predicted from the
             last prompt token).
@@ -120,6 +146,20 @@ def causal_lm_logprobs(
             does not know: a misspelt option (``topp=0.9``) passed through would be dropped without a word. So
             any other keyword of this function raises ``ArgumentError`` listing the valid ones, and
             ``model_kwargs`` may not set ``input_ids``, ``attention_mask`` or ``use_cache`` (set here).
+        prefix_share: run the decoder once over the prefix trie of the rows (``rlblocks.kernels.prefix_share``):
+            rows that share a prefix (a group's prompt, an episode's history) forward it once. The same outputs
+            and gradients, up to the order of floating-point sums, and never more tokens forwarded than without.
+            Needs an ``sdpa``, ``eager`` or ``flex_attention`` model; ``model_kwargs`` may then hold no tensor
+            (a tensor there follows the ``[B, L]`` rows, which the model no longer sees).
+        prefix_max_tokens: with ``prefix_share``, the most tokens in one packed row (``None``: the largest set of
+            rows sharing a prefix, none repeated).
+        prefix_attention: with ``prefix_share``, ``"segments"`` (CPU), ``"flex"`` (CUDA) or ``"dense"``;
+            ``None`` picks by device (``rlblocks.kernels.prefix_share``).
+        cp_group: a ``torch.distributed`` process group for context parallelism (gloo or NCCL). Every rank of the
+            group calls with the same full batch and gets the same full ``[B, T]`` outputs; each forwards only its
+            zigzag shard of the positions, with ring attention across the group (``rlblocks.kernels.
+            context_parallel``). Each rank's parameter gradients cover its own tokens: their sum over the group is
+            the unsharded gradient. Needs right padding (``attention_mask`` checked) and plain causal attention.
 
     Raises ``ArgumentError`` (a ``ValueError``) naming the argument for wrong shapes or dtypes, a prompt length
     < 1, a response position past ``L``, an LM head with a bias, soft-capped logits, or an unknown keyword.
@@ -156,11 +196,12 @@ def causal_lm_logprobs(
         raise ArgumentError(f"attention_mask: expected the shape of input_ids {shape_str(input_ids)}, "
                             f"got {shape_str(attention_mask)}")
     temperature = check_temperature(temperature)
-    check_flags(return_entropy=return_entropy, return_outside=return_outside, validate=validate)
+    check_flags(return_entropy=return_entropy, return_outside=return_outside, validate=validate,
+                prefix_share=prefix_share)
     if callable(getattr(model, "get_base_model", None)):  # PEFT: the wrapped transformers model, adapters active
         model = model.get_base_model()
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
-    weight = getattr(head, "weight", None)
+    weight = _lm_head_weight(head)
     if not isinstance(weight, Tensor) or weight.dim() != 2:
         raise ArgumentError(f"model: expected get_output_embeddings() to return a linear LM head, got {head!r:.80}")
     if getattr(head, "bias", None) is not None:
@@ -184,6 +225,24 @@ def causal_lm_logprobs(
                 f"input_ids' length L={seq_len} (prompt_lens[{row}]={int(starts[row])})"
             )
     body = _decoder_body(model)
+    if prefix_share and cp_group is not None:
+        # a prefix tree's packed rows have no zigzag sharding: the two layouts of the positions do not compose
+        raise ArgumentError("prefix_share=True with cp_group: expected one of them (prefix-shared rows are not "
+                            "sharded across a context-parallel group), got both")
+    if prefix_share:
+        from rlblocks.kernels.prefix_share import prefix_shared_logprobs
+
+        return prefix_shared_logprobs(
+            body, weight, input_ids, starts, keep, attention_mask=attention_mask, model_kwargs=model_kwargs,
+            max_tokens=prefix_max_tokens, attention=prefix_attention, temperature=temp_eff, top_k=top_k,
+            top_p=top_p, return_entropy=return_entropy, return_outside=return_outside, backend=backend)
+    if cp_group is not None:
+        from rlblocks.kernels.context_parallel import cp_causal_lm_logprobs
+
+        return cp_causal_lm_logprobs(model, body, weight, input_ids, starts, keep, group=cp_group,
+                                     attention_mask=attention_mask, temperature=temp_eff, top_k=top_k, top_p=top_p,
+                                     return_entropy=return_entropy, return_outside=return_outside, backend=backend,
+                                     validate=validate, model_kwargs=model_kwargs)  # fmt: skip
     out = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **dict(model_kwargs))
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     if hidden.dim() != 3 or hidden.shape[:2] != (b, seq_len):
@@ -203,5 +262,5 @@ def causal_lm_logprobs(
 
 
 _KEYWORDS = ("attention_mask", "temperature", "top_k", "top_p", "return_entropy", "return_outside", "backend",
-             "validate", "model_kwargs")
+             "validate", "model_kwargs", "prefix_share", "prefix_max_tokens", "prefix_attention", "cp_group")
 """The keyword arguments of ``causal_lm_logprobs`` (listed in its error for an unknown one)."""

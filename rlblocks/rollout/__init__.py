@@ -4,7 +4,8 @@ gateway, and MoE routing replay.
 - Engine protocol and types: :class:`RolloutEngine`, :class:`SamplingParams`, :class:`GenerationRequest`,
   :class:`Generation`; engines :class:`TorchEngine`, :class:`VLLMEngine`, :class:`SGLangEngine`; :class:`Router`;
   the client-side resume loop :func:`resumable_generate`.
-- Training tensors: :class:`RolloutBatch` / :func:`build_batch`.
+- Training tensors: :class:`RolloutBatch` / :func:`build_batch`; prefix trees for a prefix-shared forward,
+  :func:`build_prefix_tree` / :func:`response_prefix_tree` (:class:`PrefixTree`).
 - Multi-turn agents: :class:`Trajectory`, :func:`run_episode`, :class:`ToolEnv`, :class:`Tool`, the reference chat
   templates; :class:`Gateway`, an OpenAI-compatible server that captures trajectories.
 - MoE routing replay (R3): :class:`RoutingRecorder`, :func:`replay_routing` and the record helpers.
@@ -52,6 +53,7 @@ from .routing import (
     route_flip_fraction,
     routing_dtype,
 )
+from .tree import PrefixTree, build_prefix_tree, response_prefix_tree
 from .types import FinishReason, Generation, GenerationRequest, RolloutEngine, SamplingParams
 
 if TYPE_CHECKING:
@@ -76,6 +78,7 @@ __all__ = [
     "Gateway",
     "Generation",
     "GenerationRequest",
+    "PrefixTree",
     "ResumableResult",
     "RolloutBatch",
     "RolloutEngine",
@@ -91,6 +94,7 @@ __all__ = [
     "Trajectory",
     "VLLMEngine",
     "build_batch",
+    "build_prefix_tree",
     "calculator_tool",
     "concat_routing",
     "generate_turn",
@@ -102,6 +106,7 @@ __all__ = [
     "render_chat",
     "render_chat_text",
     "replay_routing",
+    "response_prefix_tree",
     "response_routing",
     "resumable_generate",
     "route_flip_fraction",

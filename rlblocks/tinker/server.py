@@ -64,9 +64,9 @@ REFUSED = {
     "/api/v1/save_weights_external": "external (merged HF) exports are not served; a saved checkpoint directory "
     "is a PEFT adapter (adapter_model.safetensors + adapter_config.json) under --state-dir",
     "/api/v1/sessions/search": "session search is not served; GET /api/v1/sessions lists the sessions",
-    "/api/v1/billing_usage": "local runs are not billed",
-    "/api/v1/audit_log": "no audit log is kept",
-    "/api/v1/checkpoint_storage_usage": "checkpoint storage is the local --state-dir",
+    "/api/v1/billing/usage/events": "local runs are not billed",
+    "/api/v1/billing/usage/checkpoints/current": "checkpoint storage is the local --state-dir, not billed",
+    "/api/v1/audit": "no audit log is kept",
 }
 """Routes of the hosted service answered with 404 and the reason."""
 

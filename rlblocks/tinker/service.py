@@ -317,6 +317,20 @@ class TinkerService:
         config = check_loss_config(fb.loss_fn, fb.loss_fn_config)
         if not fb.data:
             raise RequestError("data: expected at least one datum, got none")
+        if not self._check_columns(fb, host):
+            self._check_data(fb, host)
+
+        def run():
+            outputs, metrics = host.training.forward_backward(m.model_id, fb.data, fb.loss_fn, config,
+                                                              fb.forward_only)
+            return encode_forward_backward_output(outputs, metrics)
+
+        kind = "Forward" if fb.forward_only else "ForwardBackward"
+        return self._enqueue(host, kind, ("train", m.model_id, fb.seq_id), run)
+
+    @staticmethod
+    def _check_data(fb: WireForwardBackward, host: _Host) -> None:
+        """Every datum checked on its own (raises ``RequestError`` naming the first bad datum and field)."""
         vocab, max_len = host.training.vocab_size, host.training.max_len
         for i, d in enumerate(fb.data):
             n = len(d.tokens)
@@ -333,13 +347,28 @@ class TinkerService:
             if tgt.size and (tgt.min() < 0 or tgt.max() >= vocab):
                 raise RequestError(f"data[{i}].loss_fn_inputs['target_tokens']: token ids must be in [0, {vocab})")
 
-        def run():
-            outputs, metrics = host.training.forward_backward(m.model_id, fb.data, fb.loss_fn, config,
-                                                              fb.forward_only)
-            return encode_forward_backward_output(outputs, metrics)
-
-        kind = "Forward" if fb.forward_only else "ForwardBackward"
-        return self._enqueue(host, kind, ("train", m.model_id, fb.seq_id), run)
+    @staticmethod
+    def _check_columns(fb: WireForwardBackward, host: _Host) -> bool:
+        """The checks of :meth:`_check_data` once over the whole request (:class:`~rlblocks.tinker.wire.WireColumns`):
+        true when every datum passes them. False when something is off or the request has no columns; the caller
+        then runs the per-datum checks, which find and name the bad datum."""
+        cols = fb.columns
+        if cols is None:
+            return False
+        vocab, max_len = host.training.vocab_size, host.training.max_len
+        lengths = cols.lengths
+        if lengths.min() < 1 or lengths.max() > max_len or cols.tokens.min() < 0 or cols.tokens.max() >= vocab:
+            return False
+        # every field 1-D with one value per input token: the concatenation is then one datum of sum(lengths)
+        # tokens, and check_loss_inputs on it checks names, dtypes and (per position) the gspo mask rule
+        if any(not np.array_equal(r, lengths) for r in cols.rows.values()):
+            return False
+        try:
+            check_loss_inputs(fb.loss_fn, "data", int(lengths.sum()), cols.inputs)
+        except RequestError:
+            return False
+        tgt = cols.inputs["target_tokens"]
+        return not (tgt.size and (tgt.min() < 0 or tgt.max() >= vocab))
 
     def optim_step(self, body: Any) -> dict:
         if (seen := self._seen(("train", body.model_id, body.seq_id))) is not None:

@@ -37,7 +37,7 @@ from rlblocks.errors import ArgumentError, RequestError
 from rlblocks.kernels import linear_token_logprobs
 from rlblocks.sync import lora_state, merge_lora
 from rlblocks.tinker.losses import tinker_loss
-from rlblocks.tinker.wire import WireDatum
+from rlblocks.tinker.wire import OutputRun, WireDatum
 
 LORA_ALPHA = 32
 PEFT_PREFIX = "base_model.model."
@@ -203,11 +203,12 @@ class TrainingHost:
         return w
 
     def forward_backward(self, model_id: str, data: Sequence[WireDatum], loss_fn: str, config: dict[str, float],
-                         forward_only: bool) -> tuple[list[dict[str, Tensor]], dict[str, float]]:
-        """Per-datum ``{"logprobs": target_logprobs}`` and ``{"loss:sum": Σ loss}``; adds the gradient of the sum
-        to the adapter's accumulated gradients unless ``forward_only``."""
+                         forward_only: bool) -> tuple[list[OutputRun], dict[str, float]]:
+        """The datums' ``target_logprobs`` (float32, in datum order, one :class:`~rlblocks.tinker.wire.OutputRun`
+        per micro-batch, field ``"logprobs"``) and ``{"loss:sum": Σ loss}``; adds the gradient of the sum to the
+        adapter's accumulated gradients unless ``forward_only``."""
         ad = self._activate(model_id)
-        outputs: list[dict[str, Tensor]] = [{} for _ in data]
+        outputs: list[OutputRun] = []
         total = 0.0
         body = self._peft.get_base_model().get_decoder()
         for idx in self._micro_batches(data):
@@ -225,9 +226,9 @@ class TrainingHost:
                 if not forward_only:
                     loss.backward()
             total += float(loss.detach())
-            for row, i in enumerate(idx):
-                n = len(data[i].tokens)
-                outputs[i]["logprobs"] = logp[row, :n].detach().float().cpu()
+            # the real positions in row-major order are the datums' positions end to end (idx is consecutive)
+            lengths = mask.sum(1).cpu().numpy()
+            outputs.append(OutputRun(lengths, {"logprobs": logp.detach()[mask].float().cpu().numpy()}))
         if not forward_only:
             ad.pending = True
         return outputs, {"loss:sum": total}

@@ -26,11 +26,12 @@ def test_validate_mode_runs_every_step(tmp_path):
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     summary = (tmp_path / "out" / "summary.txt").read_text()
-    for step in ("3/7 goal case: ok", "4/7 tests: ok", "6/7 more cases: ok", "all steps ok"):
+    for step in ("3/8 goal case: ok", "4/8 tests: ok", "4b/8 context parallel: ok", "6/8 prefix share: ok",
+                 "7/8 more cases: ok", "all steps ok"):
         assert step in summary, summary
-    assert "5/7 vllm fp8: ok" in summary or "5/7 vllm fp8: skipped (no vllm" in summary, summary
+    assert "5/8 vllm fp8: ok" in summary or "5/8 vllm fp8: skipped (no vllm" in summary, summary
     assert "liger" in summary  # installed from .whl/, or a line saying why the liger rows are skipped
-    table = summary[summary.index("== 7/7 table") :].splitlines()
+    table = summary[summary.index("== 8/8 table") :].splitlines()
     header = next(ln for ln in table if ln.startswith("case"))
     for col in ("TF/s", "%peak", "exec TF/s", "mem/bf16 logits", "max err fp64"):
         assert col in header
@@ -41,4 +42,8 @@ def test_validate_mode_runs_every_step(tmp_path):
     for ln in measured:
         assert float(ln.split()[-1]) < 1e-4, ln
     files = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
-    assert len(files) <= 8, files  # the eight files the script's header lists
+    assert len(files) <= 11, files  # the eleven files the script's header lists
+    prefix = summary[summary.index("== 6/8 prefix share") :]
+    assert all(f"\n{way} " in prefix for way in ("padded", "packed", "shared")), prefix
+    cp = summary[summary.index("== 4b/8 context parallel") :]
+    assert " tokens " in cp and "x CP1" in cp  # the context-parallel table, CP = 1 and 2 side by side

@@ -167,3 +167,47 @@ def test_unknown_keyword_is_refused_and_model_kwargs_reach_the_model(models):
         flat = causal_lm_logprobs(model, ids, plens, mask, model_kwargs={"position_ids": torch.zeros_like(pos)})
     assert torch.equal(plain, same)
     assert (flat[mask] - plain[mask]).abs().max() > 1e-3
+
+
+def test_peft_lora_on_the_lm_head_counts_fp64(models):
+    """A LoRA adapter on the LM head (and a decoder layer): log-probs and the adapter's gradients equal the PEFT
+    model's own float64 logits, i.e. the head's delta B @ A is applied (a PEFT layer's .weight is the base alone)."""
+    peft = pytest.importorskip("peft")
+    model, _ = models
+
+    def lora(dtype):
+        torch.manual_seed(0)
+        cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["lm_head", "q_proj"])
+        m = peft.get_peft_model(copy.deepcopy(model).to(dtype), cfg).eval()
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.5)
+        return m
+
+    m32, m64 = lora(torch.float32), lora(torch.float64)
+    ids, plens, mask = _batch(ROWS)
+    c = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    lp = causal_lm_logprobs(m32, ids, plens, mask, temperature=TEMP)
+    (lp.double() * c).sum().backward()
+    want = _reference(m64, ROWS, TEMP)
+    ref = 0.0
+    for i, (w_lp, _) in enumerate(want):
+        n = len(ROWS[i][1])
+        torch.testing.assert_close(lp[i, :n].detach().double(), w_lp, atol=2e-5, rtol=0)
+        ref = ref + (w_lp * c[i, :n]).sum()
+    ref.backward()
+    grads64 = {n: p.grad for n, p in m64.named_parameters() if p.requires_grad}
+    checked = 0
+    for name, p in m32.named_parameters():
+        if "lora_" in name and "lm_head" in name:
+            want_g = grads64[name]
+            assert want_g.abs().max() > 0
+            assert (p.grad.double() - want_g).abs().max() <= 1e-4 * max(1.0, want_g.abs().max().item()), name
+            checked += 1
+    assert checked == 2
+    # with the adapters disabled, the base head again (a disabled adapter must not count)
+    with m32.disable_adapter(), torch.no_grad():
+        base = causal_lm_logprobs(m32, ids, plens, mask, temperature=TEMP)
+        plain = causal_lm_logprobs(model, ids, plens, mask, temperature=TEMP)
+    torch.testing.assert_close(base, plain, atol=1e-6, rtol=0)
