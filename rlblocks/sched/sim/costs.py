@@ -8,9 +8,8 @@ from collections.abc import Sequence
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
+from rlblocks._checks import check_bool, check_int, check_real
 from rlblocks.errors import ArgumentError
-
-from .._checks import check_bool, check_int
 
 __all__ = [
     "DecodeCost",
@@ -23,18 +22,6 @@ __all__ = [
     "gpu_like",
 ]
 
-
-def _nonneg(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
-        raise ArgumentError(f"{name}: expected a finite number >= 0, got {value!r}")
-    return float(value)
-
-
-def _positive(name: str, value: object) -> float:
-    v = _nonneg(name, value)
-    if v <= 0:
-        raise ArgumentError(f"{name}: expected a number > 0, got {value!r}")
-    return v
 
 
 @dataclass(frozen=True)
@@ -60,7 +47,7 @@ class DecodeCost:
     def __post_init__(self) -> None:
         for f in ("overhead_s", "host_per_seq_s", "weights_s", "kv_per_token_s", "compute_per_seq_s",
                   "compute_per_token_s"):
-            _nonneg(f, getattr(self, f))
+            check_real(f, getattr(self, f), finite=True, ge=0)
 
     def step_s(self, b: int, ctx: float) -> float:
         memory = self.weights_s + self.kv_per_token_s * ctx
@@ -127,7 +114,7 @@ class PrefillCost:
 
     def __post_init__(self) -> None:
         for f in ("overhead_s", "per_token_s", "per_token_sq_s", "per_length_s"):
-            _nonneg(f, getattr(self, f))
+            check_real(f, getattr(self, f), finite=True, ge=0)
 
     def seconds(self, contexts: Sequence[int]) -> float:
         return (self.overhead_s + self.per_length_s * len(set(contexts)) + self.per_token_s * sum(contexts)
@@ -153,7 +140,7 @@ class TrainCost:
 
     def __post_init__(self) -> None:
         for f in ("overhead_s", "per_token_s", "per_token_sq_s", "per_seq_s"):
-            _nonneg(f, getattr(self, f))
+            check_real(f, getattr(self, f), finite=True, ge=0)
         check_bool("padded", self.padded)
 
     def seconds(self, lengths: Sequence[int], devices: int) -> float:
@@ -171,8 +158,8 @@ class SyncCost:
     per_byte_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _nonneg("latency_s", self.latency_s)
-        _nonneg("per_byte_s", self.per_byte_s)
+        check_real("latency_s", self.latency_s, finite=True, ge=0)
+        check_real("per_byte_s", self.per_byte_s, finite=True, ge=0)
 
     def seconds(self, weight_bytes: float) -> float:
         return self.latency_s + weight_bytes * self.per_byte_s
@@ -209,8 +196,8 @@ class Hardware:
                            ("sync_colocated", SyncCost)):
             if not isinstance(getattr(self, name), kind):
                 raise ArgumentError(f"{name}: expected a {kind.__name__}, got {type(getattr(self, name)).__name__}")
-        _nonneg("weight_bytes", self.weight_bytes)
-        _nonneg("host_contention", self.host_contention)
+        check_real("weight_bytes", self.weight_bytes, finite=True, ge=0)
+        check_real("host_contention", self.host_contention, finite=True, ge=0)
         check_int("kv_capacity_tokens", self.kv_capacity_tokens, minimum=1)
         check_int("max_batch", self.max_batch, minimum=1)
         check_int("devices_per_engine", self.devices_per_engine, minimum=1)
@@ -257,7 +244,7 @@ class ModelSpec:
     bytes_per_param: int = 2
 
     def __post_init__(self) -> None:
-        _positive("params", self.params)
+        check_real("params", self.params, finite=True, gt=0)
         for name in ("layers", "heads", "kv_heads", "head_dim", "bytes_per_param"):
             check_int(name, getattr(self, name), minimum=1)
 
@@ -334,14 +321,14 @@ def gpu_like(
     tp = check_int("devices_per_engine", devices_per_engine, minimum=1)
     for name, v in (("peak_flops", peak_flops), ("hbm_bytes_per_s", hbm_bytes_per_s), ("memory_bytes", memory_bytes),
                     ("network_bytes_per_s", network_bytes_per_s)):
-        _positive(name, v)
+        check_real(name, v, finite=True, gt=0)
     for name, v in (("bandwidth_efficiency", bandwidth_efficiency), ("decode_flops_efficiency",
                     decode_flops_efficiency), ("prefill_flops_efficiency", prefill_flops_efficiency),
                     ("train_mfu", train_mfu), ("gpu_memory_utilization", gpu_memory_utilization)):
-        if _positive(name, v) > 1:
+        if check_real(name, v, finite=True, gt=0) > 1:
             raise ArgumentError(f"{name}: expected a fraction in (0, 1], got {v!r}")
-    _nonneg("step_overhead_s", step_overhead_s)
-    _nonneg("sync_latency_s", sync_latency_s)
+    check_real("step_overhead_s", step_overhead_s, finite=True, ge=0)
+    check_real("sync_latency_s", sync_latency_s, finite=True, ge=0)
     flops_d, flops_p, flops_t = peak_flops * decode_flops_efficiency, peak_flops * prefill_flops_efficiency, \
         peak_flops * train_mfu
     bw = hbm_bytes_per_s * bandwidth_efficiency * tp

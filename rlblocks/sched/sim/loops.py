@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rlblocks._checks import check_int
 from rlblocks.errors import ArgumentError, SimulationStalled
 
-from .._checks import check_int
 from ..admission import StalenessController
 from ..dynamic_sampling import DynamicSampler
 from ..partial import PartialRollout, PartialRolloutBuffer

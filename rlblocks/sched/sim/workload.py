@@ -9,10 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from rlblocks._checks import check_bool, check_int, check_optional_int, check_real
 from rlblocks.errors import ArgumentError
-
-from .._checks import check_bool, check_int, check_optional_int
-from .costs import _nonneg, _positive
 
 __all__ = ["Lengths", "Schedule", "Workload"]
 
@@ -51,8 +49,8 @@ class Lengths:
     def lognormal(cls, median: float, p99: float, *, maximum: int, minimum: int = 1) -> Lengths:
         """Lognormal with the given median and 99th percentile (``sigma = ln(p99 / median) / z_0.99``), clamped to
         ``[minimum, maximum]``. E.g. median 2048, p99 32768: ``sigma = 1.19``, mean ≈ 4.1k before the clamp."""
-        median = _positive("median", median)
-        p99 = _positive("p99", p99)
+        median = check_real("median", median, finite=True, gt=0)
+        p99 = check_real("p99", p99, finite=True, gt=0)
         if p99 < median:
             raise ArgumentError(f"p99: expected >= median ({median}), got {p99}")
         minimum = check_int("minimum", minimum, minimum=1)
@@ -130,7 +128,7 @@ class Workload:
         check_int("seed", self.seed)
         check_int("batch_groups", self.batch_groups, minimum=1)
         check_int("group_size", self.group_size, minimum=1)
-        p = _nonneg("zero_variance_p", self.zero_variance_p)
+        p = check_real("zero_variance_p", self.zero_variance_p, finite=True, ge=0)
         if p > 1:
             raise ArgumentError(f"zero_variance_p: expected a probability in [0, 1], got {p}")
 
@@ -167,7 +165,7 @@ class Schedule:
         check_int("max_staleness", self.max_staleness, minimum=0)
         check_bool("partial_rollout", self.partial_rollout)
         check_bool("dynamic_sampling", self.dynamic_sampling)  # "no" is truthy: it would have filtered groups
-        over = _positive("over_sampling", self.over_sampling)
+        over = check_real("over_sampling", self.over_sampling, finite=True, gt=0)
         if over < 1:
             raise ArgumentError(f"over_sampling: expected a factor >= 1, got {self.over_sampling!r}")
         check_optional_int("max_rounds", self.max_rounds, minimum=1)
