@@ -31,7 +31,6 @@ against the built-ins keeps working:
 | ``RewardTimeout`` | ``TimeoutError`` | a reward call in a worker process ran past its timeout (the worker is killed) |
 | ``WorkerCrashed`` | ``RuntimeError`` | a reward worker process died during a call, or could not start |
 | ``WorkerError`` | ``RuntimeError`` | the function called in a reward worker process raised |
-| ``SandboxUnavailable`` | ``RuntimeError`` | the sandbox cannot put its isolation layers in force (names them) |
 
 The same failure raises the same class from every engine and transport: a refused weight update is a
 ``WeightUpdateError`` whether TorchEngine, VLLMEngine, SGLangEngine or a sync receiver refused it. Exceptions are
