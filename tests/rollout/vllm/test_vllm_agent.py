@@ -71,9 +71,12 @@ def test_episode_on_vllm_is_token_faithful(vllm_engine, vllm_model_dir, run):
                 and set(s.roles[len(p): len(p) + len(out)]) == {"model"}]
         assert seen and seen[0].logprobs[len(p): len(p) + len(out)] == list(gen.output_logprobs)
     # The random model's vocabulary (64) is larger than the tokenizer's: an id without a token decodes to nothing,
-    # so re-rendering that turn cannot give it back; each such turn (but the last) is caught and branched.
+    # so re-tokenising that turn could not give it back. The environment's messages are appended as a text delta
+    # after the engine's ids instead, so such a turn stays in the one row, its ids as sampled: nothing branches.
     undecodable = sum(any(i >= len(tok) for i in g.output_ids) for g in rec.generations[:-1])
-    assert t.prefix_mismatches == undecodable and len(t.branches) == undecodable
+    assert undecodable >= 1  # the seed gives such turns: the case is exercised
+    assert t.prefix_mismatches == 0 and not t.branches
+    assert len(segments) == 1
     assert {v for s in segments for v, r in zip(s.versions, s.roles) if r == "model"} == {vllm_engine.version}
     assert sorted({k for s in segments for k, r in zip(s.turn_ids, s.roles) if r == "model"}) == [0, 1, 2]
     # the last turn's context is what the template renders (environment tokens, or a new branch's prompt)
