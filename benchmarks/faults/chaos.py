@@ -11,8 +11,9 @@ Printed (and written to ``<runs-dir>/<name>/chaos.json``):
 
 - **restarts survived**: kills, and restarts the run reports (``summary.json``);
 - **samples lost**: ``samples_lost_in_crash`` (groups the trainer had received after its last checkpoint), next to
-  generated / trained / dropped stale / left in the queue; the conservation ``generated = trained + dropped stale
-  + lost + left`` and "no group trained twice" are checked, as is the staleness bound η on every trained token;
+  generated / trained / dropped stale / failed reward / left in the queue; the conservation ``generated = trained +
+  dropped stale + failed reward + lost + left`` and "no group trained twice" are checked, as is the staleness
+  bound η on every trained token;
 - **steps redone**: steps trained after the last checkpoint by a run that was then killed;
 - **time to recover**, per kill: to the restarted run's start (its journal line) and to its first trained step
   (its first new row of ``metrics.jsonl``), from the kill.
@@ -140,7 +141,8 @@ def main() -> None:
     checks = {
         "steps": [r["step"] for r in rows] == list(range(1, args.steps + 1)),
         "conservation": s["samples_generated"] == (s["samples_trained"] + s["samples_dropped_stale"]
-                                                   + s["samples_lost_in_crash"] + s["samples_left_in_queue"]),
+                                                   + s["samples_failed_reward"] + s["samples_lost_in_crash"]
+                                                   + s["samples_left_in_queue"]),
         "no_group_trained_twice": len(trained) == len(set(trained)),
         "staleness_bound": s["max_staleness_seen"] <= args.max_staleness
         and all(max(int(a) for a in r["staleness_hist"]) <= args.max_staleness for r in rows),
@@ -149,7 +151,7 @@ def main() -> None:
     out = {
         "kills": len(kills), "restarts": s["restarts"], "steps": s["steps"], "wall_seconds": time.time() - t0,
         **{k: s[k] for k in ("samples_generated", "samples_trained", "samples_dropped_stale",
-                             "samples_lost_in_crash", "samples_left_in_queue", "steps_redone",
+                             "samples_failed_reward", "samples_lost_in_crash", "samples_left_in_queue", "steps_redone",
                              "max_staleness_seen")},
         "lost_fraction": s["samples_lost_in_crash"] / max(s["samples_generated"], 1),
         "restart_seconds_median": statistics.median([k["restart_seconds"] for k in kills]) if kills else None,
@@ -161,7 +163,8 @@ def main() -> None:
     (run / "chaos.json").write_text(json.dumps(out, indent=2) + "\n")
     print(f"restarts survived: {s['restarts']} of {len(kills)} kills; steps {s['steps']}/{args.steps}")
     print(f"samples: generated {s['samples_generated']} = trained {s['samples_trained']} + dropped stale "
-          f"{s['samples_dropped_stale']} + lost in crashes {s['samples_lost_in_crash']} "
+          f"{s['samples_dropped_stale']} + failed reward {s['samples_failed_reward']} + lost in crashes "
+          f"{s['samples_lost_in_crash']} "
           f"({100 * out['lost_fraction']:.1f} %) + left in queue {s['samples_left_in_queue']}; "
           f"steps redone {s['steps_redone']}")
     if kills:
