@@ -15,9 +15,12 @@ filtered by a ``DynamicSampler`` (zero-variance groups are rejected, freeing the
 through an ``Outbox`` (``send_object_list`` on a gloo group: lossless pickles). A receiver thread waits for the typed
 control messages ``Weights``, ``Stale``, ``Stop`` (``cookbook/plumbing/messages.py``) on a separate sync group; an
 update runs
-*pause → update_weights(version) → resume* on the engine. With ``--partial-rollout`` the interrupted generations are
-resumed by ``resumable_generate`` under the new weights (tokens keep the version that produced them); without it
-they restart from the prompt (their tokens are counted as discarded), so each sample comes from a single version.
+``update_weights(version)`` on the engine, which freezes the requests in flight between two steps, loads, and resumes
+them re-prefilled under the new weights (``--partial-rollout``: tokens keep the version that produced them); without
+partial rollout it runs *pause(abort) → update_weights → resume* and the aborted generations restart from the prompt
+(their tokens are counted as discarded), so each sample comes from a single version. Where each rank's time goes
+(decode, prefill, re-prefill after interrupts, weight load, idle; queue wait, train, sync) is in ``metrics.jsonl``
+(``plumbing/timing.py``).
 
 Trainer rank 0: an ``Inbox`` (a thread per rollout rank) receives groups into a ``StalenessQueue`` keyed by the
 group's OLDEST token version. Each step (:func:`trainer_main`) takes ``B`` groups with ``current_version − version ≤ η``
@@ -75,11 +78,13 @@ from plumbing import (
     Progress,
     Recovery,
     Reward,
+    RolloutClock,
     RolloutEnd,
     RunFiles,
     Stale,
     Stop,
     TaskFlags,
+    TimedEngine,
     Weights,
     all_reduce,
     batch_tensors,
@@ -118,6 +123,7 @@ from plumbing import (
     recv_control,
     resolve_max_model_len,
     resume_run,
+    rollout_columns,
     save_run_checkpoint,
     seed_rank,
     send_control,
@@ -258,15 +264,17 @@ class Rollout:
         self.version_event = asyncio.Event()
         self.stopping = False
         self.error: BaseException | None = None  # what ended the control thread, raised by run()
+        self.clock = RolloutClock(engine)  # where this rank's time goes, reported at every weight commit
+        self.timed = TimedEngine(engine, self.clock)
 
     # ---------------------------------------------------------------- generation
     async def _one(self, req: GenerationRequest):
         if self.cfg.partial_rollout:
-            res = await resumable_generate(self.engine, req)
+            res = await resumable_generate(self.timed, req)
             self.counters["resubmissions"] += res.num_submissions - 1
             return res
         while True:  # no partial rollout: an interrupted sample restarts from its prompt under the new weights
-            gen = await self.engine.generate(req)
+            gen = await self.timed.generate(req)
             if gen.finish_reason != "abort":
                 return gen
             self.counters["tokens_discarded"] += len(gen.output_ids)
@@ -425,11 +433,21 @@ class Rollout:
             self.counters["fp8_weights_loaded"] += sum(1 for _, x in tensors if x.dtype == torch.float8_e4m3fn)
 
     async def _update(self, tensors, version: int, msg: Weights) -> None:
-        """Quiesce, swap, commit, resume: in-flight requests come back aborted (partial output kept by
-        resumable_generate), the weights are loaded, the version becomes visible, generation resumes."""
-        await self.engine.pause(mode="abort")
+        """Quiesce, swap, commit, resume. With ``--partial-rollout`` the requests stay in the engine:
+        ``update_weights`` freezes them between two steps, loads, drops their KV (computed under the old weights),
+        commits the version and resumes them, re-prefilling prompt + tokens so far under the new weights (each
+        earlier token keeps its version). Aborting them first instead (a round trip through ``resumable_generate``
+        for every request, each aborted request's KV copied into a prefix cache the update then clears) costs
+        time linear in the requests in flight, for nothing. Without partial rollout they come back aborted and
+        restart from the prompt."""
+        self.clock.load_started()
+        if not self.cfg.partial_rollout:
+            await self.engine.pause(mode="abort")
         await self.engine.update_weights(tensors, version=version)
-        await self.engine.resume()
+        if not self.cfg.partial_rollout:
+            await self.engine.resume()
+        self.clock.load_ended(self.timed.in_flight_tokens() if self.cfg.partial_rollout else 0)
+        self.outbox.put(self.clock.report(self.rank, version))
         self._weights_committed(msg, version)
 
     def _weights_committed(self, msg: Weights, version: int) -> None:
@@ -754,7 +772,9 @@ def evaluate(t: Trainer, tensors):
 def log_step(t: Trainer, tensors, stats: dict, m: dict[str, float], batch: list[dict], timings: dict[str, float],
              done: bool) -> None:
     """Rank 0: held-out accuracy (every ``--eval-every`` steps and at the end), one line of metrics.jsonl, the bar."""
+    t_eval = time.perf_counter()
     result = evaluate(t, tensors) if (every(t.step, t.cfg.eval_every) or done) else None
+    timings["eval"] = time.perf_counter() - t_eval
     # the failed reward calls received since the last step (their groups were failed whole, never in a batch)
     calls, t.failed_calls_logged = t.inbox.failed_calls - t.failed_calls_logged, t.inbox.failed_calls
     t.last_acc = result.mean_at_k if result is not None else t.last_acc
@@ -773,6 +793,7 @@ def log_step(t: Trainer, tensors, stats: dict, m: dict[str, float], batch: list[
         "generate_seconds": None,  # the rollout ranks generate, concurrently with this step
         "train_seconds": timings["train"], "sync_seconds": timings["sync"], "queue_wait_seconds": timings["wait"],
         "sync_bytes": t.push_bytes,
+        "eval_seconds": timings["eval"], **rollout_columns(t.inbox.take_reports(), t.cfg.rollout_ranks),
         "queue_len": len(t.queue), "samples_generated": t.inbox.generated,
         "samples_trained": t.counters["samples_trained"], "samples_failed_reward": t.inbox.failed,
         "wall_seconds": t.wall_seconds(),

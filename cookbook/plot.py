@@ -1,7 +1,10 @@
 """Plot a run's curves: ``python cookbook/plot.py runs/<name>`` writes ``runs/<name>/curves.png`` and prints its path.
 
 Panels: mean reward and held-out accuracy per step; trained tokens/s; staleness (max and mean token age); seconds per
-step split into queue wait, train and weight sync. Reads ``metrics.jsonl`` (and ``summary.json`` for the title).
+step split into queue wait, train and weight sync; and, for a disaggregated loop that logs them, where the rollout
+ranks' time goes per weight version (decode, prefill, re-prefill after interrupts, the engine's other work, weight
+load, idle: stacked) and the decode batch size with the tokens re-prefilled per update. Reads ``metrics.jsonl``
+(and ``summary.json`` for the title).
 
 Per-step series are drawn twice: the raw values faint, and over them the smoothed curve of :func:`smooth` (the
 exponential moving average TensorBoard draws, debiased so that it starts at the first value), whose weight grows
@@ -69,7 +72,8 @@ def plot(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     rows, summary = load(run_dir)
     step = [r["step"] for r in rows]
-    fig, ax = plt.subplots(2, 2, figsize=(11, 7))
+    rollout = [r for r in rows if r.get("rollout_seconds") is not None]
+    fig, ax = plt.subplots(3 if rollout else 2, 2, figsize=(11, 10.5 if rollout else 7))
     colors = [f"C{i}" for i in range(10)]
     a = ax[0, 0]
     _curve(a, step, [r["reward"] for r in rows], "train reward (mean)", colors[0])
@@ -103,6 +107,8 @@ def plot(run_dir: str | Path) -> Path:
     a.set_xlabel("step")
     a.set_ylabel("seconds")
     a.legend()
+    if rollout:
+        _rollout_panels(ax[2, 0], ax[2, 1], rollout)
     title = run_dir.name
     if summary:
         title += (f": held-out {summary.get('accuracy_before', 0):.2f} → {summary.get('accuracy_after', 0):.2f} in "
@@ -113,6 +119,29 @@ def plot(run_dir: str | Path) -> Path:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+ROLLOUT_PARTS = ("decode", "prefill", "reprefill", "engine_other", "weight_load", "idle")
+
+
+def _rollout_panels(a, b, rows: list[dict]) -> None:
+    """The rollout ranks' seconds per part (stacked, per line: each line's intervals, mean over the ranks), and the
+    mean and max decode batch with the tokens re-prefilled after interrupts (right axis)."""
+    step = [r["step"] for r in rows]
+    a.stackplot(step, *[[r[f"rollout_{p}_seconds"] for r in rows] for p in ROLLOUT_PARTS],
+                labels=[p.replace("_", " ") for p in ROLLOUT_PARTS], alpha=0.8)
+    a.plot(step, [r["step_seconds"] for r in rows], color="k", linewidth=0.8, label="trainer step")
+    a.set_xlabel("step")
+    a.set_ylabel("rollout seconds")
+    a.legend(fontsize=7, ncol=2)
+    b.plot(step, [r["decode_batch_mean"] for r in rows], color="C0", label="decode batch (mean)")
+    b.plot(step, [r["decode_batch_max"] for r in rows], color="C0", alpha=0.4, label="decode batch (max)")
+    b.set_xlabel("step")
+    b.set_ylabel("sequences per decode step")
+    b.legend(loc="upper left", fontsize=7)
+    c = b.twinx()
+    c.plot(step, [r["reprefill_tokens"] for r in rows], color="C3", label="tokens re-prefilled")
+    c.set_ylabel("tokens re-prefilled", color="C3")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""The exceptions rlblocks raises on purpose, under one base class.
+"""The exceptions rlblocks raises on purpose, under one base class: every exception class of the library is here.
 
 Every error a block raises deliberately derives from :class:`RLBlocksError`, so ``except RLBlocksError`` catches
 all of them. Each one also derives from the built-in exception a caller would naturally catch, so code written
@@ -9,23 +9,32 @@ against the built-ins keeps working:
 | ``ArgumentError`` | ``ValueError`` | an argument is refused (the message names it, what was expected, what came) |
 | ``WeightUpdateError`` | ``ValueError`` | a weight update is refused before anything changed |
 | ``EngineError`` | ``RuntimeError`` | a rollout engine failed or answered unexpectedly |
+| ``SGLangError`` | ``EngineError`` | an SGLang server answered an HTTP error or an unexpected body, or not at all |
 | ``SyncError`` | ``RuntimeError`` | a collective of a sync group failed (dead or silent peer, timeout) |
 | ``SyncMismatchError`` | ``SyncError``, ``WeightUpdateError`` | sender and receivers disagree on what to move |
 | ``DeltaError`` | ``WeightUpdateError`` | a delta packet was refused |
 | ``QueueFull`` | ``queue.Full`` | a bounded queue is at capacity |
 | ``QueueClosed`` | ``RuntimeError`` | ``put`` on a closed queue |
 | ``InsufficientGroupsError`` | ``RuntimeError`` | dynamic sampling could not fill its target |
+| ``SimulationStalled`` | ``RuntimeError`` | a simulated loop ran out of events before its last step |
 | ``SandboxUnavailable`` | ``RuntimeError`` | the sandbox cannot put its isolation layers in force (names them) |
+| ``PrefixMismatchError`` | ``ArgumentError`` | a rendering does not extend a trajectory's tokens exactly |
 | ``GatewayError`` | ``RuntimeError`` | the gateway answers with an OpenAI-style error (status, code, param) |
+| ``ClientDisconnected`` | ``ConnectionError`` | a gateway client hung up before its answer (its turn is rolled back) |
 | ``QueueRefused`` | ``GatewayError`` | the queue refused a finished trajectory; it is kept, never dropped |
 | ``SessionNotFound`` | ``ArgumentError`` | no open gateway session has that id |
 | ``ToolUnavailable`` | ``RuntimeError`` | a tool refused a call: too many earlier calls timed out and still run |
 | ``RequestError`` | ``ArgumentError`` | a service request was refused (the Tinker server answers ``status``, a 4xx) |
 | ``CheckpointError`` | ``ValueError`` | a checkpoint is missing, foreign, torn, damaged or lacks a key (none loaded) |
+| ``EngineDied`` | ``EngineError`` | a ``Router`` took an engine out while it served a request (the request moves on) |
 | ``NoLiveEngine`` | ``EngineError`` | a ``Router`` has no live engine left to serve a request |
+| ``RewardTimeout`` | ``TimeoutError`` | a reward call in a worker process ran past its timeout (the worker is killed) |
+| ``WorkerCrashed`` | ``RuntimeError`` | a reward worker process died during a call, or could not start |
+| ``WorkerError`` | ``RuntimeError`` | the function called in a reward worker process raised |
 
 The same failure raises the same class from every engine and transport: a refused weight update is a
-``WeightUpdateError`` whether TorchEngine, VLLMEngine, SGLangEngine or a sync receiver refused it.
+``WeightUpdateError`` whether TorchEngine, VLLMEngine, SGLangEngine or a sync receiver refused it. Exceptions are
+imported from this module only.
 """
 
 from __future__ import annotations
@@ -36,22 +45,30 @@ from typing import Any
 __all__ = [
     "ArgumentError",
     "CheckpointError",
+    "ClientDisconnected",
     "DeltaError",
+    "EngineDied",
     "EngineError",
     "GatewayError",
     "InsufficientGroupsError",
     "NoLiveEngine",
+    "PrefixMismatchError",
     "QueueClosed",
     "QueueFull",
     "QueueRefused",
     "RLBlocksError",
     "RequestError",
+    "RewardTimeout",
+    "SGLangError",
     "SandboxUnavailable",
     "SessionNotFound",
+    "SimulationStalled",
     "SyncError",
     "SyncMismatchError",
     "ToolUnavailable",
     "WeightUpdateError",
+    "WorkerCrashed",
+    "WorkerError",
 ]
 
 
@@ -69,6 +86,16 @@ class WeightUpdateError(RLBlocksError, ValueError):
 
 class EngineError(RLBlocksError, RuntimeError):
     """A rollout engine failed, was closed, or answered with something unexpected."""
+
+
+class SGLangError(EngineError):
+    """An SGLang server answered with an HTTP error or an unexpected body, or could not be reached. ``status`` is
+    the HTTP status (``None`` when there was no answer) and ``body`` the decoded answer."""
+
+    def __init__(self, message: str, *, status: int | None = None, body: Any = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
 
 
 class SyncError(RLBlocksError, RuntimeError):
@@ -96,10 +123,33 @@ class InsufficientGroupsError(RLBlocksError, RuntimeError):
     """Dynamic sampling finished with fewer accepted groups than its target and was told not to proceed."""
 
 
+class SimulationStalled(RLBlocksError, RuntimeError):
+    """The simulated loop ran out of events before ``schedule.steps`` steps (a configuration that cannot finish);
+    raised instead of returning partial figures."""
+
+
 class SandboxUnavailable(RLBlocksError, RuntimeError):
     """The sandbox refused to run untrusted code: a required isolation layer (bubblewrap, a namespace, seccomp, a
     per-sandbox process limit) cannot be put in force on this machine. The message names the missing layers and
     how to opt into the weaker isolation explicitly."""
+
+
+class PrefixMismatchError(ArgumentError):
+    """A rendering (or a re-sent prompt) does not extend the trajectory's tokens exactly.
+
+    Attributes: ``position`` (first differing index), ``expected`` (the trajectory's id there, or ``None`` when
+    the rendering is longer only because the trajectory ended), ``got`` (the rendering's id there, or ``None``
+    when the rendering is shorter), ``role`` and ``turn`` of the trajectory token at ``position``.
+    """
+
+    def __init__(self, message: str, *, position: int, expected: int | None, got: int | None,
+                 role: str | None, turn: int | None) -> None:
+        super().__init__(message)
+        self.position = position
+        self.expected = expected
+        self.got = got
+        self.role = role
+        self.turn = turn
 
 
 class GatewayError(RLBlocksError, RuntimeError):
@@ -113,6 +163,11 @@ class GatewayError(RLBlocksError, RuntimeError):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ClientDisconnected(RLBlocksError, ConnectionError):
+    """The client of a gateway request closed its connection before its response: nothing can be answered (a turn
+    generated for it is rolled back as undelivered)."""
 
 
 class QueueRefused(GatewayError):
@@ -142,9 +197,32 @@ class RequestError(ArgumentError):
         self.status = int(status)
 
 
+class RewardTimeout(RLBlocksError, TimeoutError):
+    """A reward call did not finish within its timeout (its worker process was killed)."""
+
+
+class WorkerCrashed(RLBlocksError, RuntimeError):
+    """The worker process died during a call, or could not be started."""
+
+
+class WorkerError(RLBlocksError, RuntimeError):
+    """The called function raised in the worker process. ``remote_type`` and ``remote_traceback`` describe it."""
+
+    def __init__(self, message: str, *, remote_type: str = "", remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.remote_type = remote_type
+        self.remote_traceback = remote_traceback
+
+
 class CheckpointError(RLBlocksError, ValueError):
     """A checkpoint was refused: no file, a foreign file, a torn or damaged one (length or checksum), another format
     version or kind, or a missing key. The message names the file and the fault; nothing was loaded."""
+
+
+class EngineDied(EngineError):
+    """A ``Router`` took one of its engines out (a failed call, a missed heartbeat) while that engine served a
+    request; the router answers it by moving the request to a live engine, so callers see it only from the router's
+    own machinery."""
 
 
 class NoLiveEngine(EngineError):

@@ -97,7 +97,7 @@ def bpe_training_text() -> list[str]:
     """The local text the test BPE tokenizers are trained on."""
     import json
 
-    from rlblocks.rollout.chat_templates import HERMES_TEMPLATE, LLAMA3_TEMPLATE
+    from rlblocks.rollout.agents.chat_templates import HERMES_TEMPLATE, LLAMA3_TEMPLATE
 
     text = []
     with open(GSM8K_STYLE) as f:
@@ -118,7 +118,7 @@ def build_bpe_tokenizer(style: str = "hermes", *, vocab_size: int = 600):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from rlblocks.rollout.chat_templates import HERMES_TEMPLATE, LLAMA3_TEMPLATE
+    from rlblocks.rollout.agents.chat_templates import HERMES_TEMPLATE, LLAMA3_TEMPLATE
 
     sp = BPE_SPECIALS[style]
     specials = [t for t in (sp["pad"], sp["bos"], sp["eos"], *sp["extra"]) if t]

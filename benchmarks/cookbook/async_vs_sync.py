@@ -1,6 +1,6 @@
 """Trained tokens/s of synchronous vs bounded-async GRPO on the same hardware and the same long-tailed lengths.
 
-    .venv/bin/python benchmarks/cookbook/async_vs_sync.py [--steps 40] [--reps 3] [--median-len 5] [--model DIR]
+    .venv/bin/python benchmarks/cookbook/async_vs_sync.py [--steps 160] [--reps 3] [--median-len 5] [--model DIR]
 
 Both loops run the CPU demo task with ``--length-tail M``: every prompt group gets a response budget drawn from a
 lognormal with median M and σ = 0.99 (p99/p50 ≈ 10) and no stop token, so each sample is exactly that long (the
@@ -23,6 +23,11 @@ Repetitions are interleaved (``sync-1p, sync-2p, …, async4`` then again), beca
 drifts: adjacent runs see similar load, so each ratio is computed within one repetition and the median over
 repetitions is reported (with the min–max range). Trained tokens/s = Σ tokens_trained / Σ step_seconds over the
 steps after the first two (warm-up) and before the last (whose time includes the held-out evaluation).
+
+Stability: each variant's spread ``(max − min) / min`` over its repetitions is printed with the ratios; under 10 %
+the variant is stable. 40-step runs (11–26 s) are too short for that on a 2-core CPU (one η = 4 run measured twice
+the tokens/s of the next), hence the default of 160 steps. The 1-minute load average before and after every run is
+printed and stored: a ratio measured while other work shares the cores is not a property of the loops.
 """
 
 from __future__ import annotations
@@ -54,14 +59,16 @@ def variant_command(name: str, common: list[str]) -> tuple[list[str], dict[str, 
             *common], one
 
 
-def run(cmd: list[str], threads: dict[str, str]) -> float:
+def run(cmd: list[str], threads: dict[str, str]) -> tuple[float, list[float]]:
+    """Run one loop; returns its wall seconds and the 1-minute load average before and after it."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **threads)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    before = os.getloadavg()[0]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-4000:]}")
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, [before, os.getloadavg()[0]]
 
 
 def measure(run_dir: Path) -> dict:
@@ -77,6 +84,14 @@ def measure(run_dir: Path) -> dict:
             "samples_generated": summary.get("samples_generated"), "samples_trained": summary.get("samples_trained")}
 
 
+STABLE = 0.10  # a variant's repetitions agree within this: (max − min) / min
+
+
+def spread(values: list[float]) -> float:
+    """``(max − min) / min`` of a variant's tokens/s over its repetitions (NaN for fewer than two: unknown)."""
+    return (max(values) - min(values)) / min(values) if len(values) > 1 and min(values) > 0 else float("nan")
+
+
 def _hist(rows: list[dict]) -> dict[str, int]:
     out: dict[str, int] = {}
     for r in rows:
@@ -88,7 +103,8 @@ def _hist(rows: list[dict]) -> dict[str, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=160, help="steps per run (40-step runs, 11–26 s, move by 2× "
+                    "between repetitions on a 2-core CPU)")
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions of every variant")
     ap.add_argument("--median-len", type=float, default=5.0)  # p99 ≈ 50 tokens: fits the tiny model (64 positions)
     ap.add_argument("--prompts-per-step", type=int, default=16)
@@ -115,13 +131,14 @@ def main() -> None:
                       "--runs-dir", args.runs_dir, "--time-limit", "0", "--eval-every", str(args.steps), "--quiet",
                       *(["--model", args.model] if args.model else [])]
             cmd, threads = variant_command(v, common)
-            wall = run(cmd, threads)
+            wall, load = run(cmd, threads)
             m = measure(Path(args.runs_dir) / name)
-            m["wall_s"], m["threads"] = wall, threads["OMP_NUM_THREADS"]
+            m["wall_s"], m["threads"], m["loadavg"] = wall, threads["OMP_NUM_THREADS"], load
             results[v].append(m)
-            print(f"rep {rep} {v:<12} {m['tokens_per_s']:8.1f} tokens/s  ({wall:.0f} s wall)", flush=True)
+            print(f"rep {rep} {v:<12} {m['tokens_per_s']:8.1f} tokens/s  ({wall:.0f} s wall, load average "
+                  f"{load[0]:.1f} before, {load[1]:.1f} after)", flush=True)
     bases = [b for b in BASELINES if b in results]
-    header = f"{'loop':<12}{'procs×thr':>10}{'tokens/s (median [min–max])':>32}" + "".join(
+    header = f"{'loop':<12}{'procs×thr':>10}{'tokens/s (median [min–max])':>32}{'spread':>8}" + "".join(
         f"{'vs ' + b:>16}" for b in bases) + f"{'held-out acc':>14}"
     print(f"\n{args.reps} interleaved repetitions, {args.steps} steps each (timed: steps 3..{args.steps - 1})")
     print(header)
@@ -133,10 +150,16 @@ def main() -> None:
                   for b in bases}
         acc = statistics.median(m["accuracy_after"] for m in ms)
         line = f"{v:<12}{procs:>10}{statistics.median(tps):>14.1f} [{min(tps):7.1f} – {max(tps):7.1f}]"
+        line += f"{spread(tps):>8.0%}" if len(tps) > 1 else f"{'n/a':>8}"
         line += "".join(f"{ratios[b]:>15.2f}x" for b in bases) + f"{acc:>14.3f}"
         print(line)
-        summary[v] = {"tokens_per_s_median": statistics.median(tps), "tokens_per_s": tps,
+        summary[v] = {"tokens_per_s_median": statistics.median(tps), "tokens_per_s": tps, "spread": spread(tps),
                       "ratio_median": ratios, "accuracy_after_median": acc, "runs": ms}
+    worst = max(spread([m["tokens_per_s"] for m in ms]) for ms in results.values())
+    loads = [x for ms in results.values() for m in ms for x in m["loadavg"]]
+    stable = "one repetition: unknown" if args.reps < 2 else f"{worst:.0%} ({'' if worst < STABLE else 'NOT '}stable)"
+    print(f"largest spread between repetitions of one variant: {stable}, goal < {STABLE:.0%}; load average "
+          f"{min(loads):.1f}–{max(loads):.1f} over the runs")
     out = Path(args.out or Path(args.runs_dir) / "async_vs_sync.json")
     out.write_text(json.dumps({"config": vars(args), "variants": summary}, indent=2))
     print(out)

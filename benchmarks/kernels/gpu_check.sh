@@ -121,7 +121,7 @@ fi
 
 # 3 the goal case first (cold compile + autotune of the kernels included)
 lim=$(( $(left) < 200 ? $(left) : 200 ))
-step "3/8 goal case" "$lim" "$OUT/goal.log" "$PY" -m rlblocks.kernels.bench "${GOAL[@]}" --out "$OUT" \
+step "3/8 goal case" "$lim" "$OUT/goal.log" "$PY" benchmarks/kernels/bench.py "${GOAL[@]}" --out "$OUT" \
   --time-budget-s $(( lim - 40 ))
 if [[ "$MODE" == validate ]]; then mv -f "$OUT/kernels_validate.csv" "$CSV_GOAL"; fi
 
@@ -156,12 +156,12 @@ grep -E "^(##|way|padded|packed|shared) " "$OUT/prefix.log" >> "$SUMMARY"
 
 # 6 the other cases, with what is left
 lim=$(( $(left) - 15 ))
-step "7/8 more cases" "$lim" "$OUT/more.log" "$PY" -m rlblocks.kernels.bench "${MORE[@]}" --out "$OUT" \
+step "7/8 more cases" "$lim" "$OUT/more.log" "$PY" benchmarks/kernels/bench.py "${MORE[@]}" --out "$OUT" \
   --time-budget-s $(( lim - 40 ))
 if [[ "$MODE" == validate ]]; then mv -f "$OUT/kernels_validate.csv" "$CSV_MORE"; rm -f "$OUT/kernels_validate.json"; fi
 
 # 8 the table, from the rows written so far
 note "== 8/8 table ($(( $(date +%s) - START )) s elapsed)"
-"$PY" -m rlblocks.kernels.bench --table-from "$CSV_GOAL" "$CSV_MORE" 2>&1 | tee -a "$SUMMARY"
+"$PY" benchmarks/kernels/bench.py --table-from "$CSV_GOAL" "$CSV_MORE" 2>&1 | tee -a "$SUMMARY"
 if (( FAILED )); then note "gpu_check: some steps FAILED (see above)"; exit 1; fi
 note "gpu_check: all steps ok in $(( $(date +%s) - START )) s"

@@ -128,8 +128,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     import transformers
+    from bench import _cpu_peak_bytes  # benchmarks/kernels/bench.py: this script's folder is first on sys.path
 
-    from rlblocks.kernels.bench import _cpu_peak_bytes
     from rlblocks.rollout.tree import response_prefix_tree
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -4,15 +4,14 @@ Run: ``.venv/bin/pytest benchmarks/kernels -q --benchmark-group-by=param:case,pa
 Each benchmark is one (provider, mode, entropy) at a small shape; ``extra_info`` records the nominal FLOPs
 (``MODEL_FLOPS``: 2·T·H·V forward, 4·T·H·V backward, 6·T·H·V both) and the max error against float64 (of logp,
 or of the loss for the fused providers). The sweep with p20/p50/p80, TF/s, memory and CSV/JSON output is
-``python -m rlblocks.kernels.bench``.
+``python benchmarks/kernels/bench.py``.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-from rlblocks.kernels.bench import IGNORE, MODEL_FLOPS, PROVIDER_MODES, Skip, _loss, _naive, make_provider
+from bench import IGNORE, MODEL_FLOPS, PROVIDER_MODES, Skip, _loss, _naive, make_provider
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32

@@ -189,7 +189,7 @@ async def direct_latency(engine, prompt_ids: list[int], n: int) -> list[float]:
 
 async def direct_throughput(engine, tok, sessions: int, seconds: float) -> tuple[int, int, float]:
     """The gateway workload without the gateway: the same multi-turn prompts, rendered here, generated directly."""
-    from rlblocks.rollout.trajectory import render_chat
+    from rlblocks.rollout.agents.trajectory import render_chat
 
     stop = time.perf_counter() + seconds
     counts = [0, 0]

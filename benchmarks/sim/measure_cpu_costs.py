@@ -7,8 +7,12 @@ What is timed (with the cookbook's tiny warm-start model, the model the async/sy
 - rollout: ``TorchEngine.generate`` of ``b`` concurrent requests of the demo prompts with exactly ``L`` new tokens
   (no stop token), for ``b`` in 1..128 and ``L`` in 6..56. The engine prefills all ``b`` in its first step (which
   samples token 1) and decodes ``L - 1`` steps; a least-squares fit (non-negative) of the wall time gives the
-  prefill ``overhead + per_token·Σ prompt`` and the decode step ``overhead + per_seq·b + per_ctx·C``
-  (:class:`rlblocks.sched.sim.DecodeCost` with no memory terms: a CPU is compute/overhead bound).
+  decode step ``overhead + per_seq·b + per_ctx·C`` (:class:`rlblocks.sched.sim.DecodeCost` with no memory terms: a
+  CPU is compute/overhead bound).
+- prefill: one-token ``generate`` calls of ``b`` requests whose prompts have ``g`` distinct lengths spread over
+  7..57 tokens (what re-prefilling interrupted requests looks like: prompt + output so far), for ``b`` in 8..256
+  and ``g`` in 1..32; fit ``overhead + per_length·g + per_token·Σ n`` (:class:`rlblocks.sched.sim.PrefillCost`:
+  the engine runs one forward per distinct length).
 - trainer: the cookbook's step (``batch_tensors``, then ``grpo_step`` with one optimizer update per batch:
   advantages, log-probs, loss, global normalisers, backward, grad clip, AdamW) on batches of ``G`` groups × 8
   samples of length ``L``; fit ``overhead + per_token·S·W + per_seq·S`` with ``W`` the padded width (the batch is
@@ -56,6 +60,8 @@ from rlblocks.sync import full_tensors  # noqa: E402
 
 GEN_B = (1, 8, 32, 64, 128)
 GEN_L = (6, 24, 56)
+PREFILL_B = (8, 64, 256)
+PREFILL_G = (1, 8, 32)
 TRAIN_G = (4, 8, 16, 24)
 TRAIN_L = (6, 24, 50)
 K = 8
@@ -104,6 +110,24 @@ class Bench:
         dt = time.perf_counter() - t0
         assert all(len(g.output_ids) == length for g in gens), "a generation stopped early"
         return dt, sum(len(p) for p in prompts)
+
+    def prefill(self, b: int, g: int, rng: random.Random) -> tuple[float, int]:
+        """One-token generation of ``b`` requests whose prompts (a demo prompt, then random token ids) have ``g``
+        distinct lengths in 7..57: the engine's first step prefills them all and samples their only token."""
+        lengths = [7 + (50 * (i % g)) // max(1, g - 1) for i in range(b)]
+        prompts = []
+        for n in lengths:
+            p = toy.encode_prompt(self.tok, *rng.choice(self.pairs))[:n]
+            prompts.append(p + [rng.randrange(4, 16) for _ in range(n - len(p))])
+        sp = SamplingParams(temperature=1.0, max_new_tokens=1, stop_token_ids=())
+
+        async def go():
+            reqs = [GenerationRequest(f"p{time.monotonic_ns()}-{i}", p, sp) for i, p in enumerate(prompts)]
+            return await asyncio.gather(*[self.engine.generate(r) for r in reqs])
+
+        t0 = time.perf_counter()
+        self.loop.run_until_complete(go())
+        return time.perf_counter() - t0, sum(lengths)
 
     def train(self, groups: int, length: int, rng: random.Random) -> tuple[float, int, int]:
         recs = []
@@ -191,7 +215,12 @@ def fit(samples: dict, prompt_len: float) -> dict:
         ctx = sum(b * (p + 1 + j) for j in range(steps))  # step j attends to b·(prompt + 1 + j) tokens
         gen_rows.append([1.0, b * p, steps, b * steps, ctx])
         gen_y.append(statistics.median(ts))
-    p0, p1, a, c_seq, c_ctx = nnls(gen_rows, gen_y)
+    _p0, _p1, a, c_seq, c_ctx = nnls(gen_rows, gen_y)  # the first two: the prompts' prefill (fitted below)
+    pre_rows, pre_y = [], []
+    for (_, g), vals in samples["prefill"].items():
+        pre_rows.append([1.0, g, vals[0][1]])
+        pre_y.append(statistics.median(v[0] for v in vals))
+    p0, p_len, p1 = nnls(pre_rows, pre_y)
     train_rows, train_y = [], []
     for (_, _), vals in samples["train"].items():
         ts = [v[0] for v in vals]
@@ -206,10 +235,11 @@ def fit(samples: dict, prompt_len: float) -> dict:
 
     return {
         "decode": DecodeCost(overhead_s=a, host_per_seq_s=c_seq, compute_per_token_s=c_ctx),
-        "prefill": PrefillCost(overhead_s=p0, per_token_s=p1),
+        "prefill": PrefillCost(overhead_s=p0, per_token_s=p1, per_length_s=p_len),
         "train": TrainCost(overhead_s=o, per_token_s=c_tok, per_seq_s=c_s, padded=True),
         "sync": SyncCost(latency_s=sync_s),
-        "gen_residuals": resid(gen_rows, gen_y, [p0, p1, a, c_seq, c_ctx]),
+        "gen_residuals": resid(gen_rows, gen_y, [_p0, _p1, a, c_seq, c_ctx]),
+        "prefill_residuals": resid(pre_rows, pre_y, [p0, p_len, p1]),
         "train_residuals": resid(train_rows, train_y, [o, c_tok, c_s]),
     }
 
@@ -231,8 +261,9 @@ def main() -> None:
     rng = random.Random(args.seed)
     prompt_lens = [len(toy.encode_prompt(bench.tok, *p)) for p in bench.pairs]
     prompt_len = statistics.mean(prompt_lens)
-    samples = {t: {"gen": {}, "train": {}, "sync": []} for t in threads}
+    samples = {t: {"gen": {}, "prefill": {}, "train": {}, "sync": []} for t in threads}
     jobs = [("gen", b, n) for b in GEN_B for n in GEN_L] + [("train", g, n) for g in TRAIN_G for n in TRAIN_L]
+    jobs += [("prefill", b, g) for b in PREFILL_B for g in PREFILL_G if g <= b]
     jobs += [("sync", 0, 0)]
     torch.manual_seed(args.seed)
     for t in threads:  # warm-up (first calls allocate and compile kernels' dispatch paths)
@@ -248,6 +279,8 @@ def main() -> None:
             torch.set_num_threads(t)
             if kind == "gen":
                 samples[t]["gen"].setdefault((x, n), []).append(bench.generate(x, n, rng)[0])
+            elif kind == "prefill":
+                samples[t]["prefill"].setdefault((x, n), []).append(bench.prefill(x, n, rng))
             elif kind == "train":
                 samples[t]["train"].setdefault((x, n), []).append(bench.train(x, n, rng))
             else:
@@ -269,16 +302,19 @@ def main() -> None:
         out["hardware"][str(t)] = hw.to_dict()
         out["raw"][str(t)] = {"gen": {f"{b}x{n}": v for (b, n), v in samples[t]["gen"].items()},
                               "train": {f"{g}x{n}": v for (g, n), v in samples[t]["train"].items()},
+                              "prefill": {f"{b}x{g}": v for (b, g), v in samples[t]["prefill"].items()},
                               "sync": samples[t]["sync"]}
         d, p, tr = f["decode"], f["prefill"], f["train"]
         print(f"\n{t} thread(s):")
         print(f"  decode step = {d.overhead_s * 1e3:.3f} ms + {d.host_per_seq_s * 1e6:.2f} us·b "
               f"+ {d.compute_per_token_s * 1e9:.2f} ns·context")
-        print(f"  prefill     = {p.overhead_s * 1e3:.3f} ms + {p.per_token_s * 1e6:.2f} us·prompt tokens")
+        print(f"  prefill     = {p.overhead_s * 1e3:.3f} ms + {p.per_length_s * 1e3:.3f} ms·distinct length "
+              f"+ {p.per_token_s * 1e6:.2f} us·prompt tokens")
         print(f"  train step  = {tr.overhead_s * 1e3:.1f} ms + {tr.per_token_s * 1e6:.2f} us·padded token "
               f"+ {tr.per_seq_s * 1e6:.1f} us·sequence")
         print(f"  weight sync = {f['sync'].latency_s * 1e3:.2f} ms")
         print("  relative residuals: generate " + " ".join(f"{r:+.2f}" for r in f["gen_residuals"]))
+        print("                      prefill  " + " ".join(f"{r:+.2f}" for r in f["prefill_residuals"]))
         print("                      train    " + " ".join(f"{r:+.2f}" for r in f["train_residuals"]))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

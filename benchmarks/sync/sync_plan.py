@@ -12,7 +12,7 @@ Model (bandwidth-bound; every figure is a lower bound that a real system approac
   full       one sender broadcasts every weight to all receivers (a single WeightSender on trainer rank 0):
              B / bw + n * o                (the sender's one link carries the whole model)
   bucketed   g senders, one per inference shard position, each broadcasting its B / g shard to the R replicas
-             (one WeightSender per inference TP/EP rank, sharded with rlblocks.sync.megatron / fsdp): B / g / bw + n * o
+             (one WeightSender per inference TP/EP rank, sharded with rlblocks.sync.reshard): B / g / bw + n * o
   delta      the same g streams carrying delta packets: wire = B / g * d * (infer_bytes + 2) / infer_bytes (uint16
              gaps + values). "delta (wire)" is the bandwidth-bound limit wire / bw + n * o; "delta" adds encode on
              every training host (its B / train_hosts at enc_gbs) and verified apply on every inference host (its
@@ -93,7 +93,7 @@ def pick(s: Setup, t: dict[str, float], colocated: bool) -> str:
         return ("delta: DeltaEncoder per shard stream + GroupDeltaTransport / DirectoryTransport (the link, not "
                 "the encode, is the bottleneck here)")
     return ("bucketed: one WeightSender per inference shard position (its TP/EP rank), weights resharded on the "
-            "trainer (rlblocks.sync.megatron / full_tensors); delta would be slower: encode/apply exceed the wire time")
+            "trainer (rlblocks.sync.reshard); delta would be slower: encode/apply exceed the wire time")
 
 
 PRESETS = {

@@ -20,6 +20,8 @@ A loop imports it as ``from plumbing import ...``: a script's own folder (``cook
   (JSONL, Parquet, HF ``datasets`` directories), ``Prompt``/``Task``, ``load_task``.
 - :mod:`.rewards`: ``Reward`` (``--reward verifier|math|code|rm|module:function``), ``load_tools`` (``--tools``).
 - :mod:`.evaluation`: the held-out evaluation (``rlblocks.reward.evaluate``: pass@k, mean@k, per-prompt files).
+- :mod:`.timing`: ``RolloutClock`` / ``TimedEngine`` (where a rollout rank's time goes between weight commits),
+  ``RolloutTimes`` (its report), ``rollout_columns`` (the metrics.jsonl columns of a step).
 - :mod:`.tracking`: ``MetricsSink`` (``--log-to jsonl,tensorboard,wandb``), the keys every loop logs.
 
 Lines a user changes for a real model or task are marked ``REAL MODEL:`` in place.
@@ -72,6 +74,7 @@ from .messages import Inbox, Outbox, RolloutEnd, Stale, Stop, Weights, recv_cont
 from .policy import PolicyLogprobs, decoder_layers, load_hf, load_tokenizer, shard
 from .rewards import Reward, RewardFlags, eval_reward_spec, load_tools, needs_reference
 from .runs import Progress, RunFiles, mean_metrics
+from .timing import RolloutClock, RolloutTimes, TimedEngine, rollout_columns
 from .tracking import COMMON_KEYS, LogFlags, MetricsSink, parse_log_flag
 
 __all__ = [
@@ -91,12 +94,15 @@ __all__ = [
     "Recovery",
     "Reward",
     "RewardFlags",
+    "RolloutClock",
     "RolloutEnd",
+    "RolloutTimes",
     "RunFiles",
     "Stale",
     "Stop",
     "Task",
     "TaskFlags",
+    "TimedEngine",
     "TrainerGroups",
     "Weights",
     "all_reduce",
@@ -145,6 +151,7 @@ __all__ = [
     "restart_count",
     "restore_rng",
     "resume_run",
+    "rollout_columns",
     "save_run_checkpoint",
     "seed_rank",
     "send_control",

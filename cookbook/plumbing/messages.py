@@ -109,13 +109,15 @@ class Inbox:
     queued, starting at ``failed``), ``failed_calls`` their failed reward calls (``rec["reward_failures"]``, this
     process's), and ``ended`` holds each finished rank's :class:`RolloutEnd`. The put, the count and the
     ``journal`` line of a record (``{"event": "recv", "uid", "samples"}``, when a journal is given) happen together
-    under ``lock``: a checkpoint that reads the queue and ``generated`` under it sees them agree."""
+    under ``lock``: a checkpoint that reads the queue and ``generated`` under it sees them agree. Other messages (a
+    rank's :class:`~plumbing.timing.RolloutTimes`) are kept in arrival order until :meth:`take_reports`."""
 
     def __init__(self, sources: Iterable[int], group, q, *, generated: int = 0, failed: int = 0,
                  samples: Callable[[dict], int] = lambda rec: len(rec["samples"]), journal=None) -> None:
         self.q, self.generated, self.samples, self.journal = q, generated, samples, journal
         self.failed, self.failed_calls = failed, 0
         self.ended: dict[int, RolloutEnd] = {}
+        self.reports: list[Any] = []
         self.lock = threading.Lock()
         self.threads = [threading.Thread(target=self._loop, args=(r, group), daemon=True) for r in sources]
         for t in self.threads:
@@ -130,6 +132,10 @@ class Inbox:
                 with self.lock:
                     self.ended[src] = rec
                 return
+            if not isinstance(rec, dict):  # a report, not a group record
+                with self.lock:
+                    self.reports.append(rec)
+                continue
             with self.lock:
                 n = self.samples(rec)
                 if rec.get("reward_failed"):
@@ -140,6 +146,12 @@ class Inbox:
                 self.generated += n
                 if self.journal is not None:
                     self.journal.append({"event": "recv", "uid": rec["uid"], "samples": n})
+
+    def take_reports(self) -> list[Any]:
+        """The reports received since the last call, oldest first."""
+        with self.lock:
+            out, self.reports = self.reports, []
+        return out
 
     def join(self) -> None:
         for t in self.threads:

@@ -18,7 +18,6 @@ Conventions used by every op in this package:
 from __future__ import annotations
 
 import contextlib
-import numbers
 import os
 from collections.abc import Callable
 from typing import Any
@@ -27,8 +26,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from rlblocks._checks import check_bool, check_int
-from rlblocks._validate import as_bool_mask, check_floating, check_tensor, shape_str
+from rlblocks._checks import as_bool_mask, check_bool, check_floating, check_int, check_integer, check_real, shape_str
 from rlblocks.errors import ArgumentError
 
 # Bytes of fp32 logits one chunk of rows may hold in the torch path (per temporary). 64 MiB (512 rows at V=32768)
@@ -107,13 +105,9 @@ def check_float_input(name: str, x: Tensor) -> Tensor:
     return x
 
 
-def check_temperature(temperature: float) -> float:
+def check_temperature(temperature: object) -> float:
     """A finite host number > 0 (Python or numpy int/float; a tensor would need a host sync, a bool is a mistake)."""
-    if isinstance(temperature, (Tensor, bool)) or not isinstance(temperature, numbers.Real):
-        raise ArgumentError(f"temperature: expected a Python float > 0, got {type(temperature).__name__}")
-    if not temperature > 0 or temperature != temperature or temperature == float("inf"):
-        raise ArgumentError(f"temperature: expected a finite float > 0, got {temperature}")
-    return float(temperature)
+    return check_real("temperature", temperature, finite=True, gt=0)
 
 
 def check_flags(**flags: object) -> None:
@@ -132,9 +126,7 @@ def check_labels(
     and when ``validate=False``. Returns the flattened int64 labels.
     """
     check_int("ignore_index", ignore_index, what="an int (the label value of ignored positions)")
-    check_tensor("labels", labels)
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise ArgumentError(f"labels: expected an integer tensor, got dtype {labels.dtype}")
+    check_integer("labels", labels)
     if labels.shape != lead_shape:
         raise ArgumentError(f"labels: expected the leading shape of {like} [{', '.join(map(str, lead_shape))}], "
                          f"got {shape_str(labels)}")

@@ -33,8 +33,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from rlblocks._checks import as_int
-from rlblocks._validate import shape_str
+from rlblocks._checks import as_int, shape_str
 from rlblocks.errors import ArgumentError
 
 NEG_INF = float("-inf")

@@ -26,7 +26,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
-from rlblocks._validate import as_bool_mask, check_ndim, check_tensor, shape_str
+from rlblocks._checks import as_bool_mask, check_ndim, check_tensor, shape_str
 from rlblocks.errors import ArgumentError
 from rlblocks.kernels._common import check_flags, check_temperature
 from rlblocks.kernels.linear_logprobs import linear_token_logprobs

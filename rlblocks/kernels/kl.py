@@ -23,7 +23,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from rlblocks._validate import as_bool_mask, shape_str
+from rlblocks._checks import as_bool_mask, shape_str
 from rlblocks.errors import ArgumentError
 from rlblocks.kernels._common import (
     check_float_input,

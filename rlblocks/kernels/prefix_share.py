@@ -49,8 +49,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map_only
 
-from rlblocks._checks import check_optional_int
-from rlblocks._validate import check_ndim, shape_str
+from rlblocks._checks import check_ndim, check_optional_int, shape_str
 from rlblocks.errors import ArgumentError
 from rlblocks.kernels.linear_logprobs import linear_token_logprobs
 from rlblocks.rollout.tree import PrefixTree, response_prefix_tree

@@ -20,21 +20,22 @@ from .advantages import (
     whiten,
 )
 from .aggregation import AGG_MODES, aggregate
-from .correction import rollout_correction
 from .distill import distill_advantages
 from .kl import AdaptiveKLController, FixedKLController, kl_estimate
-from .masks import off_policy_sequence_mask, overlong_penalty, top_entropy_mask, zero_variance_groups
-from .mismatch import mismatch_metrics
-from .offpolicy import (
-    dppo_loss,
-    dppo_mask,
+from .masks import overlong_penalty, top_entropy_mask, zero_variance_groups
+from .mismatch import (
     geometric_sequence_mask,
     icepop_correction,
+    mismatch_metrics,
+    off_policy_sequence_mask,
     outlier_sequence_mask,
+    rollout_correction,
 )
 from .policy import (
     cispo_loss,
     decoupled_ppo_loss,
+    dppo_loss,
+    dppo_mask,
     gmpo_loss,
     gspo_loss,
     pg_loss,

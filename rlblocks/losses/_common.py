@@ -1,107 +1,30 @@
-"""Helpers shared by the loss modules: input checks, dtype promotion, sanitising of padded positions.
+"""Helpers shared by the loss modules: dtype promotion, sanitising of padded positions, masked reductions.
+
+The argument checks are in :mod:`rlblocks._checks`.
 
 Nothing here reads tensor values on the host, so every helper is safe under ``torch.compile(fullgraph=True)``.
 """
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from rlblocks._deprecate import warn_renamed
-from rlblocks._validate import as_bool_mask, check_floating, check_ndim, check_same_shape, shape_str
+from rlblocks._checks import check_floating, shape_str
 from rlblocks.errors import ArgumentError
 
 LOG_RATIO_CLAMP = 20.0
 """Log-ratios are clamped to ``[-20, 20]`` before ``exp`` (e^20 ≈ 4.9e8 stays finite in fp32 and bf16)."""
 
 
-MISSING: object = type("Missing", (), {"__repr__": lambda self: "<missing>"})()
-"""Default of arguments whose absence selects a deprecated call form (``None`` is a meaningful value there)."""
-
-DEPRECATED_METRIC_KEYS = {
-    "behav_weight_mean": "rollout_weight_mean",
-    "behav_capped_frac": "rollout_capped_frac",
-}
-"""Metric keys renamed with the ``behav_logp -> rollout_logp`` rename: ``old key -> new key``."""
-
-
 class Metrics(dict):
-    """The ``dict[str, Tensor]`` of 0-dim metrics a loss returns.
-
-    A renamed key (``DEPRECATED_METRIC_KEYS``) can still be *read* for one release, with a DeprecationWarning,
-    but it is not stored: iteration, ``len`` and logging loops see every metric once, under its new name.
-    """
-
-    def __missing__(self, key: str) -> Tensor:
-        new = DEPRECATED_METRIC_KEYS.get(key)
-        if new is None or not dict.__contains__(self, new):
-            raise KeyError(key)
-        warn_renamed(f"the metric key {key!r}", f"{new!r}", stacklevel=3)
-        return dict.__getitem__(self, new)
-
-    def get(self, key: str, default: object = None) -> object:  # dict.get does not consult __missing__
-        if dict.__contains__(self, key):
-            return dict.__getitem__(self, key)
-        new = DEPRECATED_METRIC_KEYS.get(key)
-        if new is not None and dict.__contains__(self, new):
-            warn_renamed(f"the metric key {key!r}", f"{new!r}", stacklevel=3)
-            return dict.__getitem__(self, new)
-        return default
+    """The ``dict[str, Tensor]`` of 0-dim metrics a loss returns (a plain ``dict``; the name marks what it holds)."""
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
     """fp32 for half/bf16/fp32 inputs, fp64 for fp64 inputs (so that ``gradcheck`` in float64 stays exact)."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ArgumentError(f"{name}: expected one of {', '.join(repr(c) for c in choices)}, got {value!r}")
-
-
-def check_number(
-    name: str,
-    value: object,
-    *,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    lt: float | None = None,
-    finite: bool = False,
-) -> float:
-    """Validate a host scalar hyper-parameter (a Python or numpy int/float, never a bool, never a tensor: reading
-    a tensor would be a host sync) and return it as a float (``finite=True`` also refuses ±inf)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ArgumentError(f"{name}: expected a Python number, got {type(value).__name__}")
-    v = float(value)
-    if v != v:
-        raise ArgumentError(f"{name}: expected a number, got nan")
-    if finite and v in (float("inf"), float("-inf")):
-        raise ArgumentError(f"{name}: expected a finite number, got {v}")
-    if ge is not None and not v >= ge:
-        raise ArgumentError(f"{name}: expected a value >= {ge}, got {v}")
-    if gt is not None and not v > gt:
-        raise ArgumentError(f"{name}: expected a value > {gt}, got {v}")
-    if le is not None and not v <= le:
-        raise ArgumentError(f"{name}: expected a value <= {le}, got {v}")
-    if lt is not None and not v < lt:
-        raise ArgumentError(f"{name}: expected a value < {lt}, got {v}")
-    return v
-
-
-def check_token_pair(
-    name_a: str, a: Tensor, name_b: str, b: Tensor, mask: Tensor, *, mask_name: str = "mask"
-) -> Bool[Tensor, "B T"]:
-    """Check two floating ``[B, T]`` tensors of equal shape and a matching mask; return the mask as bool."""
-    check_floating(name_a, a)
-    check_ndim(name_a, a, 2, "[B, T]")
-    check_floating(name_b, b)
-    check_same_shape(name_a, a, name_b, b)
-    return as_bool_mask(mask, a, name=mask_name, like_name=name_a)
 
 
 def broadcast_advantages(
@@ -154,26 +77,3 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 
 def seq_lengths(mask: Bool[Tensor, "B T"]) -> Int[Tensor, " B"]:
     return mask.sum(-1)
-
-
-def check_group_inputs(
-    rewards: Tensor, group_ids: Tensor, *, rewards_name: str = "rewards", ndim: int = 1
-) -> tuple[Tensor, Tensor]:
-    """Check ``rewards [n]`` (or ``[n, F]`` when ``ndim == 2``) and integer ``group_ids [n]``."""
-    layout = "[n]" if ndim == 1 else "[n, F]"
-    if not isinstance(rewards, Tensor):
-        raise ArgumentError(f"{rewards_name}: expected a torch.Tensor, got {type(rewards).__name__}")
-    if rewards.dtype.is_complex:
-        raise ArgumentError(f"{rewards_name}: expected a real tensor, got dtype {rewards.dtype}")
-    check_ndim(rewards_name, rewards, ndim, layout)
-    if not isinstance(group_ids, Tensor):
-        raise ArgumentError(f"group_ids: expected a torch.Tensor, got {type(group_ids).__name__}")
-    if group_ids.is_floating_point() or group_ids.dtype.is_complex or group_ids.dtype == torch.bool:
-        raise ArgumentError(f"group_ids: expected an integer tensor, got dtype {group_ids.dtype}")
-    check_ndim("group_ids", group_ids, 1, "[n]")
-    if group_ids.shape[0] != rewards.shape[0]:
-        raise ArgumentError(
-            f"group_ids: expected length n = {rewards.shape[0]} (from {rewards_name} {shape_str(rewards)}), "
-            f"got {shape_str(group_ids)}"
-        )
-    return rewards, group_ids

@@ -19,10 +19,19 @@ import torch
 from jaxtyping import Bool, Float, Int, Shaped
 from torch import Tensor
 
-from rlblocks._checks import check_bool
-from rlblocks._validate import as_bool_mask, check_floating, check_ndim, check_same_shape, shape_str
+from rlblocks._checks import (
+    as_bool_mask,
+    check_bool,
+    check_choice,
+    check_floating,
+    check_group_inputs,
+    check_ndim,
+    check_real,
+    check_same_shape,
+    shape_str,
+)
 from rlblocks.errors import ArgumentError
-from rlblocks.losses._common import check_choice, check_group_inputs, check_number, compute_dtype, safe
+from rlblocks.losses._common import compute_dtype, safe
 from rlblocks.losses._groups import (
     dense_group_index,
     group_count,
@@ -78,7 +87,7 @@ def grpo_advantages(
     """
     check_group_inputs(rewards, group_ids)
     check_choice("std_scale", std_scale, ("group", "batch", "none"))
-    eps = check_number("eps", eps, ge=0.0)
+    eps = check_real("eps", eps, ge=0.0)
     r = rewards.to(torch.float64)
     idx = dense_group_index(group_ids)
     mean, std, count = group_mean_std(r, idx)
@@ -183,7 +192,7 @@ def gdpo_advantages(
             f"weights: expected shape [F] = [{rewards.shape[1]}] (from rewards {shape_str(rewards)}), "
             f"got {shape_str(weights)}"
         )
-    eps = check_number("eps", eps, ge=0.0)
+    eps = check_real("eps", eps, ge=0.0)
     r = rewards.to(torch.float64)
     idx = dense_group_index(group_ids)
     n, f = r.shape
@@ -221,7 +230,7 @@ def whiten(
     """
     check_floating("x", x)
     m = as_bool_mask(mask, x, like_name="x")
-    eps = check_number("eps", eps, ge=0.0)
+    eps = check_real("eps", eps, ge=0.0)
     check_bool("shift_mean", shift_mean)  # a truthy "no" would shift
     dt = compute_dtype(x)
     xs = safe(x, m, dt)
@@ -296,8 +305,8 @@ def gae(
     host sync; compiles with fullgraph but unrolls T steps).
     """
     m = _check_gae_inputs(rewards, mask, values)
-    gamma = check_number("gamma", gamma, ge=0.0, le=1.0)
-    lam = check_number("lam", lam, ge=0.0, le=1.0)
+    gamma = check_real("gamma", gamma, ge=0.0, le=1.0)
+    lam = check_real("lam", lam, ge=0.0, le=1.0)
     dt = compute_dtype(rewards)
     r = safe(rewards, m, dt)
     v = safe(values, m, dt)
@@ -327,7 +336,7 @@ def discounted_returns(
     ``values = 0`` and ``lam = 1``. Follow with ``whiten`` for REINFORCE++. Numerics as ``gae``.
     """
     m = _check_gae_inputs(rewards, mask, None)
-    gamma = check_number("gamma", gamma, ge=0.0, le=1.0)
+    gamma = check_real("gamma", gamma, ge=0.0, le=1.0)
     dt = compute_dtype(rewards)
     r = safe(rewards, m, dt)
     b, t_len = r.shape

@@ -13,9 +13,9 @@ import torch
 from jaxtyping import Float, Shaped
 from torch import Tensor
 
-from rlblocks._validate import as_bool_mask, check_floating, check_ndim
+from rlblocks._checks import as_bool_mask, check_choice, check_floating, check_ndim
 from rlblocks.errors import ArgumentError
-from rlblocks.losses._common import check_choice, compute_dtype, masked_sum
+from rlblocks.losses._common import compute_dtype, masked_sum
 
 __all__ = ["AGG_MODES", "aggregate"]
 

@@ -13,7 +13,8 @@ import torch
 from jaxtyping import Float, Shaped
 from torch import Tensor
 
-from rlblocks.losses._common import check_number, check_token_pair, compute_dtype, safe
+from rlblocks._checks import check_real, check_token_pair
+from rlblocks.losses._common import compute_dtype, safe
 
 __all__ = ["distill_advantages"]
 
@@ -46,7 +47,7 @@ def distill_advantages(
     reverse loop over the T columns (static, no host sync; compiles with fullgraph but unrolls T steps).
     """
     m = check_token_pair("student_logp", student_logp, "teacher_logp", teacher_logp, mask)
-    gamma = None if discount is None else check_number("discount", discount, ge=0.0, le=1.0)
+    gamma = None if discount is None else check_real("discount", discount, ge=0.0, le=1.0)
     dt = compute_dtype(student_logp)
     adv = (safe(teacher_logp, m, dt) - safe(student_logp, m, dt)).detach()
     if not gamma:

@@ -15,10 +15,17 @@ import torch
 from jaxtyping import Float, Shaped
 from torch import Tensor
 
-from rlblocks._checks import check_bool, check_int
-from rlblocks._validate import as_bool_mask, check_floating, check_same_shape
+from rlblocks._checks import (
+    as_bool_mask,
+    check_bool,
+    check_choice,
+    check_floating,
+    check_int,
+    check_real,
+    check_same_shape,
+)
 from rlblocks.errors import ArgumentError
-from rlblocks.losses._common import LOG_RATIO_CLAMP, check_choice, check_number, compute_dtype, safe
+from rlblocks.losses._common import LOG_RATIO_CLAMP, compute_dtype, safe
 
 __all__ = ["AdaptiveKLController", "FixedKLController", "kl_estimate"]
 
@@ -92,7 +99,7 @@ def _read_kl(current_kl: float | Tensor, n_steps: int) -> tuple[float, int]:
                 f"{current_kl.dtype} tensor of shape {list(current_kl.shape)}"
             )
         current_kl = float(current_kl.detach().reshape(()).double().item())
-    kl = check_number("current_kl", current_kl)
+    kl = check_real("current_kl", current_kl)
     return kl, check_int("n_steps", n_steps, minimum=0)
 
 
@@ -100,7 +107,7 @@ class FixedKLController:
     """Constant KL coefficient. ``update`` checks the same arguments as the adaptive one and does nothing else."""
 
     def __init__(self, kl_coef: float) -> None:
-        self.value = check_number("kl_coef", kl_coef, ge=0.0, finite=True)
+        self.value = check_real("kl_coef", kl_coef, ge=0.0, finite=True)
 
     def update(self, current_kl: float | Tensor, n_steps: int) -> float:
         _read_kl(current_kl, n_steps)
@@ -117,9 +124,9 @@ class AdaptiveKLController:
     """
 
     def __init__(self, init_kl_coef: float, target: float, horizon: float) -> None:
-        self.value = check_number("init_kl_coef", init_kl_coef, ge=0.0, finite=True)
-        self.target = check_number("target", target, gt=0.0, finite=True)
-        self.horizon = check_number("horizon", horizon, gt=0.0, finite=True)
+        self.value = check_real("init_kl_coef", init_kl_coef, ge=0.0, finite=True)
+        self.target = check_real("target", target, gt=0.0, finite=True)
+        self.horizon = check_real("horizon", horizon, gt=0.0, finite=True)
 
     def update(self, current_kl: float | Tensor, n_steps: int) -> float:
         kl, n_steps = _read_kl(current_kl, n_steps)

@@ -1,4 +1,5 @@
-"""Token and sequence masks used by recent recipes: OPSM, high-entropy tokens, overlong penalty, zero-variance groups.
+"""Masks of recent recipes that do not compare trainer and engine: high-entropy tokens, overlong penalty,
+zero-variance groups (the one home of each rule; the train/rollout masks are in :mod:`rlblocks.losses.mismatch`).
 
 All are detached, sync-free and compile with ``torch.compile(fullgraph=True)``.
 """
@@ -9,50 +10,21 @@ import torch
 from jaxtyping import Bool, Float, Int, Shaped
 from torch import Tensor
 
-from rlblocks._checks import check_int
-from rlblocks._deprecate import renamed_kwargs
-from rlblocks._validate import as_bool_mask, check_floating, check_ndim
-from rlblocks.errors import ArgumentError
-from rlblocks.losses._common import (
-    broadcast_advantages,
+from rlblocks._checks import (
+    as_bool_mask,
+    check_floating,
     check_group_inputs,
-    check_number,
-    check_token_pair,
-    compute_dtype,
-    masked_sum,
-    safe,
+    check_int,
+    check_ndim,
+    check_real,
 )
+from rlblocks.errors import ArgumentError
+from rlblocks.losses._common import compute_dtype
 from rlblocks.losses._groups import dense_group_index, group_reduce, poison_nonfinite_groups
 
-__all__ = ["off_policy_sequence_mask", "overlong_penalty", "top_entropy_mask", "zero_variance_groups"]
+__all__ = ["overlong_penalty", "top_entropy_mask", "zero_variance_groups"]
 
 
-@renamed_kwargs(old_logp="rollout_logp")
-def off_policy_sequence_mask(
-    advantages: Float[Tensor, "B T"] | Float[Tensor, " B"],
-    logp: Float[Tensor, "B T"],
-    rollout_logp: Float[Tensor, "B T"],
-    mask: Shaped[Tensor, "B T"],
-    *,
-    delta: float,
-) -> Bool[Tensor, "B T"]:
-    """Off-policy sequence masking (OPSM, DeepSeek-V3.2). Returns the keep mask ``[B, T]``.
-
-    A token is dropped when its advantage is negative and its sequence has drifted:
-    ``A_{i,t} < 0`` and ``mean_t (rollout_logp − logp) > delta`` (the per-sequence mean over valid tokens, a k1
-    estimate of KL(π_rollout‖π_θ)). ``rollout_logp`` is the sampling policy as the engine reported it: DeepSeek-V3.2
-    takes "the sampling probability directly returned by the inference framework", so the test covers both the
-    policy's staleness and the engine/trainer mismatch. Everything else valid is kept (a NaN drift or advantage
-    keeps the token: it is never dropped on a NaN comparison). The keyword was ``old_logp=`` before (deprecated).
-    """
-    m = check_token_pair("logp", logp, "rollout_logp", rollout_logp, mask)
-    d = check_number("delta", delta)
-    dt = compute_dtype(logp)
-    adv = broadcast_advantages(advantages, logp, m).detach()
-    diff = (safe(rollout_logp, m, dt) - safe(logp, m, dt)).detach()
-    seq_kl = masked_sum(diff, m, -1) / m.sum(-1).clamp(min=1).to(dt)
-    drop = (adv < 0) & (seq_kl > d)[:, None]
-    return m & ~drop
 
 
 def top_entropy_mask(
@@ -77,7 +49,7 @@ def top_entropy_mask(
     check_floating("entropy", entropy)
     check_ndim("entropy", entropy, 2, "[B, T]")
     m = as_bool_mask(mask, entropy, like_name="entropy")
-    q = check_number("quantile", quantile, ge=0.0, le=1.0)
+    q = check_real("quantile", quantile, ge=0.0, le=1.0)
     if entropy.numel() == 0:  # a static shape: no token to rank, and nothing to gather the quantile from
         return m.clone()
     dt = compute_dtype(entropy)
@@ -118,7 +90,7 @@ def overlong_penalty(
     check_ndim("lengths", lengths, 1, "[n]")
     ml = check_int("max_len", max_len, minimum=1)
     buf = check_int("buffer", buffer, minimum=1, maximum=ml, what=f"an int in [1, max_len={ml}]")
-    pen = check_number("penalty", penalty, ge=0.0, finite=True)  # an infinite one gives 0·inf = NaN in budget
+    pen = check_real("penalty", penalty, ge=0.0, finite=True)  # an infinite one gives 0·inf = NaN in budget
     dt = torch.float64 if lengths.dtype == torch.float64 else torch.float32
     length = lengths.to(dt)
     excess = (length - (ml - buf)) / buf

@@ -31,16 +31,11 @@ import torch
 from jaxtyping import Float, Shaped
 from torch import Tensor
 
-from rlblocks._deprecate import renamed_kwargs, warn_renamed
-from rlblocks._validate import as_bool_mask, check_floating, check_ndim, check_same_shape
-from rlblocks.errors import ArgumentError
+from rlblocks._checks import as_bool_mask, check_floating, check_ndim, check_real, check_same_shape, check_token_pair
 from rlblocks.losses._common import (
     LOG_RATIO_CLAMP,
-    MISSING,
     Metrics,
     broadcast_advantages,
-    check_number,
-    check_token_pair,
     compute_dtype,
     masked_mean,
     masked_sum,
@@ -69,10 +64,10 @@ def _prepare(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, o
 
 def _check_eps(eps_low: float, eps_high: float, *, low_max: float = 1.0, low_inclusive: bool = False):
     if low_inclusive:
-        el = check_number("eps_low", eps_low, ge=0.0, le=low_max)
+        el = check_real("eps_low", eps_low, ge=0.0, le=low_max)
     else:
-        el = check_number("eps_low", eps_low, ge=0.0, lt=low_max)
-    eh = check_number("eps_high", eps_high, ge=0.0)
+        el = check_real("eps_low", eps_low, ge=0.0, lt=low_max)
+    eh = check_real("eps_high", eps_high, ge=0.0)
     return el, eh
 
 
@@ -109,7 +104,7 @@ def ppo_clip_loss(
     m, dt, lp, olp, adv = _prepare(logp, old_logp, advantages, mask)
     el, eh = _check_eps(eps_low, eps_high)
     if dual_clip is not None:
-        dual_clip = check_number("dual_clip", dual_clip, gt=1.0)
+        dual_clip = check_real("dual_clip", dual_clip, gt=1.0)
     log_ratio = (lp - olp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     loss1 = -adv * ratio
@@ -247,8 +242,8 @@ def sapo_loss(
     ``approx_kl``.
     """
     m, dt, lp, olp, adv = _prepare(logp, old_logp, advantages, mask)
-    tp = check_number("tau_pos", tau_pos, gt=0.0)
-    tn = check_number("tau_neg", tau_neg, gt=0.0)
+    tp = check_real("tau_pos", tau_pos, gt=0.0)
+    tn = check_real("tau_neg", tau_neg, gt=0.0)
     log_ratio = (lp - olp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     tau = torch.where(adv > 0, torch.full_like(adv, tp), torch.full_like(adv, tn))
@@ -315,9 +310,9 @@ def gmpo_loss(
 
 def pg_loss(
     logp: Float[Tensor, "B T"],
-    old_logp: Float[Tensor, "B T"] | None = MISSING,  # type: ignore[assignment]
-    advantages: Float[Tensor, "B T"] | Float[Tensor, " B"] = MISSING,  # type: ignore[assignment]
-    mask: Shaped[Tensor, "B T"] = MISSING,  # type: ignore[assignment]
+    old_logp: Float[Tensor, "B T"] | None,
+    advantages: Float[Tensor, "B T"] | Float[Tensor, " B"],
+    mask: Shaped[Tensor, "B T"],
     *,
     weights: Float[Tensor, "B T"] | None = None,
 ) -> tuple[Float[Tensor, "B T"], Metrics]:
@@ -325,29 +320,11 @@ def pg_loss(
 
     The signature of every policy loss, ``(logp, old_logp, advantages, mask)``. The loss does not use
     ``old_logp``; it feeds ``approx_kl`` (k3 of KL(π_old‖π_θ), as in the other losses). ``old_logp=None`` means
-    π_old = π_θ (one update per batch): ``approx_kl`` is then exactly 0. The earlier form
-    ``pg_loss(logp, advantages, mask)`` still works for one release, with a DeprecationWarning.
+    π_old = π_θ (one update per batch): ``approx_kl`` is then exactly 0.
 
     ``weights`` (e.g. from ``rollout_correction``) may hold NaN/inf at masked positions. Metrics:
     ``weight_mean`` (mean weight over valid tokens; 1 without weights), ``approx_kl``.
     """
-    if mask is MISSING or advantages is MISSING:
-        # Fewer than four tensors: the earlier form pg_loss(logp, advantages, mask), whose advantages land in
-        # old_logp (positionally) and whose mask lands in advantages (positionally) or in mask (by keyword).
-        given = [x for x in (old_logp, advantages, mask) if x is not MISSING]
-        if len(given) != 2:
-            raise ArgumentError(
-                f"pg_loss: expected (logp, old_logp, advantages, mask) with old_logp possibly None, got logp and "
-                f"{len(given)} more tensor(s)"
-            )
-        warn_renamed("`pg_loss(logp, advantages, mask)`", "`pg_loss(logp, old_logp, advantages, mask)` "
-                     "(old_logp may be None)")
-        old_logp = None
-        advantages, mask = given
-    elif old_logp is MISSING:
-        warn_renamed("`pg_loss` without `old_logp`", "`pg_loss(logp, old_logp, advantages, mask)` "
-                     "(old_logp may be None)")
-        old_logp = None
     check_floating("logp", logp)
     check_ndim("logp", logp, 2, "[B, T]")
     if old_logp is None:
@@ -372,14 +349,13 @@ def pg_loss(
     return loss, Metrics(weight_mean=masked_mean(w, m), approx_kl=_approx_kl(log_ratio, m))
 
 
-@renamed_kwargs(prox_logp="old_logp", behav_logp="rollout_logp", behav_weight_cap="rollout_weight_cap")
 def decoupled_ppo_loss(
     logp: Float[Tensor, "B T"],
-    old_logp: Float[Tensor, "B T"] = MISSING,  # type: ignore[assignment]
-    advantages: Float[Tensor, "B T"] | Float[Tensor, " B"] = MISSING,  # type: ignore[assignment]
-    mask: Shaped[Tensor, "B T"] = MISSING,  # type: ignore[assignment]
-    *legacy: Tensor,
-    rollout_logp: Float[Tensor, "B T"] = MISSING,  # type: ignore[assignment]
+    old_logp: Float[Tensor, "B T"],
+    advantages: Float[Tensor, "B T"] | Float[Tensor, " B"],
+    mask: Shaped[Tensor, "B T"],
+    *,
+    rollout_logp: Float[Tensor, "B T"],
     eps_low: float = 0.2,
     eps_high: float = 0.2,
     rollout_weight_cap: float | None = None,
@@ -395,33 +371,12 @@ def decoupled_ppo_loss(
 
     Metrics: those of ``ppo_clip_loss`` (``clipfrac``, ``clipfrac_low``, ``clipfrac_high``, ``dual_clipfrac``,
     ``approx_kl``, measured against π_old) plus ``rollout_weight_mean`` (mean ``w`` over kept tokens) and
-    ``rollout_capped_frac`` (fraction of valid tokens dropped by the cap). The earlier keys ``behav_weight_mean`` /
-    ``behav_capped_frac`` can still be read, with a DeprecationWarning, for one release.
-
-    Deprecated for one release (DeprecationWarning): the 5-positional form
-    ``decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask)`` and the keywords ``prox_logp=``,
-    ``behav_logp=``, ``behav_weight_cap=``.
+    ``rollout_capped_frac`` (fraction of valid tokens dropped by the cap).
     """
-    if legacy:
-        if len(legacy) != 1 or rollout_logp is not MISSING:
-            also = " and rollout_logp=" if rollout_logp is not MISSING else ""
-            raise ArgumentError(
-                "decoupled_ppo_loss: expected (logp, old_logp, advantages, mask, *, rollout_logp=...), "
-                f"got {4 + len(legacy)} positional arguments{also}"
-            )
-        # the deprecated form (logp, prox_logp, behav_logp, advantages, mask)
-        warn_renamed("`decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask)`",
-                     "`decoupled_ppo_loss(logp, old_logp, advantages, mask, rollout_logp=...)`", stacklevel=4)
-        rollout_logp, advantages, mask = advantages, mask, legacy[0]
-    for name, value in (("old_logp", old_logp), ("advantages", advantages), ("mask", mask),
-                        ("rollout_logp", rollout_logp)):
-        if value is MISSING:
-            raise ArgumentError(f"{name}: required; call decoupled_ppo_loss(logp, old_logp, advantages, mask, "
-                                "rollout_logp=...)")
     m = check_token_pair("logp", logp, "old_logp", old_logp, mask)
     check_floating("rollout_logp", rollout_logp)
     check_same_shape("logp", logp, "rollout_logp", rollout_logp)
-    cap = None if rollout_weight_cap is None else check_number("rollout_weight_cap", rollout_weight_cap, gt=0.0)
+    cap = None if rollout_weight_cap is None else check_real("rollout_weight_cap", rollout_weight_cap, gt=0.0)
     dt = compute_dtype(logp)
     olp = safe(old_logp, m, dt).detach()
     rlp = safe(rollout_logp, m, dt).detach()
@@ -461,10 +416,94 @@ def value_loss(
         loss = 0.5 * err1
         clipfrac = _zero(dt, v.device)
     else:
-        c = check_number("clip", clip, ge=0.0)
+        c = check_real("clip", clip, ge=0.0)
         v_clipped = vo + (v - vo).clamp(-c, c)
         err2 = (v_clipped - ret) ** 2
         loss = 0.5 * torch.maximum(err1, err2)
         clipfrac = masked_mean((err2 > err1).to(dt), m)
     loss = safe(loss, m, dt)
     return loss, Metrics(vf_clipfrac=clipfrac, vf_mse=masked_mean(err1.detach(), m))
+
+
+def dppo_mask(
+    logp: Float[Tensor, "B T"],
+    old_logp: Float[Tensor, "B T"],
+    advantages: Float[Tensor, "B T"] | Float[Tensor, " B"],
+    mask: Shaped[Tensor, "B T"],
+    *,
+    delta_low: float = 0.2,
+    delta_high: float = 0.2,
+) -> tuple[Bool[Tensor, "B T"], Metrics]:
+    """DPPO band mask (prime-rl's default loss; DPPO-Binary-TV, arXiv 2602.04879): a trust region on the
+    *probability* difference, one-sided by the sign of the advantage.
+
+    ``Δ_t = e^{logp_t} − e^{old_logp_t}`` (detached). Dropped: ``A > 0`` and ``Δ > delta_high`` (the token's
+    probability already rose too far), or ``A ≤ 0`` and ``Δ < −delta_low`` (it already fell too far); prime-rl's
+    ``dppo_mask_high``/``dppo_mask_low``, default 0.2 each. Unlike a ratio band, a rare token (p = 0.01) can
+    move by a large ratio and stay in, while a likely token's step is bounded in absolute terms. prime-rl
+    compares the trainer with the engine (its ``old_logp`` slot holds the inference log-probs, one update per
+    batch); pass ``rollout_logp`` as ``old_logp`` for that. ``A = 0`` follows the ``A ≤ 0`` rule, as in
+    prime-rl (such a token carries no policy gradient anyway). Returns ``(keep, metrics)``; metrics (valid
+    tokens): ``masked_frac`` (all dropped), ``masked_low_frac`` (dropped with ``A < 0``), ``masked_high_frac``
+    (dropped with ``A > 0``).
+    """
+    m = check_token_pair("logp", logp, "old_logp", old_logp, mask)
+    dl = check_real("delta_low", delta_low, ge=0.0)
+    dh = check_real("delta_high", delta_high, ge=0.0)
+    dt = compute_dtype(logp)
+    adv = broadcast_advantages(advantages, logp, m).detach()
+    delta = torch.exp(safe(logp, m, dt).detach()) - torch.exp(safe(old_logp, m, dt).detach())
+    pos = adv > 0
+    high = m & pos & (delta > dh)
+    low = m & ~pos & (delta < -dl)
+    keep = m & ~(low | high)
+    metrics = Metrics(
+        masked_frac=masked_mean((low | high).to(dt), m),
+        masked_low_frac=masked_mean((low & (adv < 0)).to(dt), m),
+        masked_high_frac=masked_mean(high.to(dt), m),
+    )
+    return keep, metrics
+
+
+def dppo_loss(
+    logp: Float[Tensor, "B T"],
+    old_logp: Float[Tensor, "B T"],
+    advantages: Float[Tensor, "B T"] | Float[Tensor, " B"],
+    mask: Shaped[Tensor, "B T"],
+    *,
+    delta_low: float = 0.2,
+    delta_high: float = 0.2,
+    kl_coef: float = 1e-3,
+) -> tuple[Float[Tensor, "B T"], Metrics]:
+    """DPPO + log² loss (prime-rl's default RL loss): ``ℓ_t = −keep_t·r_t·A_t + kl_coef·(log r_t)²``.
+
+    ``log r = clamp(logp − old_logp, ±20)`` (no gradient beyond the clamp), ``r = e^{log r}`` with gradient
+    ``r·∇logp`` (no ratio clip: the
+    trust region is ``dppo_mask``'s probability band, ``keep``). The mismatch term ``(log r)²`` (Kimi-K2.5's
+    squared log-ratio, prime-rl's ``kl_tau``, default 1e-3) acts on *every* valid token, kept or not, with
+    gradient ``2·kl_coef·log r·∇logp``: it pulls the trainer back toward π_old where the band stopped the
+    policy-gradient term. Reduce with ``aggregate`` (prime-rl normalises by the total token count, i.e.
+    ``token-mean``). Metrics: ``clipfrac`` (tokens dropped by the band, the trust region's analogue of PPO's
+    clip fraction), ``clipfrac_low``, ``clipfrac_high``, ``approx_kl`` (k3 of KL(π_old‖π_θ)), ``log_ratio_sq``
+    (mean ``(log r)²`` over valid tokens).
+    """
+    keep, mm = dppo_mask(logp, old_logp, advantages, mask, delta_low=delta_low, delta_high=delta_high)
+    c = check_real("kl_coef", kl_coef, ge=0.0)
+    m = check_token_pair("logp", logp, "old_logp", old_logp, mask)
+    dt = compute_dtype(logp)
+    lp = safe(logp, m, dt)
+    olp = safe(old_logp, m, dt).detach()
+    adv = broadcast_advantages(advantages, logp, m).detach()
+    log_r = (lp - olp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    r = torch.exp(log_r)
+    zero = torch.zeros((), dtype=dt, device=lp.device)
+    loss = torch.where(keep, -r * adv, zero) + c * torch.where(m, log_r * log_r, zero)
+    lrd = log_r.detach()
+    metrics = Metrics(
+        clipfrac=mm["masked_frac"],
+        clipfrac_low=mm["masked_low_frac"],
+        clipfrac_high=mm["masked_high_frac"],
+        approx_kl=masked_mean(torch.expm1(lrd) - lrd, m),
+        log_ratio_sq=masked_mean(lrd * lrd, m),
+    )
+    return safe(loss, m, dt), metrics

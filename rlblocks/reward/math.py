@@ -48,9 +48,9 @@ import re
 import time
 
 from rlblocks._checks import check_bool, check_int, check_seconds
-from rlblocks.errors import ArgumentError
+from rlblocks.errors import ArgumentError, RewardTimeout, WorkerCrashed, WorkerError
 from rlblocks.reward.types import RewardResult, Sample
-from rlblocks.reward.workers import ProcessWorkers, RewardTimeout, WorkerCrashed, WorkerError
+from rlblocks.reward.workers import ProcessWorkers
 
 __all__ = ["MathReward", "check_math", "extract_answer", "math_reward"]
 

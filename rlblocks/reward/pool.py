@@ -46,10 +46,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from rlblocks._checks import check_int, check_seconds
-from rlblocks.errors import ArgumentError
+from rlblocks.errors import ArgumentError, RewardTimeout, WorkerCrashed, WorkerError
 from rlblocks.reward.retry import RetryPolicy
 from rlblocks.reward.types import GroupResult, RewardResult, Sample
-from rlblocks.reward.workers import ProcessWorkers, RewardTimeout, WorkerCrashed, WorkerError, check_importable
+from rlblocks.reward.workers import ProcessWorkers, check_importable
 
 __all__ = ["RewardPool"]
 

@@ -40,9 +40,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rlblocks._checks import check_int, check_optional_int, check_seconds
-from rlblocks.errors import ArgumentError, RLBlocksError
+from rlblocks.errors import ArgumentError, RewardTimeout, WorkerCrashed, WorkerError
 
-__all__ = ["ProcessWorkers", "RewardTimeout", "WorkerCrashed", "WorkerError"]
+__all__ = ["ProcessWorkers"]
 
 _HEADER = struct.Struct(">Q")
 # ``python -c`` puts "" (the current directory) first on sys.path: drop it before the first import, so the worker
@@ -51,23 +51,6 @@ _BOOTSTRAP = ("import sys\nif sys.path and sys.path[0] == '':\n    del sys.path[
               "from rlblocks.reward._worker import main\nmain()")
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the rlblocks/ package directory
 _STDERR_KEEP = 1 << 20  # a worker's stderr file is emptied after a call once it holds more than this
-
-
-class RewardTimeout(RLBlocksError, TimeoutError):
-    """A reward call did not finish within its timeout (its worker process was killed)."""
-
-
-class WorkerCrashed(RLBlocksError, RuntimeError):
-    """The worker process died during a call, or could not be started."""
-
-
-class WorkerError(RLBlocksError, RuntimeError):
-    """The called function raised in the worker process. ``remote_type`` and ``remote_traceback`` describe it."""
-
-    def __init__(self, message: str, *, remote_type: str = "", remote_traceback: str = "") -> None:
-        super().__init__(message)
-        self.remote_type = remote_type
-        self.remote_traceback = remote_traceback
 
 
 def _same_package(path: object) -> bool:

@@ -19,7 +19,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .agent import (
+from .agents import (
+    HERMES_TEMPLATE,
+    LLAMA3_TEMPLATE,
     Env,
     Episode,
     EpisodeStats,
@@ -27,14 +29,19 @@ from .agent import (
     Tool,
     ToolCall,
     ToolEnv,
+    Trajectory,
     calculator_tool,
     generate_turn,
     parse_tool_calls,
     python_tool,
+    render_chat,
+    render_chat_text,
     run_episode,
+    to_tensors,
+    trajectory_rows,
 )
 from .batch import RolloutBatch, build_batch
-from .chat_templates import HERMES_TEMPLATE, LLAMA3_TEMPLATE
+from .engines import SGLangEngine, TorchEngine
 from .resume import ResumableResult, resumable_generate
 from .router import Router
 from .routing import (
@@ -46,22 +53,19 @@ from .routing import (
     route_flip_fraction,
     routing_dtype,
 )
-from .sglang_engine import SGLangEngine
-from .torch_engine import TorchEngine
-from .trajectory import Trajectory, render_chat, render_chat_text, to_tensors, trajectory_rows
 from .tree import PrefixTree, build_prefix_tree, response_prefix_tree
 from .types import FinishReason, Generation, GenerationRequest, RolloutEngine, SamplingParams
 
 if TYPE_CHECKING:
+    from .engines.vllm_engine import VLLMEngine, nccl_trainer_init, nccl_trainer_send
     from .gateway import Gateway
-    from .vllm_engine import VLLMEngine, nccl_trainer_init, nccl_trainer_send
 
 # heavy (vllm; the gateway's HTTP server): name -> module, imported on first access
 _LAZY = {
     "Gateway": ".gateway",
-    "VLLMEngine": ".vllm_engine",
-    "nccl_trainer_init": ".vllm_engine",
-    "nccl_trainer_send": ".vllm_engine",
+    "VLLMEngine": ".engines.vllm_engine",
+    "nccl_trainer_init": ".engines.vllm_engine",
+    "nccl_trainer_send": ".engines.vllm_engine",
 }
 
 __all__ = [

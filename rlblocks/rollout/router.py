@@ -39,9 +39,8 @@ from typing import Any, Literal
 from torch import Tensor
 
 from rlblocks._checks import check_int, check_seconds
-from rlblocks.errors import ArgumentError, EngineError, NoLiveEngine, WeightUpdateError
+from rlblocks.errors import ArgumentError, EngineDied, EngineError, NoLiveEngine, WeightUpdateError
 
-from ._common import InFlightCount
 from .types import Generation, GenerationRequest, RolloutEngine
 
 __all__ = ["Router"]
@@ -61,10 +60,6 @@ def is_engine_failure(exc: BaseException) -> bool:
 def _retrieve(task: asyncio.Future) -> None:
     if not task.cancelled():
         task.exception()
-
-
-class _EngineDied(Exception):
-    pass
 
 
 class Router:
@@ -126,7 +121,7 @@ class Router:
     @property
     def num_in_flight(self) -> int:
         """Requests in flight through this router (all engines)."""
-        return InFlightCount(len(self._where))
+        return len(self._where)
 
     def stats(self) -> dict:
         """``{"num_in_flight", "in_flight": [per engine], "assigned": [per engine], "alive": [per engine],
@@ -175,7 +170,7 @@ class Router:
             self._where[request.request_id] = i
             try:
                 gen = await self._on(i, request)
-            except _EngineDied:
+            except EngineDied:
                 self._counts["failovers"] += 1
                 continue
             finally:
@@ -188,10 +183,10 @@ class Router:
             return gen
 
     async def _on(self, i: int, request: GenerationRequest) -> Generation:
-        """``engines[i].generate(request)``, or :class:`_EngineDied` as soon as engine ``i`` is taken out (by this
+        """``engines[i].generate(request)``, or :class:`EngineDied` as soon as engine ``i`` is taken out (by this
         call's failure, another call's, or a heartbeat)."""
         if self._dead[i].is_set():
-            raise _EngineDied
+            raise EngineDied
         call = asyncio.ensure_future(self.engines[i].generate(request))
         dead = asyncio.ensure_future(self._dead[i].wait())
         try:
@@ -204,13 +199,13 @@ class Router:
         if not call.done():  # taken out while this request ran there (a hung engine never answers)
             call.cancel()
             call.add_done_callback(_retrieve)
-            raise _EngineDied
+            raise EngineDied
         exc = call.exception()
         if exc is None:
             return call.result()
         if is_engine_failure(exc):
             self._take_out(i, f"generate {request.request_id!r}: {type(exc).__name__}: {exc}")
-            raise _EngineDied from exc
+            raise EngineDied from exc
         raise exc
 
     def _take_out(self, i: int, why: str) -> None:

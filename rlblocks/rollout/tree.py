@@ -45,8 +45,7 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
-from rlblocks._checks import check_bool, check_int
-from rlblocks._validate import check_ndim, check_tensor, shape_str
+from rlblocks._checks import check_bool, check_int, check_ndim, check_tensor, shape_str
 from rlblocks.errors import ArgumentError
 from rlblocks.sched.packing import pack_sequences
 

@@ -152,8 +152,8 @@ class RolloutEngine(Protocol):
     commit, resume*: it runs only while the engine is paused (it pauses itself otherwise, and resumes afterwards if
     it did), loads every tensor, invalidates prefix/KV caches computed under the old weights, and only then makes
     ``version`` visible. Every engine checks the update with one rule before anything is touched (see
-    :mod:`rlblocks.rollout._weights`): an empty update, unknown names, duplicates, wrong shapes or dtypes, non-finite
-    values, a partial update without ``partial=True``, tied aliases with different values and ``version <
+    :mod:`rlblocks.rollout.engines._weights`): an empty update, unknown names, duplicates, wrong shapes or dtypes,
+    non-finite values, a partial update without ``partial=True``, tied aliases with different values and ``version <
     engine.version`` without ``allow_rollback=True`` raise :class:`~rlblocks.errors.WeightUpdateError`;
     ``version == engine.version`` re-loads the current version.
 

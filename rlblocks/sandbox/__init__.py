@@ -61,7 +61,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlblocks._checks import check_bool
+from rlblocks._checks import check_bool, check_choice, check_int, check_seconds
 from rlblocks.errors import ArgumentError, SandboxUnavailable
 from rlblocks.sandbox import _bwrap, _seccomp
 from rlblocks.sandbox._cgroup import PidsCgroup
@@ -106,22 +106,18 @@ class SandboxLimits:
     isolation: str = "strict"
 
     def __post_init__(self) -> None:
+        # frozen: the checked values (plain floats and ints, numpy ones converted) are set through object
         for name in ("cpu_seconds", "wall_seconds"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < float("inf")):
-                raise ArgumentError(f"{name}: expected a finite number of seconds > 0, got {v!r}")
+            object.__setattr__(self, name, check_seconds(name, getattr(self, name)))
         for name in ("memory_bytes", "file_bytes", "disk_bytes", "max_output_bytes", "max_processes", "open_files",
                      "max_created_files"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ArgumentError(f"{name}: expected an int >= 1, got {v!r}")
+            object.__setattr__(self, name, check_int(name, getattr(self, name), minimum=1))
         if self.disk_bytes < 4096:
             raise ArgumentError(f"disk_bytes: expected at least 4096 (one page of tmpfs), got {self.disk_bytes}")
         # A permission is a bool: ``allow_network="no"`` is truthy and would open the network.
         check_bool("allow_subprocesses", self.allow_subprocesses)
         check_bool("allow_network", self.allow_network)
-        if self.isolation not in _ISOLATION:
-            raise ArgumentError(f"isolation: expected one of {_ISOLATION}, got {self.isolation!r}")
+        check_choice("isolation", self.isolation, _ISOLATION)
 
 
 @dataclass

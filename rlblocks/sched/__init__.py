@@ -7,9 +7,9 @@
 - :func:`pack_sequences`, :func:`token_budget_microbatches`, :func:`balance_partitions`, :func:`inverse_permutation`,
   :func:`pad_to_packed`, :func:`packed_to_pad` — batching helpers.
 
-Only the standard library, torch and jaxtyping are imported; no rollout engine. The simulator is
-``rlblocks.sched.sim`` (imported on its own). The exceptions (``QueueFull``, ``QueueClosed``,
-``InsufficientGroupsError``) are in ``rlblocks.errors``.
+Only the standard library, torch, jaxtyping and ``rlblocks.losses`` (the zero-variance rule) are imported; no
+rollout engine. The simulator is ``rlblocks.sched.sim`` (imported on its own). The exceptions (``QueueFull``,
+``QueueClosed``, ``InsufficientGroupsError``) are in ``rlblocks.errors``.
 """
 
 from __future__ import annotations

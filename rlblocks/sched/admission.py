@@ -20,10 +20,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from rlblocks._checks import check_int, check_state_keys
 from rlblocks.errors import ArgumentError
-
-from ._checks import check_int as _check_int
-from ._checks import check_state_keys
 
 
 class StalenessController:
@@ -53,10 +51,10 @@ class StalenessController:
     """
 
     def __init__(self, *, batch_size: int, max_staleness: int, max_concurrent: int, dp_size: int = 1) -> None:
-        dp_size = _check_int("dp_size", dp_size, minimum=1)
-        batch_size = _check_int("batch_size", batch_size, minimum=1)
-        max_concurrent = _check_int("max_concurrent", max_concurrent, minimum=1)
-        self.max_staleness = _check_int("max_staleness", max_staleness, minimum=0)
+        dp_size = check_int("dp_size", dp_size, minimum=1)
+        batch_size = check_int("batch_size", batch_size, minimum=1)
+        max_concurrent = check_int("max_concurrent", max_concurrent, minimum=1)
+        self.max_staleness = check_int("max_staleness", max_staleness, minimum=0)
         for name, value in (("batch_size", batch_size), ("max_concurrent", max_concurrent)):
             if value % dp_size != 0 or value < dp_size:
                 raise ArgumentError(
@@ -102,14 +100,14 @@ class StalenessController:
 
     def capacity(self, version: int) -> int:
         """How many rollouts may be submitted now at policy ``version`` (>= 0)."""
-        version = _check_int("version", version, minimum=0)
+        version = check_int("version", version, minimum=0)
         with self._lock:
             return self._capacity_locked(version)
 
     def try_submit(self, version: int, n: int = 1) -> bool:
         """Atomically reserve ``n`` slots if ``capacity(version) >= n``; returns whether it did."""
-        version = _check_int("version", version, minimum=0)
-        n = _check_int("n", n, minimum=1)
+        version = check_int("version", version, minimum=0)
+        n = check_int("n", n, minimum=1)
         with self._lock:
             if self._capacity_locked(version) < n:
                 return False
@@ -118,12 +116,12 @@ class StalenessController:
 
     def on_submit(self, n: int = 1) -> None:
         """Record ``n`` submitted rollouts (``running += n``). Does not check capacity; see :meth:`try_submit`."""
-        n = _check_int("n", n, minimum=1)
+        n = check_int("n", n, minimum=1)
         with self._lock:
             self._running += n
 
     def _finish(self, n: int, what: str) -> None:
-        n = _check_int("n", n, minimum=1)
+        n = check_int("n", n, minimum=1)
         with self._lock:
             if n > self._running:
                 raise ArgumentError(f"n: cannot {what} {n} rollout(s), only {self._running} running")
@@ -151,7 +149,7 @@ class StalenessController:
         may generate). Giving the slot back by submitting outside ``capacity()`` has the same flaw, because the
         replacement is accepted in turn.
         """
-        n = _check_int("n", n, minimum=1)
+        n = check_int("n", n, minimum=1)
         with self._lock:
             if n > self._accepted:
                 raise ArgumentError(f"n: cannot discard {n} accepted rollout(s), only {self._accepted} accepted")
@@ -183,7 +181,7 @@ class StalenessController:
         flight died with the old process, so ``running`` is set to 0; ``rejected`` is kept. ``submitted`` is derived
         (``accepted + rejected + running``) so the invariant holds.
         """
-        version = _check_int("version", version, minimum=0)
+        version = check_int("version", version, minimum=0)
         with self._lock:
             self._accepted = version * self.batch_size
             self._running = 0
@@ -213,12 +211,12 @@ class StalenessController:
         check_state_keys(where, state, ("batch_size", "dp_size", "running", "accepted", "rejected", "submitted"),
                          ("max_concurrent", "max_staleness"))
         for key, mine in (("batch_size", self.global_batch_size), ("dp_size", self.dp_size)):
-            if _check_int(f"{where}[{key!r}]", state[key], minimum=1) != mine:
+            if check_int(f"{where}[{key!r}]", state[key], minimum=1) != mine:
                 raise ArgumentError(f"{where}[{key!r}]: expected {mine} (this controller's), got {state[key]!r}")
-        running = _check_int(f"{where}['running']", state["running"], minimum=0)
-        accepted = _check_int(f"{where}['accepted']", state["accepted"], minimum=0)
-        rejected = _check_int(f"{where}['rejected']", state["rejected"], minimum=0)
-        if _check_int(f"{where}['submitted']", state["submitted"], minimum=0) != running + accepted + rejected:
+        running = check_int(f"{where}['running']", state["running"], minimum=0)
+        accepted = check_int(f"{where}['accepted']", state["accepted"], minimum=0)
+        rejected = check_int(f"{where}['rejected']", state["rejected"], minimum=0)
+        if check_int(f"{where}['submitted']", state["submitted"], minimum=0) != running + accepted + rejected:
             raise ArgumentError(
                 f"{where}['submitted']: expected accepted + rejected + running = {running + accepted + rejected}, "
                 f"got {state['submitted']!r}"

@@ -33,21 +33,25 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from rlblocks._deprecate import warn_renamed
+from rlblocks._checks import check_bool, check_int, check_optional_int, check_real
 from rlblocks.errors import ArgumentError, InsufficientGroupsError
-
-from ._checks import check_bool, check_int, check_optional_int, check_real
+from rlblocks.losses.masks import zero_variance_groups
 
 
 def nonzero_reward_variance(group: Any, rewards: Sequence[float]) -> bool:
     """Default filter: keep a group iff its rewards are not all equal (exact comparison, no tolerance).
 
-    A group of one sample has zero variance and is rejected.
+    The rule is :func:`rlblocks.losses.zero_variance_groups` (its one home), applied to this one group: a group of
+    one sample has zero variance and is rejected; a group holding a NaN or ±inf reward is kept, so the broken
+    reward is never discarded with it (:meth:`DynamicSampler.add_group` refuses non-finite rewards before this).
     """
-    first = rewards[0]
-    return any(r != first for r in rewards)
+    r = torch.tensor([float(x) for x in rewards], dtype=torch.float64)
+    if r.numel() == 0:
+        raise ArgumentError("rewards: expected at least one reward per group, got none")
+    return not bool(zero_variance_groups(r, torch.zeros(r.numel(), dtype=torch.long))[0])
 
 
 def _as_rewards(rewards: Sequence[float] | Tensor) -> list[float]:
@@ -114,11 +118,9 @@ class DynamicSampler:
         max_rounds: int | None = None,
     ) -> None:
         self.target_groups = check_int("target_groups", target_groups, minimum=1)
-        if check_real("over_sampling", over_sampling, finite=True) < 1.0:
-            raise ArgumentError(f"over_sampling: expected a finite number >= 1.0, got {over_sampling!r}")
         if filter_fn is not None and not callable(filter_fn):
             raise ArgumentError(f"filter_fn: expected a callable(group, rewards) -> bool or None, got {filter_fn!r}")
-        self.over_sampling = float(over_sampling)
+        self.over_sampling = check_real("over_sampling", over_sampling, finite=True, ge=1.0)
         self.filter_fn = filter_fn if filter_fn is not None else nonzero_reward_variance
         self.keep_when_insufficient = check_bool("keep_when_insufficient", keep_when_insufficient)
         self.max_rounds = check_optional_int("max_rounds", max_rounds, minimum=0)
@@ -257,39 +259,21 @@ class DynamicSampler:
         with self._lock:
             return self._stats_locked()
 
-    def counts(self) -> dict[str, int]:
-        """Deprecated name of :meth:`stats`."""
-        warn_renamed("`DynamicSampler.counts()`", "`DynamicSampler.stats()`")
-        return self.stats()
-
     def reset(self) -> dict[str, Any]:
         """Start the next step. Returns what the ending step left over, so nothing is lost:
         ``{"stats": ..., "surplus": [...], "filtered": [...], "filled": [...]}`` (surplus groups passed the filter
         and may seed the next batch). Groups still in flight are carried over: they count as submitted in the new
         step (their results arrive there), which suits fully asynchronous loops; ``stats["carried_in_flight"]``
-        says how many. (The key ``"counts"`` is a deprecated alias of ``"stats"``.)
+        says how many.
         """
         with self._lock:
             carried = self._in_flight_locked()
             snapshot = self._stats_locked()
             snapshot.pop("in_flight")
             snapshot["carried_in_flight"] = carried
-            out = _ResetResult(stats=snapshot, surplus=self._surplus, filtered=self._filtered, filled=self._filled)
+            out = dict(stats=snapshot, surplus=self._surplus, filtered=self._filtered, filled=self._filled)
             self._clear()
             self._submitted = carried
             self.steps += 1
             return out
 
-
-class _ResetResult(dict):
-    """The plain dict :meth:`DynamicSampler.reset` returns; reading the old key ``"counts"`` warns and gives
-    ``"stats"``."""
-
-    def __getitem__(self, key: Any) -> Any:
-        if key == "counts" and not dict.__contains__(self, "counts"):
-            warn_renamed("`DynamicSampler.reset()['counts']`", "`['stats']`")
-            key = "stats"
-        return dict.__getitem__(self, key)
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        return self[key] if key == "counts" or key in self else default

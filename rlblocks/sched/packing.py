@@ -19,10 +19,8 @@ import torch
 from jaxtyping import Bool, Int, Shaped
 from torch import Tensor
 
+from rlblocks._checks import check_bool, check_int, check_int_list, check_ndim, check_tensor, shape_str
 from rlblocks.errors import ArgumentError
-
-from .._validate import check_ndim, check_tensor, shape_str
-from ._checks import check_bool, check_int, check_int_list
 
 
 def _as_lengths(lengths: Sequence[int] | Tensor, name: str = "lengths") -> list[int]:

@@ -16,10 +16,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from rlblocks._deprecate import renamed_kwargs, take_renamed, warn_renamed
-from rlblocks.errors import ArgumentError
-
-from ._checks import (
+from rlblocks._checks import (
     check_bool,
     check_int,
     check_int_list,
@@ -27,6 +24,7 @@ from ._checks import (
     check_optional_int,
     check_state_keys,
 )
+from rlblocks.errors import ArgumentError
 
 
 class GenerationLike(Protocol):
@@ -138,7 +136,7 @@ class PartialRolloutBuffer:
         max_staleness: ``eta``; if set, a group whose oldest token is more than ``eta`` versions older than
             ``current_version`` (passed to :meth:`pop_groups` / :meth:`drop_stale`) is dropped whole: trained at
             ``current_version`` or later it would break the staleness bound, so finishing it is wasted work.
-            Counted in ``groups_dropped`` / ``samples_dropped``. (Deprecated spelling: ``max_age=``.)
+            Counted in ``groups_dropped`` / ``samples_dropped``.
         on_drop: ``on_drop(group_id, samples)`` receives each dropped group; without it dropped groups are kept
             for :meth:`drain_dropped`. Nothing is discarded silently.
 
@@ -149,7 +147,6 @@ class PartialRolloutBuffer:
     prompts, so resumed work is not starved.
     """
 
-    @renamed_kwargs(max_age="max_staleness")
     def __init__(
         self,
         *,
@@ -168,12 +165,6 @@ class PartialRolloutBuffer:
         self._dropped: list[tuple[Hashable, list[PartialRollout]]] = []
         self._rids: dict[str, Hashable] = {}  # request_id -> group of every held sample (duplicates are refused)
         self._counts = dict.fromkeys(_COUNTERS, 0)
-
-    @property
-    def max_age(self) -> int | None:
-        """Deprecated name of :attr:`max_staleness`."""
-        warn_renamed("`PartialRolloutBuffer.max_age`", "`max_staleness`")
-        return self.max_staleness
 
     # ------------------------------------------------------------------ adding
     def _check_sample(self, s: object, name: str) -> PartialRollout:
@@ -304,19 +295,14 @@ class PartialRolloutBuffer:
         return len(dropped)
 
     def pop_groups(
-        self, n: int | None = None, *, current_version: int | None = None, **deprecated: Any
+        self, n: int, *, current_version: int | None = None
     ) -> list[list[PartialRollout]]:
         """Up to ``n`` whole groups, oldest inserted first (each a list of its samples in insertion order).
 
         With ``current_version`` and ``max_staleness`` set, stale groups are dropped first (see
-        :meth:`drop_stale`). (Deprecated spelling: ``k=``.)
+        :meth:`drop_stale`).
         """
-        n = take_renamed(deprecated, "k", "n", n, where="PartialRolloutBuffer.pop_groups", stacklevel=4)
-        if deprecated:
-            raise TypeError(f"pop_groups() got unexpected keyword arguments {sorted(deprecated)}")
-        if n is None:
-            raise ArgumentError("n: expected an int > 0 (how many groups to take), got None")
-        n = check_int("n", n, minimum=1)
+        n = check_int("n", n, minimum=1, what="an int > 0 (how many groups to take)")
         if current_version is not None:
             current_version = check_int("current_version", current_version, minimum=0)
         with self._lock:

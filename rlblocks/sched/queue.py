@@ -28,12 +28,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, Literal
 
+from rlblocks._checks import check_bool, check_int, check_real, check_state_keys, check_timeout
 from rlblocks.errors import ArgumentError, QueueClosed, QueueFull
-
-from ._checks import check_bool, check_state_keys
-from ._checks import check_int as _check_int
-from ._checks import check_real as _check_real
-from ._checks import check_timeout as _check_timeout
 
 
 class StalenessQueue:
@@ -69,8 +65,8 @@ class StalenessQueue:
         on_stale: Callable[[Any, int], None] | None = None,
         on_ahead: Literal["count", "raise"] = "count",
     ) -> None:
-        self.max_staleness = _check_int("max_staleness", max_staleness, minimum=0)
-        self.capacity = None if capacity is None else _check_int("capacity", capacity, minimum=1)
+        self.max_staleness = check_int("max_staleness", max_staleness, minimum=0)
+        self.capacity = None if capacity is None else check_int("capacity", capacity, minimum=1)
         if on_stale is not None and not callable(on_stale):
             raise ArgumentError(f"on_stale: expected a callable(item, version) or None, got {on_stale!r}")
         self.on_stale = on_stale
@@ -196,8 +192,8 @@ class StalenessQueue:
         seconds (``None``: forever) for room, then raise :class:`QueueFull`. Raises :class:`QueueClosed` after
         :meth:`close`. The item is never dropped: on any exception it was not inserted.
         """
-        version = _check_int("version", version, minimum=0)
-        timeout = _check_timeout(timeout)
+        version = check_int("version", version, minimum=0)
+        timeout = check_timeout(timeout)
         block = check_bool("block", block)  # a truthy "no" would block
         with self._lock:
             if self._closed:
@@ -225,8 +221,8 @@ class StalenessQueue:
 
     async def aput(self, item: Any, version: int, *, timeout: float | None = None) -> None:
         """Coroutine :meth:`put` that waits for room without blocking the event loop."""
-        version = _check_int("version", version, minimum=0)
-        timeout = _check_timeout(timeout)
+        version = check_int("version", version, minimum=0)
+        timeout = check_timeout(timeout)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
@@ -254,9 +250,9 @@ class StalenessQueue:
         are queued, the queue is closed, or ``timeout`` seconds pass (``None``: no limit; ``0``: do not wait), then
         returns what there is — possibly fewer than ``n``, possibly ``[]``.
         """
-        n = _check_int("n", n, minimum=1)
-        current_version = _check_int("current_version", current_version, minimum=0)
-        timeout = _check_timeout(timeout)
+        n = check_int("n", n, minimum=1)
+        current_version = check_int("current_version", current_version, minimum=0)
+        timeout = check_timeout(timeout)
         deliver = self.on_stale is not None
         t0 = deadline = None
         while True:
@@ -283,9 +279,9 @@ class StalenessQueue:
     async def aget_batch(self, n: int, *, current_version: int, timeout: float | None = None) -> list[Any]:
         """Coroutine :meth:`get_batch`; waits on the event loop, never in a thread. Cancellation loses nothing:
         items are taken only in the step that returns them."""
-        n = _check_int("n", n, minimum=1)
-        current_version = _check_int("current_version", current_version, minimum=0)
-        timeout = _check_timeout(timeout)
+        n = check_int("n", n, minimum=1)
+        current_version = check_int("current_version", current_version, minimum=0)
+        timeout = check_timeout(timeout)
         loop = asyncio.get_running_loop()
         deliver = self.on_stale is not None
         t0 = loop.time()
@@ -325,7 +321,7 @@ class StalenessQueue:
 
     def purge_stale(self, current_version: int) -> int:
         """Move every item stale at ``current_version`` out of the queue now (frees room). Returns how many."""
-        current_version = _check_int("current_version", current_version, minimum=0)
+        current_version = check_int("current_version", current_version, minimum=0)
         with self._lock:
             stale = self._purge_locked(current_version)
         self._deliver_stale(stale)
@@ -419,16 +415,16 @@ class StalenessQueue:
         items = []
         for j, entry in enumerate(_entries(f"{where}: state['items']", state["items"], 3)):
             item, v, age = entry
-            items.append((item, _check_int(f"{where}: state['items'][{j}] version", v, minimum=0),
-                          _check_real(f"{where}: state['items'][{j}] age", age, finite=True)))
+            items.append((item, check_int(f"{where}: state['items'][{j}] version", v, minimum=0),
+                          check_real(f"{where}: state['items'][{j}] age", age, finite=True)))
         stale_pending = [
-            (item, _check_int(f"{where}: state['stale_pending'][{j}] version", v, minimum=0))
+            (item, check_int(f"{where}: state['stale_pending'][{j}] version", v, minimum=0))
             for j, (item, v) in enumerate(_entries(f"{where}: state['stale_pending']", state["stale_pending"], 2))
         ]
         c = check_state_keys(f"{where}: state['counters']", state["counters"], _COUNTERS, _COUNTERS_OPTIONAL)
-        counts = {k: _check_int(f"{where}: state['counters'][{k!r}]", c[k], minimum=0)
+        counts = {k: check_int(f"{where}: state['counters'][{k!r}]", c[k], minimum=0)
                   for k in ("put", "returned", "stale", "drained", "ahead", "max_ahead") if k in c}
-        seconds = {k: _check_real(f"{where}: state['counters'][{k!r}]", c[k], finite=True)
+        seconds = {k: check_real(f"{where}: state['counters'][{k!r}]", c[k], finite=True)
                    for k in ("wait_time_total_s", "get_blocked_s", "put_blocked_s")}
         hists = {k: _histogram(f"{where}: state['counters'][{k!r}]", c[k])
                  for k in ("age_histogram", "stale_age_histogram")}
@@ -483,8 +479,8 @@ def _histogram(where: str, value: object) -> dict[int, int]:
         raise ArgumentError(f"{where}: expected a dict {{age: count}}, got {type(value).__name__}")
     out = {}
     for k, v in value.items():
-        age = int(k) if isinstance(k, str) and k.lstrip("-").isdecimal() else _check_int(f"{where} key", k)
-        out[age] = _check_int(f"{where}[{k!r}]", v, minimum=0)
+        age = int(k) if isinstance(k, str) and k.lstrip("-").isdecimal() else check_int(f"{where} key", k)
+        out[age] = check_int(f"{where}[{k!r}]", v, minimum=0)
     return out
 
 

@@ -31,10 +31,9 @@ from .fp8 import (
     quantized_specs,
     save_fp8_checkpoint,
 )
-from .fsdp import full_tensors
 from .handoff import HandoffMessage, HandoffSender, open_handoff, update_from_handoff
 from .lora import LoraSyncer, lora_state, merge_lora, split_lora_message
-from .megatron import GPTDims, gpt_dims, hf_to_megatron, megatron_to_hf, megatron_to_hf_streaming
+from .reshard import GPTDims, full_tensors, gpt_dims, hf_to_megatron, megatron_to_hf, megatron_to_hf_streaming
 
 __all__ = [
     "Bucket",

@@ -40,9 +40,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import AllgatherOptions, BroadcastOptions
 
-from rlblocks._checks import check_bool, check_int, check_optional_int
+from rlblocks._checks import check_bool, check_int, check_optional_int, check_version
 from rlblocks.errors import ArgumentError, SyncError, SyncMismatchError
-from rlblocks.sync._args import check_version, keyword_only
 from rlblocks.sync.buckets import (
     Bucket,
     TensorMeta,
@@ -366,7 +365,6 @@ class WeightSender:
         """Free the two staging buffers (they are re-allocated at the next send)."""
         self._buffers = [None, None]
 
-    @keyword_only(2, "version")
     def send(
         self,
         named_tensors: Iterable[tuple[str, Tensor]] | Mapping[str, Tensor],
@@ -381,7 +379,7 @@ class WeightSender:
         dtype of every tensor, in order): each streamed tensor is then checked against it as it is packed.
         Raises :class:`SyncMismatchError` if a receiver refuses, :class:`SyncError` if a peer dies or times out.
         """
-        version = check_version(version)
+        version = check_version("version", version)
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         if manifest is None:
             items = list(items)

@@ -55,9 +55,8 @@ import torch
 from jaxtyping import UInt8
 from torch import Tensor
 
-from rlblocks._checks import check_bool
+from rlblocks._checks import check_bool, check_version
 from rlblocks.errors import ArgumentError, DeltaError
-from rlblocks.sync._args import check_version, keyword_only
 from rlblocks.sync._bits import (
     INT_VIEW,
     NativeDelta,
@@ -387,7 +386,7 @@ class DeltaEncoder:
         if compress is True:
             _zstd("compress=True")
         self.compression = "zstd" if compress is True or (compress == "auto" and _zstd_available()) else "none"
-        self.version = check_version(version)
+        self.version = check_version("version", version)
         self.device = None if device is None else torch.device(device)
         self._snap = {n: _snapshot(t, self.device) for n, t in _named(named_tensors, "named_tensors").items()}
         self._crc = {n: crc32_tensor(t) for n, t in self._snap.items()}
@@ -397,7 +396,6 @@ class DeltaEncoder:
         was not smaller than a full packet's), ``full_fallbacks`` (of those, sent as a full packet instead)."""
         return dict(self._stats)
 
-    @keyword_only(2, "version")
     def full(
         self,
         named_tensors: Iterable[tuple[str, Tensor]] | Mapping[str, Tensor],
@@ -410,7 +408,7 @@ class DeltaEncoder:
         ``version`` must be greater than the last encoded one (a decoder refuses an older full packet too);
         ``allow_rollback=True`` allows going back on purpose.
         """
-        version = check_version(version)
+        version = check_version("version", version)
         allow_rollback = check_bool("allow_rollback", allow_rollback)
         if version <= self.version and not allow_rollback:
             raise ArgumentError(
@@ -434,7 +432,6 @@ class DeltaEncoder:
         ]
         return DeltaPacket(self.version, None, out, self.compression)
 
-    @keyword_only(2, "version")
     def encode(
         self, named_tensors: Iterable[tuple[str, Tensor]] | Mapping[str, Tensor], *, version: int
     ) -> DeltaPacket:
@@ -444,7 +441,7 @@ class DeltaEncoder:
         The snapshot is updated in place (only the changed elements are written). When the delta is not smaller
         than a full packet, see the class docstring (``full_fallback``).
         """
-        version = check_version(version)
+        version = check_version("version", version)
         if version <= self.version:
             raise ArgumentError(f"version: expected > {self.version} (the last encoded version), got {version}")
         named = _named(named_tensors, "named_tensors")
@@ -463,7 +460,7 @@ class DeltaEncoder:
                 f"DeltaEncoder: the delta to version {version} carries {delta_bytes} payload bytes, not fewer than a "
                 f"full packet ({full_bytes}); DeltaEncoder(..., full_fallback=True) sends a full packet instead",
                 RuntimeWarning,
-                stacklevel=3,  # the caller of encode (through the keyword_only wrapper)
+                stacklevel=2,  # the caller of encode
             )
         self._stats["deltas"] += 1
         return DeltaPacket(version, base, out, self.compression)
@@ -578,7 +575,7 @@ class DeltaDecoder:
         for n, t in self.tensors.items():
             if not t.is_contiguous():
                 raise ArgumentError(f"named_tensors[{n!r}]: expected a contiguous tensor (updated in place)")
-        self.version = check_version(version)
+        self.version = check_version("version", version)
         self._crc: dict[str, int] = {}
 
     def apply(self, packet: DeltaPacket, *, verify: bool = True, allow_rollback: bool = False) -> int:

@@ -33,9 +33,8 @@ import time
 import warnings
 from pathlib import Path
 
-from rlblocks._checks import check_bool, check_int
+from rlblocks._checks import check_bool, check_int, check_version
 from rlblocks.errors import ArgumentError, DeltaError
-from rlblocks.sync._args import check_version, keyword_only
 from rlblocks.sync.broadcast import SyncGroup
 from rlblocks.sync.delta import DeltaPacket
 
@@ -53,7 +52,7 @@ def _fsync_write(path: Path, data: bytes) -> None:
 def _check_current(current_version: object) -> int | None:
     if current_version is None:
         return None
-    return check_version(current_version, "current_version")
+    return check_version("current_version", current_version)
 
 
 class DirectoryTransport:
@@ -153,13 +152,12 @@ class DirectoryTransport:
         """Damaged versions this reader has met, with the reason (see the module docstring)."""
         return dict(self._damaged)
 
-    @keyword_only(1, "version")
     def meta(self, *, version: int) -> dict | None:
         """``{"version", "base_version", "nbytes"}`` of a published version; None if absent (or collected).
 
         Raises :class:`DeltaError` if ``meta.json`` is unreadable or inconsistent with the directory name.
         """
-        version = check_version(version)
+        version = check_version("version", version)
         try:
             raw = (self.root / f"v{version:06d}" / "meta.json").read_bytes()
         except FileNotFoundError:
@@ -174,13 +172,12 @@ class DirectoryTransport:
             raise DeltaError(f"v{version:06d}/meta.json does not describe version {version}: {m!r:.200}")
         return m
 
-    @keyword_only(1, "version")
     def read(self, *, version: int) -> DeltaPacket | None:
         """The packet of ``version`` (checksum-verified), or None if it is not (or no longer) published.
 
         Raises :class:`DeltaError` if the bytes fail the checksum or the packet is not the one its directory names.
         """
-        version = check_version(version)
+        version = check_version("version", version)
         try:
             data = (self.root / f"v{version:06d}" / "packet.bin").read_bytes()
         except FileNotFoundError:
@@ -222,7 +219,6 @@ class DirectoryTransport:
             return None
         return p
 
-    @keyword_only(1, "full")
     def latest(self, *, full: bool = False) -> DeltaPacket | None:
         """The newest intact published packet (``full=True``: the newest full one), or None."""
         for v in reversed(self.versions()):
@@ -234,7 +230,6 @@ class DirectoryTransport:
                 return p
         return None
 
-    @keyword_only(1, "current_version")
     def next(self, *, current_version: int | None) -> DeltaPacket | None:
         """What a decoder at ``current_version`` should apply next, or None if nothing newer is published.
 
@@ -272,7 +267,6 @@ class DirectoryTransport:
             )
         return None
 
-    @keyword_only(1, "current_version")
     def wait_next(self, *, current_version: int | None, timeout: float, poll: float = 0.05) -> DeltaPacket:
         """Poll :meth:`next` until a packet appears.
 

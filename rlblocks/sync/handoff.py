@@ -36,9 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlblocks._checks import check_int
+from rlblocks._checks import check_int, check_version
 from rlblocks.errors import ArgumentError, WeightUpdateError
-from rlblocks.sync._args import check_version, keyword_only
 from rlblocks.sync.buckets import (
     TensorMeta,
     bucket_nbytes,
@@ -159,13 +158,12 @@ class HandoffSender:
         self._stats["bytes_allocated"] += size
         return _Segment(size) if self.device.type == "cpu" else _CudaBuffer(size, self.device)
 
-    @keyword_only(2, "version")
     def prepare(
         self, named_tensors: Iterable[tuple[str, Tensor]] | Mapping[str, Tensor], *, version: int
     ) -> HandoffMessage:
         """Copy ``named_tensors`` into shared buckets and describe them; the buckets stay untouched until
         :meth:`release` of the returned message. Bit-exact for every dtype; names must be unique."""
-        version = check_version(version)
+        version = check_version("version", version)
         try:
             items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         except TypeError:

@@ -38,10 +38,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from rlblocks._checks import check_int
-from rlblocks._deprecate import warn_renamed
+from rlblocks._checks import check_int, check_version
 from rlblocks.errors import ArgumentError, WeightUpdateError
-from rlblocks.sync._args import check_version, keyword_only
 
 PEFT_PREFIX = "base_model.model."
 CONFIG_TENSOR = "__rlblocks_lora__"
@@ -234,7 +232,7 @@ def split_lora_message(named_tensors: Iterable[tuple[str, Tensor]] | Mapping[str
 
 
 def _send_style(send: Callable[..., Any]) -> tuple[bool, bool]:
-    """How to call ``send``: (``version`` by keyword, ``partial=`` accepted), read from its signature."""
+    """What ``send``'s signature accepts: (``version=``, ``partial=``)."""
     try:
         params = inspect.signature(send).parameters
     except (TypeError, ValueError):  # no signature (some builtins): the project's convention
@@ -284,10 +282,12 @@ class LoraSyncer:
             raise ArgumentError(f"merge: expected None, True or False, got {merge!r}")
         self.send = send
         self.merge = getattr(send, "__name__", None) == "update_weights" if merge is None else merge
-        self._by_keyword, self._partial = _send_style(send)
-        if not self._by_keyword:
-            warn_renamed("a LoraSyncer send function taking `version` positionally",
-                         "`send(named_tensors, *, version)`")
+        by_keyword, self._partial = _send_style(send)
+        if not by_keyword:
+            raise ArgumentError(
+                "send: expected a callable taking `version` by keyword (named_tensors, *, version), got one whose "
+                "signature has no `version` parameter"
+            )
         self.is_async = _is_async(send)
         self.base_version: int | None = None
         self.live_versions: deque[int] = deque(maxlen=keep)
@@ -299,7 +299,7 @@ class LoraSyncer:
         self.live_versions.clear()
 
     def _message(self, peft_model: Any, version: int, adapter_name: str) -> tuple[str, list, dict]:
-        version = check_version(version)
+        version = check_version("version", version)
         if self.live_versions and version <= self.live_versions[-1]:
             raise ArgumentError(f"version: expected > {self.live_versions[-1]} (the last synced), got {version}")
         state = lora_state(peft_model, adapter_name)
@@ -328,9 +328,7 @@ class LoraSyncer:
         return kind, named, kwargs
 
     def _call(self, named: list, version: int, kwargs: dict) -> Any:
-        if self._by_keyword:
-            return self.send(named, version=version, **kwargs)
-        return self.send(named, version, **kwargs)
+        return self.send(named, version=version, **kwargs)
 
     def _done(self, kind: str, named: list, version: int) -> str:
         self.sent_bytes.append(sum(t.numel() * t.element_size() for _, t in named))
@@ -339,7 +337,6 @@ class LoraSyncer:
         self.live_versions.append(version)
         return kind
 
-    @keyword_only(2, "version", "adapter_name")
     def sync(self, peft_model: Any, *, version: int, adapter_name: str = "default") -> str:
         """Send ``version``: ``"base+adapter"`` the first time, ``"adapter"`` afterwards; returns the kind sent.
 

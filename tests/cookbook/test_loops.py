@@ -187,6 +187,44 @@ def test_async_loop_two_procs(tiny_hf_dir, tmp_path, eta, flags):
                                             + summary["samples_failed_reward"] + summary["samples_left_in_queue"])
 
 
+ROLLOUT_PARTS = ("decode", "prefill", "reprefill", "engine_other", "weight_load", "idle")
+
+
+def test_async_loop_time_breakdown_adds_up(tiny_hf_dir, tmp_path):
+    """Where each rank's time goes, per step: the trainer's parts (queue wait, train, sync, evaluation: timed one by
+    one) add up to its step time, and each rollout interval's phases (decode / prefill / re-prefill forwards timed
+    by hooks inside the busy time, weight load, idle) add up to the interval, within 10 %. (Whether requests are in
+    flight across an update depends on the machine's speed; the re-prefill accounting is checked event by event in
+    test_timing.py.)"""
+    steps = 4
+    _run(_async_cmd(2, tiny_hf_dir, tmp_path, "t", "--steps", str(steps), "--max-staleness", "2",
+                    "--length-tail", "12", "--eval-every", "3"))
+    rows, summary = _read(tmp_path, "t")
+    _check_common(rows, summary, steps, 2)
+    reports = 0
+    for r in rows:
+        parts = r["queue_wait_seconds"] + r["train_seconds"] + r["sync_seconds"] + r["eval_seconds"]
+        assert abs(parts - r["step_seconds"]) <= 0.1 * r["step_seconds"], r
+        if r["rollout_seconds"] is None:  # this step's interval arrived with the next step's line
+            assert all(r[f"rollout_{p}_seconds"] is None for p in ROLLOUT_PARTS)
+            continue
+        reports += 1
+        interval = r["rollout_seconds"]
+        seconds = {p: r[f"rollout_{p}_seconds"] for p in ROLLOUT_PARTS}
+        assert abs(sum(seconds.values()) - interval) <= 0.1 * interval, (seconds, interval)
+        # the forwards ran inside the busy time: what is left of it for the engine's own work is not negative
+        assert seconds["engine_other"] >= -0.1 * interval, seconds
+        assert all(v >= 0 for p, v in seconds.items() if p != "engine_other"), seconds
+        assert 0 < r["decode_batch_max"] <= (2 + 1) * B * K if r["decode_batch_max"] else r["decode_batch_mean"] is None
+        assert r["reprefill_tokens"] >= 0
+    assert reports >= steps // 2
+    assert sum(r["rollout_decode_seconds"] or 0 for r in rows) > 0  # the hooks timed the decode forwards
+    assert any(r["eval_seconds"] > 0 for r in rows)  # steps 3 and 4 evaluate
+    p = subprocess.run([sys.executable, str(ROOT / "cookbook" / "plot.py"), str(tmp_path / "t")], cwd=ROOT,
+                       env=_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+
+
 def test_async_dynamic_sampling_is_bounded(tiny_hf_dir, tmp_path):
     # the random tiny model scores 0 on every sample: every group has zero variance, so unbounded dynamic sampling
     # would wait forever; with the bound each batch discards rounds·B groups, then proceeds with the next B

@@ -1,4 +1,4 @@
-"""The shared host-value checks (``rlblocks._checks``): timeouts past the platform's longest wait, checkpoint keys,
+"""The shared argument checks (``rlblocks._checks``): timeouts past the platform's longest wait, checkpoint keys,
 log-probability lists."""
 
 from __future__ import annotations
@@ -51,3 +51,48 @@ def test_check_logprob_list():
             check_logprob_list("lp", bad)
     with pytest.raises(ArgumentError, match=r"^lp\[0\]: expected a real number"):
         check_logprob_list("lp", [True])
+
+
+def test_one_rule_per_kind_of_value():
+    """The rule of each scalar check, against the values a caller gets wrong: numpy numbers are numbers, a bool is
+    neither a count nor a number nor a version, a float is no count, NaN is no setting."""
+    from rlblocks._checks import check_choice, check_int, check_real, check_str, check_version
+
+    for check in (check_int, check_version):
+        assert check("n", np.int64(3)) == 3 and type(check("n", np.int64(3))) is int
+        for bad in (True, np.bool_(True), 3.0, "3", None):
+            with pytest.raises(ArgumentError, match=r"^n: expected an int, got "):
+                check("n", bad)
+    assert check_version("version", 2, minimum=0) == 2
+    with pytest.raises(ArgumentError, match=r"^version: expected an int >= 0, got -1$"):
+        check_version("version", -1, minimum=0)
+    assert check_real("x", np.float32(0.5), gt=0, le=1) == 0.5 and check_real("x", 2) == 2.0
+    for bad, kw, want in (
+        (True, {}, "a real number"),
+        ("1", {}, "a real number"),
+        (math.nan, {}, "a real number"),
+        (math.inf, {"finite": True}, "a finite real number"),
+        (0.0, {"gt": 0, "le": 1}, r"a real number in \(0, 1\]"),
+        (-1, {"finite": True, "ge": 0}, "a finite real number >= 0"),
+        (1.0, {"lt": 1}, "a real number < 1"),
+    ):
+        with pytest.raises(ArgumentError, match=rf"^x: expected {want}, got "):
+            check_real("x", bad, **kw)
+    assert math.isnan(check_real("x", math.nan, nan=True))
+    with pytest.raises(ArgumentError, match=r"^level: expected one of 1, 2, got True"):
+        check_choice("level", True, (1, 2))  # True == 1, but True is no level
+    assert check_choice("mode", "a", ("a", "b")) == "a"
+    assert check_str("s", "") == "" and check_str("s", "x", non_empty=True) == "x"
+    with pytest.raises(ArgumentError, match=r"^s: expected a non-empty str, got ''"):
+        check_str("s", "", non_empty=True)
+
+
+def test_the_scalar_checks_do_not_import_torch():
+    """``rlblocks._checks`` serves the light packages: the tensor checks load torch on first use only."""
+    import subprocess
+    import sys
+
+    code = ("import sys, rlblocks._checks as c; c.check_int('n', 1); before = 'torch' in sys.modules; "
+            "c.check_tensor; print(before, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr

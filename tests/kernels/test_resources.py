@@ -1,21 +1,25 @@
-"""The static sm_90 resource report compiles the GPU kernels with Triton's real compiler (no GPU needed): a kernel
-that would not compile on a GPU fails here, and the report's checks fire on a config that spills or oversubscribes
-its persistent grid."""
+"""The static sm_90 resource report (``benchmarks/kernels/resources.py``) compiles the GPU kernels with Triton's
+real compiler (no GPU needed): a kernel that would not compile on a GPU fails here, and the report's checks fire
+on a config that spills or oversubscribes its persistent grid."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from rlblocks.kernels._common import triton_available
 
+RESOURCES = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels"
 CODE = r"""
+import sys
 import triton
 from triton.backends.compiler import GPUTarget
-from rlblocks.kernels import resources as r
+sys.path.insert(0, sys.argv[1])  # benchmarks/kernels: the report is a script there
+import resources as r
 import rlblocks.kernels.linear_logprobs as L
 
 rows = r.run(["linear_logprobs.fwd", "linear_logprobs.bwd"], ["bf16"], print,
@@ -41,5 +45,6 @@ print("resources-ok")
 def test_report_compiles_for_sm90_and_flags_bad_configs():
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    res = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=900, env=env)
+    res = subprocess.run([sys.executable, "-c", CODE, str(RESOURCES)], capture_output=True, text=True, timeout=900,
+                         env=env)
     assert res.returncode == 0 and "resources-ok" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]

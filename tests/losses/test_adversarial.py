@@ -175,7 +175,7 @@ def test_adaptive_kl_controller_reads_tensors_and_numpy_like_floats():
     for current in (kl, np.float64(kl), torch.tensor([kl], dtype=torch.float64), torch.tensor(kl, dtype=torch.float64)):
         ctl = L.AdaptiveKLController(0.1, target, horizon)
         assert ctl.update(current, np.int64(8)) == pytest.approx(want, rel=1e-12)
-    with pytest.raises(ArgumentError, match=r"init_kl_coef: expected a finite number"):
+    with pytest.raises(ArgumentError, match=r"init_kl_coef: expected a finite real number"):
         L.AdaptiveKLController(float("inf"), target, horizon)
 
 

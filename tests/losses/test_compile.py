@@ -55,7 +55,7 @@ CASES = {
     "gae": lambda: L.gae(LOGP, OLD, MASK, gamma=0.99, lam=0.95),
     "discounted_returns": lambda: L.discounted_returns(LOGP, MASK, gamma=0.9),
     "whiten": lambda: L.whiten(LOGP, MASK),
-    "off_policy_sequence_mask": lambda: L.off_policy_sequence_mask(ADV, LOGP, OLD, MASK, delta=0.01),
+    "off_policy_sequence_mask": lambda: L.off_policy_sequence_mask(LOGP, OLD, MASK, advantages=ADV, delta=0.01),
     "top_entropy_mask": lambda: L.top_entropy_mask(-LOGP, MASK, quantile=0.8),
     "overlong_penalty": lambda: L.overlong_penalty(torch.tensor([3, 9, 12]), max_len=10, buffer=4),
     "zero_variance_groups": lambda: L.zero_variance_groups(R, IDS),

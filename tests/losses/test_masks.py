@@ -12,15 +12,18 @@ def test_opsm_reference():
     # per-sequence mean(old - logp): row0 0.5 (drifted), row1 0.05, row2 0.5, row3 empty
     logp = torch.tensor([[-0.5, -0.5, -0.5, 9], [-0.05] * 4, [-1.0, 0.0, 5, 5], [0] * 4], dtype=torch.float64)
     adv = torch.tensor([-1.0, -1.0, 1.0, -1.0])
-    keep = off_policy_sequence_mask(adv, torch.where(mask, logp, torch.nan), old, mask, delta=0.1)
+    keep, metrics = off_policy_sequence_mask(torch.where(mask, logp, torch.nan), old, mask, advantages=adv, delta=0.1)
     want = mask.clone()
     want[0] = False  # A<0 and drifted
     assert keep.tolist() == want.tolist()  # row1: not drifted; row2: A>0
+    # 9 valid tokens, 3 dropped; 3 non-empty sequences, 1 with a dropped token
+    assert metrics["masked_frac"].item() == 3 / 9 and metrics["seq_masked_frac"].item() == 1 / 3
     tok_adv = torch.tensor([[1.0, -1.0, 1.0, 1.0]] * 4)
-    keep_tok = off_policy_sequence_mask(tok_adv, logp, old, mask, delta=0.1)
+    keep_tok, metrics_tok = off_policy_sequence_mask(logp, old, mask, advantages=tok_adv, delta=0.1)
     want_tok = mask.clone()
     want_tok[0, 1] = want_tok[2, 1] = False  # per-token sign of A, sequence-level drift
     assert keep_tok.tolist() == want_tok.tolist()
+    assert metrics_tok["masked_frac"].item() == 2 / 9 and metrics_tok["seq_masked_frac"].item() == 2 / 3
 
 
 @pytest.mark.parametrize("q", [0.0, 0.25, 0.8, 0.9, 1.0])

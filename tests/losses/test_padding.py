@@ -29,7 +29,7 @@ def test_padding_never_leaks(fill, rows, seed):
         "rpp": L.reinforce_pp_baseline_advantages(torch.randn(B, generator=g), torch.tensor([0, 0, 1]), mask),
         "rollout_correction": L.rollout_correction(lp, old, mask, level="geometric", mode="mask"),
         "mismatch_metrics": tuple(v for k, v in L.mismatch_metrics(lp, old, mask).items() if k != "prob_corr"),
-        "opsm": L.off_policy_sequence_mask(torch.randn(B, generator=g), lp, old, mask, delta=0.0),
+        "opsm": L.off_policy_sequence_mask(lp, old, mask, advantages=torch.randn(B, generator=g), delta=0.0),
         "top_entropy_mask": L.top_entropy_mask(x, mask, quantile=0.5),
     }
     for name, out in outs.items():

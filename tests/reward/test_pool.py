@@ -237,8 +237,8 @@ def test_result_invariants():
 
 
 def test_a_worker_that_cannot_start_is_a_crash_result():
+    from rlblocks.errors import WorkerCrashed
     from rlblocks.reward import ProcessWorkers
-    from rlblocks.reward.workers import WorkerCrashed
 
     with ProcessWorkers(1, preload=("no_such_module_for_rlblocks_tests",)) as w:
         with pytest.raises(WorkerCrashed, match="no_such_module_for_rlblocks_tests"):

@@ -13,8 +13,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import reward_helpers
 
 import rlblocks
+from rlblocks.errors import WorkerCrashed
 from rlblocks.reward import ProcessWorkers
-from rlblocks.reward.workers import WorkerCrashed
 
 PACKAGE = os.path.dirname(os.path.abspath(rlblocks.__file__))
 

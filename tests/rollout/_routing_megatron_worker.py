@@ -246,7 +246,7 @@ def task_perturbation() -> None:
 def mixtral_to_megatron(hf, mg) -> None:
     """Load an HF Mixtral's weights into a megatron-core MoE GPTModel (attention and norms through rlblocks'
     Llama converter; router and experts by name: HF ``gate_up_proj[e]`` is ``[gate; up]`` like megatron's fc1)."""
-    from rlblocks.sync.megatron import hf_to_megatron
+    from rlblocks.sync.reshard.megatron import hf_to_megatron
 
     cfg = hf.config
     sd = hf.state_dict()

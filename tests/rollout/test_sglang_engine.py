@@ -18,9 +18,9 @@ import torch
 from fake_sglang import CONTROL_TYPES, EOS, VOCAB, FakeSGLang, validate_control, validate_generate
 from sglang_0_5_23 import _support, api_types, io_struct
 
-from rlblocks.errors import ArgumentError, EngineError, WeightUpdateError
+from rlblocks.errors import ArgumentError, EngineError, SGLangError, WeightUpdateError
 from rlblocks.rollout import GenerationRequest, SamplingParams, SGLangEngine, resumable_generate
-from rlblocks.rollout.sglang_engine import SGLangError, serialize_named_tensors
+from rlblocks.rollout.engines.sglang_engine import serialize_named_tensors
 from rlblocks.rollout.types import RolloutEngine
 
 
@@ -520,8 +520,6 @@ def test_protocol_members_close_and_errors(fake):
         t = asyncio.ensure_future(eng.generate(GenerationRequest("c", [1, 3], SamplingParams(max_new_tokens=400))))
         await wait_tokens(fake, "c@", 2)
         n = eng.num_in_flight
-        with pytest.warns(DeprecationWarning, match=r"num_in_flight\(\)"):
-            called = eng.num_in_flight()
         await eng.aclose()
         part = await t
         with pytest.raises(EngineError, match="closed"):
@@ -536,18 +534,20 @@ def test_protocol_members_close_and_errors(fake):
         paused.close()
         with pytest.raises(EngineError, match="closed"):
             await held  # a request held in the client does not wait forever
-        return n, called, part
+        return n, part
 
-    n, called, part = run(main())
-    assert n == called == 1 and part.finish_reason == "abort" and eng.num_in_flight == 0
+    n, part = run(main())
+    assert type(n) is int and n == 1 and part.finish_reason == "abort" and eng.num_in_flight == 0
     assert eng.stats()["requests"] == 1 and isinstance(eng.stats(), dict)
     down = SGLangEngine("http://127.0.0.1:9")  # nothing listens there
     with pytest.raises(SGLangError, match="no answer"):
         run(down.generate(GenerationRequest("x", [1], SamplingParams(max_new_tokens=2))))
-    with pytest.warns(DeprecationWarning, match="master_address"):
+    run(SGLangEngine(fake.url).init_weights_update_group(master_addr="1.2.3.4", master_port=1, rank_offset=1,
+                                                        world_size=2))
+    assert fake.posts("/init_weights_update_group")[-1]["master_address"] == "1.2.3.4"
+    with pytest.raises(TypeError, match="master_address"):  # the one spelling is master_addr
         run(SGLangEngine(fake.url).init_weights_update_group(master_address="1.2.3.4", master_port=1, rank_offset=1,
                                                             world_size=2))
-    assert fake.posts("/init_weights_update_group")[-1]["master_address"] == "1.2.3.4"
 
 
 def test_a_cancelled_caller_aborts_its_request_on_the_server(fake):

@@ -1,4 +1,4 @@
-"""The shared weight-update rule (rlblocks.rollout._weights) on its own: finite-value check (fast path and its
+"""The shared weight-update rule (rlblocks.rollout.engines._weights) on its own: finite-value check (fast path and its
 overflow fallback), layouts of tied modules, and the message shape every engine uses."""
 
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlblocks.errors import ArgumentError, WeightUpdateError
-from rlblocks.rollout._weights import WeightLayout, check_tensors, check_version
+from rlblocks.rollout.engines._weights import WeightLayout, check_tensors, check_update_version
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
@@ -55,10 +55,10 @@ def test_layout_of_a_tied_module_and_buffers():
 
 
 def test_version_rule():
-    assert check_version("E", 3, 3, allow_rollback=False) == 3  # equal: a re-load
+    assert check_update_version("E", 3, 3, allow_rollback=False) == 3  # equal: a re-load
     with pytest.raises(WeightUpdateError, match="older"):
-        check_version("E", 2, 3, allow_rollback=False)
-    assert check_version("E", 2, 3, allow_rollback=True) == 2
+        check_update_version("E", 2, 3, allow_rollback=False)
+    assert check_update_version("E", 2, 3, allow_rollback=True) == 2
     for bad in (True, 2.0, "2", None):
         with pytest.raises(ArgumentError, match="version"):
-            check_version("E", bad, 3, allow_rollback=False)
+            check_update_version("E", bad, 3, allow_rollback=False)

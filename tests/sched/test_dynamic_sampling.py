@@ -184,18 +184,12 @@ def test_max_rounds_streaming_window_like_an_async_loop():
     assert sampler.stats()["in_flight"] == 5
 
 
-def test_counts_renamed_to_stats():
-    import warnings
-
+def test_stats_is_the_one_name_of_the_counters():
     s = DynamicSampler(target_groups=1)
-    with pytest.warns(DeprecationWarning, match=r"counts\(\).*stats\(\)"):
-        assert s.counts() == s.stats()
+    assert not hasattr(s, "counts")
     out = s.reset()
-    with pytest.warns(DeprecationWarning, match=r"\['counts'\].*\['stats'\]"):
-        assert out["counts"] == out["stats"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert type(s.stats()) is dict and out["stats"]["carried_in_flight"] == 0
+    assert type(out) is dict and set(out) == {"stats", "surplus", "filtered", "filled"}
+    assert type(s.stats()) is dict and out["stats"]["carried_in_flight"] == 0
     with pytest.raises(ValueError, match="max_rounds"):
         DynamicSampler(target_groups=1, max_rounds=-1)
     with pytest.raises(ValueError, match="max_rounds"):

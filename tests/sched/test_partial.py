@@ -174,22 +174,16 @@ def test_load_state_dict_refuses_an_incomplete_complete_group():
     assert ok.stats() == buf.stats()
 
 
-def test_renamed_max_age_and_k_warn_and_still_work():
-    with pytest.warns(DeprecationWarning, match=r"max_age=.*max_staleness="):
-        old = PartialRolloutBuffer(max_age=1)
-    assert old.max_staleness == 1
-    with pytest.warns(DeprecationWarning, match=r"max_age.*max_staleness"):
-        assert old.max_age == 1
-    old.put_group([sample("a", [0])])
-    old.put_group([sample("b", [2])])
-    with pytest.warns(DeprecationWarning, match=r"k=.*n="):
-        assert [g[0].group_id for g in old.pop_groups(k=5, current_version=2)] == ["b"]
-    with pytest.raises(ValueError, match="both"):
-        old.pop_groups(1, k=1)
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the new names do not warn
-        new = PartialRolloutBuffer(max_staleness=1)
-        new.put_group([sample("c", [0])])
-        assert len(new.pop_groups(n=1)) == 1 and new.pop_groups(1) == []
+def test_one_spelling_of_each_argument():
+    """``max_staleness=`` and ``n`` are the only spellings; a missing ``n`` is refused by name."""
+    buf = PartialRolloutBuffer(max_staleness=1)
+    buf.put_group([sample("a", [0])])
+    buf.put_group([sample("b", [2])])
+    assert [g[0].group_id for g in buf.pop_groups(n=5, current_version=2)] == ["b"]
+    with pytest.raises(TypeError, match="max_age"):
+        PartialRolloutBuffer(max_age=1)
+    with pytest.raises(TypeError, match="k"):
+        buf.pop_groups(k=1)
+    with pytest.raises(ValueError, match="n: expected an int > 0"):
+        buf.pop_groups(None)
+    assert not hasattr(buf, "max_age")

@@ -4,6 +4,7 @@ of samples, the staleness bound, the closed-form decode sums, and the sizing CLI
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -264,3 +265,24 @@ def test_sizing_cli_help_and_a_small_run(tmp_path, capsys):
     with pytest.raises(SystemExit):
         sim.main(["--median", "-5"])  # bad input is an argparse error naming the argument, not a traceback
     assert "median" in capsys.readouterr().err
+
+
+def test_prefill_pays_one_forward_per_distinct_length():
+    """``per_length_s`` once per distinct context length (an engine that batches equal lengths only), written out."""
+    p = PrefillCost(overhead_s=0.5, per_token_s=0.01, per_token_sq_s=1e-4, per_length_s=0.2)
+    contexts = [3, 3, 5, 9, 9, 9]
+    assert p.seconds(contexts) == pytest.approx(0.5 + 0.2 * 3 + 0.01 * 38 + 1e-4 * (9 + 9 + 25 + 81 * 3))
+    assert PrefillCost(per_length_s=0.2).seconds([]) == 0.0
+
+
+def test_reprefill_per_length_cost_is_paid_at_every_update():
+    """Samples of different lengths in flight across the weight updates: each update's re-prefill pays one
+    per-length cost per distinct context, so the run takes longer."""
+    work = Workload(lengths=Lengths.cycle([40, 41]), prompt_lengths=Lengths.fixed(2), batch_groups=1, group_size=2)
+    sched = Schedule(mode="async", max_staleness=4, steps=6, warmup_steps=0)
+    base = simulate(hand_hw(), work, sched, rollout_devices=1, train_devices=1)
+    slow = simulate(hand_hw(prefill=replace(PREFILL, per_length_s=0.3)), work, sched, rollout_devices=1,
+                    train_devices=1)
+    prompts = 2 * base.samples["generated"]  # every sample's first prefill: its 2 prompt tokens
+    assert base.tokens["prefilled"] > prompts and slow.tokens["prefilled"] > 2 * slow.samples["generated"]
+    assert slow.wall_s > base.wall_s

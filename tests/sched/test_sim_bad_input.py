@@ -8,14 +8,13 @@ import math
 
 import pytest
 
-from rlblocks.errors import ArgumentError, RLBlocksError
+from rlblocks.errors import ArgumentError, RLBlocksError, SimulationStalled
 from rlblocks.sched.sim import (
     Hardware,
     Lengths,
     ModelSpec,
     PrefillCost,
     Schedule,
-    SimulationStalled,
     SyncCost,
     TrainCost,
     Workload,

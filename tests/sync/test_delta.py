@@ -291,23 +291,15 @@ def test_delta_not_smaller_than_full_is_reported_or_replaced():
     assert p2.base_version == 1 and enc.stats()["deltas"] == 1
 
 
-def test_positional_version_warns_keyword_does_not():
-    import warnings
-
+def test_version_is_keyword_only():
     x = torch.zeros(1000)
     enc = DeltaEncoder({"x": x})
     x[0] = 1.0
-    with pytest.warns(DeprecationWarning, match="version="):
-        p = enc.encode({"x": x}, 1)
-    assert p.version == 1
-    with pytest.warns(DeprecationWarning, match="version="):
-        assert enc.full({"x": x}, 2).version == 2
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        x[1] = 3.0
-        assert enc.encode({"x": x}, version=3).version == 3
-    with pytest.raises(ValueError, match="both positionally"):
-        enc.encode({"x": x}, 4, version=4)
+    for call in (lambda: enc.encode({"x": x}, 1), lambda: enc.full({"x": x}, 1)):
+        with pytest.raises(TypeError):
+            call()
+    assert enc.stats()["deltas"] == 0 and enc.version == 0  # nothing was encoded
+    assert enc.encode({"x": x}, version=1).version == 1
 
 
 @pytest.mark.gpu

@@ -165,7 +165,7 @@ def test_two_writers_of_one_version_get_a_clear_error(tmp_path, monkeypatch):
     assert not [x for x in tmp_path.iterdir() if x.name.startswith(".")]  # the loser's temporary is gone
 
 
-def test_publish_refuses_going_back_unless_allowed_and_positional_warns(tmp_path):
+def test_publish_refuses_going_back_unless_allowed(tmp_path):
     tr, states = _published(tmp_path, n=3)
     enc = DeltaEncoder({"w": states[3]}, version=3)
     old = enc.full({"w": states[1]}, version=0, allow_rollback=True)
@@ -174,10 +174,9 @@ def test_publish_refuses_going_back_unless_allowed_and_positional_warns(tmp_path
     assert tr.publish(old, allow_rollback=True).name == "v000000"
     with pytest.raises(DeltaError, match="already published"):
         tr.publish(enc.full({"w": states[1]}, version=2, allow_rollback=True), allow_rollback=True)
-    with pytest.warns(DeprecationWarning, match="current_version="):
-        assert tr.next(2).version == 3
-    with pytest.warns(DeprecationWarning, match="version="):
-        assert tr.read(3).version == 3
+    with pytest.raises(TypeError):  # versions are keyword-only
+        tr.next(2)
+    assert tr.next(current_version=2).version == 3 and tr.read(version=3).version == 3
 
 
 def test_group_transport_refuses_going_back_unless_allowed():

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from rlblocks.errors import WeightUpdateError
+from rlblocks.errors import ArgumentError, WeightUpdateError
 from rlblocks.sync import LoraSyncer, WeightReceiver, WeightSender, lora_state, merge_lora
 from rlblocks.sync.lora import base_state, split_lora_message
 
@@ -128,7 +128,6 @@ def test_lora_syncer_into_a_torch_engine_update_weights():
 
     from transformers import LlamaForCausalLM
 
-    from rlblocks.errors import ArgumentError
     from rlblocks.rollout import GenerationRequest, SamplingParams, TorchEngine
 
     pm = _peft_model(seed=2)
@@ -182,35 +181,18 @@ def test_merged_updates_after_the_first_are_partial_when_send_accepts_it():
     assert syncer.sent_bytes[1] < syncer.sent_bytes[0]
 
 
-def test_lora_syncer_positional_version_and_legacy_send_warn():
-    import warnings
-
+def test_lora_syncer_takes_version_by_keyword_only():
     pm = _peft_model(seed=4)
     got = []
-    with pytest.warns(DeprecationWarning, match="positionally"):
-        legacy = LoraSyncer(lambda named, v: got.append(v))  # an old send taking version positionally
-    with pytest.warns(DeprecationWarning, match="version="):
-        assert legacy.sync(pm, 1) == "base+adapter"
+    with pytest.raises(ArgumentError, match=r"^send: expected a callable taking `version` by keyword"):
+        LoraSyncer(lambda named, v: got.append(v))  # a send taking the version positionally
     syncer = LoraSyncer(lambda named, *, version: got.append(version))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert syncer.sync(pm, version=5) == "base+adapter"
-    assert got == [1, 5]
+    with pytest.raises(TypeError):
+        syncer.sync(pm, 5)
+    assert syncer.sync(pm, version=5) == "base+adapter"
+    assert got == [5]
     with pytest.raises(ValueError, match="expected > 5"):
         syncer.sync(pm, version=5)
-
-
-def test_weight_sender_positional_version_warns():
-    state = {"a": torch.randn(10)}
-
-    def sender(g):
-        s = WeightSender(g)
-        with pytest.warns(DeprecationWarning, match="version="):
-            s.send(state, 1)
-        return "ok"
-
-    res = run_ranks([sender, lambda g: dict(WeightReceiver(g).receive()[1])])
-    assert res[0] == "ok" and torch.equal(res[1]["a"], state["a"])
 
 
 def test_split_lora_message_refuses_a_bad_config_tensor():

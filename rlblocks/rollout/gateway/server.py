@@ -46,11 +46,11 @@ except ImportError as e:  # pragma: no cover - the optional extra is not install
                       "pip install 'rlblocks[gateway]'") from e
 
 from rlblocks._checks import check_int, check_seconds, check_str_pair
-from rlblocks.errors import ArgumentError, GatewayError, SessionNotFound
+from rlblocks.errors import ArgumentError, ClientDisconnected, GatewayError, SessionNotFound
 
-from ..agent import TOOL_CALL_TAGS, generate_turn
+from ..agents.episode import TOOL_CALL_TAGS, generate_turn
+from ..agents.trajectory import OnMismatch, Trajectory, render_chat_text
 from ..resume import ResumableResult
-from ..trajectory import OnMismatch, Trajectory, render_chat_text
 from ..types import RolloutEngine, SamplingParams
 from . import schema
 from .sessions import Session, SessionStore, Turn, fingerprint
@@ -67,10 +67,6 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 _CLOSE_STATUSES = (408, 413, 500)  # answered with "connection: close": the connection's state is not trusted
 _ROUTES = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{id}, GET /health, "
            "POST /v1/sessions/{id}/reward, GET /v1/sessions/{id}")
-
-
-class _ClientGone(Exception):
-    """The client closed its connection before its response: nothing can be answered."""
 
 
 def _json_bytes(obj: Any) -> bytes:
@@ -442,7 +438,7 @@ class Gateway:
         app.add_api_route("/v1/sessions/{session_id:path}", self._session_summary, methods=["GET"])
         app.add_exception_handler(GatewayError, self._on_gateway_error)
         app.add_exception_handler(HTTPException, self._on_unrouted)
-        app.add_exception_handler(_ClientGone, self._on_client_gone)
+        app.add_exception_handler(ClientDisconnected, self._on_client_gone)
         app.add_exception_handler(Exception, self._on_bug)
         return app
 
@@ -491,7 +487,7 @@ class Gateway:
                                code="not_found")
         return await self._on_gateway_error(request, err)
 
-    async def _on_client_gone(self, request: Request, e: _ClientGone) -> Response:
+    async def _on_client_gone(self, request: Request, e: ClientDisconnected) -> Response:
         return Response(status_code=400)  # nobody reads it: the connection is closed
 
     async def _on_bug(self, request: Request, e: Exception) -> Response:
@@ -512,7 +508,7 @@ class Gateway:
             while True:
                 msg = await receive()
                 if msg["type"] == "http.disconnect":
-                    raise _ClientGone
+                    raise ClientDisconnected
                 data = msg.get("body", b"")
                 size += len(data)
                 if size <= limit:
@@ -641,7 +637,7 @@ class Gateway:
                     reply = self._capture(turn, req, chat, result, stopped_by)
                     delivered = await out.send_reply(turn, result, reply, gone)
                 except BaseException as e:
-                    self._store.rollback(turn, undelivered=isinstance(e, (_ClientGone, asyncio.CancelledError)))
+                    self._store.rollback(turn, undelivered=isinstance(e, (ClientDisconnected, asyncio.CancelledError)))
                     raise
                 if delivered:
                     self._store.commit(turn)
@@ -650,7 +646,7 @@ class Gateway:
                     self._counts["tool_calls"] += len(reply.tool_calls)
                 else:
                     self._store.rollback(turn, undelivered=True)
-        except _ClientGone:
+        except ClientDisconnected:
             pass  # nobody to answer
         except GatewayError as e:
             if not out.streaming:
@@ -696,9 +692,9 @@ class Gateway:
                         ) -> tuple[ResumableResult, str | None]:
         """Step 2: the engine generates the turn, in this request's task (a task per turn would cost a loop turn
         and its scheduling); a client that goes away meanwhile cancels it through a callback on ``gone``, disarmed
-        as soon as the turn returns, and the request ends with ``_ClientGone``."""
+        as soon as the turn returns, and the request ends with ``ClientDisconnected``."""
         if gone.done():
-            raise _ClientGone
+            raise ClientDisconnected
         sess = turn.session
         parse_calls = chat and req.parse_tool_calls
         task = asyncio.current_task()
@@ -720,7 +716,7 @@ class Gateway:
                 raise  # aclose() cancelled the request
             if sys.version_info >= (3, 11):
                 task.uncancel()
-            raise _ClientGone from None
+            raise ClientDisconnected from None
         except ArgumentError as e:
             raise GatewayError(400, f"the engine refused the request: {e}", code="engine_refused") from e
         except Exception as e:

@@ -12,7 +12,7 @@ import string
 
 import torch
 
-from rlblocks.rollout.chat_templates import HERMES_TEMPLATE, LLAMA3_TEMPLATE
+from rlblocks.rollout.agents.chat_templates import HERMES_TEMPLATE, LLAMA3_TEMPLATE
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>",
             "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -54,7 +54,7 @@ def build_chat_tokenizer(style: str = "hermes"):
 
 def calc_schema() -> list[dict]:
     """The tool list the taught episode was rendered with (that of ``calculator_tool()``)."""
-    from rlblocks.rollout.agent import calculator_tool
+    from rlblocks.rollout.agents.episode import calculator_tool
 
     return [calculator_tool().schema()]
 

@@ -12,7 +12,7 @@ from agent_testlib import ANSWER, CALL, QUESTION, RESULT, RecordingEngine
 
 from rlblocks.errors import ArgumentError
 from rlblocks.rollout import Router, SamplingParams, TorchEngine
-from rlblocks.rollout.agent import (
+from rlblocks.rollout.agents.episode import (
     EpisodeStats,
     StepResult,
     Tool,
@@ -23,7 +23,7 @@ from rlblocks.rollout.agent import (
     python_tool,
     run_episode,
 )
-from rlblocks.rollout.trajectory import to_tensors
+from rlblocks.rollout.agents.trajectory import to_tensors
 from rlblocks.sandbox import SandboxLimits
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=96)

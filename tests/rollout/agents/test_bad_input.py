@@ -13,7 +13,7 @@ import torch
 
 from rlblocks.errors import ArgumentError
 from rlblocks.rollout import Generation, SamplingParams, TorchEngine, build_batch
-from rlblocks.rollout.agent import (
+from rlblocks.rollout.agents.episode import (
     EpisodeStats,
     StepResult,
     Tool,
@@ -23,8 +23,8 @@ from rlblocks.rollout.agent import (
     python_tool,
     run_episode,
 )
+from rlblocks.rollout.agents.trajectory import Trajectory, to_tensors, trajectory_rows
 from rlblocks.rollout.resume import ResumableResult
-from rlblocks.rollout.trajectory import Trajectory, to_tensors, trajectory_rows
 
 G = Generation("r", [1, 2], [3, 4], [-0.1, -0.2], [0, 0], "stop")
 MSGS = [{"role": "user", "content": "x"}]

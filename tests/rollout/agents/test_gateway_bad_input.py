@@ -10,9 +10,9 @@ import math
 
 import pytest
 
-from rlblocks.errors import ArgumentError, RLBlocksError
+from rlblocks.errors import ArgumentError, GatewayError, RLBlocksError
 from rlblocks.rollout import TorchEngine
-from rlblocks.rollout.gateway import Gateway, GatewayError
+from rlblocks.rollout.gateway import Gateway
 
 OK = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "seed": 0}
 

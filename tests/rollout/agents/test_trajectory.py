@@ -10,12 +10,12 @@ import pytest
 import torch
 from agent_testlib import ANSWER, CALL, QUESTION, RESULT, build_chat_tokenizer, calc_schema
 
-from rlblocks.errors import ArgumentError
+from rlblocks.errors import ArgumentError, PrefixMismatchError
 from rlblocks.losses import aggregate, grpo_advantages, ppo_clip_loss
 from rlblocks.rollout import Generation, build_batch
-from rlblocks.rollout.chat_templates import HERMES_TEMPLATE
+from rlblocks.rollout.agents.chat_templates import HERMES_TEMPLATE
+from rlblocks.rollout.agents.trajectory import Trajectory, render_chat, to_tensors, trajectory_rows
 from rlblocks.rollout.resume import ResumableResult
-from rlblocks.rollout.trajectory import PrefixMismatchError, Trajectory, render_chat, to_tensors, trajectory_rows
 
 
 def _gen(prompt, out, versions=None, lps=None, finish="stop"):

@@ -71,7 +71,7 @@ def env_before_engine() -> dict:
 
 @pytest.fixture(scope="session")
 def vllm_engine(vllm_model_dir, vllm_loop, env_before_engine):
-    from rlblocks.rollout.vllm_engine import VLLMEngine
+    from rlblocks.rollout.engines.vllm_engine import VLLMEngine
 
     async def start():
         return VLLMEngine.from_pretrained(

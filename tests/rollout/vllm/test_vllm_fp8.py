@@ -99,7 +99,7 @@ def _engine_round_trip(fp8_dirs, run, **engine_args):
     load an FP8 update of other weights and compare again."""
     from transformers import AutoModelForCausalLM
 
-    from rlblocks.rollout.vllm_engine import VLLMEngine
+    from rlblocks.rollout.engines.vllm_engine import VLLMEngine
 
     bf16, fp8 = fp8_dirs
     base = AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.bfloat16).eval()

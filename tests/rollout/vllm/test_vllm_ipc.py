@@ -82,7 +82,7 @@ class FakeLLM:
 
 
 def _engine(llm: FakeLLM):
-    from rlblocks.rollout.vllm_engine import VLLMEngine
+    from rlblocks.rollout.engines.vllm_engine import VLLMEngine
 
     return VLLMEngine(llm, version=0, expected_weights=SHAPES)
 
@@ -181,7 +181,7 @@ def test_from_pretrained_lets_the_ipc_workers_unpickle_handles(monkeypatch, tmp_
 
     import vllm.v1.engine.async_llm as async_llm
 
-    from rlblocks.rollout.vllm_engine import VLLMEngine
+    from rlblocks.rollout.engines.vllm_engine import VLLMEngine
 
     seen = []
 
@@ -203,7 +203,7 @@ def test_cuda_ipc_update_loads_the_trainers_weights(vllm_model_dir, run, other_m
     """End to end on a GPU: the trainer's weights handed over by CUDA IPC give the engine the trainer's greedy
     log-probs (fp32 model, reference = the HF model with those weights)."""
     from rlblocks.rollout import GenerationRequest, SamplingParams
-    from rlblocks.rollout.vllm_engine import VLLMEngine
+    from rlblocks.rollout.engines.vllm_engine import VLLMEngine
     from rlblocks.sync import HandoffSender
 
     async def go():
@@ -238,7 +238,7 @@ def _finished(routed):
     tok = SimpleNamespace(logprob=-0.5)
     comp = SimpleNamespace(finish_reason="length", token_ids=[7, 8], logprobs=[{7: tok}, {8: tok}],
                            weight_versions=[SimpleNamespace(version="default", start=0, end=2)], routed_experts=routed)
-    from rlblocks.rollout.vllm_engine import _InFlight
+    from rlblocks.rollout.engines.vllm_engine import _InFlight
 
     return _InFlight(request=GenerationRequest("r", [1, 2, 3])), comp
 
@@ -273,7 +273,7 @@ def test_malformed_routed_experts_are_an_engine_error(record):
 def test_routed_experts_on_cpu_are_refused_at_start(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("the refusal is for engines without CUDA")
-    from rlblocks.rollout.vllm_engine import VLLMEngine
+    from rlblocks.rollout.engines.vllm_engine import VLLMEngine
 
     with pytest.raises(ArgumentError, match="record_routing"):
         VLLMEngine.from_pretrained(tmp_path, enable_return_routed_experts=True)

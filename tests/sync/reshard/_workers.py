@@ -46,7 +46,7 @@ def build_megatron(cfg, padded_vocab: int, tp: int, seed: int):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
-    from rlblocks.sync.megatron import gpt_dims
+    from rlblocks.sync.reshard.megatron import gpt_dims
 
     dims = gpt_dims(cfg)
     tcfg = TransformerConfig(
@@ -95,7 +95,7 @@ def task_megatron(rank: int, world: int) -> None:
     apply_megatron_cpu_patches()
     from megatron.core import parallel_state as ps
 
-    from rlblocks.sync.megatron import hf_to_megatron, megatron_to_hf, megatron_to_hf_streaming
+    from rlblocks.sync.reshard.megatron import hf_to_megatron, megatron_to_hf, megatron_to_hf_streaming
 
     tokens = torch.randint(0, 90, (2, 12), generator=torch.Generator().manual_seed(7))
     for tp in (2, 1):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from rlblocks.sync.fsdp import clean_name, full_tensors
+from rlblocks.sync.reshard.fsdp import clean_name, full_tensors
 
 
 class Tiny(nn.Module):

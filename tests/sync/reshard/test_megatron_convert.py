@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlblocks.sync.megatron import gpt_dims, hf_to_megatron, megatron_to_hf
+from rlblocks.sync.reshard.megatron import gpt_dims, hf_to_megatron, megatron_to_hf
 
 LLAMA = dict(model_type="llama", vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=3,
              num_attention_heads=8, num_key_value_heads=2, head_dim=4, tie_word_embeddings=False)

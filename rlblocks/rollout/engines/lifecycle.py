@@ -1,16 +1,13 @@
-"""Small pieces every engine shares: the deprecated call forms of ``num_in_flight`` and ``stats``, and the state
+"""Small pieces every engine shares: waiting on the first of several events, and the state
 machine of pause / sleep / wake / close that :class:`~rlblocks.rollout.types.RolloutEngine` documents."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-from typing import Any
 
-from rlblocks._deprecate import warn_renamed
 from rlblocks.errors import ArgumentError, EngineError
 
-__all__ = ["InFlightCount", "Lifecycle", "StatsView", "wait_first"]
+__all__ = ["Lifecycle", "wait_first"]
 
 
 async def wait_first(*events: asyncio.Event) -> None:
@@ -22,41 +19,6 @@ async def wait_first(*events: asyncio.Event) -> None:
     finally:
         for w in waits:
             w.cancel()
-
-
-class InFlightCount(int):
-    """The value of the ``num_in_flight`` property. It is an ``int``; calling it (the method form of earlier
-    releases, ``engine.num_in_flight()``) still returns the count, with a DeprecationWarning."""
-
-    def __call__(self) -> int:
-        warn_renamed("`engine.num_in_flight()`", "the `engine.num_in_flight` property (no call)")
-        return int(self)
-
-
-class StatsView:
-    """What ``engine.stats`` returns: call it for the counters as a plain dict (``engine.stats()``); reading a
-    counter as an attribute (``engine.stats.decode_tokens``, the form of earlier releases) still works, with a
-    DeprecationWarning."""
-
-    __slots__ = ("_data", "_owner")
-
-    def __init__(self, data: Any, owner: str) -> None:
-        self._data = data
-        self._owner = owner
-
-    def __call__(self) -> dict[str, Any]:
-        return dataclasses.asdict(self._data)
-
-    def __getattr__(self, name: str) -> Any:
-        data = object.__getattribute__(self, "_data")
-        if name in {f.name for f in dataclasses.fields(data)}:
-            owner = object.__getattribute__(self, "_owner")
-            warn_renamed(f"`{owner}.stats.{name}`", f"`{owner}.stats()[{name!r}]`")
-            return getattr(data, name)
-        raise AttributeError(name)
-
-    def __repr__(self) -> str:
-        return f"{self._owner}.stats() -> {self()!r}"
 
 
 class Lifecycle:

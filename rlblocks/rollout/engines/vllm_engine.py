@@ -22,7 +22,7 @@ Conventions
   A request served with a LoRA adapter carries the adapter's version on every token (adapters are never swapped
   under a running request).
 - **Weight updates** (*quiesce, swap, commit, resume*): check the update with the rule every engine shares
-  (:mod:`rlblocks.rollout._weights`, against the model's checkpoint layout; a refusal raises
+  (:mod:`rlblocks.rollout.engines._weights`, against the model's checkpoint layout; a refusal raises
   :class:`~rlblocks.errors.WeightUpdateError` and nothing is loaded) → pause (mode ``keep``, unless already paused) →
   ``collective_rpc`` into the worker's ``reload_weights(weights_iterator=...)`` (via :class:`WorkerExtension`) →
   ``reset_prefix_cache(reset_running_requests=True)`` (frozen requests are preempted and re-prefilled under the
@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -61,17 +62,16 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from rlblocks._deprecate import renamed_kwargs, warn_renamed
 from rlblocks.errors import ArgumentError, EngineError, WeightUpdateError
 
-from ._common import InFlightCount, Lifecycle, StatsView, wait_first
-from ._weights import WeightLayout, WeightSpec, check_version, refuse
-from .types import Generation, GenerationRequest, SamplingParams
+from ..types import Generation, GenerationRequest, SamplingParams
+from ._weights import WeightLayout, WeightSpec, check_update_version, refuse
+from .lifecycle import Lifecycle, wait_first
 
 __all__ = ["VLLMEngine", "VLLMEngineStats", "WorkerExtension", "nccl_trainer_init", "nccl_trainer_send"]
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-WORKER_EXTENSION = "rlblocks.rollout.vllm_engine.WorkerExtension"
+WORKER_EXTENSION = "rlblocks.rollout.engines.vllm_engine.WorkerExtension"
 
 
 def _encode_tensor(t: Tensor) -> tuple[str, list[int], bytes]:
@@ -408,13 +408,11 @@ class VLLMEngine:
     @property
     def num_in_flight(self) -> int:
         """Requests submitted and not yet returned."""
-        return InFlightCount(len(self._inflight))
+        return len(self._inflight)
 
-    @property
-    def stats(self) -> StatsView:
-        """``engine.stats()``: the counters of :class:`VLLMEngineStats` as a dict (``engine.stats.<counter>``
-        still works for one release, with a DeprecationWarning)."""
-        return StatsView(self._stats, "VLLMEngine")
+    def stats(self) -> dict:
+        """The counters of :class:`VLLMEngineStats` as a dict."""
+        return dataclasses.asdict(self._stats)
 
     def in_flight_ids(self) -> list[str]:
         """The request ids submitted and not yet returned, in submission order."""
@@ -728,7 +726,7 @@ class VLLMEngine:
         self, named_tensors: Iterable[tuple[str, Tensor]], *, partial: bool = False
     ) -> list[tuple[str, Tensor]]:
         """Check an update against the model before anything is loaded (the shared rule of
-        :mod:`rlblocks.rollout._weights`) and return it as ``[(checkpoint name, tensor)]``.
+        :mod:`rlblocks.rollout.engines._weights`) and return it as ``[(checkpoint name, tensor)]``.
 
         Tied aliases are folded into the name vLLM loads (``lm_head.weight`` of a tied model becomes
         ``model.embed_tokens.weight``, which vLLM loads instead of skipping). vLLM also fuses e.g. ``q/k/v_proj``
@@ -766,7 +764,7 @@ class VLLMEngine:
         """Quiesce, run ``load()``, reset caches, commit ``version``, resume (the order of the module docstring)."""
         async with self._control:
             # another update may have committed while this one waited for the lock
-            check_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
+            version = check_update_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
             self._state.check_update(partial)
             self._state.updating += 1
             try:
@@ -800,7 +798,7 @@ class VLLMEngine:
         (CUDA IPC, no host copy). The engine must run :class:`WorkerExtension`
         (``from_pretrained`` sets it; a custom ``worker_extension_cls`` must subclass it)."""
         self._state.check_open()
-        check_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
+        version = check_update_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
         self._state.check_update(partial)
         items = self.validate_weights(list(named_tensors), partial=partial)
         encoded = [(n, *_encode_tensor(t)) for n, t in items]
@@ -811,7 +809,6 @@ class VLLMEngine:
         await self._swap(version, partial, allow_rollback, load)
 
     # ---- NCCL path (GPU only): a trainer in another job broadcasts into the workers
-    @renamed_kwargs(master_address="master_addr")
     async def init_weight_transfer(
         self, *, master_addr: str, master_port: int, world_size: int, rank_offset: int = 1, packed: bool = True
     ) -> None:
@@ -859,7 +856,7 @@ class VLLMEngine:
             raise ArgumentError(
                 f"names, dtypes, shapes: expected equal lengths, got {len(names)}, {len(dtypes)}, {len(shapes)}"
             )
-        check_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
+        version = check_update_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
         self._state.check_update(partial)
         metas = [(n, torch.empty(tuple(s), dtype=d, device="meta")) for n, d, s in zip(names, dtypes, shapes)]
         self.validate_weights(metas, partial=partial)
@@ -936,7 +933,7 @@ class VLLMEngine:
             if not isinstance(dtype, torch.dtype):
                 raise ArgumentError(f"update_info['dtype_names'] of {name!r}: expected a torch dtype name, got {d!r}")
             dtypes.append(dtype)
-        check_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
+        version = check_update_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
         self._state.check_update(partial)
         metas = [(n, torch.empty(tuple(s), dtype=d, device="meta")) for n, d, s in zip(names, dtypes, shapes)]
         self.validate_weights(metas, partial=partial)
@@ -1036,11 +1033,11 @@ class VLLMEngine:
         self._state.check_open()
         if not self._lora_enabled:
             raise ArgumentError("lora: this engine was started without enable_lora=True")
-        check_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
+        version = check_update_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
         if version < 0:
             raise ArgumentError(f"version: expected an int >= 0 (vLLM's lora_int_id is version + 1), got {version}")
         async with self._control:
-            check_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
+            version = check_update_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
             if lora is None:
                 self._lora_version = None
             else:
@@ -1091,22 +1088,12 @@ class VLLMEngine:
         """Whether :meth:`sleep` frees memory (vLLM sleep mode: ``enable_sleep_mode=True`` on GPU)."""
         return bool(self._llm.model_config.enable_sleep_mode) and torch.cuda.is_available()
 
-    async def sleep(self, level: int = 1, **deprecated: Any) -> None:
+    async def sleep(self, level: int = 1) -> None:
         """Sleep as the protocol defines it (:class:`~rlblocks.rollout.types.RolloutEngine`): every request in
         flight returns its partial output, frozen ``keep`` ones included; new requests wait in this client. With
         vLLM sleep mode (:attr:`releases_memory`), ``AsyncLLM.sleep(level, mode="abort")``: level 1 offloads the
         weights to CPU and frees the KV cache, level 2 frees the weights too (a complete :meth:`update_weights` after
         :meth:`wake` loads new ones). Without it (every CPU engine) the same rules hold and nothing is freed."""
-        if "mode" in deprecated:
-            mode = deprecated.pop("mode")
-            if mode != "abort":
-                raise ArgumentError(
-                    f"mode: a sleep aborts every request in flight (a kept request could resume on discarded "
-                    f"weights), got mode={mode!r}; use pause('keep') without sleeping to keep requests"
-                )
-            warn_renamed("`VLLMEngine.sleep(mode=...)`", "`sleep(level)` (a sleep always aborts)")
-        if deprecated:
-            raise ArgumentError(f"sleep: unexpected keyword arguments {sorted(deprecated)}")
         if not self._state.check_sleep(level):
             return
         async with self._control:
@@ -1143,7 +1130,6 @@ class VLLMEngine:
 
 
 # ---------------------------------------------------------------------- trainer side of the NCCL path
-@renamed_kwargs(master_address="master_addr")
 def nccl_trainer_init(*, master_addr: str, master_port: int, world_size: int) -> Any:
     """Trainer (rank 0) side of :meth:`VLLMEngine.init_weight_transfer`, run concurrently with it: vLLM's
     ``StatelessProcessGroup`` on a TCPStore at ``master_addr:master_port`` plus a ``PyNcclCommunicator`` on the

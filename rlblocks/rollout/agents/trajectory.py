@@ -46,14 +46,13 @@ from jaxtyping import Int
 from torch import Tensor
 
 from rlblocks._checks import check_int, check_int_list, check_real_list
-from rlblocks.errors import ArgumentError
+from rlblocks.errors import ArgumentError, PrefixMismatchError
 
-from .batch import RolloutBatch, own_loss_mask, per_row
-from .types import Generation
+from ..batch import RolloutBatch, own_loss_mask, per_row
+from ..types import Generation
 
 __all__ = [
     "ROLES",
-    "PrefixMismatchError",
     "Trajectory",
     "render_chat",
     "render_chat_text",
@@ -63,24 +62,6 @@ __all__ = [
 
 ROLES = ("prompt", "model", "env")
 OnMismatch = Literal["raise", "branch"]
-
-
-class PrefixMismatchError(ArgumentError):
-    """A rendering (or a re-sent prompt) does not extend the trajectory's tokens exactly.
-
-    Attributes: ``position`` (first differing index), ``expected`` (the trajectory's id there, or ``None`` when
-    the rendering is longer only because the trajectory ended), ``got`` (the rendering's id there, or ``None``
-    when the rendering is shorter), ``role`` and ``turn`` of the trajectory token at ``position``.
-    """
-
-    def __init__(self, message: str, *, position: int, expected: int | None, got: int | None,
-                 role: str | None, turn: int | None) -> None:
-        super().__init__(message)
-        self.position = position
-        self.expected = expected
-        self.got = got
-        self.role = role
-        self.turn = turn
 
 
 def _ids(name: str, value: object) -> list[int]:

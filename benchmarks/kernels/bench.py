@@ -1,4 +1,8 @@
-"""Benchmark sweep of the fused linear log-prob (+ entropy) op: ``python -m rlblocks.kernels.bench --suite cpu``.
+"""Benchmark sweep of the fused linear log-prob (+ entropy) op: ``python benchmarks/kernels/bench.py --suite cpu``.
+
+Suites: ``cpu`` (a scaled-down CPU set, a few minutes), ``goal`` (the CPU goal case T=4096 H=512 V=32768 fp32),
+``gpu`` and ``gpu-full`` (one CUDA device; see ``gpu_check.sh``), ``validate`` (seconds: every provider and mode
+once, to check that the script runs).
 
 Providers (all compute per-token ``logp`` and optionally the entropy of ``softmax(hidden @ weightᵀ / T)``):
 

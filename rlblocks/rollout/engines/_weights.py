@@ -23,7 +23,8 @@ when it:
 ``version == engine.version`` is accepted: it re-loads the weights of the current version (the first push of a run
 whose engine already starts at that version, or a retry after a broadcast that failed on another engine). Tokens
 keep that version label, so the caller must only re-use a version number for the same weights. A ``version`` that
-is not an ``int`` is bad input: :class:`~rlblocks.errors.ArgumentError`.
+is not a genuine integer (numpy ints are fine; a bool or ``3.0`` is not) is bad input:
+:class:`~rlblocks.errors.ArgumentError`.
 
 Every refusal message has one shape::
 
@@ -39,9 +40,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rlblocks._checks import check_bool, check_version
 from rlblocks.errors import ArgumentError, WeightUpdateError
 
-__all__ = ["WeightLayout", "WeightSpec", "check_tensors", "check_version", "refuse"]
+__all__ = ["WeightLayout", "WeightSpec", "check_tensors", "check_update_version", "refuse"]
 
 _UNCHANGED = "nothing was loaded (weights and version unchanged)"
 
@@ -51,19 +53,19 @@ def refuse(engine: str, detail: str) -> WeightUpdateError:
     return WeightUpdateError(f"{engine}.update_weights refused: {detail}; {_UNCHANGED}")
 
 
-def check_version(engine: str, version: object, current: int, *, allow_rollback: bool) -> int:
-    """Validate ``version`` against the engine's ``current`` version (see the module docstring for the rule)."""
-    if isinstance(version, bool) or not isinstance(version, int):
-        raise ArgumentError(f"version: expected an int, got {version!r}")
-    if not isinstance(allow_rollback, bool):
-        raise ArgumentError(f"allow_rollback: expected a bool, got {allow_rollback!r}")
+def check_update_version(engine: str, version: object, current: int, *, allow_rollback: object) -> int:
+    """``version`` of an update to an engine at version ``current`` (see the module docstring for the rule): a
+    weight version by :func:`rlblocks._checks.check_version`, not older than ``current`` unless
+    ``allow_rollback``."""
+    version = check_version("version", version)
+    allow_rollback = check_bool("allow_rollback", allow_rollback)
     if version < current and not allow_rollback:
         raise refuse(
             engine,
             f"version {version} is older than the engine's version {current} (versions only move forward; pass "
             "allow_rollback=True to go back on purpose)",
         )
-    return int(version)
+    return version
 
 
 @dataclass(frozen=True)
@@ -134,8 +136,7 @@ class WeightLayout:
         Values are checked only for tensors that have them (meta tensors describe a transfer still to come: their
         names, shapes and dtypes are checked, not their values). Raises :class:`WeightUpdateError`.
         """
-        if not isinstance(partial, bool):
-            raise ArgumentError(f"partial: expected a bool, got {partial!r}")
+        check_bool("partial", partial)
         out: dict[str, tuple[str, Tensor]] = {}  # canonical -> (name given, tensor)
         seen: set[str] = set()
         for i, item in enumerate(named_tensors):

@@ -56,7 +56,7 @@ Generation
 
 Weight updates
 --------------
-The update is checked with the rule every engine shares (:mod:`rlblocks.rollout._weights`; names, shapes and
+The update is checked with the rule every engine shares (:mod:`rlblocks.rollout.engines._weights`; names, shapes and
 completeness only when ``expected_weights`` is given, since the client cannot see the model otherwise), then:
 
 1. the scheduler is paused in ``retract`` mode: running requests go back to the queue, and the cache flush that
@@ -111,27 +111,17 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from rlblocks._deprecate import renamed_kwargs
-from rlblocks.errors import ArgumentError, EngineError
+from rlblocks._checks import check_bool
+from rlblocks.errors import ArgumentError, EngineError, SGLangError
 
-from ._common import InFlightCount, Lifecycle, wait_first
-from ._weights import WeightLayout, check_tensors, check_version, refuse
-from .types import Generation, GenerationRequest
+from ..types import Generation, GenerationRequest
+from ._weights import WeightLayout, check_tensors, check_update_version, refuse
+from .lifecycle import Lifecycle, wait_first
 
-__all__ = ["SGLangEngine", "SGLangEngineStats", "SGLangError", "serialize_named_tensors"]
+__all__ = ["SGLangEngine", "SGLangEngineStats", "serialize_named_tensors"]
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 _ALL_TAGS = ["kv_cache", "weights", "cuda_graph"]  # srt/constants.py GPU_MEMORY_ALL_TYPES
-
-
-class SGLangError(EngineError):
-    """The server answered with an HTTP error or an unexpected body, or could not be reached. ``status`` is the
-    HTTP status (``None`` when there was no answer) and ``body`` the decoded answer."""
-
-    def __init__(self, message: str, *, status: int | None = None, body: Any = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = body
 
 
 def _gpu_uuid_reducer(t: Tensor) -> tuple[Any, tuple]:
@@ -346,7 +336,7 @@ class SGLangEngine:
     @property
     def num_in_flight(self) -> int:
         """Requests of this client submitted and not yet returned."""
-        return InFlightCount(len(self._inflight))
+        return len(self._inflight)
 
     def stats(self) -> dict:
         """The counters of :class:`SGLangEngineStats` as a dict."""
@@ -639,10 +629,8 @@ class SGLangEngine:
         self, named_tensors: Iterable[tuple[str, Tensor]], *, version: int, partial: bool, allow_rollback: bool
     ) -> list[tuple[str, Tensor]]:
         self._state.check_open()
-        check_version("SGLangEngine", version, self._version, allow_rollback=allow_rollback)
-        self._state.check_update(partial)
-        if not isinstance(partial, bool):
-            raise ArgumentError(f"partial: expected a bool, got {partial!r}")
+        version = check_update_version("SGLangEngine", version, self._version, allow_rollback=allow_rollback)
+        self._state.check_update(check_bool("partial", partial))
         if self._layout is not None:
             return self._layout.validate(named_tensors, engine="SGLangEngine", partial=partial)
         return check_tensors(named_tensors, engine="SGLangEngine")
@@ -674,7 +662,7 @@ class SGLangEngine:
     ) -> None:
         """The update sequence of the module docstring, for the load call ``path``."""
         async with self._control:
-            check_version("SGLangEngine", version, self._version, allow_rollback=allow_rollback)
+            version = check_update_version("SGLangEngine", version, self._version, allow_rollback=allow_rollback)
             self._state.check_update(partial)
             self._state.updating += 1
             try:
@@ -764,7 +752,7 @@ class SGLangEngine:
         """``POST /update_weights_from_disk``: the server loads a whole checkpoint directory it can read (no
         session needed for this one)."""
         self._state.check_open()
-        check_version("SGLangEngine", version, self._version, allow_rollback=allow_rollback)
+        version = check_update_version("SGLangEngine", version, self._version, allow_rollback=allow_rollback)
         self._state.check_update(False)
         if not isinstance(model_path, str) or not model_path:
             raise ArgumentError(f"model_path: expected a non-empty path string, got {model_path!r}")
@@ -772,7 +760,6 @@ class SGLangEngine:
         await self._update("/update_weights_from_disk", payload, version=version, partial=False,
                            allow_rollback=allow_rollback, session=False)
 
-    @renamed_kwargs(master_address="master_addr")
     async def init_weights_update_group(
         self,
         master_addr: str,

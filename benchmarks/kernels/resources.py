@@ -1,6 +1,6 @@
 """Static sm_90 (H100/H200) resource report of every Triton kernel config, on a machine without a GPU.
 
-``python -m rlblocks.kernels.resources`` compiles each autotune config of each kernel of this package for
+``python benchmarks/kernels/resources.py`` compiles each autotune config of each kernel of ``rlblocks.kernels`` for
 ``GPUTarget("cuda", 90, 64)`` with Triton's own compiler (the configs a GPU autotuner would try: fp32 gets its
 single IEEE config, bf16 the tensor-core ones), reads the cubin with the ``cuobjdump`` bundled in the triton
 package, and prints per config: registers per thread, stack bytes and spill instructions (``STL``/``LDL``),
@@ -12,8 +12,8 @@ The report needs triton (the ``kernels`` extra) and no CUDA; it takes a few seco
 
 Examples::
 
-    python -m rlblocks.kernels.resources                       # every kernel, bf16 and fp32
-    python -m rlblocks.kernels.resources --kernels linear_logprobs --dtypes bf16 --out report.txt
+    python benchmarks/kernels/resources.py                     # every kernel, bf16 and fp32
+    python benchmarks/kernels/resources.py --kernels linear_logprobs --dtypes bf16 --out report.txt
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def _prec(dtype: str) -> str:
 
 
 def specs(dtype: str) -> list[Spec]:
-    """The kernels of the package with their argument roles (kept next to the kernels they describe)."""
+    """The kernels of ``rlblocks.kernels`` with the roles of their arguments (follow a kernel's signature when it
+    changes: a stale role fails to compile here)."""
     p = _prec(dtype)
     lin = ("H", "stride_hn", "stride_wv", "stride_gz", "stride_e")
     tma = {"h": ("BLOCK_N", "BLOCK_K"), "w": ("BLOCK_V", "BLOCK_K"), "gz": ("BLOCK_N", "BLOCK_V")}

@@ -47,13 +47,12 @@ Weight updates, pause, sleep and close
 --------------------------------------
 ``update_weights`` materialises the iterable (dequantising weights sent in the block-FP8 format of
 :mod:`rlblocks.sync.fp8`: the engine then computes with exactly an FP8 engine's weights) and checks it with the rule
-every engine shares (see
-:mod:`rlblocks.rollout._weights`: names, shapes, dtypes, finite values, completeness unless ``partial=True``, tied
-aliases, versions only forward unless ``allow_rollback=True``) *before* touching anything
-(:class:`~rlblocks.errors.WeightUpdateError`; weights and version unchanged). It then waits for the current step to
-end, copies the tensors (``copy_`` with dtype cast), clears the prefix cache, drops the KV of requests frozen by
-``pause("keep")`` (they are re-prefilled under the new weights when resumed; their earlier tokens keep their old
-version) and only then sets ``version``.
+every engine shares (see :mod:`rlblocks.rollout.engines._weights`: names, shapes, dtypes, finite values,
+completeness unless ``partial=True``, tied aliases, versions only forward unless ``allow_rollback=True``) *before*
+touching anything (:class:`~rlblocks.errors.WeightUpdateError`; weights and version unchanged). It then waits for
+the current step to end, copies the tensors (``copy_`` with dtype cast), clears the prefix cache, drops the KV of
+requests frozen by ``pause("keep")`` (they are re-prefilled under the new weights when resumed; their earlier tokens
+keep their old version) and only then sets ``version``.
 ``sleep(level)`` follows the protocol (:class:`~rlblocks.rollout.types.RolloutEngine`): every request in flight
 returns its partial output, every KV cache is dropped; level 1 moves the weights to CPU on CUDA (on CPU they are
 already in host memory, so only the KV caches are freed) and ``wake()`` moves them back; level 2 frees the
@@ -75,6 +74,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import random
 from collections import OrderedDict
@@ -88,10 +88,10 @@ from torch import Tensor
 
 from rlblocks.errors import ArgumentError, EngineError
 
-from ._common import InFlightCount, Lifecycle, StatsView
-from ._weights import WeightLayout, check_version, refuse
-from .routing import RoutingRecorder
-from .types import Generation, GenerationRequest
+from ..routing import RoutingRecorder
+from ..types import Generation, GenerationRequest
+from ._weights import WeightLayout, check_update_version, refuse
+from .lifecycle import Lifecycle
 
 __all__ = ["EngineStats", "TorchEngine", "processed_logprobs"]
 
@@ -345,13 +345,11 @@ class TorchEngine:
     @property
     def num_in_flight(self) -> int:
         """Requests submitted and not yet returned (running, frozen or waiting)."""
-        return InFlightCount(len(self._seqs))
+        return len(self._seqs)
 
-    @property
-    def stats(self) -> StatsView:
-        """``engine.stats()``: the counters of :class:`EngineStats` as a dict (reading ``engine.stats.<counter>``
-        still works for one release, with a DeprecationWarning)."""
-        return StatsView(self._stats, "TorchEngine")
+    def stats(self) -> dict:
+        """The counters of :class:`EngineStats` as a dict."""
+        return dataclasses.asdict(self._stats)
 
     def num_output_tokens(self, request_id: str) -> int | None:
         """Tokens generated so far by an in-flight request, or ``None`` if it is not in flight."""
@@ -433,14 +431,14 @@ class TorchEngine:
     ) -> None:
         """Load ``named_tensors`` (``state_dict()`` names) between steps and set ``version`` afterwards.
 
-        The whole update is checked first (:mod:`rlblocks.rollout._weights`; a refusal raises
+        The whole update is checked first (:mod:`rlblocks.rollout.engines._weights`; a refusal raises
         :class:`~rlblocks.errors.WeightUpdateError` with weights, caches and version unchanged). Pauses itself
         (keep) if not paused and resumes afterwards. After a level-2 sleep, a complete update is what lets the
         engine generate again. Weights may come in the block-FP8 wire format (``rlblocks.sync.quantize_named``):
         they are dequantised into the engine's dtype first (see :meth:`_dequantize_fp8`)."""
         self._state.check_open()
         self._bind_loop()
-        check_version("TorchEngine", version, self._version, allow_rollback=allow_rollback)
+        version = check_update_version("TorchEngine", version, self._version, allow_rollback=allow_rollback)
         self._state.check_update(partial)
         items = self._layout.validate(self._dequantize_fp8(list(named_tensors)), engine="TorchEngine", partial=partial)
         targets = self._targets()
@@ -448,7 +446,7 @@ class TorchEngine:
         try:
             async with self._lock:
                 # another update may have committed while this one waited for the step to end
-                check_version("TorchEngine", version, self._version, allow_rollback=allow_rollback)
+                version = check_update_version("TorchEngine", version, self._version, allow_rollback=allow_rollback)
                 self._state.check_update(partial)
                 with torch.no_grad():
                     for name, t in items:

@@ -3,7 +3,7 @@
 tool.
 
 Episode loop (:func:`run_episode`): the environment's first messages are rendered with the tokenizer's chat
-template into a :class:`~rlblocks.rollout.trajectory.Trajectory`; then, per turn,
+template into a :class:`~rlblocks.rollout.Trajectory`; then, per turn,
 
 1. the whole trajectory is the prompt of one :func:`generate_turn`: every engine call goes through
    :func:`~rlblocks.rollout.resume.resumable_generate`, so a weight update in the middle of a turn keeps the
@@ -14,7 +14,7 @@ template into a :class:`~rlblocks.rollout.trajectory.Trajectory`; then, per turn
 3. the model's tokens are appended as they are (never re-tokenised); the decoded text is the action given to
    ``env.step``; the environment's observation messages are appended as a chat-template DELTA: the conversation
    is rendered to text and only what follows the trajectory's own text (the observation, the template's glue,
-   the generation prompt) is tokenised and appended (:meth:`~rlblocks.rollout.trajectory.Trajectory.text_delta`);
+   the generation prompt) is tokenised and appended (:meth:`~rlblocks.rollout.Trajectory.text_delta`);
    a template that rewrote history falls back to the token-level prefix check, and branches (counted).
 
 Every request of one episode carries the episode's ``session_id``, so a :class:`~rlblocks.rollout.router.Router`
@@ -58,11 +58,12 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 from rlblocks._checks import check_int, check_optional_int, check_seconds, check_str_pair
 from rlblocks.errors import ArgumentError, ToolUnavailable
 
-from .resume import ResumableResult, resumable_generate
+from ..resume import ResumableResult, resumable_generate
+from ..types import GenerationRequest, RolloutEngine, SamplingParams
 from .trajectory import OnMismatch, Trajectory, render_chat_text
-from .types import GenerationRequest, RolloutEngine, SamplingParams
 
 __all__ = [
+    "EPISODE_FINISH_REASONS",
     "TOOL_CALL_TAGS",
     "Env",
     "Episode",
@@ -79,7 +80,10 @@ __all__ = [
 ]
 
 TOOL_CALL_TAGS = ("<tool_call>", "</tool_call>")
-FINISH_REASONS = ("done", "max_turns", "max_tokens", "env_error", "env_timeout", "engine_error", "abort")
+EPISODE_FINISH_REASONS = ("done", "max_turns", "max_tokens", "env_error", "env_timeout", "engine_error", "abort")
+"""How an episode can end (:attr:`Episode.finish_reason`); a generation's own ends are ``types.FINISH_REASONS``."""
+EPISODE_FAILURES = EPISODE_FINISH_REASONS[3:]
+"""The ends of an episode that did not end normally (:attr:`Episode.failed`)."""
 
 
 # ================================================================================================ environment
@@ -666,7 +670,7 @@ class Episode:
     @property
     def failed(self) -> bool:
         """The episode did not end normally (an environment or engine error, a timeout, an abort)."""
-        return self.finish_reason in ("env_error", "env_timeout", "engine_error", "abort")
+        return self.finish_reason in EPISODE_FAILURES
 
 
 class EpisodeStats:
@@ -796,7 +800,7 @@ async def run_episode(
         env_timeout: seconds for each ``reset``/``step`` (None: no limit).
         on_mismatch: what to do when the chat template rewrote history, so that an observation's rendering
             extends the trajectory neither as text nor token for token (``"branch"``: keep the segment, start a
-            new one, count it; ``"raise"``: raise :class:`~rlblocks.rollout.trajectory.PrefixMismatchError`).
+            new one, count it; ``"raise"``: raise :class:`~rlblocks.errors.PrefixMismatchError`).
         stop_texts: texts that end a turn (the closing tool-call tag).
         mask_stale: passed to :func:`generate_turn`.
         max_submissions: passed to :func:`generate_turn`.

@@ -1,4 +1,4 @@
-"""What the reward machinery costs, measured side by side in one run: ``python -m rlblocks.reward.bench``.
+"""What the reward machinery costs, measured side by side in one run: ``python benchmarks/reward/bench.py``.
 
 Rows (each against the plain way of doing the same work, in the same process, interleaved ``--repeats`` times;
 the median is reported):

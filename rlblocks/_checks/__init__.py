@@ -1,0 +1,103 @@
+"""The argument checks of every rlblocks package, in one place: ``from rlblocks._checks import check_int, ...``.
+
+One rule per check, one message shape for every refusal: ``"<argument>: expected <what>, got <what came>"``,
+raised as :class:`rlblocks.errors.ArgumentError` (also a ``ValueError``).
+
+- :mod:`.scalars`: one plain value (``check_int``, ``check_real``, ``check_bool``, ``check_seconds``,
+  ``check_timeout``, ``check_choice``, ``check_str``);
+- :mod:`.containers`: lists of values, string pairs, ``state_dict`` keys;
+- :mod:`.versions`: the weight version (``check_version``);
+- :mod:`.tensors`: tensor kind, dtype, shape and masks (no host sync).
+
+The first three import only the standard library, so light packages (``rlblocks.reward``, ``rlblocks.sandbox``)
+check their arguments without importing torch; the tensor checks, which need torch, load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .containers import check_int_list, check_logprob_list, check_real_list, check_state_keys, check_str_pair
+from .scalars import (
+    MAX_WAIT_SECONDS,
+    as_int,
+    check_bool,
+    check_choice,
+    check_int,
+    check_optional_int,
+    check_real,
+    check_seconds,
+    check_str,
+    check_timeout,
+)
+from .versions import check_version
+
+if TYPE_CHECKING:
+    from .tensors import (
+        as_bool_mask,
+        check_floating,
+        check_group_inputs,
+        check_integer,
+        check_ndim,
+        check_real_tensor,
+        check_same_shape,
+        check_tensor,
+        check_token_pair,
+        shape_str,
+    )
+
+# heavy (torch): name -> module, imported on first access
+_LAZY = {
+    "as_bool_mask": ".tensors",
+    "check_floating": ".tensors",
+    "check_group_inputs": ".tensors",
+    "check_integer": ".tensors",
+    "check_ndim": ".tensors",
+    "check_real_tensor": ".tensors",
+    "check_same_shape": ".tensors",
+    "check_tensor": ".tensors",
+    "check_token_pair": ".tensors",
+    "shape_str": ".tensors",
+}
+
+__all__ = [
+    "MAX_WAIT_SECONDS",
+    "as_bool_mask",
+    "as_int",
+    "check_bool",
+    "check_choice",
+    "check_floating",
+    "check_group_inputs",
+    "check_int",
+    "check_int_list",
+    "check_integer",
+    "check_logprob_list",
+    "check_ndim",
+    "check_optional_int",
+    "check_real",
+    "check_real_list",
+    "check_real_tensor",
+    "check_same_shape",
+    "check_seconds",
+    "check_state_keys",
+    "check_str",
+    "check_str_pair",
+    "check_tensor",
+    "check_timeout",
+    "check_token_pair",
+    "check_version",
+    "shape_str",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
