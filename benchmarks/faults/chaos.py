@@ -77,15 +77,16 @@ def starts(run: Path) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kills", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--save-every", type=int, default=5)
-    ap.add_argument("--max-staleness", type=int, default=1)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--kills", type=int, default=4, help="ranks killed, alternately the rollout and the trainer rank")
+    ap.add_argument("--steps", type=int, default=150, help="trainer steps of the run")
+    ap.add_argument("--save-every", type=int, default=5, help="checkpoint interval in steps (grpo_async --save-every)")
+    ap.add_argument("--max-staleness", type=int, default=1, help="η of the run (grpo_async --max-staleness)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the kill schedule (and of the run)")
-    ap.add_argument("--model", default="")
-    ap.add_argument("--runs-dir", default=str(ROOT / "runs"))
-    ap.add_argument("--name", default="chaos")
+    ap.add_argument("--model", default="", help="HF model directory (default: the demo model)")
+    ap.add_argument("--runs-dir", default=str(ROOT / "runs"), help="directory of run folders")
+    ap.add_argument("--name", default="chaos", help="run name: outputs in <runs-dir>/<name>/")
     ap.add_argument("--extra", default="", help="more flags for grpo_async.py, one string")
     args = ap.parse_args()
     rng = random.Random(args.seed)
