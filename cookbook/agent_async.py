@@ -173,13 +173,23 @@ class Rollout:
                                   group_ids=[gid] * self.cfg.group_size, max_turns=self.cfg.max_turns, counts=counts)
         trajs = [e.trajectory for e in eps]
         versions = [t.oldest_version for t in trajs if t is not None and t.oldest_version is not None]
-        self.ctrl.on_accept()
         self.counts["groups"] += 1
         self.counts["reward_failures"] += counts["reward_failures"]
-        self.outbox.put({"uid": uid, "rank": self.rank, "problem": item.metadata.get("pair", item.text),
-                         "reward_failures": counts["reward_failures"], "trajectories": trajs,
-                         "episodes": [(e.finish_reason, e.num_turns, e.num_tool_calls, e.reward) for e in eps],
-                         "version": min(versions) if versions else int(self.engine.version)})
+        rec = {"uid": uid, "rank": self.rank, "problem": item.metadata.get("pair", item.text),
+               "reward_failures": counts["reward_failures"], "trajectories": trajs,
+               "episodes": [(e.finish_reason, e.num_turns, e.num_tool_calls, e.reward) for e in eps],
+               "version": min(versions) if versions else int(self.engine.version)}
+        if counts["reward_failures"]:
+            # an episode's reward call failed (retries ran out; score_answer read it as 0): the group is failed
+            # whole, never trained with a biased baseline; its slot is freed now, and the inbox counts its
+            # episodes generated and failed without queueing them
+            self.ctrl.on_reject()
+            self.counts["groups_failed_reward"] += 1
+            self.counts["samples_failed_reward"] += len(eps)
+            rec["reward_failed"] = True
+        else:
+            self.ctrl.on_accept()
+        self.outbox.put(rec)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -322,7 +332,8 @@ def trainer_main(cfg: Config, world: int, sample_group, path: str, port: int) ->
     if ck is not None:
         q.load_state_dict(ck["queue"])
     inbox = Inbox(range(1, world), sample_group, q, samples=lambda rec: len(rec["episodes"]),
-                  generated=tally["samples_generated"], journal=recovery.journal)
+                  generated=tally["samples_generated"], failed=tally["samples_failed_reward"],
+                  journal=recovery.journal)
     sync_group = join_sync_group(0, 1, world, port)
     sender = WeightSender(sync_group, 0)
 
@@ -344,6 +355,7 @@ def trainer_main(cfg: Config, world: int, sample_group, path: str, port: int) ->
         so they agree), the counters and the summary's figures so far."""
         with inbox.lock:
             queue, tally["samples_generated"] = q.state_dict(), inbox.generated
+            tally["samples_failed_reward"] = inbox.failed
         state = {"step": step, "model": model_state(model, 1), "optim": optim_state(model, optim, 1),
                  "queue": queue, "counters": dict(tally), "episodes": dict(ep_counts),
                  "accuracy_before": acc_before, "accuracy_after": last_acc, "heldout_before": heldout_before,
@@ -374,6 +386,7 @@ def trainer_main(cfg: Config, world: int, sample_group, path: str, port: int) ->
     print(f"held-out accuracy before RL: {acc_before:.3f} ({len(heldout)} prompts, {loop_task.source}, "
           f"{cfg.eval_k} episode(s) each)", flush=True)
     t_start = t_rl = time.time()
+    failed_calls_logged = 0  # inbox.failed_calls at the last logged step
     if ck is not None:
         t_start -= ck["wall_seconds"]
     ep_counts: Counter = Counter(ck["episodes"]) if ck is not None else Counter()
@@ -421,9 +434,11 @@ def trainer_main(cfg: Config, world: int, sample_group, path: str, port: int) ->
             last_acc, heldout_after = result.mean_at_k, result.metrics()
         acc = last_acc if result is not None else None
         rewards = [t.reward for t in trajs]
+        # the failed reward calls received since the last step (their groups were failed whole, never in a batch)
+        calls, failed_calls_logged = inbox.failed_calls - failed_calls_logged, inbox.failed_calls
         row = {
             "step": step, "version": step, "reward": sum(rewards) / len(rewards),
-            "reward_failures": sum(int(r.get("reward_failures", 0)) for r in batch), **eval_metrics(result),
+            "reward_failures": calls, **eval_metrics(result),
             "loss": m["loss"], "approx_kl": m.get("approx_kl"),
             "clipfrac_low": m.get("clipfrac_low"), "clipfrac_high": m.get("clipfrac_high"), "grad_norm": float(gnorm),
             "staleness_hist": {str(k): v for k, v in sorted(ages.items())}, "tokens_trained": m["tokens_trained"],
@@ -431,6 +446,7 @@ def trainer_main(cfg: Config, world: int, sample_group, path: str, port: int) ->
             "train_seconds": train_s, "sync_seconds": sync_s, "queue_len": len(q),
             "step_seconds": time.perf_counter() - t0, "generate_seconds": None,  # the rollout ranks generate
             "samples_generated": inbox.generated, "samples_trained": tally["samples_trained"],
+            "samples_failed_reward": inbox.failed,
             "tool_calls_per_episode": sum(c for r in batch for _, _, c, _ in r["episodes"]) / len(trajs),
             "turns_mean": sum(t for r in batch for _, t, _, _ in r["episodes"]) / len(trajs),
             "lr": optim.param_groups[0]["lr"], "wall_seconds": time.time() - t_start,
@@ -451,14 +467,15 @@ def trainer_main(cfg: Config, world: int, sample_group, path: str, port: int) ->
     rollout_counts = Counter()
     for e in inbox.ended.values():
         rollout_counts.update(e.counters)
-    # every episode received is trained, without a trajectory (its env failed to reset), dropped as stale, lost in
-    # a crash (received after the last checkpoint) or left in the queue
+    # every episode received is trained, without a trajectory (its env failed to reset), dropped as stale, failed
+    # with its group for its reward, lost in a crash (received after the last checkpoint) or left in the queue
     summary = {
         "accuracy_before": acc_before, "accuracy_after": last_acc, "wall_seconds": time.time() - t_start,
         "rl_seconds_this_run": time.time() - t_rl, "steps": step, "max_staleness": cfg.max_staleness,
         "max_staleness_seen": tally["max_staleness_seen"], "samples_generated": inbox.generated,
         "samples_trained": tally["samples_trained"], "samples_without_trajectory": tally["samples_without_trajectory"],
         "samples_dropped_stale": tally["groups_dropped_stale"] * cfg.group_size,
+        "samples_failed_reward": inbox.failed, "groups_failed_reward": rollout_counts["groups_failed_reward"],
         "samples_lost_in_crash": tally["samples_lost_in_crash"], "samples_left_in_queue": len(q) * cfg.group_size,
         "episodes_run_this_start": rollout["episodes"],
         "turns_mean": rollout["turns"] / max(rollout["episodes"], 1), "tool_calls": rollout["tool_calls"],

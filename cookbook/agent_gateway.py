@@ -30,6 +30,7 @@ import json
 import os
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import agent_task as task
@@ -96,19 +97,21 @@ def check_flags(cfg: Config) -> None:
 
 
 async def agent(client, http, base_url: str, session_id: str, prompt, tools, scorer, group: int,
-                seed: int) -> tuple[float, int]:
+                seed: int) -> tuple[float, int, bool]:
     """An ordinary OpenAI tool-calling agent on ``prompt`` (a ``plumbing.Prompt``) with ``tools``. Returns (reward,
-    tool calls); posts the reward (``scorer``, a ``plumbing.Reward``, on the final answer) to the gateway."""
+    tool calls, whether the reward call failed); posts the reward (``scorer``, a ``plumbing.Reward``, on the final
+    answer) to the gateway, ``info["reward_failed"]`` saying whether its call failed (retries ran out: the 0.0 it
+    posts is a placeholder, and the trainer fails the session's group whole)."""
     messages = [dict(m) for m in prompt.messages]
     by_name = {t.name: t for t in tools}
-    reward, calls = 0.0, 0
+    reward, calls, counts = 0.0, 0, Counter()
     for _ in range(task.MAX_TURNS):
         r = await client.chat.completions.create(
             model="policy", messages=messages, tools=[t.schema() for t in tools], temperature=1.0,
             max_tokens=task.TURN_TOKENS, seed=seed, extra_headers={"X-Session-Id": session_id})
         msg = r.choices[0].message
         if not msg.tool_calls:
-            reward = await scorer.score_answer(prompt, msg.content or "")
+            reward = await scorer.score_answer(prompt, msg.content or "", counts)
             break
         messages.append(msg.model_dump(exclude_none=True))
         for call in msg.tool_calls:
@@ -118,10 +121,11 @@ async def agent(client, http, base_url: str, session_id: str, prompt, tools, sco
             except Exception as e:  # the model sees the error, as from any tool
                 result = f"error: {type(e).__name__}: {e}"
             messages.append({"role": "tool", "tool_call_id": call.id, "name": call.function.name, "content": result})
+    failed = counts["reward_failures"] > 0
     resp = await http.post(f"{base_url}/sessions/{session_id}/reward",
-                           json={"reward": reward, "info": {"group": group}})
+                           json={"reward": reward, "info": {"group": group, "reward_failed": failed}})
     resp.raise_for_status()
-    return reward, calls
+    return reward, calls, failed
 
 
 async def run(cfg: Config, path: str) -> dict:
@@ -160,6 +164,7 @@ async def run(cfg: Config, path: str) -> dict:
     print(f"held-out accuracy before: {acc_before:.3f}", flush=True)
     t0 = time.time()
     n = cfg.prompts_per_step * cfg.group_size
+    totals = Counter()  # samples generated / trained / failed with their group for the reward, groups failed
     async with Gateway(engine, tok, model="policy", queue=q) as gw:
         client = openai.AsyncOpenAI(base_url=gw.url, api_key="unused", max_retries=0, timeout=120)
         async with httpx.AsyncClient(timeout=120) as http:
@@ -180,24 +185,38 @@ async def run(cfg: Config, path: str) -> dict:
                 trajs.sort(key=lambda t: t.session_id)
                 for t in trajs:
                     t.group_id = int(t.info["group"])
+                # a group with a failed reward call is failed whole: none of its sessions is trained (a baseline
+                # without it, or with its placeholder 0, would be biased)
+                failed_groups = {int(t.info["group"]) for t in trajs if t.info.get("reward_failed")}
+                train = [t for t in trajs if t.group_id not in failed_groups]
+                totals["groups_failed_reward"] += len(failed_groups)
+                totals["samples_failed_reward"] += len(trajs) - len(train)
+                totals["samples_generated"] += len(trajs)
+                totals["samples_trained"] += len(train)
                 gen_s = time.perf_counter() - ts
                 # ---- 3. GRPO over the trajectories, then the new weights into the engine
                 optim.zero_grad(set_to_none=True)
-                m = task.grpo_backward(policy, trajs, tok.pad_token_id)
-                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
-                optim.step()
+                if train:
+                    m = task.grpo_backward(policy, train, tok.pad_token_id)
+                    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+                    optim.step()
+                else:  # every group failed: nothing to train this step (the weights stay, the version advances)
+                    m, grad_norm = {"loss": 0.0, "tokens_trained": 0.0}, 0.0
                 t_sync = time.perf_counter()
                 await engine.update_weights(list(policy.state_dict().items()), version=step + 1)
                 sync_s = time.perf_counter() - t_sync
                 last = step + 1 == cfg.steps
                 result = await evaluate(step + 1) if last else None
                 step_s = time.perf_counter() - ts
-                rec = {"step": step + 1, "version": step + 1, "reward": sum(r for r, _ in results) / n,
+                scored = [r for r, _, failed in results if not failed]
+                rec = {"step": step + 1, "version": step + 1, "reward": sum(scored) / max(len(scored), 1),
                        "reward_failures": scorer.failures - failures_before, **eval_metrics(result),
-                       "tool_calls_per_episode": sum(c for _, c in results) / n, "loss": m["loss"],
+                       "samples_failed_reward": totals["samples_failed_reward"],
+                       "tool_calls_per_episode": sum(c for _, c, _ in results) / n, "loss": m["loss"],
                        "grad_norm": float(grad_norm), "lr": optim.param_groups[0]["lr"],
                        "tokens_trained": m["tokens_trained"], "tokens_per_s": m["tokens_trained"] / step_s,
-                       "samples_generated": n * (step + 1), "samples_trained": n * (step + 1),
+                       "samples_generated": totals["samples_generated"],
+                       "samples_trained": totals["samples_trained"],
                        "staleness_hist": {"0": int(m["tokens_trained"])}, "generate_seconds": gen_s,
                        "train_seconds": t_sync - ts - gen_s, "sync_seconds": sync_s, "queue_wait_seconds": 0.0,
                        "step_seconds": step_s, "wall_seconds": time.time() - t0,
@@ -211,7 +230,9 @@ async def run(cfg: Config, path: str) -> dict:
     acc_after = eval_after.mean_at_k
     await engine.aclose()
     summary = {"accuracy_before": acc_before, "accuracy_after": acc_after, "steps": cfg.steps,
-               "wall_seconds": time.time() - t0, "gateway": stats, "config": dataclasses.asdict(cfg),
+               "wall_seconds": time.time() - t0, **{k: totals[k] for k in (
+                   "samples_generated", "samples_trained", "samples_failed_reward", "groups_failed_reward")},
+               "reward_failures": scorer.stats()["failures"], "gateway": stats, "config": dataclasses.asdict(cfg),
                "task": loop_task.source, "heldout_prompts": len(heldout), "heldout_before": eval_before.metrics(),
                "heldout_after": eval_after.metrics(), "reward": scorer.stats(), "eval_reward": eval_reward.stats()}
     files.write_summary(summary)

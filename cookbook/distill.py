@@ -212,7 +212,7 @@ def distill_step(cfg: Any, policy: nn.Module, optim: torch.optim.Optimizer, bt: 
             logp = policy(mb["input_ids"], mb["attention_mask"], labels[rows])
             old = logp.detach() if old_logp is None else old_logp[rows]
             per_tok, m = policy_loss(cfg, logp, old, adv[rows], mb_mask, rollout_logp=mb_rollout)
-        n = global_counts(mb_mask, group)
+        n = global_counts(mb_mask, group, rows=bt["trained"][rows] if "trained" in bt else None)
         loss = aggregate(per_tok, mb_mask, mode=cfg.agg, num_tokens=n["tokens"], num_seqs=n["seqs"],
                          max_len=n["max_len"])
         m["grad_norm"] = optimizer_update(policy, optim, loss, grad_scale=grad_scale, grad_clip=cfg.grad_clip)

@@ -79,7 +79,7 @@ def grpo_step(cfg: Any, policy: torch.nn.Module, optim: torch.optim.Optimizer, b
             per_tok = per_tok + cfg.kl_coef * kl
             m["kl_ref_k3"] = kl.sum() / mb_mask.sum().clamp(min=1)
         # 3d. aggregation with the global normalisers
-        n = global_counts(mb_mask, group)
+        n = global_counts(mb_mask, group, rows=bt["trained"][rows] if "trained" in bt else None)
         loss = aggregate(per_tok, keep, mode=cfg.agg, num_tokens=n["tokens"], num_seqs=n["seqs"],
                          max_len=n["max_len"])
         # 3e. optimizer update

@@ -44,7 +44,9 @@ Files: ``runs/<name>/metrics.jsonl`` (one line per step; TensorBoard / W&B with 
 ``eval/`` (per-prompt held-out results), ``ckpt.pt`` and ``journal.jsonl``. ``--resume`` (or a ``torchrun
 --max-restarts`` restart after a rank died) continues from the last checkpoint: the weights, the optimizer, the queue
 with every group waiting in it, the counters. No sample is trained twice or lost unaccounted: ``samples_generated =
-samples_trained + samples_dropped_stale + samples_lost_in_crash + samples_left_in_queue`` over every restart (groups
+samples_trained + samples_dropped_stale + samples_failed_reward + samples_lost_in_crash + samples_left_in_queue``
+over every restart (a group whose reward failed is failed whole at its rollout rank: its slot freed at once, its
+samples counted generated and failed, never trained; groups
 received after the last checkpoint died with the crashed trainer and are counted lost, from the journal), and the
 staleness bound holds across the restart (the queue is re-checked at the restored version, the rollout ranks'
 admission restarts there).
@@ -288,14 +290,17 @@ class Rollout:
         gens = await asyncio.gather(
             *[self._one(GenerationRequest(f"{uid}/{k}", prompt, sp)) for k in range(self.cfg.group_size)]
         )
-        rewards, failed = await self.reward.scores([item] * len(gens), [until_eos(g.output_ids, self.tok.eos_token_id)
-                                                                        for g in gens])
+        rewards, keep, failed = await self.reward.group_scores(
+            [item] * len(gens), [until_eos(g.output_ids, self.tok.eos_token_id) for g in gens], len(gens))
         self.counters["samples_generated"] += len(gens)
         self.counters["tokens_generated"] += sum(len(g.output_ids) for g in gens)
         self.counters["reward_failures"] += failed
         rec = group_record(uid, item.metadata.get("pair", item.text), prompt, gens, rewards, self.rank)
         rec["reward_failures"] = failed  # the trainer logs them with the step that trains the group
-        self._finished(uid, rec, rewards)
+        if not keep[0]:
+            self._failed(rec)
+        else:
+            self._finished(uid, rec, rewards)
 
     # ---------------------------------------------------------------- admission bookkeeping
     def admit(self, version: int) -> int:
@@ -321,6 +326,18 @@ class Rollout:
             if self.sampler.done:  # this window's batch is complete; groups in flight carry over to the next
                 self.sampler.reset()
         self.ctrl.on_accept()
+        self.outbox.put(rec)
+
+    def _failed(self, rec: dict) -> None:
+        """A group whose reward failed (a call's retries ran out) is failed whole, never trained: its slot is freed
+        at once (``on_reject``; the dynamic sampler no longer waits for it), and its record goes to the trainer
+        marked ``reward_failed``, where the inbox counts its samples generated and failed and never queues it."""
+        self.ctrl.on_reject()
+        if self.sampler is not None:
+            self.sampler.on_abort()
+        self.counters["groups_failed_reward"] += 1
+        self.counters["samples_failed_reward"] += len(rec["samples"])
+        rec["reward_failed"] = True
         self.outbox.put(rec)
 
     def _discard(self, n: int) -> None:
@@ -558,6 +575,7 @@ class Trainer:
     eval_before: Any = None  # the EvalResults before RL (None after a resume) and of the last evaluation
     last_eval: Any = None
     wall_before: float = 0.0  # seconds of earlier runs (resume)
+    failed_calls_logged: int = 0  # inbox.failed_calls at the last logged step
     t_rl: float = field(default_factory=time.time)
     queue: StalenessQueue | None = None
     inbox: Inbox | None = None
@@ -651,7 +669,7 @@ def setup_trainer(cfg: Config, rank: int, world: int, n_train: int, device, grou
         t.transport = GroupDeltaTransport(t.sync_group, 0)
         t.syncer = LoraSyncer(t.sender.send, keep=cfg.max_staleness + 1)
         t.inbox = Inbox(range(n_train, world), groups["sample"], t.queue, generated=t.counters["samples_generated"],
-                        journal=rec.journal)
+                        failed=t.counters["samples_failed_reward"], journal=rec.journal)
     return t
 
 
@@ -757,11 +775,13 @@ def log_step(t: Trainer, tensors, stats: dict, m: dict[str, float], batch: list[
     t_eval = time.perf_counter()
     result = evaluate(t, tensors) if (every(t.step, t.cfg.eval_every) or done) else None
     timings["eval"] = time.perf_counter() - t_eval
+    # the failed reward calls received since the last step (their groups were failed whole, never in a batch)
+    calls, t.failed_calls_logged = t.inbox.failed_calls - t.failed_calls_logged, t.inbox.failed_calls
     t.last_acc = result.mean_at_k if result is not None else t.last_acc
     step_s = time.perf_counter() - timings["start"]
     t.files.log({
         "step": t.step, "version": t.step, "reward": stats["reward"],
-        "reward_failures": sum(int(g.get("reward_failures", 0)) for g in batch), **eval_metrics(result),
+        "reward_failures": calls, **eval_metrics(result),
         "loss": m["loss"],
         "kl_k3": m.get("mismatch_kl_k3"), "kl_k1": m.get("mismatch_kl_k1"), "approx_kl": m.get("approx_kl"),
         "ratio_in_band_frac": m.get("mismatch_ratio_in_band_frac"),
@@ -775,7 +795,8 @@ def log_step(t: Trainer, tensors, stats: dict, m: dict[str, float], batch: list[
         "sync_bytes": t.push_bytes,
         "eval_seconds": timings["eval"], **rollout_columns(t.inbox.take_reports(), t.cfg.rollout_ranks),
         "queue_len": len(t.queue), "samples_generated": t.inbox.generated,
-        "samples_trained": t.counters["samples_trained"], "wall_seconds": t.wall_seconds(),
+        "samples_trained": t.counters["samples_trained"], "samples_failed_reward": t.inbox.failed,
+        "wall_seconds": t.wall_seconds(),
         "trained_uids": [g["uid"] for g in batch], "lr": t.optim.param_groups[0]["lr"],
         "groups_filled_unfiltered": sum(1 for g in batch if g.get("zero_variance_fill")),
         **{k: v for k, v in m.items() if k.startswith("correction_")},
@@ -793,6 +814,7 @@ def save_checkpoint(t: Trainer) -> None:
     if t.is0:
         with t.inbox.lock:
             queue, t.counters["samples_generated"] = t.queue.state_dict(), t.inbox.generated
+            t.counters["samples_failed_reward"] = t.inbox.failed
         state = {"model": model, "optim": optim, "step": t.step, "queue": queue, "counters": dict(t.counters),
                  "accuracy_before": t.accuracy_before, "stale_uids": list(t.stale_uids),
                  "eval_reward": t.eval_reward.state_dict(), "wall_seconds": t.wall_seconds()}
@@ -822,7 +844,8 @@ def evaluate_rollout_form(t: Trainer, tensors):
 
 def finish(t: Trainer, tensors) -> None:
     """Rank 0: stop the rollout ranks, collect their counters, write summary.json (every sample accounted for:
-    generated = trained + dropped stale + lost in a crash + left in the queue; restarts and steps redone)."""
+    generated = trained + dropped stale + failed reward + lost in a crash + left in the queue; restarts and steps
+    redone)."""
     send_control(t.sync_group, Stop())
     t.inbox.join()
     rollout = Counter()
@@ -835,6 +858,7 @@ def finish(t: Trainer, tensors) -> None:
         "max_staleness": cfg.max_staleness,
         "max_staleness_seen": t.counters["max_staleness_seen"], "samples_generated": t.inbox.generated,
         "samples_trained": t.counters["samples_trained"], "samples_dropped_stale": t.counters["samples_dropped_stale"],
+        "samples_failed_reward": t.inbox.failed, "groups_failed_reward": rollout.get("groups_failed_reward", 0),
         "samples_lost_in_crash": t.counters["samples_lost_in_crash"], "samples_left_in_queue": len(q) * cfg.group_size,
         "rollout": dict(rollout), "stale_uids": t.stale_uids,
         "left_uids": [item["uid"] for item, _, _ in q.state_dict()["items"]], "config": dataclasses.asdict(cfg),

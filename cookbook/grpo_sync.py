@@ -171,7 +171,8 @@ def check_flags(cfg: Config) -> None:
 async def rollout_step(cfg: Config, engine, tok, task, reward, rng: random.Random, n_groups: int, rank: int,
                        step: int, max_model_len: int, counters: Counter) -> list[dict]:
     """Generate ``n_groups`` prompt groups of ``group_size`` samples with the colocated engine and score them;
-    ``counters`` gets the samples and tokens generated, the engine resubmissions and the failed reward calls."""
+    ``counters`` gets the samples and tokens generated, the engine resubmissions, the failed reward calls and the
+    groups failed whole for them (``groups_failed_reward``, ``samples_failed_reward``: in the batch, never trained)."""
 
     async def one_group(i: int) -> dict:
         item = task.draw(rng)  # a Prompt: the toy task's, or a --prompts row (ids through the chat template)
@@ -186,10 +187,15 @@ async def rollout_step(cfg: Config, engine, tok, task, reward, rng: random.Rando
         counters["samples_generated"] += len(gens)
         counters["tokens_generated"] += sum(len(g.output_ids) for g in gens)
         counters["resubmissions"] += sum(g.num_submissions - 1 for g in gens)
-        rewards, failed = await reward.scores([item] * len(gens), [until_eos(g.output_ids, tok.eos_token_id)
-                                                                   for g in gens])
+        rewards, keep, failed = await reward.group_scores(
+            [item] * len(gens), [until_eos(g.output_ids, tok.eos_token_id) for g in gens], len(gens))
         counters["reward_failures"] += failed
-        return group_record(uid, item.metadata.get("pair", item.text), prompt, gens, rewards, rank)
+        rec = group_record(uid, item.metadata.get("pair", item.text), prompt, gens, rewards, rank)
+        if not keep[0]:  # a reward call's retries ran out: the group is failed whole (batch_tensors trains none of it)
+            rec["reward_failed"] = True
+            counters["groups_failed_reward"] += 1
+            counters["samples_failed_reward"] += len(gens)
+        return rec
 
     return list(await asyncio.gather(*[one_group(i) for i in range(n_groups)]))
 
@@ -305,16 +311,15 @@ def main(argv: list[str] | None = None) -> None:
         loop.run_until_complete(engine.update_weights(tensors, version=step))
         sync_s = time.perf_counter() - t2
         # ---- logging: generated counts come from the rollout, trained counts from the batch, summed over ranks
-        gen = {k: counters[k] - before[k] for k in ("samples_generated", "tokens_generated", "resubmissions",
-                                                    "reward_failures")}
+        gen_keys = ("samples_generated", "tokens_generated", "resubmissions", "reward_failures",
+                    "groups_failed_reward", "samples_failed_reward")
+        trained = bt["trained"]
         sums = torch.cat([  # trained: over the DP ranks (a CP group shares its batch); generated: over all ranks
-            all_reduce(torch.tensor([bt["rewards"].sum().item(), bt["rewards"].numel(), bt["mask"].sum().item()],
-                                    dtype=torch.float64), group=tg.dp),
-            all_reduce(torch.tensor([gen["samples_generated"], gen["tokens_generated"], gen["resubmissions"],
-                                     gen["reward_failures"]], dtype=torch.float64))])
+            all_reduce(torch.tensor([bt["rewards"][trained].sum().item(), trained.sum().item(),
+                                     bt["mask"].sum().item()], dtype=torch.float64), group=tg.dp),
+            all_reduce(torch.tensor([counters[k] - before[k] for k in gen_keys], dtype=torch.float64))])
         totals.update({"samples_trained": int(sums[1]), "tokens_trained": int(sums[2]),
-                       "samples_generated": int(sums[3]), "tokens_generated": int(sums[4]),
-                       "resubmissions": int(sums[5]), "reward_failures": int(sums[6])})
+                       **{k: int(v) for k, v in zip(gen_keys, sums[3:].tolist())}})
         done = step >= cfg.steps or (cfg.time_limit > 0 and time.time() - t_start > cfg.time_limit)
         done = broadcast_flag(done, device=device)  # rank 0's clock decides for every rank
         if rank == 0:
@@ -325,7 +330,8 @@ def main(argv: list[str] | None = None) -> None:
             mean_reward = sums[0].item() / max(sums[1].item(), 1)
             files.log({
                 "step": step, "version": step, "reward": mean_reward, "reward_failures": int(sums[6]),
-                **eval_metrics(result), "loss": m["loss"], "lr": optim.param_groups[0]["lr"],
+                "samples_failed_reward": totals["samples_failed_reward"], **eval_metrics(result), "loss": m["loss"],
+                "lr": optim.param_groups[0]["lr"],
                 "kl_k3": m.get("mismatch_kl_k3"), "kl_k1": m.get("mismatch_kl_k1"), "approx_kl": m.get("approx_kl"),
                 "clipfrac": m.get("clipfrac"), "clipfrac_low": m.get("clipfrac_low"),
                 "clipfrac_high": m.get("clipfrac_high"), "grad_norm": m["grad_norm"],
@@ -348,7 +354,10 @@ def main(argv: list[str] | None = None) -> None:
             "accuracy_before": acc_before, "accuracy_after": last_acc, "wall_seconds": time.time() - t_start,
             "steps": step, "max_staleness": 0, "max_staleness_seen": 0,
             "samples_generated": totals["samples_generated"], "samples_trained": totals["samples_trained"],
-            "samples_dropped_stale": 0, "rollout": dict(totals), "config": dataclasses.asdict(cfg),
+            "samples_dropped_stale": 0, "samples_failed_reward": totals["samples_failed_reward"],
+            "groups_failed_reward": totals["groups_failed_reward"], "reward_failures": totals["reward_failures"],
+            "rollout": dict(totals),
+            "config": dataclasses.asdict(cfg),
             "teacher_accuracy": teacher_acc, "task": task.source, "heldout_prompts": len(task.heldout),
             "heldout_before": heldout_before, "heldout_after": heldout_after, "reward": reward.stats(),
             **rec.summary(),

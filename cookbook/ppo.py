@@ -839,7 +839,7 @@ def main(argv: list[str] | None = None) -> None:
                 "reward_seconds": reward_s, "train_seconds": train_s, "sync_seconds": sync_s,
                 "queue_wait_seconds": 0.0, "lr": actor_opt.param_groups[0]["lr"],
                 "samples_generated": totals["samples_generated"], "samples_trained": totals["samples_trained"],
-                "wall_seconds": time.time() - t_start,
+                "samples_failed_reward": totals["samples_failed_reward"], "wall_seconds": time.time() - t_start,
             })
             bar.update({"score": st["score"], "train_acc": st["train_accuracy"], "acc": last_acc,
                         "clipfrac": m["clipfrac"], "vf_mse": m["vf_mse"]})
@@ -855,7 +855,8 @@ def main(argv: list[str] | None = None) -> None:
             "cpu_seconds": time.process_time(), "steps": steps_done, "max_staleness": 0, "max_staleness_seen": 0,
             "samples_generated": totals["samples_generated"], "samples_trained": totals["samples_trained"],
             "samples_dropped_stale": 0, "samples_failed_reward": totals["samples_failed_reward"],
-            "rollout": dict(totals), "world_size": world,
+            "groups_failed_reward": totals["samples_failed_reward"] // cfg.group_size, "rollout": dict(totals),
+            "world_size": world,
             "reward_model": {"path": rm_path, **rm_stats} if cfg.reward == "rm" else None,
             "reward_failures": totals["reward_failures"], "eval_reward": checker.stats(),
             "memory_bytes_per_rank": memory, "config": dataclasses.asdict(cfg), "task": task.source,

@@ -11,8 +11,9 @@ Printed (and written to ``<runs-dir>/<name>/chaos.json``):
 
 - **restarts survived**: kills, and restarts the run reports (``summary.json``);
 - **samples lost**: ``samples_lost_in_crash`` (groups the trainer had received after its last checkpoint), next to
-  generated / trained / dropped stale / left in the queue; the conservation ``generated = trained + dropped stale
-  + lost + left`` and "no group trained twice" are checked, as is the staleness bound η on every trained token;
+  generated / trained / dropped stale / failed reward / left in the queue; the conservation ``generated = trained +
+  dropped stale + failed reward + lost + left`` and "no group trained twice" are checked, as is the staleness
+  bound η on every trained token;
 - **steps redone**: steps trained after the last checkpoint by a run that was then killed;
 - **time to recover**, per kill: to the restarted run's start (its journal line) and to its first trained step
   (its first new row of ``metrics.jsonl``), from the kill.
@@ -76,15 +77,16 @@ def starts(run: Path) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kills", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--save-every", type=int, default=5)
-    ap.add_argument("--max-staleness", type=int, default=1)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--kills", type=int, default=4, help="ranks killed, alternately the rollout and the trainer rank")
+    ap.add_argument("--steps", type=int, default=150, help="trainer steps of the run")
+    ap.add_argument("--save-every", type=int, default=5, help="checkpoint interval in steps (grpo_async --save-every)")
+    ap.add_argument("--max-staleness", type=int, default=1, help="η of the run (grpo_async --max-staleness)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the kill schedule (and of the run)")
-    ap.add_argument("--model", default="")
-    ap.add_argument("--runs-dir", default=str(ROOT / "runs"))
-    ap.add_argument("--name", default="chaos")
+    ap.add_argument("--model", default="", help="HF model directory (default: the demo model)")
+    ap.add_argument("--runs-dir", default=str(ROOT / "runs"), help="directory of run folders")
+    ap.add_argument("--name", default="chaos", help="run name: outputs in <runs-dir>/<name>/")
     ap.add_argument("--extra", default="", help="more flags for grpo_async.py, one string")
     args = ap.parse_args()
     rng = random.Random(args.seed)
@@ -140,7 +142,8 @@ def main() -> None:
     checks = {
         "steps": [r["step"] for r in rows] == list(range(1, args.steps + 1)),
         "conservation": s["samples_generated"] == (s["samples_trained"] + s["samples_dropped_stale"]
-                                                   + s["samples_lost_in_crash"] + s["samples_left_in_queue"]),
+                                                   + s["samples_failed_reward"] + s["samples_lost_in_crash"]
+                                                   + s["samples_left_in_queue"]),
         "no_group_trained_twice": len(trained) == len(set(trained)),
         "staleness_bound": s["max_staleness_seen"] <= args.max_staleness
         and all(max(int(a) for a in r["staleness_hist"]) <= args.max_staleness for r in rows),
@@ -149,7 +152,7 @@ def main() -> None:
     out = {
         "kills": len(kills), "restarts": s["restarts"], "steps": s["steps"], "wall_seconds": time.time() - t0,
         **{k: s[k] for k in ("samples_generated", "samples_trained", "samples_dropped_stale",
-                             "samples_lost_in_crash", "samples_left_in_queue", "steps_redone",
+                             "samples_failed_reward", "samples_lost_in_crash", "samples_left_in_queue", "steps_redone",
                              "max_staleness_seen")},
         "lost_fraction": s["samples_lost_in_crash"] / max(s["samples_generated"], 1),
         "restart_seconds_median": statistics.median([k["restart_seconds"] for k in kills]) if kills else None,
@@ -161,7 +164,8 @@ def main() -> None:
     (run / "chaos.json").write_text(json.dumps(out, indent=2) + "\n")
     print(f"restarts survived: {s['restarts']} of {len(kills)} kills; steps {s['steps']}/{args.steps}")
     print(f"samples: generated {s['samples_generated']} = trained {s['samples_trained']} + dropped stale "
-          f"{s['samples_dropped_stale']} + lost in crashes {s['samples_lost_in_crash']} "
+          f"{s['samples_dropped_stale']} + failed reward {s['samples_failed_reward']} + lost in crashes "
+          f"{s['samples_lost_in_crash']} "
           f"({100 * out['lost_fraction']:.1f} %) + left in queue {s['samples_left_in_queue']}; "
           f"steps redone {s['steps_redone']}")
     if kills:

@@ -40,22 +40,25 @@ def group_record(uid: str, prompt: Any, prompt_ids: list[int], gens: list, rewar
 
 def batch_tensors(groups: list[dict], pad_id: int, device: torch.device) -> dict[str, Tensor]:
     """Right-padded tensors for a list of group records, built by ``rlblocks.rollout.build_batch`` (one row per
-    sample, every output token trained, group ``i`` of the list is group id ``i``), in the next-token layout the
-    loops' log-prob module uses.
+    sample, every output token trained except those of a group marked ``"reward_failed"`` (its reward failed, see
+    ``Reward.group_scores``: its rows stay in the batch, ``mask`` all False), group ``i`` of the list is group id
+    ``i``), in the next-token layout the loops' log-prob module uses.
 
     Returns ``input_ids``/``attention_mask`` ``[B, L]`` (``L >= 2``), and over the ``L-1`` next-token positions:
     ``labels`` (response tokens, else -100), ``mask`` (bool), ``rollout_logp`` (engine logprobs, 0 elsewhere),
-    ``versions`` (token versions, -1 elsewhere); per sequence: ``rewards``, ``group_ids`` (index of the group).
+    ``versions`` (token versions, -1 elsewhere); per sequence: ``rewards``, ``group_ids`` (index of the group),
+    ``trained`` (bool: False for the rows of a failed group).
     Response token ``t`` of row ``b`` (``RolloutBatch``' ``[B, T]`` layout) sits at next-token position
     ``prompt_lens[b] − 1 + t``.
     """
-    gens, gids, rewards = [], [], []
+    gens, gids, rewards, trained = [], [], [], []
     for gi, g in enumerate(groups):
         for k, s in enumerate(g["samples"]):
             gens.append(Generation(f"{g['uid']}/{k}", list(g["prompt_ids"]), list(s["output_ids"]),
                                    list(s["output_logprobs"]), list(s["output_versions"]), s["finish_reason"]))
             gids.append(gi)
             rewards.append(s["reward"])
+            trained.append(not g.get("reward_failed", False))
     rb = build_batch(gens, pad_id=pad_id, group_ids=gids, rewards=rewards)
     b, width = rb.input_ids.shape
     extra = max(0, 2 - width)  # at least one next-token position, even for one-token prompts with no output
@@ -71,11 +74,13 @@ def batch_tensors(groups: list[dict], pad_id: int, device: torch.device) -> dict
         return out.scatter_(1, pos, torch.where(rb.response_mask, x, fill))[:, :-1]
 
     labels = to_positions(rb.response_ids, -100)
+    rows = torch.tensor(trained, dtype=torch.bool)
     out = {
         "input_ids": input_ids,
         "attention_mask": attention,
         "labels": labels,
-        "mask": labels != -100,
+        "mask": (labels != -100) & rows[:, None],
+        "trained": rows,
         "rollout_logp": to_positions(rb.rollout_logp, 0.0),
         "versions": to_positions(rb.versions, -1),
         "rewards": rb.rewards,

@@ -181,10 +181,12 @@ def all_reduce(x: Tensor, op=None, group=None) -> Tensor:
     return x
 
 
-def global_counts(mask: Bool[Tensor, "B T"], group=None) -> dict[str, Tensor]:
+def global_counts(mask: Bool[Tensor, "B T"], group=None, rows: Bool[Tensor, " B"] | None = None) -> dict[str, Tensor]:
     """Token count, sequence count and longest response over all trainer ranks (the aggregation normalisers), so
-    the ranks' losses add up to the loss of the whole (mini-)batch."""
-    sums = torch.tensor([float(mask.sum()), float(mask.shape[0])], dtype=torch.float64)
+    the ranks' losses add up to the loss of the whole (mini-)batch. ``rows``: the rows that count as sequences
+    (default all; a group failed for its reward stays in the batch, masked, and is no sequence of it)."""
+    seqs = float(mask.shape[0]) if rows is None else float(rows.sum())
+    sums = torch.tensor([float(mask.sum()), seqs], dtype=torch.float64)
     mx = torch.tensor([float(mask.sum(-1).max()) if mask.numel() else 0.0], dtype=torch.float64)
     all_reduce(sums, group=group)
     all_reduce(mx, op=dist.ReduceOp.MAX if dist.is_available() else None, group=group)

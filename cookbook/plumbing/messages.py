@@ -104,15 +104,18 @@ class Outbox(queue.Queue):
 class Inbox:
     """Trainer rank 0: one thread per rollout rank in ``sources`` receives group records into ``q`` (a
     ``StalenessQueue``, keyed by each record's ``version``) until that rank's :class:`RolloutEnd`. Nothing is
-    dropped: ``generated`` counts the samples received (``samples(record)`` each, starting at ``generated``), and
-    ``ended`` holds each finished rank's :class:`RolloutEnd`. The put, the count and the ``journal`` line of a
-    record (``{"event": "recv", "uid", "samples"}``, when a journal is given) happen together under ``lock``: a
-    checkpoint that reads the queue and ``generated`` under it sees them agree. Other messages (a rank's
-    :class:`~plumbing.timing.RolloutTimes`) are kept in arrival order until :meth:`take_reports`."""
+    dropped: ``generated`` counts the samples received (``samples(record)`` each, starting at ``generated``),
+    ``failed`` those of the records marked ``"reward_failed"`` (a group failed whole for its reward: counted, never
+    queued, starting at ``failed``), ``failed_calls`` their failed reward calls (``rec["reward_failures"]``, this
+    process's), and ``ended`` holds each finished rank's :class:`RolloutEnd`. The put, the count and the
+    ``journal`` line of a record (``{"event": "recv", "uid", "samples"}``, when a journal is given) happen together
+    under ``lock``: a checkpoint that reads the queue and ``generated`` under it sees them agree. Other messages (a
+    rank's :class:`~plumbing.timing.RolloutTimes`) are kept in arrival order until :meth:`take_reports`."""
 
-    def __init__(self, sources: Iterable[int], group, q, *, generated: int = 0,
+    def __init__(self, sources: Iterable[int], group, q, *, generated: int = 0, failed: int = 0,
                  samples: Callable[[dict], int] = lambda rec: len(rec["samples"]), journal=None) -> None:
         self.q, self.generated, self.samples, self.journal = q, generated, samples, journal
+        self.failed, self.failed_calls = failed, 0
         self.ended: dict[int, RolloutEnd] = {}
         self.reports: list[Any] = []
         self.lock = threading.Lock()
@@ -134,8 +137,12 @@ class Inbox:
                     self.reports.append(rec)
                 continue
             with self.lock:
-                self.q.put(rec, rec["version"])  # an unbounded queue: never blocks under the lock
                 n = self.samples(rec)
+                if rec.get("reward_failed"):
+                    self.failed += n
+                    self.failed_calls += int(rec.get("reward_failures", 0))
+                else:
+                    self.q.put(rec, rec["version"])  # an unbounded queue: never blocks under the lock
                 self.generated += n
                 if self.journal is not None:
                     self.journal.append({"event": "recv", "uid": rec["uid"], "samples": n})

@@ -21,9 +21,12 @@
 Every reward runs through a :class:`~rlblocks.reward.RewardPool` (bounded concurrency, input order, a timeout that
 never stalls the loop, one retry on a fresh worker: a crashed or hung worker is replaced). A call that still fails
 (timeout, crash, a reference that does not parse, an exception) is counted (``failures``, logged as
-``reward_failures``), never dropped: :meth:`Reward.scores` scores it 0.0; :meth:`Reward.group_scores` fails its
-whole group instead (a group baseline computed without it, or with it read as 0, would be biased), counted in
-``groups_failed``.
+``reward_failures``), never dropped. Every training loop fails its whole group (:meth:`Reward.group_scores`; the
+agent loops read :meth:`Reward.score_answer`'s ``counts``): a group baseline computed without it, or with it read as
+0, would be biased. The group is not trained, counted in ``groups_failed``, and the loops count its samples in
+``samples_failed_reward`` (metrics and summary) and the groups in ``groups_failed_reward`` (summary).
+:meth:`Reward.scores` (a failed call scores 0.0) is for measures that are no baseline, such as a held-out
+accuracy.
 
 ``--eval-reward`` scores the held-out evaluation; empty: the same as ``--reward``, except that a learned reward
 model is no measure of accuracy, so ``rm`` is evaluated with ``verifier`` on a toy task and ``math`` on a file.
@@ -59,7 +62,8 @@ class RewardFlags:
                                   "sandbox); rm: --reward-model; module:function or file.py:function: your "
                                   "fn(sample) -> float | RewardResult")
     reward_model: str = opt("", "--reward rm: an HF sequence-classification checkpoint")
-    reward_timeout: float = opt(60.0, "seconds one reward call may take (then it scores 0 and is counted)")
+    reward_timeout: float = opt(60.0, "seconds one reward call may take (then it fails, counted, and its group is "
+                                         "not trained)")
     eval_reward: str = opt("", "reward of the held-out evaluation; empty: --reward (rm: verifier on a toy task, "
                                 "math on a file)")
     eval_k: int = opt(1, "held-out pass@k and mean@k: k samples per prompt")
@@ -261,8 +265,9 @@ class Reward:
         return scores, keep, sum(1 for r in results if not r.ok)
 
     async def score_answer(self, prompt: Any, answer: str, counts: Any = None) -> float:
-        """The score of an agent episode's final answer (a failed call scores 0.0 and is counted, also in
-        ``counts["reward_failures"]`` when a ``Counter`` is given)."""
+        """The score of an agent episode's final answer (a failed call returns a 0.0 placeholder and is counted,
+        also in ``counts["reward_failures"]`` when a ``Counter`` is given: a training loop fails the episode's
+        group on it, never trains the placeholder)."""
         from rlblocks.reward import Sample
 
         (r,) = await self.ascore([Sample(answer, reference=prompt.reference, prompt=prompt.text,

@@ -38,8 +38,9 @@ SINKS = ("jsonl", "tensorboard", "wandb")
 
 COMMON_KEYS = (
     "step", "version", "reward", "reward_failures", "heldout_acc", "heldout_pass_at_k", "loss", "grad_norm", "lr",
-    "tokens_trained", "tokens_per_s", "samples_generated", "samples_trained", "staleness_hist", "step_seconds",
-    "generate_seconds", "train_seconds", "sync_seconds", "queue_wait_seconds", "wall_seconds",
+    "tokens_trained", "tokens_per_s", "samples_generated", "samples_trained", "samples_failed_reward",
+    "staleness_hist", "step_seconds", "generate_seconds", "train_seconds", "sync_seconds", "queue_wait_seconds",
+    "wall_seconds",
 )
 
 

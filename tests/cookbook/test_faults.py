@@ -144,7 +144,8 @@ def check_async_accounting(run: Path, steps: int, eta: int) -> dict:
     rows = _rows(run)
     assert [r["step"] for r in rows] == list(range(1, steps + 1)) and summary["steps"] == steps
     assert summary["samples_generated"] == (summary["samples_trained"] + summary["samples_dropped_stale"]
-                                            + summary["samples_lost_in_crash"] + summary["samples_left_in_queue"])
+                                            + summary["samples_failed_reward"] + summary["samples_lost_in_crash"]
+                                            + summary["samples_left_in_queue"])
     assert summary["samples_trained"] == steps * B * K
     trained = [u for r in rows for u in r["trained_uids"]]
     assert len(trained) == len(set(trained)), "a group was trained twice"

@@ -184,7 +184,7 @@ def test_async_loop_two_procs(tiny_hf_dir, tmp_path, eta, flags):
     _check_common(rows, summary, 3, eta)
     # nothing lost: every group received is trained, found stale, or still queued at the end
     assert summary["samples_generated"] == (summary["samples_trained"] + summary["samples_dropped_stale"]
-                                            + summary["samples_left_in_queue"])
+                                            + summary["samples_failed_reward"] + summary["samples_left_in_queue"])
 
 
 ROLLOUT_PARTS = ("decode", "prefill", "reprefill", "engine_other", "weight_load", "idle")
@@ -292,7 +292,8 @@ def test_async_resume_after_kill(tiny_hf_dir, tmp_path):
     # sample received is accounted for over both runs
     assert summary["restarts"] == 1 and summary["resumed_from_steps"] == [saved_step]
     assert summary["samples_generated"] == (summary["samples_trained"] + summary["samples_dropped_stale"]
-                                            + summary["samples_lost_in_crash"] + summary["samples_left_in_queue"])
+                                            + summary["samples_failed_reward"] + summary["samples_lost_in_crash"]
+                                            + summary["samples_left_in_queue"])
     trained = [u for r in rows for u in r["trained_uids"]]
     assert len(trained) == len(set(trained))
 
@@ -307,7 +308,7 @@ def test_async_vllm_engine_on_the_demo_model(demo_model_dir, tmp_path):
     rows, summary = _read(tmp_path, "v")
     _check_common(rows, summary, 3, 1)
     assert summary["samples_generated"] == (summary["samples_trained"] + summary["samples_dropped_stale"]
-                                            + summary["samples_left_in_queue"])
+                                            + summary["samples_failed_reward"] + summary["samples_left_in_queue"])
 
 
 @pytest.mark.slow
