@@ -296,7 +296,7 @@ def mm_fp32(a: Tensor, b: Tensor) -> Float[Tensor, "M N"]:
         try:
             return torch.mm(a, b, out_dtype=torch.float32)
         except (TypeError, RuntimeError, NotImplementedError):
-            pass
+            pass  # this torch build has no fp32-output mm for these dtypes: the exact upcast below gives the same sums
     return torch.mm(a.float(), b.float())
 
 

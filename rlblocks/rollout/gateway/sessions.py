@@ -153,7 +153,7 @@ class SessionStore:
             self.counts["sessions_discarded"] += 1
 
     def canonical(self, sess: Session, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Assistant messages this session returned are replaced by the model's raw text (what was sampled)."""
+        """Assistant messages the gateway returned on ``sess`` become the model's raw text (what was sampled)."""
         out = []
         for m in messages:
             if m["role"] == "assistant":
