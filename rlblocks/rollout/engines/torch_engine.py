@@ -8,16 +8,9 @@ It implements the whole :class:`~rlblocks.rollout.types.RolloutEngine` protocol 
   Requests submitted while a step runs join at the next step. The forward runs in a worker thread
   (``asyncio.to_thread``) so the event loop stays responsive; all state changes (abort, pause, weight update) happen
   under one lock, i.e. *between* steps.
-- **Processed logprobs.** ``output_logprobs[i] = log_softmax(process(logits / T))[token]`` where ``process`` keeps
-  the top-k logits (ties at the k-th value are kept), then the smallest set of most probable tokens whose probability
-  mass reaches top-p (the most probable token is always kept); everything else is ``-inf``. Computed in fp32 from
-  fp32 logits. Greedy (``temperature == 0``) takes the argmax of the raw logits and reports the untempered,
-  unfiltered log-softmax.
-- **Seeds.** Sampling is by inverse CDF (float64) with a *counter-based* uniform number: the token at absolute
-  position ``p`` (index in prompt + output) uses ``u = splitmix64(seed, p) / 2**63`` — a stateless generator (as
-  Philox is), rather than a stateful per-request ``torch.Generator``. The draw therefore depends only on
-  (seed, position), not on how many tokens this call produced, so a seeded request interrupted and re-submitted
-  with the same seed draws the same numbers. Requests without a seed get a random one.
+- **Processed logprobs and seeds** (:mod:`~rlblocks.rollout.engines.torch_sampling`): logprobs of the distribution
+  sampled from (temperature, top-k, top-p), in fp32; a counter-based draw per (seed, position), so a seeded request
+  interrupted and re-submitted draws the same numbers. Requests without a seed get a random one.
 - **Versions.** Each token is tagged with the weight version of the step that produced it.
 
 Exactness of interrupt + resume (why a greedy resumed generation is bit-identical)
