@@ -60,7 +60,7 @@ class Spec:
 def _fused_grad_configs() -> tuple:
     import triton
 
-    from rlblocks.kernels.linear_logprobs import FUSED_GRAD_BLOCK_N, FUSED_GRAD_WARPS
+    from rlblocks.kernels.linear_logprobs_loss import FUSED_GRAD_BLOCK_N, FUSED_GRAD_WARPS
 
     return tuple(triton.Config({"BLOCK_N": FUSED_GRAD_BLOCK_N, "BLOCK_V": bv}, num_warps=FUSED_GRAD_WARPS)
                  for bv in (64, 128))  # the BLOCK_V values of the forward configs  # fmt: skip
@@ -77,16 +77,16 @@ def specs(dtype: str) -> list[Spec]:
     lin = ("H", "stride_hn", "stride_wv", "stride_gz", "stride_e")
     tma = {"h": ("BLOCK_N", "BLOCK_K"), "w": ("BLOCK_V", "BLOCK_K"), "gz": ("BLOCK_N", "BLOCK_V")}
     return [
-        Spec("linear_logprobs.fwd", "rlblocks.kernels.linear_logprobs", "_linear_logprobs_fwd_kernel",
+        Spec("linear_logprobs.fwd", "rlblocks.kernels._linear", "_linear_logprobs_fwd_kernel",
              inputs=("h", "w", "e_ptr"), floats=("inv_temp",), i64=("yl_ptr",), div16=lin, descs=tma,
              variants=tuple(dict(HAS_ENT=e, STORE_E=se, HAS_TAU=t, USE_TMA=True, UPCAST=False, PREC=p)
                             for e, se, t in ((False, False, False), (True, False, False), (True, True, False),
                                              (True, False, True)))),
-        Spec("linear_logprobs.bwd", "rlblocks.kernels.linear_logprobs", "_linear_logprobs_bwd_kernel",
+        Spec("linear_logprobs.bwd", "rlblocks.kernels._linear", "_linear_logprobs_bwd_kernel",
              inputs=("h", "w", "gz"), floats=("inv_temp",), i64=("yl_ptr",), div16=lin, descs=tma,
              variants=tuple(dict(HAS_ENT=e, HAS_TAU=t, USE_TMA=True, UPCAST=False, PREC=p)
                             for e, t in ((False, False), (True, False), (True, True)))),
-        Spec("linear_logprobs.fused_grad", "rlblocks.kernels.linear_logprobs", "_fused_grad_kernel",
+        Spec("linear_logprobs.fused_grad", "rlblocks.kernels.linear_logprobs_loss", "_fused_grad_kernel",
              inputs=("e_ptr", "gz_ptr"), floats=("inv_temp",), i64=("yl_ptr",), div16=("stride_e", "stride_gz"),
              variants=tuple(dict(HAS_ENT=e) for e in (False, True)), configs=_fused_grad_configs()),
         Spec("linear_kl.fwd", "rlblocks.kernels.linear_kl", "_linear_kl_fwd_kernel",

@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from .hf import causal_lm_logprobs
     from .kl import vocab_kl
     from .linear_kl import linear_vocab_kl
-    from .linear_logprobs import linear_token_logprobs, linear_token_logprobs_loss
+    from .linear_logprobs import linear_token_logprobs
+    from .linear_logprobs_loss import linear_token_logprobs_loss
     from .logprobs import token_logprobs
     from .ring import ring_attention, ring_attention_local, zigzag_positions
 
@@ -44,7 +45,7 @@ _LAZY = {
     "cp_shard_mask": ".context_parallel",
     "enable_context_parallel": ".context_parallel",
     "linear_token_logprobs": ".linear_logprobs",
-    "linear_token_logprobs_loss": ".linear_logprobs",
+    "linear_token_logprobs_loss": ".linear_logprobs_loss",
     "linear_vocab_kl": ".linear_kl",
     "ring_attention": ".ring",
     "ring_attention_local": ".ring",

@@ -39,7 +39,7 @@ TORCH_COL_BLOCK_BYTES = 4 << 20
 # Bytes of the [N, vocab-chunk] logits-gradient block the Triton backward may allocate (the cuBLAS contractions
 # run once per block, so fewer, larger blocks are faster; 256 MiB is ~0.13x of bf16 logits at N=8192, V=131072).
 TRITON_GRAD_CHUNK_BYTES = 256 << 20
-# Bytes of the [rows, V] probability block the fused-loss path holds per row chunk (see linear_logprobs.py).
+# Bytes of the [rows, V] probability block the fused-loss path holds per row chunk (see linear_logprobs_loss.py).
 FUSED_CHUNK_BYTES = 512 << 20
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -77,7 +77,7 @@ def test_fp16_logits_gradient_does_not_underflow(ref, monkeypatch):
     """The Triton path stores an fp16 gradient block scaled by a power of two and unscales it after the
     fp32-output GEMMs: the gradients match float64 to fp16 output rounding. With the scale disabled the same
     check fails (the softmax term underflows), so the test sees the difference."""
-    import rlblocks.kernels.linear_logprobs as llp
+    import rlblocks.kernels._linear as llp
 
     hidden, weight, labels, c = _fp16_case()
     err_h, err_w = _fp16_linear_errors(ref, hidden, weight, labels, c)
@@ -103,8 +103,8 @@ def test_fp16_logits_gradient_does_not_underflow(ref, monkeypatch):
 @NEEDS_TRITON
 def test_every_launch_happens_under_the_device_guard(monkeypatch, ref):
     """Triton launches on the current CUDA device; each op makes the inputs' device current around each launch."""
+    import rlblocks.kernels._linear as llp
     import rlblocks.kernels.linear_kl as lkl
-    import rlblocks.kernels.linear_logprobs as llp
     import rlblocks.kernels.logprobs as tlp
 
     state = {"inside": None, "launches": []}

@@ -20,7 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 sys.path.insert(0, sys.argv[1])  # benchmarks/kernels: the report is a script there
 import resources as r
-import rlblocks.kernels.linear_logprobs as L
+import rlblocks.kernels._linear as L
 
 rows = r.run(["linear_logprobs.fwd", "linear_logprobs.bwd"], ["bf16"], print,
              config_filter=lambda c: c.kwargs["BLOCK_V"] == 128 and c.num_warps == 8)

@@ -202,7 +202,7 @@ def test_bad_sampling_arguments_raise():
 def test_sparse_and_dense_chunks_in_one_call(ref, small_chunks, op):
     """Chunks whose kept sets lie among the candidates take the sparse path (no logits recomputation in the
     backward), others the masked dense one; both in one call, against float64."""
-    from rlblocks.kernels import linear_logprobs, logprobs
+    from rlblocks.kernels import _linear, logprobs
 
     n, hdim, v, temp = 96, 24, 400, 1.1
     g = torch.Generator().manual_seed(8)
@@ -227,8 +227,8 @@ def test_sparse_and_dense_chunks_in_one_call(ref, small_chunks, op):
     else:
         x, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
         idx = torch.where(valid, y, 0)
-        rep = linear_logprobs._fwd_stats_torch(h, w, idx, valid, 1 / temp, True,
-                                               check_sampling(k, p, y.shape, v, valid))[4]  # fmt: skip
+        rep = _linear._fwd_stats_torch(h, w, idx, valid, 1 / temp, True,
+                                       check_sampling(k, p, y.shape, v, valid))[4]  # fmt: skip
         lp, ent, out = linear_token_logprobs(x, ww, y, temperature=temp, top_k=k, top_p=p, return_entropy=True,
                                              return_outside=True, backend="torch")  # fmt: skip
         leaves, refs = (x, ww), (hr, wr)

@@ -9,7 +9,7 @@ import torch
 
 from rlblocks.errors import EngineError
 from rlblocks.rollout import Generation, GenerationRequest, SamplingParams, TorchEngine
-from rlblocks.rollout.engines.torch_engine import processed_logprobs
+from rlblocks.rollout.engines.torch_sampling import processed_logprobs
 from rlblocks.rollout.types import RolloutEngine
 
 PROMPTS = [[1, 5, 6, 7], [1, 30, 31], [1, 9, 9, 9, 9, 12], [1, 40], [1, 20, 21, 22, 23], [1, 15, 16]]

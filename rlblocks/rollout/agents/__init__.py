@@ -3,29 +3,17 @@ log-probs and weight versions), the episode loop (:func:`run_episode`, :func:`ge
 :class:`ToolEnv`, :class:`Tool` and the calculator / python tools, :class:`Episode`, :class:`EpisodeStats`) and
 the reference chat templates.
 
-Layout: ``trajectory.py``, ``episode.py`` (environments, tools and the episode loop), ``chat_templates.py``. Only
+Layout: ``trajectory.py``, ``episode.py`` (the environment protocol and the episode loop), ``tools.py`` (tools and
+``ToolEnv``), ``tool_calls.py`` (the tool-call format), ``chat_templates.py``. Only
 torch is imported (transformers inside the functions that load a tokenizer).
 """
 
 from __future__ import annotations
 
 from .chat_templates import HERMES_TEMPLATE, LLAMA3_TEMPLATE
-from .episode import (
-    EPISODE_FINISH_REASONS,
-    TOOL_CALL_TAGS,
-    Env,
-    Episode,
-    EpisodeStats,
-    StepResult,
-    Tool,
-    ToolCall,
-    ToolEnv,
-    calculator_tool,
-    generate_turn,
-    parse_tool_calls,
-    python_tool,
-    run_episode,
-)
+from .episode import EPISODE_FINISH_REASONS, Env, Episode, EpisodeStats, StepResult, generate_turn, run_episode
+from .tool_calls import TOOL_CALL_TAGS, ToolCall, parse_tool_calls
+from .tools import Tool, ToolEnv, calculator_tool, python_tool
 from .trajectory import ROLES, Trajectory, render_chat, render_chat_text, to_tensors, trajectory_rows
 
 __all__ = [

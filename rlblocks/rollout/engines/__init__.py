@@ -2,8 +2,10 @@
 (plain PyTorch, CPU or GPU), :class:`VLLMEngine` (vLLM's ``AsyncLLM``), :class:`SGLangEngine` (an SGLang server
 over HTTP).
 
-Layout: ``lifecycle.py`` (the pause / sleep / wake / close state machine every engine shares), ``_weights.py``
-(the weight-update rule every engine and sync receiver applies), one module per engine. ``VLLMEngine`` and its
+Layout: ``lifecycle.py`` (the request lifecycle every engine shares: pause / sleep / wake / close state, requests
+in flight, version spans, state queries), ``_weights.py`` (the weight-update rule every engine and sync receiver
+applies), one module per engine with its helpers by concern beside it (``torch_compute.py``, ``torch_memory.py``,
+``torch_sampling.py``; ``sglang_http.py``, ``sglang_weights.py``). ``VLLMEngine`` and its
 trainer-side NCCL helpers import vllm and load on first use; the rest needs only torch.
 """
 

@@ -54,32 +54,8 @@ Generation
 - **Seeds.** ``sampling_seed`` is used only by a server run with ``--enable-deterministic-inference``
   (``srt/sampling/sampling_batch_info.py``); a seeded request to another server raises ``ArgumentError``.
 
-Weight updates
---------------
-The update is checked with the rule every engine shares (:mod:`rlblocks.rollout.engines._weights`; names, shapes and
-completeness only when ``expected_weights`` is given, since the client cannot see the model otherwise), then:
-
-1. the scheduler is paused in ``retract`` mode: running requests go back to the queue, and the cache flush that
-   follows every load succeeds only when nothing runs (``srt/managers/scheduler_components/weight_updater.py``,
-   ``flush_cache_after_weight_update``; ``Scheduler.flush_cache`` ignores queued requests only while paused);
-2. a weight-update session is opened: ``update_weights_from_tensor`` and ``update_weights_from_distributed`` answer
-   HTTP 400 outside ``/begin_weight_update`` ... ``/end_weight_update`` (``weight_updater.py``), and a session left
-   open (a client that died mid-update) makes the next begin fail: it is then closed and opened again;
-3. the load call; 4. ``/end_weight_update``, always; 5. ``continue_generation`` if the update paused.
-
-A refusal comes back as HTTP 400 with ``{"success": false, "message"}`` (``srt/entrypoints/http_server.py``): it
-raises :class:`~rlblocks.errors.WeightUpdateError` and the client keeps its version. If the server's weight
-version moved although the call failed (the weights were loaded, a later step such as the cache flush failed) the
-client takes the new version and raises :class:`SGLangError`, so client and server never disagree silently.
-
-``update_weights`` sends tensors through CUDA IPC: one ``MultiprocessingSerializer`` payload (base64 of a
-``ForkingPickler`` dump) *per TP rank*, each a separate dump, since every rank opens only its own
-(``srt/managers/tp_worker.py``, ``deserialize_own_rank``: opening another rank's copy breaks the producer's IPC
-reference counting). The device of each tensor is written as its GPU UUID, which the server maps to its own device
-index (``srt/utils/patch_torch.py``): a local index means nothing in a process with other visible devices. CPU
-tensors cannot be shared with the server's processes and are refused; use
-:meth:`SGLangEngine.update_weights_from_disk` or the NCCL path (:meth:`SGLangEngine.init_weights_update_group` +
-:meth:`SGLangEngine.update_weights_from_distributed`).
+Weight updates (tensors through CUDA IPC, a checkpoint on disk, or NCCL broadcasts, each inside the server's
+weight-update session) are described in :mod:`rlblocks.rollout.engines.sglang_weights`.
 
 Sleep and wake
 --------------
@@ -94,14 +70,7 @@ after a complete update. Requests of *other* clients of the server wait in its q
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
-import functools
-import http.client
-import io
-import json
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -109,50 +78,19 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from torch import Tensor
 
-from rlblocks._checks import check_bool
 from rlblocks.errors import ArgumentError, EngineError, SGLangError
 
 from ..types import Generation, GenerationRequest
-from ._weights import WeightLayout, check_tensors, check_update_version, refuse
-from .lifecycle import Lifecycle, wait_first
+from ._weights import WeightLayout
+from .lifecycle import EngineBase, RequestState, versions_from_spans, wait_first
+from .sglang_http import _as_int_version, _SGLangHTTP
+from .sglang_weights import _SGLangWeights
 
-__all__ = ["SGLangEngine", "SGLangEngineStats", "serialize_named_tensors"]
+__all__ = ["SGLangEngine", "SGLangEngineStats"]
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 _ALL_TAGS = ["kv_cache", "weights", "cuda_graph"]  # srt/constants.py GPU_MEMORY_ALL_TYPES
-
-
-def _gpu_uuid_reducer(t: Tensor) -> tuple[Any, tuple]:
-    """``torch.multiprocessing.reductions.reduce_tensor`` with the CUDA device index replaced by the GPU's UUID,
-    the form SGLang's patched ``rebuild_cuda_tensor`` maps back to its own index (``srt/utils/patch_torch.py``;
-    the device is argument 6 of ``rebuild_cuda_tensor``)."""
-    from torch.multiprocessing import reductions
-
-    fn, args = reductions.reduce_tensor(t)
-    if t.is_cuda:
-        args = list(args)
-        args[6] = str(torch.cuda.get_device_properties(args[6]).uuid)
-        args = tuple(args)
-    return fn, args
-
-
-def serialize_named_tensors(named_tensors: list[tuple[str, Tensor]], *, device_uuid: bool = True) -> str:
-    """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` format: base64 of a ``ForkingPickler``
-    dump (CUDA tensors become CUDA-IPC handles, CPU tensors shared-memory handles; valid on this host only, while
-    this process keeps the tensors alive). With ``device_uuid`` CUDA devices are written as GPU UUIDs."""
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing  # registers the tensor reductions on ForkingPickler
-
-    buf = io.BytesIO()
-    pickler = ForkingPickler(buf)
-    if device_uuid:  # a private dispatch table: the process-wide reductions stay as they are
-        pickler.dispatch_table[torch.Tensor] = _gpu_uuid_reducer
-        pickler.dispatch_table[torch.nn.Parameter] = _gpu_uuid_reducer
-    pickler.dump(named_tensors)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 @dataclass
@@ -174,12 +112,9 @@ class SGLangEngineStats:
 
 
 @dataclass(eq=False)
-class _InFlight:
-    request: GenerationRequest
+class _InFlight(RequestState):
     wire_rid: str = ""
-    abort_requested: bool = False
     sent: bool = False  # an HTTP call of it is in progress (else it waits in this client)
-    aborted: asyncio.Event = field(default_factory=asyncio.Event)  # wakes a request held by the gate
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -191,14 +126,7 @@ _DRAIN_TIMEOUT = 30.0
 _REABORT_FOR = 5.0
 
 
-def _as_int_version(value: Any, default: int) -> int:
-    try:
-        return int(str(value))
-    except (TypeError, ValueError):
-        return default
-
-
-class SGLangEngine:
+class SGLangEngine(_SGLangHTTP, _SGLangWeights, EngineBase):
     """Rollout-protocol client of one SGLang server (see the module docstring for every rule).
 
     Args:
@@ -237,16 +165,16 @@ class SGLangEngine:
             raise ArgumentError(f"tp_devices: expected one device per TP rank ({tp_size}), got {len(tp_devices)}")
         if not isinstance(max_concurrency, int) or max_concurrency < 1:
             raise ArgumentError(f"max_concurrency: expected an int >= 1, got {max_concurrency!r}")
+        super().__init__("SGLangEngine", version=version, stats=SGLangEngineStats(),
+                         duplicate_note=" on this client (SGLang refuses duplicates)")
         self.base_url = base_url.rstrip("/")
         self.timeout = float(timeout)
         self.api_key = api_key
         self.tp_size = tp_size
         self.tp_devices = None if tp_devices is None else [torch.device(d) for d in tp_devices]
         self.allow_unprocessed_logprobs = bool(allow_unprocessed_logprobs)
-        self._version = int(version)
         self._initial_version = int(version)
         self._layout = None if expected_weights is None else WeightLayout.from_shapes(expected_weights)
-        self._state = Lifecycle("SGLangEngine")
         self._server_paused: str | None = None  # the pause mode this client set on the server, if any
         # Set while this client lets the server run. While it keeps the server paused, new requests wait here
         # rather than in the server: there an abort could not reach them (see _DRAIN_TIMEOUT).
@@ -255,93 +183,12 @@ class SGLangEngine:
         self._spans_seen = False  # the server reported weight_versions spans
         self._server_info: dict | None = None
         self._released_tags: list[str] | None = None
-        self._inflight: dict[str, _InFlight] = {}
         self._control = asyncio.Lock()
-        self._stats = SGLangEngineStats()
         self._tasks: set[asyncio.Task] = set()
         self._gen_pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sglang-generate")
         self._ctl_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sglang-control")
 
     # ------------------------------------------------------------------ http
-    def _call(self, method: str, path: str, payload: dict | None, timeout: float | None = None) -> tuple[int, Any]:
-        data = None if payload is None else json.dumps(payload).encode()
-        req = urllib.request.Request(self.base_url + path, data=data, method=method)
-        req.add_header("Content-Type", "application/json")
-        if self.api_key:
-            req.add_header("Authorization", f"Bearer {self.api_key}")
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout if timeout is None else timeout) as resp:
-                status, raw = resp.status, resp.read()
-        except urllib.error.HTTPError as exc:
-            status, raw = exc.code, exc.read()
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # refused, reset, cut, timed out
-            raise SGLangError(f"{method} {path}: no answer from {self.base_url}: {exc}") from exc
-        if not raw:
-            return status, None
-        try:
-            return status, json.loads(raw)
-        except json.JSONDecodeError:
-            return status, raw.decode(errors="replace")
-
-    async def _http(
-        self, method: str, path: str, payload: dict | None = None, *, control: bool = True, check: bool = True
-    ) -> tuple[int, Any]:
-        """One HTTP call in its pool; with ``check`` an HTTP error raises :class:`SGLangError`."""
-        pool = self._ctl_pool if control else self._gen_pool
-        try:
-            status, body = await asyncio.get_running_loop().run_in_executor(pool, self._call, method, path, payload)
-        except SGLangError:
-            raise
-        except RuntimeError as exc:  # the pool was shut down by close()
-            raise EngineError(f"SGLangEngine: the engine is closed ({method} {path} not sent)") from exc
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if self._state.closed and (task is None or not task.cancelling()):  # close() cancelled the queued call
-                raise EngineError(f"SGLangEngine: the engine was closed before {method} {path} was sent") from None
-            raise
-        if check and status >= 400:
-            raise SGLangError(f"{method} {path}: HTTP {status}: {str(body)[:2000]}", status=status, body=body)
-        return status, body
-
-    async def health(self, timeout: float = 5.0) -> None:
-        """The heartbeat a :class:`~rlblocks.rollout.Router` calls: ``GET /health`` must answer HTTP 200 within
-        ``timeout`` seconds, else :class:`SGLangError` (a dead, hung or unreachable server)."""
-        self._state.check_open()
-        call = functools.partial(self._call, "GET", "/health", None, timeout=timeout)
-        status, body = await asyncio.get_running_loop().run_in_executor(self._ctl_pool, call)
-        if status != 200:
-            raise SGLangError(f"GET /health: HTTP {status}: {str(body)[:300]}", status=status, body=body)
-
-    async def _server_flag(self, name: str) -> bool:
-        """A launch flag of the server, from ``GET /server_info`` (read once)."""
-        if self._server_info is None:
-            _, body = await self._http("GET", "/server_info")
-            if not isinstance(body, dict):
-                raise SGLangError(f"/server_info: expected a JSON object, got {str(body)[:300]}", body=body)
-            self._server_info = body
-        return bool(self._server_info.get(name, False))
-
-    # ------------------------------------------------------------------ protocol state
-    @property
-    def version(self) -> int:
-        """The client-side version: set by a confirmed update, or by :meth:`refresh_version`."""
-        return self._version
-
-    @property
-    def is_paused(self) -> bool:
-        """True while the engine does not generate: paused by :meth:`pause`, asleep, waiting for weights after a
-        level-2 sleep, or inside an update."""
-        return self._state.paused
-
-    @property
-    def num_in_flight(self) -> int:
-        """Requests of this client submitted and not yet returned."""
-        return len(self._inflight)
-
-    def stats(self) -> dict:
-        """The counters of :class:`SGLangEngineStats` as a dict."""
-        return dataclasses.asdict(self._stats)
-
     # ------------------------------------------------------------------ generation
     def build_generate_payload(self, request: GenerationRequest, *, rid: str | None = None) -> dict:
         """The JSON body of ``POST /generate`` for ``request`` (see the module docstring); ``rid``: the wire id."""
@@ -381,14 +228,7 @@ class SGLangEngine:
             ]
         except (TypeError, KeyError, ValueError) as exc:
             raise SGLangError(f"/generate: malformed weight_versions {str(spans)[:300]} for {rid!r}") from exc
-        versions: list[int] = []
-        for v, start, end in cuts:
-            if start != len(versions) or end < start:
-                raise SGLangError(f"/generate: weight_versions spans {cuts} are not contiguous for {rid!r}")
-            versions.extend([v] * (end - start))
-        if len(versions) != n:
-            raise SGLangError(f"/generate: weight_versions spans cover {len(versions)} of the {n} tokens of {rid!r}")
-        return versions
+        return versions_from_spans(cuts, n, what=f"/generate: weight_versions of {rid!r}", error=SGLangError)
 
     def parse_generate_response(self, request: GenerationRequest, body: Any) -> Generation:
         """A :class:`Generation` from the JSON body of ``POST /generate`` (raises :class:`SGLangError` on an
@@ -447,8 +287,7 @@ class SGLangEngine:
             raise ArgumentError(f"request: expected a GenerationRequest, got {type(request).__name__}")
         self._state.check_open()
         rid = request.request_id
-        if rid in self._inflight:
-            raise ArgumentError(f"request_id: {rid!r} is already in flight on this client (SGLang refuses duplicates)")
+        self._inflight.check_new(rid)
         if request.sampling.max_new_tokens == 0:
             return Generation(rid, list(request.prompt_ids), finish_reason="length")
         state = _InFlight(request)
@@ -527,18 +366,13 @@ class SGLangEngine:
         no-op). An abort is repeated for a few seconds while its request has not returned (an abort that arrives
         before its request is dropped by the server)."""
         self._state.check_open()
-        if request_ids is None:
-            names = list(self._inflight)
-        else:
-            wanted = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-            names = [r for r in wanted if r in self._inflight]
+        names = self._inflight.select(request_ids)
         await self._abort_states([self._inflight[r] for r in names])
         return names
 
     async def _abort_states(self, states: list[_InFlight]) -> None:
         for s in states:
-            s.abort_requested = True
-            s.aborted.set()
+            s.mark_aborted()
         await asyncio.gather(*[self._send_abort(s) for s in states if s.sent])
         for s in states:
             if s.sent:
@@ -598,9 +432,7 @@ class SGLangEngine:
         partial output; this call waits until this client's have); ``keep`` -> SGLang ``retract`` (requests wait
         in the server's queue; their KV may be dropped and recomputed on resume). New requests wait in this client
         until :meth:`resume` (in the server an abort could not reach them)."""
-        if mode not in ("abort", "keep"):
-            raise ArgumentError(f"mode: expected 'abort' or 'keep', got {mode!r}")
-        self._state.check_open()
+        self._state.check_pause(mode)
         async with self._control:
             self._state.user_paused = True
             if self._state.sleep_level:
@@ -608,8 +440,7 @@ class SGLangEngine:
             if mode == "abort":
                 states = list(self._inflight.values())
                 for st in states:
-                    st.abort_requested = True
-                    st.aborted.set()  # those held in this client return at once
+                    st.mark_aborted()  # those held in this client return at once
                 await self._pause_server("abort")
                 await self._wait_returned(states)
             else:
@@ -625,219 +456,6 @@ class SGLangEngine:
             await self._apply_run_state()
 
     # ------------------------------------------------------------------ weights
-    def _check_update(
-        self, named_tensors: Iterable[tuple[str, Tensor]], *, version: int, partial: bool, allow_rollback: bool
-    ) -> list[tuple[str, Tensor]]:
-        self._state.check_open()
-        version = check_update_version("SGLangEngine", version, self._version, allow_rollback=allow_rollback)
-        self._state.check_update(check_bool("partial", partial))
-        if self._layout is not None:
-            return self._layout.validate(named_tensors, engine="SGLangEngine", partial=partial)
-        return check_tensors(named_tensors, engine="SGLangEngine")
-
-    async def _server_version(self) -> str | None:
-        try:
-            return await self.get_weight_version()
-        except EngineError:
-            return None
-
-    async def _session(self, begin: bool) -> None:
-        path = "/begin_weight_update" if begin else "/end_weight_update"
-        status, body = await self._http("POST", path, {}, check=False)
-        if status < 400 and isinstance(body, dict) and body.get("success") is True:
-            return
-        message = body.get("message", body) if isinstance(body, dict) else body
-        if begin and "already open" in str(message):
-            # a session left open (a client that died mid-update): close it and open ours
-            await self._session(begin=False)
-            self._stats.sessions_recovered += 1
-            status, body = await self._http("POST", path, {}, check=False)
-            if status < 400 and isinstance(body, dict) and body.get("success") is True:
-                return
-            message = body.get("message", body) if isinstance(body, dict) else body
-        raise SGLangError(f"POST {path}: HTTP {status}: {message}", status=status, body=body)
-
-    async def _update(
-        self, path: str, payload: dict, *, version: int, partial: bool, allow_rollback: bool, session: bool
-    ) -> None:
-        """The update sequence of the module docstring, for the load call ``path``."""
-        async with self._control:
-            version = check_update_version("SGLangEngine", version, self._version, allow_rollback=allow_rollback)
-            self._state.check_update(partial)
-            self._state.updating += 1
-            try:
-                if not self._spans_seen:  # without spans, a response has one version: let no request span two
-                    await self._abort_all_of_client(list(self._inflight.values()))
-                before = await self._server_version()
-                if self._server_paused != "retract":
-                    await self._pause_server("retract")
-                if session:
-                    await self._session(begin=True)
-                end_error: BaseException | None = None
-                try:
-                    status, body = await self._http("POST", path, payload, check=False)
-                finally:
-                    if session:
-                        try:
-                            await self._session(begin=False)
-                        except EngineError as exc:
-                            end_error = exc
-                ok = status < 400 and isinstance(body, dict) and body.get("success") is True
-                if not ok:
-                    message = body.get("message", body) if isinstance(body, dict) else body
-                    after = await self._server_version()
-                    if after is not None and after != before:
-                        self._version = _as_int_version(after, self._version)
-                        raise SGLangError(
-                            f"POST {path}: the server loaded the weights (its version is now {after!r}) but answered "
-                            f"HTTP {status}: {message}",
-                            status=status,
-                            body=body,
-                        )
-                    raise refuse("SGLangEngine", f"the server answered HTTP {status}: {message}")
-                self._version = version
-                self._stats.weight_updates += 1
-                if not partial:
-                    self._state.on_complete_update()
-                if end_error is not None:
-                    raise end_error
-            finally:
-                self._state.updating -= 1
-                await self._apply_run_state()
-
-    def _tensor_payloads(self, items: list[tuple[str, Tensor]]) -> tuple[list[str], list[Tensor]]:
-        """One separate serialization per TP rank (module docstring), on ``tp_devices[rank]`` if given. Returns the
-        payloads and the tensors they point to: the caller keeps those alive until the server has loaded them."""
-        for name, t in items:
-            if not t.is_cuda:
-                raise refuse(
-                    "SGLangEngine",
-                    f"{name!r} is on {t.device}: the server opens tensors through CUDA IPC, and CPU tensors cannot be "
-                    "shared with its processes (use update_weights_from_disk or update_weights_from_distributed)",
-                )
-        payloads, keep = [], []
-        for rank in range(self.tp_size):
-            dev = None if self.tp_devices is None else self.tp_devices[rank]
-            on_rank = [(n, t if dev is None else t.to(dev)) for n, t in items]
-            keep += [t for _, t in on_rank]
-            payloads.append(serialize_named_tensors(on_rank))
-        return payloads, keep
-
-    async def update_weights(
-        self,
-        named_tensors: Iterable[tuple[str, Tensor]],
-        *,
-        version: int,
-        partial: bool = False,
-        allow_rollback: bool = False,
-    ) -> None:
-        """``POST /update_weights_from_tensor`` (CUDA tensors on this host; see the module docstring) inside a
-        weight-update session. Refusals raise :class:`~rlblocks.errors.WeightUpdateError` (client version
-        unchanged); the tensors must stay alive until the call returns."""
-        items = self._check_update(list(named_tensors), version=version, partial=partial, allow_rollback=allow_rollback)
-        payloads, keep_alive = self._tensor_payloads(items)  # the server opens these tensors during the call
-        payload = {
-            "serialized_named_tensors": payloads,
-            "load_format": None,
-            "flush_cache": True,
-            "weight_version": str(version),
-        }
-        await self._update("/update_weights_from_tensor", payload, version=version, partial=partial,
-                           allow_rollback=allow_rollback, session=True)
-        del keep_alive
-
-    async def update_weights_from_disk(
-        self, model_path: str, *, version: int, load_format: str | None = None, allow_rollback: bool = False
-    ) -> None:
-        """``POST /update_weights_from_disk``: the server loads a whole checkpoint directory it can read (no
-        session needed for this one)."""
-        self._state.check_open()
-        version = check_update_version("SGLangEngine", version, self._version, allow_rollback=allow_rollback)
-        self._state.check_update(False)
-        if not isinstance(model_path, str) or not model_path:
-            raise ArgumentError(f"model_path: expected a non-empty path string, got {model_path!r}")
-        payload = {"model_path": model_path, "load_format": load_format, "weight_version": str(version)}
-        await self._update("/update_weights_from_disk", payload, version=version, partial=False,
-                           allow_rollback=allow_rollback, session=False)
-
-    async def init_weights_update_group(
-        self,
-        master_addr: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        *,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-    ) -> None:
-        """``POST /init_weights_update_group``: the server's ranks join a process group with the trainer at
-        ``master_addr:master_port`` (the trainer is rank 0 and calls ``init_process_group`` concurrently; server
-        rank ``i`` is ``rank_offset + i``). ``master_address=`` still works, with a warning."""
-        self._state.check_open()
-        payload = {  # SGLang's own field names (InitWeightsUpdateGroupReqInput)
-            "master_address": master_addr,
-            "master_port": int(master_port),
-            "rank_offset": int(rank_offset),
-            "world_size": int(world_size),
-            "group_name": group_name,
-            "backend": backend,
-        }
-        status, body = await self._http("POST", "/init_weights_update_group", payload, check=False)
-        if status >= 400 or not (isinstance(body, dict) and body.get("success") is True):
-            message = body.get("message", body) if isinstance(body, dict) else body
-            raise SGLangError(f"/init_weights_update_group: HTTP {status}: {message}", status=status, body=body)
-
-    async def update_weights_from_distributed(
-        self,
-        names: Sequence[str],
-        dtypes: Sequence[torch.dtype | str],
-        shapes: Sequence[Sequence[int]],
-        *,
-        version: int,
-        partial: bool = False,
-        allow_rollback: bool = False,
-        group_name: str = "weight_update_group",
-    ) -> None:
-        """``POST /update_weights_from_distributed`` inside a weight-update session: the server receives each named
-        tensor by broadcast from the trainer's rank 0 (run the trainer's broadcasts concurrently with this call)."""
-        if not (len(names) == len(dtypes) == len(shapes)):
-            raise ArgumentError(
-                f"names, dtypes, shapes: expected equal lengths, got {len(names)}, {len(dtypes)}, {len(shapes)}"
-            )
-        torch_dtypes = [d if isinstance(d, torch.dtype) else getattr(torch, str(d), None) for d in dtypes]
-        bad = [d for d, t in zip(dtypes, torch_dtypes) if not isinstance(t, torch.dtype)]
-        if bad:
-            raise ArgumentError(f"dtypes: expected torch dtypes or their names, got {bad[:3]}")
-        metas = [(n, torch.empty(tuple(s), dtype=d, device="meta")) for n, d, s in zip(names, torch_dtypes, shapes)]
-        self._check_update(metas, version=version, partial=partial, allow_rollback=allow_rollback)
-        payload = {
-            "names": list(names),
-            "dtypes": [str(d).removeprefix("torch.") for d in torch_dtypes],
-            "shapes": [[int(s) for s in shape] for shape in shapes],
-            "group_name": group_name,
-            "flush_cache": True,
-            "weight_version": str(version),
-        }
-        await self._update("/update_weights_from_distributed", payload, version=version, partial=partial,
-                           allow_rollback=allow_rollback, session=True)
-
-    async def flush_cache(self) -> None:
-        """``POST /flush_cache`` (drop the radix cache; refused with HTTP 400 while requests run)."""
-        self._state.check_open()
-        await self._http("POST", "/flush_cache")
-
-    async def get_weight_version(self) -> str:
-        """The server's weight version string (``GET /model_info``, ``weight_version``)."""
-        _, body = await self._http("GET", "/model_info")
-        if not isinstance(body, dict) or "weight_version" not in body:
-            raise SGLangError(f"/model_info: expected {{'weight_version': ...}}, got {str(body)[:300]}", body=body)
-        return str(body["weight_version"])
-
-    async def refresh_version(self) -> int:
-        """Set ``version`` from the server's weight version (kept if it is not an integer string)."""
-        self._version = _as_int_version(await self.get_weight_version(), self._version)
-        return self._version
-
     # ------------------------------------------------------------------ memory
     async def sleep(self, level: int = 1) -> None:
         """Sleep as the protocol defines it (module docstring): pause the scheduler (``retract``), abort this

@@ -8,16 +8,9 @@ It implements the whole :class:`~rlblocks.rollout.types.RolloutEngine` protocol 
   Requests submitted while a step runs join at the next step. The forward runs in a worker thread
   (``asyncio.to_thread``) so the event loop stays responsive; all state changes (abort, pause, weight update) happen
   under one lock, i.e. *between* steps.
-- **Processed logprobs.** ``output_logprobs[i] = log_softmax(process(logits / T))[token]`` where ``process`` keeps
-  the top-k logits (ties at the k-th value are kept), then the smallest set of most probable tokens whose probability
-  mass reaches top-p (the most probable token is always kept); everything else is ``-inf``. Computed in fp32 from
-  fp32 logits. Greedy (``temperature == 0``) takes the argmax of the raw logits and reports the untempered,
-  unfiltered log-softmax.
-- **Seeds.** Sampling is by inverse CDF (float64) with a *counter-based* uniform number: the token at absolute
-  position ``p`` (index in prompt + output) uses ``u = splitmix64(seed, p) / 2**63`` — a stateless generator (as
-  Philox is), rather than a stateful per-request ``torch.Generator``. The draw therefore depends only on
-  (seed, position), not on how many tokens this call produced, so a seeded request interrupted and re-submitted
-  with the same seed draws the same numbers. Requests without a seed get a random one.
+- **Processed logprobs and seeds** (:mod:`~rlblocks.rollout.engines.torch_sampling`): logprobs of the distribution
+  sampled from (temperature, top-k, top-p), in fp32; a counter-based draw per (seed, position), so a seeded request
+  interrupted and re-submitted draws the same numbers. Requests without a seed get a random one.
 - **Versions.** Each token is tagged with the weight version of the step that produced it.
 
 Exactness of interrupt + resume (why a greedy resumed generation is bit-identical)
@@ -74,16 +67,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import inspect
 import random
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from jaxtyping import Float, Int
 from torch import Tensor
 
 from rlblocks.errors import ArgumentError, EngineError
@@ -91,59 +81,11 @@ from rlblocks.errors import ArgumentError, EngineError
 from ..routing import RoutingRecorder
 from ..types import Generation, GenerationRequest
 from ._weights import WeightLayout, check_update_version, refuse
-from .lifecycle import Lifecycle
+from .lifecycle import EngineBase
+from .torch_compute import _Compute
+from .torch_memory import KV, PrefixCache, _Placement
 
-__all__ = ["EngineStats", "TorchEngine", "processed_logprobs"]
-
-KV = list[tuple[Tensor, Tensor]]  # per layer: keys, values, each [B, H_kv, T, D]
-
-_MASK64 = (1 << 63) - 1
-
-
-def _mix_seed(seed: int, position: int) -> int:
-    """A 63-bit generator seed from (request seed, absolute token position) (splitmix64 finaliser)."""
-    z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & _MASK64
-
-
-def _uniform(seed: int, position: int) -> float:
-    """A uniform number in [0, 1) that depends only on (seed, position): counter-based, like Philox."""
-    return (_mix_seed(seed, position) >> 10) * 2.0**-53
-
-
-def processed_logprobs(
-    logits: Float[Tensor, "B V"],
-    temperature: Float[Tensor, " B"],
-    top_k: Int[Tensor, " B"],
-    top_p: Float[Tensor, " B"],
-) -> Float[Tensor, "B V"]:
-    """Log-probabilities of the sampling distribution actually used, per row; ``-inf`` outside its support.
-
-    ``x = logits / T`` (rows with ``T == 0`` use ``T = 1``: greedy reports the untempered distribution); top-k keeps
-    ``x >= kth largest`` (ties kept; ``k <= 0`` or ``k >= V`` disables it); top-p then sorts the survivors, and
-    drops a token when the probability mass strictly before it is already ``>= top_p`` (``top_p == 1`` disables it;
-    the most probable token is always kept); ``log_softmax`` renormalises. fp32 in, fp32 out.
-    """
-    x = logits.float() / torch.where(temperature > 0, temperature, torch.ones_like(temperature)).unsqueeze(-1)
-    vocab = x.shape[-1]
-    use_k = (top_k > 0) & (top_k < vocab)
-    if bool(use_k.any()):
-        k = torch.where(use_k, top_k, torch.full_like(top_k, vocab)).clamp(1, vocab)
-        sorted_x = torch.sort(x, dim=-1, descending=True).values
-        kth = sorted_x.gather(-1, (k - 1).unsqueeze(-1))
-        x = torch.where(use_k.unsqueeze(-1) & (x < kth), torch.full_like(x, float("-inf")), x)
-    use_p = top_p < 1.0
-    if bool(use_p.any()):
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        drop_sorted = (mass_before >= top_p.unsqueeze(-1)) & use_p.unsqueeze(-1)
-        drop_sorted[:, 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
-    return torch.log_softmax(x, dim=-1)
+__all__ = ["EngineStats", "TorchEngine"]
 
 
 @dataclass
@@ -177,86 +119,8 @@ class _Seq:
         return self.request.request_id
 
 
-@dataclass
-class _Batch:
-    seqs: list[_Seq]
-    keys: list[Tensor]  # per layer [B, H, T, D], left-padded
-    values: list[Tensor]
-    pads: list[int]
 
-    @property
-    def width(self) -> int:
-        return int(self.keys[0].shape[-2])
-
-    def row_kv(self, b: int) -> KV:
-        p = self.pads[b]
-        return [(k[b : b + 1, :, p:], v[b : b + 1, :, p:]) for k, v in zip(self.keys, self.values)]
-
-
-def _left_pad_stack(kvs: list[KV]) -> tuple[list[Tensor], list[Tensor], list[int]]:
-    """Stack per-sequence KV (each [1, H, t_i, D]) into [B, H, max t, D], left-padded with zeros (masked out)."""
-    lengths = [int(kv[0][0].shape[-2]) for kv in kvs]
-    width = max(lengths)
-    keys, values = [], []
-    for layer in range(len(kvs[0])):
-        k0, v0 = kvs[0][layer]
-        k = k0.new_zeros((len(kvs), k0.shape[1], width, k0.shape[3]))
-        v = v0.new_zeros((len(kvs), v0.shape[1], width, v0.shape[3]))
-        for b, kv in enumerate(kvs):
-            k[b, :, width - lengths[b] :] = kv[layer][0][0]
-            v[b, :, width - lengths[b] :] = kv[layer][1][0]
-        keys.append(k)
-        values.append(v)
-    return keys, values, [width - t for t in lengths]
-
-
-_ALIGN = 64  # bytes: a cache line, and the widest SIMD vector (AVX-512) a kernel may align its loads to
-
-
-@dataclass(frozen=True)
-class _Placement:
-    """Where a level-2 sleep found a parameter: enough to re-allocate it so that kernels take the same path."""
-
-    shape: torch.Size
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    misalign: int  # data_ptr() % _ALIGN
-
-    @classmethod
-    def of(cls, t: Tensor) -> _Placement:
-        return cls(t.shape, t.stride(), t.dtype, t.data_ptr() % _ALIGN)
-
-    def nan_tensor(self, device: torch.device) -> Tensor:
-        """A NaN-filled tensor of this shape, strides and dtype whose first element is ``misalign`` bytes past a
-        ``_ALIGN``-byte boundary (over-allocated by ``_ALIGN`` bytes to make room for the shift)."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        span = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride)) if all(self.shape) else 0
-        buf = torch.full((span + _ALIGN // itemsize,), float("nan"), dtype=self.dtype, device=device)
-        shift = ((self.misalign - buf.data_ptr()) % _ALIGN) // itemsize
-        return buf.as_strided(self.shape, self.stride, shift)
-
-
-def _make_cache(kv: KV | None):
-    """An HF ``DynamicCache`` holding ``kv`` without copying it (the model appends to it with ``torch.cat``)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    if kv is None:
-        return cache
-    try:
-        from transformers.cache_utils import DynamicLayer
-
-        for k, v in kv:
-            layer = DynamicLayer()
-            layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k, v
-            cache.layers.append(layer)
-    except (ImportError, AttributeError, TypeError):  # other transformers versions: the copying constructor
-        cache = DynamicCache(ddp_cache_data=kv)
-    return cache
-
-
-class TorchEngine:
+class TorchEngine(_Compute, EngineBase):
     """In-process rollout engine over a Hugging Face causal LM (see the module docstring for the semantics).
 
     Args:
@@ -288,6 +152,7 @@ class TorchEngine:
             raise ArgumentError(f"max_batch_size: expected >= 1, got {max_batch_size}")
         if prefix_cache_size < 0:
             raise ArgumentError(f"prefix_cache_size: expected >= 0, got {prefix_cache_size}")
+        super().__init__("TorchEngine", version=version, stats=EngineStats())
         self.model = model.eval()
         cfg = getattr(model, "config", None)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
@@ -297,7 +162,6 @@ class TorchEngine:
         self.batch_invariant = bool(batch_invariant)
         self.prefix_cache_size = int(prefix_cache_size)
         self.max_batch_size = int(max_batch_size)
-        self._version = int(version)
         params = inspect.signature(model.forward).parameters
         self._supports_logits_to_keep = "logits_to_keep" in params
         # transformers >= 5.24 names the KV-cache argument ``cache`` (``past_key_values=`` warns there and is
@@ -305,13 +169,10 @@ class TorchEngine:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._device = next(model.parameters()).device
         self._layout = WeightLayout.from_module(model)
-        self._stats = EngineStats()
-        self._state = Lifecycle("TorchEngine")
         self._discarded: list[tuple[torch.nn.Parameter, _Placement]] = []  # level-2 sleep
         self._routing = RoutingRecorder(model) if record_routing else None
-        self._seqs: dict[str, _Seq] = {}  # every request in flight, in submission order
         self._batch: _Batch | None = None  # the decode batch (batched mode)
-        self._prefix: OrderedDict[tuple[int, ...], tuple[KV, int, Tensor | None]] = OrderedDict()
+        self._prefix = PrefixCache(self.prefix_cache_size)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._lock: asyncio.Lock | None = None
@@ -331,29 +192,9 @@ class TorchEngine:
         return cls(model, **options)
 
     # ------------------------------------------------------------------ protocol
-    @property
-    def version(self) -> int:
-        """The weight version that new tokens are tagged with (changes only after a whole update is loaded)."""
-        return self._version
-
-    @property
-    def is_paused(self) -> bool:
-        """True while the engine does not step: paused by :meth:`pause`, asleep, waiting for weights after a
-        level-2 sleep, or inside an update that paused it."""
-        return self._state.paused
-
-    @property
-    def num_in_flight(self) -> int:
-        """Requests submitted and not yet returned (running, frozen or waiting)."""
-        return len(self._seqs)
-
-    def stats(self) -> dict:
-        """The counters of :class:`EngineStats` as a dict."""
-        return dataclasses.asdict(self._stats)
-
     def num_output_tokens(self, request_id: str) -> int | None:
         """Tokens generated so far by an in-flight request, or ``None`` if it is not in flight."""
-        seq = self._seqs.get(request_id)
+        seq = self._inflight.get(request_id)
         return None if seq is None else len(seq.output_ids)
 
     async def generate(self, request: GenerationRequest) -> Generation:
@@ -366,8 +207,7 @@ class TorchEngine:
         if not isinstance(request, GenerationRequest):
             raise ArgumentError(f"request: expected a GenerationRequest, got {type(request).__name__}")
         rid = request.request_id
-        if rid in self._seqs:
-            raise ArgumentError(f"request_id: {rid!r} is already in flight")
+        self._inflight.check_new(rid)
         bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ArgumentError(f"prompt_ids: expected token ids in [0, {self.vocab_size}), got {bad[:5]}")
@@ -380,14 +220,14 @@ class TorchEngine:
             )
         seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(62)
         seq = _Seq(request, self._loop.create_future(), int(seed), list(request.prompt_ids))
-        self._seqs[rid] = seq
+        self._inflight[rid] = seq
         self._wake.set()
         try:
             return await asyncio.shield(seq.future)
         except asyncio.CancelledError:
             if not seq.done:  # the caller went away: drop the request (its rows leave the batch next step)
                 seq.done = True
-                self._seqs.pop(rid, None)
+                self._inflight.pop(rid, None)
             raise
 
     async def abort(self, request_ids: Iterable[str] | None = None) -> list[str]:
@@ -395,20 +235,17 @@ class TorchEngine:
         ``finish_reason="abort"``. Ids not in flight are ignored (documented no-op) and absent from the result."""
         self._state.check_open()
         self._bind_loop()
-        wanted = None if request_ids is None else ([request_ids] if isinstance(request_ids, str) else list(request_ids))
         async with self._lock:
-            return self._abort_locked(wanted)
+            return self._abort_locked(request_ids)
 
     async def pause(self, mode: Literal["abort", "keep"] = "abort") -> None:
         """Stop stepping at the end of the current step. ``abort``: every request submitted before this call
         returns its partial output (``"abort"``); ``keep``: they are frozen (KV kept) and continue after
         :meth:`resume`. Requests submitted after this call wait for :meth:`resume`."""
-        if mode not in ("abort", "keep"):
-            raise ArgumentError(f"mode: expected 'abort' or 'keep', got {mode!r}")
-        self._state.check_open()
+        self._state.check_pause(mode)
         self._bind_loop()
         self._state.user_paused = True
-        before = list(self._seqs)
+        before = list(self._inflight)
         async with self._lock:
             if mode == "abort":
                 self._abort_locked(before)
@@ -564,22 +401,16 @@ class TorchEngine:
                 await task
 
     def _close_now(self, resolve: bool = True) -> None:
-        for seq in list(self._seqs.values()):
+        for seq in list(self._inflight.values()):
             if resolve:
                 self._finish(seq, "abort")
             else:
                 seq.done = True
-        self._seqs.clear()
+        self._inflight.clear()
         self._batch = None
         self._prefix.clear()
         if self._task is not None and not self._task.done():
             self._task.cancel()
-
-    def __enter__(self) -> TorchEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ loop
     def _bind_loop(self) -> None:
@@ -588,14 +419,14 @@ class TorchEngine:
             self._loop = loop
             self._lock = asyncio.Lock()
             self._wake = asyncio.Event()
-            self._seqs.clear()
+            self._inflight.clear()
             self._batch = None
             self._task = None
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._run())
 
     def _has_work(self) -> bool:
-        return not self._state.paused and bool(self._seqs)
+        return not self._state.paused and bool(self._inflight)
 
     async def _run(self) -> None:
         while True:
@@ -613,14 +444,14 @@ class TorchEngine:
                 except Exception as exc:  # fail every waiting caller rather than hang; the loop lives on
                     err = EngineError(
                         f"TorchEngine: a forward step failed ({type(exc).__name__}: {exc}); the "
-                        f"{len(self._seqs)} request(s) in flight failed with it and the engine goes on"
+                        f"{len(self._inflight)} request(s) in flight failed with it and the engine goes on"
                     )
                     err.__cause__ = exc
-                    for seq in list(self._seqs.values()):
+                    for seq in list(self._inflight.values()):
                         seq.done = True
                         if not seq.future.done():
                             seq.future.set_exception(err)
-                    self._seqs.clear()
+                    self._inflight.clear()
                     self._batch = None
             await asyncio.sleep(0)  # let pause/abort/update take the lock between steps
 
@@ -628,54 +459,32 @@ class TorchEngine:
     def _plan(self) -> list[_Seq]:
         """The sequences stepped this step (at most ``max_batch_size``, oldest first); prefix-cache lookup for
         newcomers."""
-        live = [s for s in self._seqs.values() if not s.done][: self.max_batch_size]
+        live = [s for s in self._inflight.values() if not s.done][: self.max_batch_size]
         for seq in live:
             if seq.kv is None and seq.n_cached == 0 and not self._in_batch(seq):
                 self._lookup_prefix(seq)
         return live
 
-    def _in_batch(self, seq: _Seq) -> bool:
-        return self._batch is not None and any(s is seq for s in self._batch.seqs)
 
     def _lookup_prefix(self, seq: _Seq) -> None:
-        if not self._prefix:
-            return
-        best = None
-        for key, (_kv, ver, _routed) in self._prefix.items():
-            n = len(key)
-            if ver == self._version and n < len(seq.tokens) and (best is None or n > len(best)):
-                if tuple(seq.tokens[:n]) == key:
-                    best = key
-        if best is not None:
-            kv, _, routed = self._prefix.pop(best)
-            seq.kv, seq.n_cached = kv, len(best)
+        hit = self._prefix.take(seq.tokens, self._version)
+        if hit is not None:
+            seq.n_cached, seq.kv, routed = hit
             seq.routed = [] if routed is None else [routed]
             self._stats.prefix_cache_hits += 1
-            self._stats.prefix_cache_reused_tokens += len(best)
+            self._stats.prefix_cache_reused_tokens += seq.n_cached
 
     def _store_prefix(self, seq: _Seq, kv: KV | None, n_cached: int) -> None:
         if self.prefix_cache_size == 0 or kv is None or n_cached == 0:
             return
-        key = tuple(seq.tokens[:n_cached])
         routed = torch.cat(seq.routed)[:n_cached] if self._routing is not None and seq.routed else None
-        self._prefix[key] = ([(k.clone(), v.clone()) for k, v in kv], self._version, routed)  # own memory
-        self._prefix.move_to_end(key)
-        while len(self._prefix) > self.prefix_cache_size:
-            self._prefix.popitem(last=False)
+        self._prefix.put(seq.tokens[:n_cached], kv, self._version, routed)
 
-    def _take_kv(self, seq: _Seq) -> tuple[KV | None, int]:
-        """The KV of ``seq`` (its own, or its row of the decode batch) and how many tokens it covers."""
-        if self._batch is not None:
-            for b, s in enumerate(self._batch.seqs):
-                if s is seq:
-                    return self._batch.row_kv(b), self._batch.width - self._batch.pads[b]
-        return seq.kv, seq.n_cached
-
-    def _abort_locked(self, wanted: list[str] | None, *, keep_kv: bool = True) -> list[str]:
+    def _abort_locked(self, wanted: Iterable[str] | str | None, *, keep_kv: bool = True) -> list[str]:
         """Abort ``wanted`` (``None``: all); with ``keep_kv`` their KV goes to the prefix cache for the resume."""
-        ids = list(self._seqs) if wanted is None else [r for r in wanted if r in self._seqs]
+        ids = self._inflight.select(wanted)
         for rid in ids:
-            seq = self._seqs.pop(rid)
+            seq = self._inflight.pop(rid)
             if keep_kv:
                 kv, n = self._take_kv(seq)
                 self._store_prefix(seq, kv, n)
@@ -688,7 +497,7 @@ class TorchEngine:
         """Forget every KV computed under the current weights: prefix cache, decode batch, frozen requests."""
         self._prefix.clear()
         self._batch = None
-        for seq in self._seqs.values():
+        for seq in self._inflight.values():
             seq.kv, seq.n_cached = None, 0
 
     def _finish(self, seq: _Seq, reason: str) -> None:
@@ -711,162 +520,6 @@ class TorchEngine:
         spec = self._routing.spec
         return torch.cat(seq.routed) if seq.routed else torch.empty((0, spec.num_layers, spec.top_k), dtype=spec.dtype)
 
-    def _drop_rows(self, batch: _Batch) -> _Batch | None:
-        return self._select_rows(batch, [s for s in batch.seqs if not s.done])
-
-    # ------------------------------------------------------------------ compute (worker thread)
-    def _forward(
-        self, input_ids: Tensor, kv: KV | None, attention_mask: Tensor, position_ids: Tensor, seqs: list[_Seq],
-        restart: bool = False,
-    ):
-        cache = _make_cache(kv)
-        kwargs: dict[str, Any] = {self._cache_arg: cache, "use_cache": True}
-        if self._supports_logits_to_keep:
-            kwargs["logits_to_keep"] = 1
-        with self._routing if self._routing is not None else contextlib.nullcontext():
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
-        if self._routing is not None:  # row b of this forward: the routing of seqs[b]'s fed positions
-            rows = self._routing.take().view(*input_ids.shape, self._routing.spec.num_layers, -1)
-            for b, seq in enumerate(seqs):
-                if restart:  # a prefill from position 0 (e.g. after a weight update) replaces the old rows
-                    seq.routed = []
-                seq.routed.append(rows[b])
-        self._stats.forwards += 1
-        # A Cache is updated in place by the forward: read the keys and values from the object we passed rather
-        # than from the output, whose field is also being renamed (``past_key_values`` -> ``cache``).
-        new_kv = [(layer.keys, layer.values) for layer in cache.layers]
-        return out.logits[:, -1, :].float(), new_kv
-
-    def _compute(self, live: list[_Seq]) -> list[tuple[_Seq, int, float] | None]:
-        try:
-            with torch.inference_mode():
-                return self._compute_invariant(live) if self.batch_invariant else self._compute_batched(live)
-        finally:
-            if self._state.closed:  # closed while this step ran: do not keep its decode batch alive
-                self._batch = None
-
-    def _prefill_group(self, group: list[_Seq], n_cached: int, m: int) -> tuple[Tensor, KV]:
-        dev = self._device
-        ids = torch.tensor([s.tokens[n_cached : n_cached + m] for s in group], device=dev)
-        pos = torch.arange(n_cached, n_cached + m, device=dev).unsqueeze(0).expand(len(group), m)
-        mask = torch.ones((len(group), n_cached + m), dtype=torch.long, device=dev)
-        kv = None
-        if n_cached > 0:
-            kv = [
-                (torch.cat([s.kv[layer][0] for s in group]), torch.cat([s.kv[layer][1] for s in group]))
-                for layer in range(len(group[0].kv))
-            ]
-        self._stats.prefill_tokens += len(group) * m
-        return self._forward(ids, kv, mask, pos, group, restart=n_cached == 0)
-
-    def _compute_invariant(self, live: list[_Seq]) -> list[tuple[_Seq, int, float] | None]:
-        """One forward per sequence, one token each: tokens[n_cached] is fed; sample if it was the last one."""
-        self._batch = None
-        sampled: list[tuple[_Seq, Tensor]] = []
-        for seq in live:
-            logits, kv = self._prefill_group([seq], seq.n_cached, 1)
-            seq.kv, seq.n_cached = kv, seq.n_cached + 1
-            if seq.n_cached == len(seq.tokens):
-                sampled.append((seq, logits))
-        out: list[tuple[_Seq, int, float] | None] = []
-        if sampled:
-            out.extend(self._sample([s for s, _ in sampled], torch.cat([lg for _, lg in sampled])))
-        return out
-
-    def _compute_batched(self, live: list[_Seq]) -> list[tuple[_Seq, int, float] | None]:
-        in_batch = set()
-        if self._batch is not None:
-            in_batch = {id(s) for s in self._batch.seqs}
-        decode = [s for s in live if id(s) in in_batch]
-        newcomers = [s for s in live if id(s) not in in_batch]
-        seqs: list[_Seq] = []
-        logits_parts: list[Tensor] = []
-        # 1) decode the batch (rows that left are dropped; the remaining ones each feed their last token)
-        if self._batch is not None:
-            batch = self._batch
-            if len(decode) != len(batch.seqs):  # rows of cancelled requests leave
-                batch = self._select_rows(batch, decode)
-            self._batch = batch
-            if batch is not None:
-                logits, kv = self._decode(batch)
-                batch.keys = [k for k, _ in kv]
-                batch.values = [v for _, v in kv]
-                seqs.extend(batch.seqs)
-                logits_parts.append(logits)
-        # 2) prefill newcomers, grouped by (cached length, tokens to feed) so that no padding is needed
-        groups: dict[tuple[int, int], list[_Seq]] = {}
-        for s in newcomers:
-            groups.setdefault((s.n_cached, len(s.tokens) - s.n_cached), []).append(s)
-        joined: list[_Seq] = []
-        for (n_cached, m), group in groups.items():
-            logits, kv = self._prefill_group(group, n_cached, m)
-            for b, s in enumerate(group):
-                s.kv = [(k[b : b + 1], v[b : b + 1]) for k, v in kv]
-                s.n_cached = n_cached + m
-            seqs.extend(group)
-            joined.extend(group)
-            logits_parts.append(logits)
-        # 3) the newcomers join the decode batch for the next step
-        if joined:
-            members = ([] if self._batch is None else list(self._batch.seqs)) + joined
-            kvs = [self._batch.row_kv(b) for b in range(len(self._batch.seqs))] if self._batch is not None else []
-            kvs += [s.kv for s in joined]
-            keys, values, pads = _left_pad_stack(kvs)
-            self._batch = _Batch(members, keys, values, pads)
-            for s in joined:
-                s.kv = None
-        if not seqs:
-            return []
-        return self._sample(seqs, torch.cat(logits_parts))
-
-    def _select_rows(self, batch: _Batch, keep_seqs: list[_Seq]) -> _Batch | None:
-        pos = {id(s): b for b, s in enumerate(batch.seqs)}
-        keep = [pos[id(s)] for s in keep_seqs]
-        if not keep:
-            return None
-        idx = torch.tensor(keep, device=batch.keys[0].device)
-        trim = min(batch.pads[b] for b in keep)
-        return _Batch(
-            [batch.seqs[b] for b in keep],
-            [k.index_select(0, idx)[:, :, trim:] for k in batch.keys],
-            [v.index_select(0, idx)[:, :, trim:] for v in batch.values],
-            [batch.pads[b] - trim for b in keep],
-        )
-
-    def _decode(self, batch: _Batch) -> tuple[Tensor, KV]:
-        dev = self._device
-        width, n = batch.width, len(batch.seqs)
-        ids = torch.tensor([[s.tokens[-1]] for s in batch.seqs], device=dev)
-        mask = torch.ones((n, width + 1), dtype=torch.long, device=dev)
-        for b, p in enumerate(batch.pads):
-            if p:
-                mask[b, :p] = 0
-        pos = torch.tensor([[width - p] for p in batch.pads], device=dev)
-        self._stats.decode_tokens += n
-        return self._forward(ids, list(zip(batch.keys, batch.values)), mask, pos, batch.seqs)
-
-    def _sample(self, seqs: list[_Seq], logits: Float[Tensor, "B V"]) -> list[tuple[_Seq, int, float]]:
-        """Pick one token per row (greedy argmax or inverse-CDF draw from the processed distribution)."""
-        dev = logits.device
-        sp = [s.request.sampling for s in seqs]
-        temp = torch.tensor([p.temperature for p in sp], dtype=torch.float32, device=dev)
-        greedy = temp == 0
-        top_k = torch.tensor([-1 if p.temperature == 0 else p.top_k for p in sp], dtype=torch.long, device=dev)
-        top_p = torch.tensor([1.0 if p.temperature == 0 else p.top_p for p in sp], dtype=torch.float32, device=dev)
-        logp = processed_logprobs(logits, temp, top_k, top_p)
-        tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            u = torch.tensor([_uniform(s.seed, len(s.tokens)) for s in seqs], dtype=torch.float64)
-            cdf = torch.cumsum(logp.double().exp(), dim=-1)
-            target = (u.to(dev) * cdf[:, -1]).unsqueeze(-1)
-            drawn = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_max(logits.shape[-1] - 1)
-            # never return a token outside the support (only reachable through float rounding at the very top)
-            drawn = torch.where(
-                torch.isfinite(logp.gather(-1, drawn.unsqueeze(-1)).squeeze(-1)), drawn, logp.argmax(dim=-1)
-            )
-            tokens = torch.where(greedy, tokens, drawn)
-        lps = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        return list(zip(seqs, tokens.tolist(), lps.tolist()))
 
     # ------------------------------------------------------------------ results (event loop, under lock)
     def _apply(self, result: list[tuple[_Seq, int, float] | None]) -> None:
@@ -890,7 +543,7 @@ class TorchEngine:
             elif len(seq.output_ids) >= sp.max_new_tokens or len(seq.tokens) >= self.max_model_len:
                 reason = "length"
             if reason is not None:
-                self._seqs.pop(seq.rid, None)
+                self._inflight.pop(seq.rid, None)
                 self._finish(seq, reason)
                 finished = True
         if finished and self._batch is not None:

@@ -25,7 +25,7 @@ from pydantic_core import PydanticCustomError
 
 from rlblocks.errors import GatewayError
 
-from ..agents.episode import parse_tool_calls
+from ..agents.tool_calls import parse_tool_calls
 
 __all__ = [
     "ROLES",

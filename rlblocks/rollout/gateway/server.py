@@ -48,7 +48,8 @@ except ImportError as e:  # pragma: no cover - the optional extra is not install
 from rlblocks._checks import check_int, check_seconds, check_str_pair
 from rlblocks.errors import ArgumentError, ClientDisconnected, GatewayError, SessionNotFound
 
-from ..agents.episode import TOOL_CALL_TAGS, generate_turn
+from ..agents.episode import generate_turn
+from ..agents.tool_calls import TOOL_CALL_TAGS
 from ..agents.trajectory import OnMismatch, Trajectory, render_chat_text
 from ..resume import ResumableResult
 from ..types import RolloutEngine, SamplingParams

@@ -54,7 +54,7 @@ def build_chat_tokenizer(style: str = "hermes"):
 
 def calc_schema() -> list[dict]:
     """The tool list the taught episode was rendered with (that of ``calculator_tool()``)."""
-    from rlblocks.rollout.agents.episode import calculator_tool
+    from rlblocks.rollout.agents.tools import calculator_tool
 
     return [calculator_tool().schema()]
 

@@ -27,7 +27,8 @@ import pytest
 
 from rlblocks.errors import EngineError, QueueClosed, QueueRefused, SessionNotFound, ToolUnavailable
 from rlblocks.rollout import Generation, SamplingParams, TorchEngine
-from rlblocks.rollout.agents.episode import EpisodeStats, StepResult, Tool, ToolEnv, calculator_tool, run_episode
+from rlblocks.rollout.agents.episode import EpisodeStats, StepResult, run_episode
+from rlblocks.rollout.agents.tools import Tool, ToolEnv, calculator_tool
 from rlblocks.rollout.gateway import Gateway
 from rlblocks.sched import StalenessQueue
 

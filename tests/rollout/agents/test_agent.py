@@ -12,17 +12,9 @@ from agent_testlib import ANSWER, CALL, QUESTION, RESULT, RecordingEngine
 
 from rlblocks.errors import ArgumentError
 from rlblocks.rollout import Router, SamplingParams, TorchEngine
-from rlblocks.rollout.agents.episode import (
-    EpisodeStats,
-    StepResult,
-    Tool,
-    ToolEnv,
-    calculator,
-    calculator_tool,
-    parse_tool_calls,
-    python_tool,
-    run_episode,
-)
+from rlblocks.rollout.agents.episode import EpisodeStats, StepResult, run_episode
+from rlblocks.rollout.agents.tool_calls import parse_tool_calls
+from rlblocks.rollout.agents.tools import Tool, ToolEnv, calculator, calculator_tool, python_tool
 from rlblocks.rollout.agents.trajectory import to_tensors
 from rlblocks.sandbox import SandboxLimits
 

@@ -11,7 +11,8 @@ import pytest
 from agent_testlib import ANSWER, QUESTION, RESULT, calc_schema
 
 from rlblocks.rollout import SamplingParams, TorchEngine
-from rlblocks.rollout.agents.episode import ToolEnv, calculator, calculator_tool, run_episode
+from rlblocks.rollout.agents.episode import run_episode
+from rlblocks.rollout.agents.tools import ToolEnv, calculator, calculator_tool
 from rlblocks.rollout.gateway import Gateway
 from rlblocks.sched import StalenessQueue
 
