@@ -17,7 +17,7 @@ Sessions. A request belongs to the session named by the ``X-Session-Id`` header,
 field, else to a new session whose id comes back in the ``X-Session-Id`` response header and in
 ``response["rlblocks"]["session_id"]``. A session id holding a control character (CR/LF would forge response
 headers) or longer than 512 characters is refused with a 400 naming the header or ``user``. Each session
-accumulates one :class:`~rlblocks.rollout.Trajectory` with the exact ids, processed log-probs and weight
+accumulates one :class:`~rlblocks.rollout.agents.Trajectory` with the exact ids, processed log-probs and weight
 versions the engine produced. A chat request's messages are rendered with the chat template; assistant messages this
 gateway returned (recognised by content and tool-call ids) are rendered from the model's raw text, so the re-sent
 history gives back the sampled text. The re-sent history is matched by content, never by re-tokenising what the
@@ -67,8 +67,9 @@ Layout: ``schema.py`` (request models and response shapes), ``sessions.py`` (ses
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rlblocks._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from .server import Gateway
@@ -78,11 +79,4 @@ __all__ = ["Gateway"]
 _LAZY = {"Gateway": ".server"}  # the server imports FastAPI and uvicorn (optional extra)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)

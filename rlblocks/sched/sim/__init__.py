@@ -54,8 +54,7 @@ sizing CLI, :func:`main`). :class:`~rlblocks.errors.SimulationStalled` is in :mo
 
 from __future__ import annotations
 
-from typing import Any
-
+from rlblocks._lazy import lazy_exports
 from rlblocks.errors import SimulationStalled  # noqa: F401  (what simulate() raises; its home is rlblocks.errors)
 
 from .costs import DecodeCost, Hardware, ModelSpec, PrefillCost, SyncCost, TrainCost, cpu_like, gpu_like
@@ -79,16 +78,6 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # The CLI is imported on first use: importing ``__main__`` here would make ``python -m rlblocks.sched.sim`` find
-    # it already in sys.modules and run it twice over (runpy's RuntimeWarning).
-    if name == "main":
-        from .__main__ import main
-
-        globals()["main"] = main
-        return main
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), "main"])
+# The CLI is imported on first use: importing ``__main__`` here would make ``python -m rlblocks.sched.sim`` find it
+# already in sys.modules and run it twice over (runpy's RuntimeWarning).
+__getattr__, __dir__ = lazy_exports(__name__, globals(), {"main": ".__main__"})
