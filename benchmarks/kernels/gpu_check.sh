@@ -24,7 +24,7 @@
 #              Qwen3-0.6B-like weights, fwd+bwd peak memory per rank and time at CP = 1 and, over NCCL with one GPU
 #              per rank, CP = 2 and 4 where the GPUs exist; with fewer GPUs the one-device shard math of CP = 2, 4
 #              (every rank's ring rounds in turn, flash kernels, against SDPA: error and time)
-#   5 vllm fp8 tests/rollout/vllm/test_vllm_fp8.py -m gpu: VLLMEngine on a block-FP8 checkpoint written by
+#   5 vllm fp8 tests/rollout/engines/vllm/test_vllm_fp8.py -m gpu: VLLMEngine on a block-FP8 checkpoint written by
 #              rlblocks.sync.save_fp8_checkpoint, FP8 updates loaded and checked against HF on the dequantised
 #              weights (skipped when the machine's python3 has no vllm; its log is appended to tests.log)
 #   6 prefix   benchmarks/kernels/prefix_share.py at a Qwen3-0.6B-like shape (random weights, bf16,
@@ -138,9 +138,9 @@ sed -n '/^ tokens /,$p' "$OUT/context_parallel.log" >> "$SUMMARY"
 # 5 block-FP8 in a real vLLM engine (GPU only; needs vllm in this python3)
 if "$PY" -c "import vllm" > /dev/null 2>&1; then
   if [[ "$MODE" == validate ]]; then
-    FP8=(-m pytest -q -p no:cacheprovider --collect-only tests/rollout/vllm/test_vllm_fp8.py)
+    FP8=(-m pytest -q -p no:cacheprovider --collect-only tests/rollout/engines/vllm/test_vllm_fp8.py)
   else
-    FP8=(-m pytest -q -p no:cacheprovider -m gpu --timeout 170 tests/rollout/vllm/test_vllm_fp8.py)
+    FP8=(-m pytest -q -p no:cacheprovider -m gpu --timeout 170 tests/rollout/engines/vllm/test_vllm_fp8.py)
   fi
   lim=$(( $(left) - 90 < 180 ? $(left) - 90 : 180 ))
   step "5/8 vllm fp8" "$lim" "$OUT/fp8.tmp" "$PY" "${FP8[@]}"

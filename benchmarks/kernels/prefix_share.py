@@ -130,7 +130,7 @@ def main(argv=None) -> None:
     import transformers
     from bench import _cpu_peak_bytes  # benchmarks/kernels/bench.py: this script's folder is first on sys.path
 
-    from rlblocks.rollout.tree import response_prefix_tree
+    from rlblocks.sched import response_prefix_tree
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     preset = args.preset or ("qwen3-0.6b" if device.type == "cuda" else "tiny")

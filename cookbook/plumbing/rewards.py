@@ -310,7 +310,7 @@ class Reward:
 # ------------------------------------------------------------------------------------------------ tools
 def load_tools(spec: str, flag: str = "--tools") -> list[Any]:
     """The tools of ``--tools module:function,...`` (see the module docstring), names distinct."""
-    from rlblocks.rollout import Tool
+    from rlblocks.rollout.agents import Tool
 
     tools = []
     for item in (s.strip() for s in spec.split(",")):

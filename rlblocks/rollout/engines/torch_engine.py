@@ -88,7 +88,7 @@ from torch import Tensor
 
 from rlblocks.errors import ArgumentError, EngineError
 
-from ..routing import RoutingRecorder
+from ..moe_replay import RoutingRecorder
 from ..types import Generation, GenerationRequest
 from ._weights import WeightLayout, check_update_version, refuse
 from .lifecycle import Lifecycle

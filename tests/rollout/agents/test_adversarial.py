@@ -26,8 +26,9 @@ import threading
 import pytest
 
 from rlblocks.errors import EngineError, QueueClosed, QueueRefused, SessionNotFound, ToolUnavailable
-from rlblocks.rollout import Generation, SamplingParams, TorchEngine
+from rlblocks.rollout import Generation, SamplingParams
 from rlblocks.rollout.agents.episode import EpisodeStats, StepResult, Tool, ToolEnv, calculator_tool, run_episode
+from rlblocks.rollout.engines import TorchEngine
 from rlblocks.rollout.gateway import Gateway
 from rlblocks.sched import StalenessQueue
 

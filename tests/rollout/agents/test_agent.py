@@ -11,7 +11,7 @@ import pytest
 from agent_testlib import ANSWER, CALL, QUESTION, RESULT, RecordingEngine
 
 from rlblocks.errors import ArgumentError
-from rlblocks.rollout import Router, SamplingParams, TorchEngine
+from rlblocks.rollout import Router, SamplingParams
 from rlblocks.rollout.agents.episode import (
     EpisodeStats,
     StepResult,
@@ -24,6 +24,7 @@ from rlblocks.rollout.agents.episode import (
     run_episode,
 )
 from rlblocks.rollout.agents.trajectory import to_tensors
+from rlblocks.rollout.engines import TorchEngine
 from rlblocks.sandbox import SandboxLimits
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=96)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlblocks.errors import ArgumentError
-from rlblocks.rollout import Generation, SamplingParams, TorchEngine, build_batch
+from rlblocks.rollout import Generation, SamplingParams, build_batch
 from rlblocks.rollout.agents.episode import (
     EpisodeStats,
     StepResult,
@@ -24,6 +24,7 @@ from rlblocks.rollout.agents.episode import (
     run_episode,
 )
 from rlblocks.rollout.agents.trajectory import Trajectory, to_tensors, trajectory_rows
+from rlblocks.rollout.engines import TorchEngine
 from rlblocks.rollout.resume import ResumableResult
 
 G = Generation("r", [1, 2], [3, 4], [-0.1, -0.2], [0, 0], "stop")

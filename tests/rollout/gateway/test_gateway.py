@@ -10,8 +10,9 @@ import json
 import pytest
 from agent_testlib import ANSWER, QUESTION, RESULT, calc_schema
 
-from rlblocks.rollout import SamplingParams, TorchEngine
+from rlblocks.rollout import SamplingParams
 from rlblocks.rollout.agents.episode import ToolEnv, calculator, calculator_tool, run_episode
+from rlblocks.rollout.engines import TorchEngine
 from rlblocks.rollout.gateway import Gateway
 from rlblocks.sched import StalenessQueue
 
