@@ -476,7 +476,7 @@ def test_only_the_server_module_imports_fastapi_and_uvicorn():
             "import rlblocks.rollout.gateway.schema, rlblocks.rollout.gateway.sessions\n"
             "import rlblocks.rollout.gateway\n"
             "assert not {'fastapi', 'uvicorn', 'starlette'} & set(sys.modules), sorted(sys.modules)\n"
-            "from rlblocks.rollout import Gateway\n"
+            "from rlblocks.rollout.gateway import Gateway\n"
             "assert {'fastapi', 'uvicorn'} <= set(sys.modules)\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
