@@ -33,7 +33,9 @@ slots of a packed row attend to themselves only and are never read. When the pac
 slots as the padded batch (nothing is shared), the batch runs unshared, so prefix sharing never forwards more
 tokens than one row per sample.
 
-Under ``torch.compile`` the prefix-shared forward is not traced (the tree is built on the host).
+Under ``torch.compile`` the prefix-shared forward is not traced (the tree is built on the host). One file: the three
+attention paths over the tree (segments with their backward, FlexAttention, the dense reference) serve this forward
+alone and are chosen per call, so they live with it.
 """
 
 from __future__ import annotations

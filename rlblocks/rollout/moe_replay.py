@@ -26,6 +26,8 @@ Supported routers: the Hugging Face transformers (5.x) MoE routers of Qwen2/3-Mo
 Qwen3-VL-MoE, OLMoE, FlexOlmo, Mixtral, MiniMax, GPT-OSS, DeepSeek-V3 and GLM-4-MoE, each replayed with its own
 gate-weight rule, and megatron-core's ``TopKRouter`` (through its ``router_replay`` hook). A router class not in
 this list is refused rather than replayed partially. Each rule, and the token orders: ``docs/rollout/moe_replay.md``.
+One file: the recorder and the replay share the router discovery and the gate rules, and the record helpers
+(~200 lines) exist only for them.
 """
 
 from __future__ import annotations
