@@ -51,7 +51,7 @@ lint: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mkdocs build --strict --quiet
+	$(VENV)/bin/mkdocs build --strict
 	$(VENV)/bin/pytest -q tests
 
 demo: $(STAMP)

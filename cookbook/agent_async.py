@@ -88,7 +88,8 @@ from plumbing import (
 )
 
 from rlblocks.errors import ArgumentError
-from rlblocks.rollout import EpisodeStats, SamplingParams
+from rlblocks.rollout import SamplingParams
+from rlblocks.rollout.agents import EpisodeStats
 from rlblocks.sched import StalenessController, StalenessQueue
 from rlblocks.sync import WeightReceiver, WeightSender
 

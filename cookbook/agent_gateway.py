@@ -58,7 +58,7 @@ from plumbing import (
 )
 
 from rlblocks.errors import ArgumentError
-from rlblocks.rollout import Gateway
+from rlblocks.rollout.gateway import Gateway
 from rlblocks.sched import StalenessQueue
 
 

@@ -36,19 +36,18 @@ from torch import Tensor
 from rlblocks.kernels import linear_token_logprobs
 from rlblocks.kernels.prefix_share import prefix_shared_hidden_states
 from rlblocks.losses import aggregate, grpo_advantages, ppo_clip_loss
-from rlblocks.rollout import (
+from rlblocks.rollout import SamplingParams
+from rlblocks.rollout.agents import (
     EpisodeStats,
-    SamplingParams,
     ToolEnv,
-    TorchEngine,
     Trajectory,
     calculator_tool,
-    response_prefix_tree,
     run_episode,
     to_tensors,
     trajectory_rows,
 )
-from rlblocks.sched import token_budget_microbatches
+from rlblocks.rollout.engines import TorchEngine
+from rlblocks.sched import response_prefix_tree, token_budget_microbatches
 
 LO, HI = 100, 1000
 HELDOUT = 300

@@ -108,7 +108,8 @@ from rlblocks.errors import ArgumentError
 from rlblocks.kernels import causal_lm_logprobs
 from rlblocks.kernels.prefix_share import prefix_shared_hidden_states
 from rlblocks.losses import aggregate, gae, kl_estimate, ppo_clip_loss, value_loss
-from rlblocks.rollout import GenerationRequest, RolloutBatch, SamplingParams, TorchEngine, build_batch
+from rlblocks.rollout import GenerationRequest, RolloutBatch, SamplingParams, build_batch
+from rlblocks.rollout.engines import TorchEngine
 from rlblocks.sync import full_tensors
 
 

@@ -33,7 +33,7 @@ import toy
 from plumbing import Reward
 
 from rlblocks.losses import aggregate, grpo_advantages, ppo_clip_loss
-from rlblocks.rollout import TorchEngine
+from rlblocks.rollout.engines import TorchEngine
 
 
 def rollout(path: str, tok, loop) -> tuple:

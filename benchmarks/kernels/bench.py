@@ -1,8 +1,8 @@
 """Benchmark sweep of the fused linear log-prob (+ entropy) op: ``python benchmarks/kernels/bench.py --suite cpu``.
 
-Suites: ``cpu`` (a scaled-down CPU set, a few minutes), ``goal`` (the CPU goal case T=4096 H=512 V=32768 fp32),
-``gpu`` and ``gpu-full`` (one CUDA device; see ``gpu_check.sh``), ``validate`` (seconds: every provider and mode
-once, to check that the script runs).
+Suites: ``cpu`` (a scaled-down CPU set, a few minutes), ``cpu-large`` (one large CPU case: T=4096 H=512 V=32768
+fp32, forward+backward), ``gpu-large``, ``gpu-more`` and ``gpu-full`` (one CUDA device; see ``gpu_check.sh``),
+``validate`` (seconds: every provider and mode once, to check that the script runs).
 
 Providers (all compute per-token ``logp`` and optionally the entropy of ``softmax(hidden @ weightᵀ / T)``):
 
@@ -89,12 +89,12 @@ SUITES: dict[str, list[Case]] = {
     # scaled-down CPU set: finishes in a few minutes on 2 cores
     "cpu": [Case(256, 128, 8192, providers=("naive", "compiled_chunked", "rlblocks", "rlblocks_fused")),
             Case(512, 64, 16384, providers=("naive", "compiled_chunked", "rlblocks", "rlblocks_fused"))],
-    # the CPU goal case: fwd+bwd, fp32
-    "goal": [Case(4096, 512, 32768, modes=("full",), entropy=(False,), providers=("naive", "rlblocks",
+    # one large CPU case: fwd+bwd, fp32
+    "cpu-large": [Case(4096, 512, 32768, modes=("full",), entropy=(False,), providers=("naive", "rlblocks",
                                                                                    "rlblocks_fused"))],
-    # the H200 goal case, run first by gpu_check.sh: forward and full
-    "gpu-goal": [Case(8192, 4096, 131072, "bfloat16", modes=("fwd", "full"), entropy=(False,), providers=_GPU_P)],
-    # the rest of the one-H200 check: no-grad and entropy at the goal shape, then other real vocabularies
+    # one large GPU case (an 8B model's LM head over a 128k vocabulary), run first by gpu_check.sh: forward and full
+    "gpu-large": [Case(8192, 4096, 131072, "bfloat16", modes=("fwd", "full"), entropy=(False,), providers=_GPU_P)],
+    # the rest of the one-H200 check: no-grad and entropy at the gpu-large shape, then other real vocabularies
     "gpu-more": [
         Case(8192, 4096, 131072, "bfloat16", modes=("nograd", "full"), entropy=(True,),
              providers=("naive", "rlblocks", "rlblocks_fused")),
@@ -636,7 +636,7 @@ def table_from_csv(paths: list[str], peak: float) -> list[str]:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--suite", choices=sorted(SUITES), default="cpu" if not torch.cuda.is_available() else "gpu-goal")
+    p.add_argument("--suite", choices=sorted(SUITES), default="cpu" if not torch.cuda.is_available() else "gpu-large")
     p.add_argument("--samples", type=int, default=30, help="interleaved samples per (case, mode, entropy, provider)")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--providers", default=None, help="comma list to restrict providers")

@@ -15,7 +15,7 @@
 # Steps (none aborts the others; each has its own time limit, and results are written as they are measured):
 #   1 env      python, torch, CUDA, GPU, triton and liger versions
 #   2 liger    install the wheel from .whl/
-#   3 goal     the goal case first: T=8192 H=4096 V=131072 bf16, naive / liger / liger_sum / rlblocks /
+#   3 large    the large case first: T=8192 H=4096 V=131072 bf16, naive / liger / liger_sum / rlblocks /
 #              rlblocks_fused, forward and forward+backward
 #   4 tests    tests/kernels/test_gpu.py: the Triton kernels on CUDA against float64 references; the prefix-shared
 #              forward's FlexAttention BlockMask against the dense mask (tests/kernels/test_prefix_share.py);
@@ -24,17 +24,17 @@
 #              Qwen3-0.6B-like weights, fwd+bwd peak memory per rank and time at CP = 1 and, over NCCL with one GPU
 #              per rank, CP = 2 and 4 where the GPUs exist; with fewer GPUs the one-device shard math of CP = 2, 4
 #              (every rank's ring rounds in turn, flash kernels, against SDPA: error and time)
-#   5 vllm fp8 tests/rollout/vllm/test_vllm_fp8.py -m gpu: VLLMEngine on a block-FP8 checkpoint written by
+#   5 vllm fp8 tests/rollout/engines/vllm/test_vllm_fp8.py -m gpu: VLLMEngine on a block-FP8 checkpoint written by
 #              rlblocks.sync.save_fp8_checkpoint, FP8 updates loaded and checked against HF on the dequantised
 #              weights (skipped when the machine's python3 has no vllm; its log is appended to tests.log)
 #   6 prefix   benchmarks/kernels/prefix_share.py at a Qwen3-0.6B-like shape (random weights, bf16,
 #              FlexAttention): a group of 16, prompt 1024, one row per sample vs packed vs prefix-shared
 #              (at most 100 s, taken from what step 7 would otherwise get)
-#   7 more     entropy and no-grad at the goal shape, then V=151936 H=896, V=32000, V=128256 H=8192
+#   7 more     entropy and no-grad at the large shape, then V=151936 H=896, V=32000, V=128256 H=8192
 #   8 table    the summary table of every measured row (TF/s and % of 989 TF/s with 6NHV for forward+backward,
 #              the executed-FLOPs TF/s, memory as a multiple of the bf16 logits, max error against float64)
-# Output under $OUT (11 files): summary.txt, goal.log, tests.log, prefix.log, more.log, context_parallel.{log,json},
-# kernels_gpu-goal.{csv,json}, kernels_gpu-more.{csv,json}. Env: PY (python3), OUT, SAMPLES (20), BUDGET_S (480).
+# Output under $OUT (11 files): summary.txt, large.log, tests.log, prefix.log, more.log, context_parallel.{log,json},
+# kernels_gpu-large.{csv,json}, kernels_gpu-more.{csv,json}. Env: PY (python3), OUT, SAMPLES (20), BUDGET_S (480).
 set -uo pipefail  # no -e: a failing step is recorded and the next one runs
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -102,28 +102,28 @@ fi
 
 PREFIX_TEST=tests/kernels/test_prefix_share.py::test_flex_matches_dense_on_cuda
 if [[ "$MODE" == validate ]]; then
-  GOAL=(--suite validate --samples 2 --modes fwd,full)
+  LARGE=(--suite validate --samples 2 --modes fwd,full)
   MORE=(--suite validate --samples 2 --modes bwd,nograd)
   TESTS=(-m pytest -q -p no:cacheprovider --collect-only tests/kernels/test_gpu.py "$PREFIX_TEST"
          tests/kernels/test_gpu_context_parallel.py)
   PREFIX=(--preset tiny --cases group16 --scale 0.05 --samples 1)
   CP=(--device cpu --model tiny --lengths 512 --cp 1,2)
-  CSV_GOAL="$OUT/kernels_validate.goal.csv"; CSV_MORE="$OUT/kernels_validate.more.csv"
+  CSV_LARGE="$OUT/kernels_validate.large.csv"; CSV_MORE="$OUT/kernels_validate.more.csv"
 else
-  GOAL=(--suite gpu-goal --samples "$SAMPLES")
+  LARGE=(--suite gpu-large --samples "$SAMPLES")
   MORE=(--suite gpu-more --samples "$SAMPLES")
   TESTS=(-m pytest -q -p no:cacheprovider --timeout 100 tests/kernels/test_gpu.py "$PREFIX_TEST"
          tests/kernels/test_gpu_context_parallel.py)
   PREFIX=(--preset qwen3-0.6b --cases group16 --samples 2)
   CP=(--device cuda --model qwen3-0.6b --lengths 32768 --cp 1,2,4)
-  CSV_GOAL="$OUT/kernels_gpu-goal.csv"; CSV_MORE="$OUT/kernels_gpu-more.csv"
+  CSV_LARGE="$OUT/kernels_gpu-large.csv"; CSV_MORE="$OUT/kernels_gpu-more.csv"
 fi
 
-# 3 the goal case first (cold compile + autotune of the kernels included)
+# 3 the large case first (cold compile + autotune of the kernels included)
 lim=$(( $(left) < 200 ? $(left) : 200 ))
-step "3/8 goal case" "$lim" "$OUT/goal.log" "$PY" benchmarks/kernels/bench.py "${GOAL[@]}" --out "$OUT" \
+step "3/8 large case" "$lim" "$OUT/large.log" "$PY" benchmarks/kernels/bench.py "${LARGE[@]}" --out "$OUT" \
   --time-budget-s $(( lim - 40 ))
-if [[ "$MODE" == validate ]]; then mv -f "$OUT/kernels_validate.csv" "$CSV_GOAL"; fi
+if [[ "$MODE" == validate ]]; then mv -f "$OUT/kernels_validate.csv" "$CSV_LARGE"; fi
 
 # 4 correctness on CUDA
 lim=$(( $(left) - 120 < 150 ? $(left) - 120 : 150 ))
@@ -138,9 +138,9 @@ sed -n '/^ tokens /,$p' "$OUT/context_parallel.log" >> "$SUMMARY"
 # 5 block-FP8 in a real vLLM engine (GPU only; needs vllm in this python3)
 if "$PY" -c "import vllm" > /dev/null 2>&1; then
   if [[ "$MODE" == validate ]]; then
-    FP8=(-m pytest -q -p no:cacheprovider --collect-only tests/rollout/vllm/test_vllm_fp8.py)
+    FP8=(-m pytest -q -p no:cacheprovider --collect-only tests/rollout/engines/vllm/test_vllm_fp8.py)
   else
-    FP8=(-m pytest -q -p no:cacheprovider -m gpu --timeout 170 tests/rollout/vllm/test_vllm_fp8.py)
+    FP8=(-m pytest -q -p no:cacheprovider -m gpu --timeout 170 tests/rollout/engines/vllm/test_vllm_fp8.py)
   fi
   lim=$(( $(left) - 90 < 180 ? $(left) - 90 : 180 ))
   step "5/8 vllm fp8" "$lim" "$OUT/fp8.tmp" "$PY" "${FP8[@]}"
@@ -162,6 +162,6 @@ if [[ "$MODE" == validate ]]; then mv -f "$OUT/kernels_validate.csv" "$CSV_MORE"
 
 # 8 the table, from the rows written so far
 note "== 8/8 table ($(( $(date +%s) - START )) s elapsed)"
-"$PY" benchmarks/kernels/bench.py --table-from "$CSV_GOAL" "$CSV_MORE" 2>&1 | tee -a "$SUMMARY"
+"$PY" benchmarks/kernels/bench.py --table-from "$CSV_LARGE" "$CSV_MORE" 2>&1 | tee -a "$SUMMARY"
 if (( FAILED )); then note "gpu_check: some steps FAILED (see above)"; exit 1; fi
 note "gpu_check: all steps ok in $(( $(date +%s) - START )) s"

@@ -20,8 +20,7 @@ task prompt (512 tokens), one row per turn, each row the history so far (tool ou
 its own turn's reply. Each case reports the token slots forwarded (padding included), the fwd+bwd wall time
 (median of ``--samples``, the three ways interleaved, rotating order), the peak memory of one fwd+bwd above the
 inputs (CUDA: ``max_memory_allocated``; CPU: the peak running sum of the torch allocator's events), each also as a
-ratio to ``padded``, and the largest log-prob difference to ``padded``. The CPU goal at ``group16``: shared
-forwards >= 4x fewer tokens and runs >= 3x faster than padded, with no more peak memory.
+ratio to ``padded``, and the largest log-prob difference to ``padded``.
 """
 
 from __future__ import annotations
@@ -130,7 +129,7 @@ def main(argv=None) -> None:
     import transformers
     from bench import _cpu_peak_bytes  # benchmarks/kernels/bench.py: this script's folder is first on sys.path
 
-    from rlblocks.rollout.tree import response_prefix_tree
+    from rlblocks.sched import response_prefix_tree
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     preset = args.preset or ("qwen3-0.6b" if device.type == "cuda" else "tiny")

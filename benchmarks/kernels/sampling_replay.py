@@ -1,6 +1,6 @@
 """Cost of sampling-mask replay (top-k / top-p) in ``linear_token_logprobs`` against the unfiltered op, side by side.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/kernels/sampling_replay.py            # CPU goal case, a few minutes
+    PYTHONPATH=. .venv/bin/python benchmarks/kernels/sampling_replay.py            # T=4096 H=512 V=32768, a few minutes
     PYTHONPATH=. .venv/bin/python benchmarks/kernels/sampling_replay.py --T 512 --H 64 --V 16384 --samples 5
 
 Variants, run interleaved (the order rotates every sample) on the same inputs:
@@ -12,7 +12,7 @@ Variants, run interleaved (the order rotates every sample) on the same inputs:
 
 Mode ``full`` (forward + backward of ``Σ c·logp`` over the kept labels) or ``nograd``. Logits are ``z ~ N(0, s²)``
 per entry (``--logit-std``, default 3), labels are each row's most probable token (always kept). Prints p20/p50/p80
-wall time per variant and the ratio of medians to ``unfiltered``; the goal is ``top_k+top_p`` ≤ 1.5×.
+wall time per variant and the ratio of medians to ``unfiltered``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--T", type=int, default=4096, help="tokens (rows); default: the CPU goal case")
+    p.add_argument("--T", type=int, default=4096, help="tokens (rows)")
     p.add_argument("--H", type=int, default=512, help="hidden size")
     p.add_argument("--V", type=int, default=32768, help="vocabulary size")
     p.add_argument("--mode", choices=("full", "nograd"), default="full")
@@ -85,9 +85,6 @@ def main(argv=None) -> None:
         med = statistics.median(ts)
         ratio = f"  x {med / base:.2f} of unfiltered" if base else ""
         print(f"  {n:<12} p20/p50/p80 {q[0] * 1e3:9.1f} {med * 1e3:9.1f} {q[2] * 1e3:9.1f} ms{ratio}")
-    if base and "top_k+top_p" in times:
-        r = statistics.median(times["top_k+top_p"]) / base
-        print(f"goal top_k+top_p <= 1.5x unfiltered: {r:.2f}x -> {'met' if r <= 1.5 else 'NOT met'}")
 
 
 if __name__ == "__main__":

@@ -46,10 +46,10 @@ def build_tiny_model(path: str, hidden: int, layers: int) -> str:
 
 def make_engine(args, path: str):
     if args.engine == "torch":
-        from rlblocks.rollout import TorchEngine
+        from rlblocks.rollout.engines import TorchEngine
 
         return TorchEngine.from_pretrained(path, batch_invariant=args.batch_invariant)
-    from rlblocks.rollout import VLLMEngine
+    from rlblocks.rollout.engines import VLLMEngine
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     kwargs = {"max_model_len": args.max_model_len}

@@ -30,7 +30,9 @@ import time
 
 import torch
 
-from rlblocks.rollout import Gateway, Generation, GenerationRequest, SamplingParams, TorchEngine
+from rlblocks.rollout import Generation, GenerationRequest, SamplingParams
+from rlblocks.rollout.engines import TorchEngine
+from rlblocks.rollout.gateway import Gateway
 
 NEW_TOKENS = 8
 

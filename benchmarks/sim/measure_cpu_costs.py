@@ -54,7 +54,8 @@ import toy  # noqa: E402
 from grpo import grpo_step  # noqa: E402
 from plumbing import PolicyLogprobs, batch_tensors, group_record, load_hf  # noqa: E402
 
-from rlblocks.rollout import Generation, GenerationRequest, SamplingParams, TorchEngine  # noqa: E402
+from rlblocks.rollout import Generation, GenerationRequest, SamplingParams  # noqa: E402
+from rlblocks.rollout.engines import TorchEngine  # noqa: E402
 from rlblocks.sched.sim import DecodeCost, Hardware, PrefillCost, SyncCost, TrainCost  # noqa: E402
 from rlblocks.sync import full_tensors  # noqa: E402
 

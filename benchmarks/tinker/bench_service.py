@@ -94,7 +94,8 @@ def main() -> None:
 
     import tinker
 
-    from rlblocks.rollout import GenerationRequest, SamplingParams, TorchEngine
+    from rlblocks.rollout import GenerationRequest, SamplingParams
+    from rlblocks.rollout.engines import TorchEngine
     from rlblocks.tinker import LoraSpec, TrainingHost
 
     host = TrainingHost(NAME, model_dir, device=torch.device("cpu"), dtype=torch.float32)

@@ -42,12 +42,12 @@ def make_engine(kind: str, path: str, device: torch.device, *, max_model_len: in
     on which other requests share a step) apply to the TorchEngine.
     """
     if kind == "torch":
-        from rlblocks.rollout import TorchEngine
+        from rlblocks.rollout.engines import TorchEngine
 
         return TorchEngine.from_pretrained(path, device=device, max_batch_size=max_batch_size,
                                            max_model_len=max_model_len, batch_invariant=batch_invariant)
     if kind == "vllm":
-        from rlblocks.rollout import VLLMEngine
+        from rlblocks.rollout.engines import VLLMEngine
 
         args: dict[str, Any] = {"max_model_len": max_model_len}
         if not torch.cuda.is_available():
@@ -56,7 +56,7 @@ def make_engine(kind: str, path: str, device: torch.device, *, max_model_len: in
             args.update(enforce_eager=True, kv_cache_memory_bytes=64 << 20)
         return VLLMEngine.from_pretrained(path, max_staleness=max_staleness, **args)
     if kind == "sglang":
-        from rlblocks.rollout import SGLangEngine
+        from rlblocks.rollout.engines import SGLangEngine
 
         return SGLangEngine(sglang_url)
     raise ArgumentError(f"--engine: expected torch|vllm|sglang, got {kind!r}")

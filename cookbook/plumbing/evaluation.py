@@ -51,7 +51,7 @@ def on_model(model: Any, run: Callable[[Any], Awaitable[T]]) -> T:
     """``await run(engine)`` on a fresh ``TorchEngine`` over the HF model ``model`` (no prefix cache: the weights
     change between evaluations), from a thread without a running event loop; the model's train/eval mode is
     restored afterwards."""
-    from rlblocks.rollout import TorchEngine
+    from rlblocks.rollout.engines import TorchEngine
 
     training = model.training
 

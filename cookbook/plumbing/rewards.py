@@ -31,7 +31,7 @@ accuracy.
 ``--eval-reward`` scores the held-out evaluation; empty: the same as ``--reward``, except that a learned reward
 model is no measure of accuracy, so ``rm`` is evaluated with ``verifier`` on a toy task and ``math`` on a file.
 
-``--tools module:function,...`` (agent loops): each is a ``rlblocks.rollout.Tool``, a function annotated
+``--tools module:function,...`` (agent loops): each is a ``rlblocks.rollout.agents.Tool``, a function annotated
 ``-> Tool`` (called with no arguments: ``rlblocks.rollout:calculator_tool``, ``rlblocks.rollout:python_tool``),
 or a plain function, wrapped by ``Tool.from_function`` (name, docstring and typed parameters become the schema).
 """
@@ -310,7 +310,7 @@ class Reward:
 # ------------------------------------------------------------------------------------------------ tools
 def load_tools(spec: str, flag: str = "--tools") -> list[Any]:
     """The tools of ``--tools module:function,...`` (see the module docstring), names distinct."""
-    from rlblocks.rollout import Tool
+    from rlblocks.rollout.agents import Tool
 
     tools = []
     for item in (s.strip() for s in spec.split(",")):
@@ -343,4 +343,4 @@ def _returns_tool(fn: Any) -> bool:
         ann = inspect.signature(fn).return_annotation
     except (TypeError, ValueError):
         return False
-    return ann is not inspect.Signature.empty and getattr(ann, "__name__", ann) in ("Tool", "rlblocks.rollout.Tool")
+    return ann is not inspect.Signature.empty and getattr(ann, "__name__", ann) in ("Tool", "rlblocks.rollout.agents.Tool")

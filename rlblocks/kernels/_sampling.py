@@ -2,7 +2,7 @@
 
 The engines sample from ``z = logits / temperature`` restricted by top-k, then top-p, renormalised over the kept set
 (vLLM's sampler order, ``vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p``, and the convention of
-``rlblocks.rollout.types``; ``rlblocks.rollout.TorchEngine.processed_logprobs`` follows it):
+``rlblocks.rollout.types``; ``rlblocks.rollout.engines.TorchEngine.processed_logprobs`` follows it):
 
 - top-k keeps ``z_j >= z_(k)``, the k-th largest value (ties with it are kept); ``k <= 0`` or ``k >= V``: off;
 - top-p then takes the top-k-renormalised probabilities ``q`` and drops a token when the mass of the tokens ranked

@@ -1,7 +1,7 @@
 """Prefix-shared forward of an HF decoder: each shared token forwarded once, the hidden states of one row per sample.
 
 ``prefix_shared_hidden_states(body, input_ids, prompt_lens, response_mask)`` puts the rows of a
-``RolloutBatch``-layout batch into a prefix trie (:func:`rlblocks.rollout.response_prefix_tree`: a GRPO group's
+``RolloutBatch``-layout batch into a prefix trie (:func:`rlblocks.sched.response_prefix_tree`: a GRPO group's
 prompt, an episode's history, any common prefix found from the ids), runs the decoder body once over the trie's
 nodes in packed rows — position ids = depth in the tree, every node attending to its ancestors only — and returns
 the hidden state that predicts each response token, ``[B, T, H]``, equal to what one row per sample gives (same
@@ -33,7 +33,9 @@ slots of a packed row attend to themselves only and are never read. When the pac
 slots as the padded batch (nothing is shared), the batch runs unshared, so prefix sharing never forwards more
 tokens than one row per sample.
 
-Under ``torch.compile`` the prefix-shared forward is not traced (the tree is built on the host).
+Under ``torch.compile`` the prefix-shared forward is not traced (the tree is built on the host). One file: the three
+attention paths over the tree (segments with their backward, FlexAttention, the dense reference) serve this forward
+alone and are chosen per call, so they live with it.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from torch.utils._pytree import tree_map_only
 from rlblocks._checks import check_ndim, check_optional_int, shape_str
 from rlblocks.errors import ArgumentError
 from rlblocks.kernels.linear_logprobs import linear_token_logprobs
-from rlblocks.rollout.tree import PrefixTree, response_prefix_tree
+from rlblocks.sched.prefix_tree import PrefixTree, response_prefix_tree
 
 __all__ = ["ATTENTION_BACKENDS", "TreeAttentionMask", "prefix_shared_hidden_states"]
 
@@ -95,7 +97,7 @@ def prefix_shared_hidden_states(
         response_mask: ``[B, T]`` true on the response tokens to score.
         attention_mask: optional ``[B, L]``; it must be true on every position before a row's last scored token
             (right padding: a causal model's earlier positions never see the padding, so that is all it says).
-        max_tokens: nodes per packed row (see :func:`rlblocks.rollout.build_prefix_tree`; ``None``: the largest
+        max_tokens: nodes per packed row (see :func:`rlblocks.sched.build_prefix_tree`; ``None``: the largest
             set of rows sharing a prefix, so no prefix is repeated). Rows beyond it are packed into more rows.
         attention: ``"segments"``, ``"flex"`` or ``"dense"`` (module docstring); ``None``: ``"flex"`` on CUDA,
             ``"segments"`` elsewhere, ``"dense"`` for an ``eager`` model.

@@ -352,7 +352,7 @@ def ring_attention(
     query: Float[Tensor, "B H n D"],
     key: Float[Tensor, "B Hkv n D"],
     value: Float[Tensor, "B Hkv n D"],
-    group,
+    group: dist.ProcessGroup | None,
     *,
     scale: float | None = None,
     kernel: str | None = None,
@@ -367,7 +367,8 @@ def ring_attention(
 
     Args:
         query: ``[B, H, n, D]`` this rank's queries (``n = 2c``, the two chunks concatenated).
-        key, value: ``[B, H_kv, n, D]`` this rank's keys and values.
+        key: ``[B, H_kv, n, D]`` this rank's keys.
+        value: ``[B, H_kv, n, D]`` this rank's values.
         group: a ``torch.distributed`` process group (gloo or NCCL) whose ranks hold the other shards, or
             ``None`` for one rank (plain causal attention).
         scale: the score scale (default ``D ** -0.5``).

@@ -17,7 +17,7 @@ Layout (every tensor right-padded):
 
 - Per row: ``group_ids [B]`` (rows of one prompt share an id) and ``rewards [B]`` when given.
 - ``routed_experts [B, L, layers, top_k]`` (MoE routing replay, when the generations carry records): aligned with
-  ``input_ids``, ``-1`` where there is no record; pass it to ``rlblocks.rollout.routing.replay_routing``.
+  ``input_ids``, ``-1`` where there is no record; pass it to ``rlblocks.rollout.moe_replay.replay_routing``.
 
 With a causal LM, ``rlblocks.kernels.causal_lm_logprobs(model, batch.input_ids, batch.prompt_lens,
 batch.response_mask)`` gives the ``[B, T]`` trainer log-probs aligned with ``rollout_logp``.
@@ -36,7 +36,7 @@ from torch import Tensor
 from rlblocks._checks import check_int, check_int_list, check_real_list
 from rlblocks.errors import ArgumentError
 
-from .routing import pad_routing
+from .moe_replay import pad_routing
 from .types import Generation
 
 __all__ = ["RolloutBatch", "build_batch"]

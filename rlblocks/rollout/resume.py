@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from rlblocks.errors import ArgumentError
 
-from .routing import concat_routing
+from .moe_replay import concat_routing
 from .types import Generation, GenerationRequest, RolloutEngine
 
 __all__ = ["ResumableResult", "resumable_generate"]

@@ -96,7 +96,7 @@ class Generation:
     output_versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason = "length"
     # MoE routing replay: uint8/uint16 [positions, MoE layers, top_k], row j = sequence position j of
-    # prompt_ids + output_ids (len(prompt) + len(output) - 1 rows once finished); see rlblocks.rollout.routing.
+    # prompt_ids + output_ids (len(prompt) + len(output) - 1 rows once finished); see rlblocks.rollout.moe_replay.
     routed_experts: Tensor | None = None
 
     def __post_init__(self) -> None:

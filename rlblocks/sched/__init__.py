@@ -1,4 +1,5 @@
-"""Staleness-bounded scheduling: admission control, a fresh-only queue, partial rollouts, dynamic sampling, packing.
+"""Staleness-bounded scheduling: admission control, a fresh-only queue, partial rollouts, dynamic sampling, packing
+and prefix trees.
 
 - :class:`StalenessController` — AReaL's admission rule ``capacity(v)`` with per-rank limits divided by dp once.
 - :class:`StalenessQueue` — oldest-first queue that re-checks staleness at consumption and never drops silently.
@@ -6,6 +7,8 @@
 - :class:`DynamicSampler` — DAPO/SLIME over-sampling with a group filter (default: non-zero reward variance).
 - :func:`pack_sequences`, :func:`token_budget_microbatches`, :func:`balance_partitions`, :func:`inverse_permutation`,
   :func:`pad_to_packed`, :func:`packed_to_pad` — batching helpers.
+- :func:`build_prefix_tree` / :func:`response_prefix_tree` (:class:`PrefixTree`) — sequences as one prefix trie in
+  packed rows with its ancestor mask, the layout of a prefix-shared forward (``rlblocks.kernels.prefix_share``).
 
 Only the standard library, torch, jaxtyping and ``rlblocks.losses`` (the zero-variance rule) are imported; no
 rollout engine. The simulator is ``rlblocks.sched.sim`` (imported on its own). The exceptions (``QueueFull``,
@@ -25,6 +28,7 @@ from .packing import (
     token_budget_microbatches,
 )
 from .partial import GenerationLike, PartialRollout, PartialRolloutBuffer
+from .prefix_tree import PrefixTree, build_prefix_tree, response_prefix_tree
 from .queue import StalenessQueue
 
 __all__ = [
@@ -32,13 +36,16 @@ __all__ = [
     "GenerationLike",
     "PartialRollout",
     "PartialRolloutBuffer",
+    "PrefixTree",
     "StalenessController",
     "StalenessQueue",
     "balance_partitions",
+    "build_prefix_tree",
     "inverse_permutation",
     "nonzero_reward_variance",
     "pack_sequences",
     "packed_to_pad",
     "pad_to_packed",
+    "response_prefix_tree",
     "token_budget_microbatches",
 ]

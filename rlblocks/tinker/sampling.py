@@ -132,7 +132,8 @@ class SamplerHost:
         path: the HF checkpoint directory.
         engine: ``"torch"`` or ``"vllm"``.
         engine_args: extra ``VLLMEngine.from_pretrained`` arguments (``--engine vllm``).
-        device, dtype: of the engine's model (TorchEngine); vLLM picks its own device.
+        device: of the engine's model (TorchEngine); vLLM picks its own device.
+        dtype: of the engine's model (TorchEngine and vLLM).
         max_batch_size: TorchEngine's most sequences stepped together.
     """
 
@@ -169,7 +170,7 @@ class SamplerHost:
         eos = getattr(cfg, "eos_token_id", None)
         self.eos_ids = tuple(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
         if self.kind == "torch":
-            from rlblocks.rollout import TorchEngine
+            from rlblocks.rollout.engines import TorchEngine
 
             model = await asyncio.to_thread(self._load_model)
             self.model = model
@@ -177,7 +178,7 @@ class SamplerHost:
             self.max_len = self.engine.max_model_len
             self.vocab_size = self.engine.vocab_size
         else:
-            from rlblocks.rollout import VLLMEngine
+            from rlblocks.rollout.engines import VLLMEngine
 
             self.max_len = int(getattr(cfg, "max_position_embeddings", 4096) or 4096)
             self.vocab_size = int(cfg.vocab_size)

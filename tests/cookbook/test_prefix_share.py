@@ -99,7 +99,8 @@ def test_agent_grpo_backward_prefix_share(toy_lm):
     prefix), with a micro-batch budget that cuts the tree into several packed rows."""
     import agent_task
 
-    from rlblocks.rollout import Generation, Trajectory
+    from rlblocks.rollout import Generation
+    from rlblocks.rollout.agents import Trajectory
 
     tok, lm = toy_lm
     rng = random.Random(3)

@@ -15,7 +15,8 @@ import pytest
 import torch
 from plumbing import RolloutClock, RolloutTimes, TimedEngine, rollout_columns
 
-from rlblocks.rollout import GenerationRequest, SamplingParams, TorchEngine
+from rlblocks.rollout import GenerationRequest, SamplingParams
+from rlblocks.rollout.engines import TorchEngine
 
 pytestmark = pytest.mark.filterwarnings("error:rlblocks:DeprecationWarning")
 

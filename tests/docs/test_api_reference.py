@@ -18,9 +18,11 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
-# the public modules whose names the API pages render: every public top-level module or package, and the simulator
+# the public modules whose names the API pages render: every public top-level module or package, the rollout
+# subpackages (each the one import path of its names) and the simulator
 API = ("rlblocks.checkpoint", "rlblocks.errors", "rlblocks.kernels", "rlblocks.losses", "rlblocks.reward",
-       "rlblocks.rollout", "rlblocks.sandbox", "rlblocks.sched", "rlblocks.sched.sim", "rlblocks.sync",
+       "rlblocks.rollout", "rlblocks.rollout.agents", "rlblocks.rollout.engines", "rlblocks.rollout.gateway",
+       "rlblocks.rollout.moe_replay", "rlblocks.sandbox", "rlblocks.sched", "rlblocks.sched.sim", "rlblocks.sync",
        "rlblocks.tinker")
 _DIRECTIVE = re.compile(r"^::: *([\w.]+) *$")
 

@@ -26,7 +26,7 @@ def test_validate_mode_runs_every_step(tmp_path):
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     summary = (tmp_path / "out" / "summary.txt").read_text()
-    for step in ("3/8 goal case: ok", "4/8 tests: ok", "4b/8 context parallel: ok", "6/8 prefix share: ok",
+    for step in ("3/8 large case: ok", "4/8 tests: ok", "4b/8 context parallel: ok", "6/8 prefix share: ok",
                  "7/8 more cases: ok", "all steps ok"):
         assert step in summary, summary
     assert "5/8 vllm fp8: ok" in summary or "5/8 vllm fp8: skipped (no vllm" in summary, summary

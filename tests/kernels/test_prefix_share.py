@@ -19,7 +19,7 @@ from rlblocks.errors import ArgumentError
 from rlblocks.kernels import causal_lm_logprobs
 from rlblocks.kernels import prefix_share as ps
 from rlblocks.kernels.prefix_share import prefix_shared_hidden_states
-from rlblocks.rollout.tree import build_prefix_tree, response_prefix_tree
+from rlblocks.sched import build_prefix_tree, response_prefix_tree
 
 transformers = pytest.importorskip("transformers")
 

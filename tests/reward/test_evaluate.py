@@ -90,7 +90,8 @@ async def even_length(sample: Sample) -> RewardResult:
 def test_evaluate_matches_samples_generated_and_scored_independently(tiny_hf_dir):
     from transformers import AutoTokenizer
 
-    from rlblocks.rollout import GenerationRequest, SamplingParams, TorchEngine
+    from rlblocks.rollout import GenerationRequest, SamplingParams
+    from rlblocks.rollout.engines import TorchEngine
 
     tok = AutoTokenizer.from_pretrained(tiny_hf_dir)
     prompts = ["1+2=", "ab", "x y", "9*9="]

@@ -6,14 +6,8 @@ import math
 import pytest
 import torch
 
-from rlblocks.rollout import (
-    Generation,
-    GenerationRequest,
-    ResumableResult,
-    SamplingParams,
-    TorchEngine,
-    resumable_generate,
-)
+from rlblocks.rollout import Generation, GenerationRequest, ResumableResult, SamplingParams, resumable_generate
+from rlblocks.rollout.engines import TorchEngine
 
 
 def run(coro, timeout=60.0):

@@ -20,7 +20,7 @@ import torch
 
 
 def main() -> None:
-    from rlblocks.rollout import TorchEngine
+    from rlblocks.rollout.engines import TorchEngine
     from rlblocks.sync import open_handoff
 
     engine = TorchEngine.from_pretrained(sys.argv[1], device="cpu")

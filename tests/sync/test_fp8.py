@@ -314,7 +314,7 @@ def test_fp8_in_a_delta_packet_round_trips_bit_exactly():
 def test_fp8_through_a_shared_memory_handoff_into_torch_engine():
     import asyncio
 
-    from rlblocks.rollout import TorchEngine
+    from rlblocks.rollout.engines import TorchEngine
     from rlblocks.sync import HandoffSender, open_handoff
 
     engine = TorchEngine(build_small_llama(0))

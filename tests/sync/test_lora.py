@@ -128,7 +128,8 @@ def test_lora_syncer_into_a_torch_engine_update_weights():
 
     from transformers import LlamaForCausalLM
 
-    from rlblocks.rollout import GenerationRequest, SamplingParams, TorchEngine
+    from rlblocks.rollout import GenerationRequest, SamplingParams
+    from rlblocks.rollout.engines import TorchEngine
 
     pm = _peft_model(seed=2)
     engine_model = LlamaForCausalLM(pm.get_base_model().config)  # other random weights, same layout

@@ -16,7 +16,7 @@ template into a :class:`~rlblocks.rollout.Trajectory`; then, per turn,
    the generation prompt) is tokenised and appended (:meth:`~rlblocks.rollout.Trajectory.text_delta`);
    a template that rewrote history falls back to the token-level prefix check, and branches (counted).
 
-Every request of one episode carries the episode's ``session_id``, so a :class:`~rlblocks.rollout.router.Router`
+Every request of one episode carries the episode's ``session_id``, so a :class:`~rlblocks.rollout.Router`
 keeps the episode on one engine (prefix-cache locality). Budgets: ``max_turns`` and ``max_total_tokens`` (the
 longest sequence the engine is asked to extend). An environment that raises, exceeds ``env_timeout`` or returns
 a reward that is not a finite number (NaN, inf: refused, never summed into the episode's reward) ends the episode

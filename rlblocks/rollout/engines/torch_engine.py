@@ -78,7 +78,7 @@ from torch import Tensor
 
 from rlblocks.errors import ArgumentError, EngineError
 
-from ..routing import RoutingRecorder
+from ..moe_replay import RoutingRecorder
 from ..types import Generation, GenerationRequest
 from ._weights import WeightLayout, check_update_version, refuse
 from .lifecycle import EngineBase
@@ -133,7 +133,7 @@ class TorchEngine(_Compute, EngineBase):
             it ends with ``"length"``.
         version: initial weight version.
         record_routing: MoE models: record the experts each fed position was routed to
-            (``Generation.routed_experts``, see :mod:`rlblocks.rollout.routing`); kept with the prefix cache;
+            (``Generation.routed_experts``, see :mod:`rlblocks.rollout.moe_replay`); kept with the prefix cache;
             a re-prefill from position 0 (after a weight update) records every position again.
     """
 

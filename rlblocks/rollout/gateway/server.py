@@ -17,6 +17,9 @@ What is ours on top of FastAPI + uvicorn, and why:
   watches the connection while the engine generates (a client that goes away cancels its generation), and only a
   response that reached the connection whole is committed to the trajectory (see ``sessions.py``).
 - The server does not install signal handlers (the embedding program keeps Ctrl-C) and does not configure logging.
+
+One file: it is the only module that imports FastAPI and uvicorn (the optional extra), so everything that touches
+them stays here; the request models are in ``schema.py`` and the sessions in ``sessions.py``.
 """
 
 from __future__ import annotations

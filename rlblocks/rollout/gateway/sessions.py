@@ -1,4 +1,4 @@
-"""The gateway's sessions: one :class:`~rlblocks.rollout.Trajectory` per session, built turn by turn, and
+"""The gateway's sessions: one :class:`~rlblocks.rollout.agents.Trajectory` per session, built turn by turn, and
 its hand-over to the queue when the session is closed with a reward.
 
 A turn is captured in two steps. :meth:`SessionStore.begin_turn` extends the trajectory to the request's rendering
@@ -172,7 +172,7 @@ class SessionStore:
 
         A text is matched against the trajectory by content, never by re-tokenising what the model sampled: when it
         starts with the trajectory's text, only the rest is tokenised and appended
-        (:meth:`~rlblocks.rollout.Trajectory.extend_to_text`); a history the client edited, or that the
+        (:meth:`~rlblocks.rollout.agents.Trajectory.extend_to_text`); a history the client edited, or that the
         template rewrote, falls back to the token-level prefix check (a branch, counted). Token ids must extend the
         trajectory's ids exactly.
 

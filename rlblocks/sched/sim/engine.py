@@ -1,17 +1,16 @@
 """The engine model: one continuous-batching rollout engine on the simulator's virtual clock (decode runs summed in
 closed form, blocking (re-)prefills, KV-capacity preemption, pause / weight swap / resume, aborts), and the samples
-and groups it works on."""
+and groups it works on. It stands on the clock alone: a finished sample is handed to the loop through a callback."""
 
 from __future__ import annotations
 
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
-if TYPE_CHECKING:
-    from .loops import _Sim
+from .clock import Clock
+from .costs import Hardware
 
 _NEW, _WAITING, _PREFILL, _ACTIVE, _DONE, _ABORTED = range(6)
 
@@ -73,9 +72,9 @@ class _Group:
 class _Engine:
     """One continuous-batching engine on the virtual clock (see the package docstring, rlblocks.sched.sim)."""
 
-    def __init__(self, sim: _Sim, idx: int) -> None:
-        self.sim, self.idx = sim, idx
-        hw = sim.hw
+    def __init__(self, clock: Clock, hw: Hardware, idx: int, on_sample_done: Callable[[_Sample], None]) -> None:
+        self.clock, self.idx = clock, idx
+        self.on_sample_done = on_sample_done  # the loop's: a sample reached its target length
         self.dc, self.pc = hw.decode, hw.prefill
         self.kv_cap, self.max_batch = hw.kv_capacity_tokens, hw.max_batch
         self.version = 0
@@ -95,6 +94,8 @@ class _Engine:
         self.busy = self.compute = self.batch_time = 0.0  # busy: real seconds; compute, batch_time: work clock
         self.busy_work = 0.0
         self.prefill_tokens = self.decode_tokens = self.preemptions = 0
+        self.tokens_discarded = 0  # tokens of in-flight samples restarted from the prompt at a weight swap
+        self.wasted_s = 0.0  # work seconds of decode steps abandoned by a pause or an abort
 
     @property
     def phase(self) -> str:
@@ -105,13 +106,13 @@ class _Engine:
         busy = value in ("decode", "prefill")
         if busy != (self._busy_since is not None):
             if busy:
-                self._busy_since = self.sim.now
-                self._busy_real_since = self.sim.real_now()
+                self._busy_since = self.clock.now
+                self._busy_real_since = self.clock.real_now()
             else:
-                self.busy_work += self.sim.now - self._busy_since
-                self.busy += self.sim.real_now() - self._busy_real_since
+                self.busy_work += self.clock.now - self._busy_since
+                self.busy += self.clock.real_now() - self._busy_real_since
                 self._busy_since = None
-            self.sim.busy_change(self.weight if busy else -self.weight)
+            self.clock.busy_change(self.weight if busy else -self.weight)
         self._phase = value
 
     # ------------------------------------------------------------------ helpers
@@ -131,7 +132,7 @@ class _Engine:
 
     def _schedule(self, when: float) -> None:
         self.token += 1
-        self.sim.at(when, self._on_event, self.token)
+        self.clock.at(when, self._on_event, self.token)
 
     # ------------------------------------------------------------------ entry points
     def submit(self, samples: Sequence[_Sample], *, front: bool = False) -> None:
@@ -145,7 +146,7 @@ class _Engine:
 
     def _touch(self) -> None:
         """New work arrived: start now if idle, or stop the current decode run at its next step boundary."""
-        now = self.sim.now
+        now = self.clock.now
         if self.phase == "idle":
             # Plan in a zero-delay event, so that everything submitted at this instant is prefilled together.
             self.t = max(self.t, now)
@@ -174,7 +175,7 @@ class _Engine:
     def _on_event(self, token: int) -> None:
         if token != self.token:
             return
-        now = self.sim.now
+        now = self.clock.now
         if self.phase == "decode":
             self._end_decode(now, self.seg[3])
         elif self.phase == "prefill":
@@ -199,7 +200,7 @@ class _Engine:
             self._materialise(s)
             self._remove_active(s)
             s.state = _DONE
-            self.sim.on_sample_done(s)
+            self.on_sample_done(s)
         # KV overflow before the next step: preempt the most recently admitted sequences (vLLM recompute).
         while self.active and self.context() + len(self.active) > self.kv_cap:
             jid = max(self.active)
@@ -218,7 +219,7 @@ class _Engine:
             s.add_tokens(self.version, 1)  # a prefill yields the next token
             if s.gen >= s.target:
                 s.state = _DONE
-                self.sim.on_sample_done(s)
+                self.on_sample_done(s)
                 continue
             s.state = _ACTIVE
             s.join_id = next(self.join_counter)
@@ -267,14 +268,14 @@ class _Engine:
 
     def pause(self) -> None:
         """Stop at ``now``: the step in progress is abandoned (its tokens never produced), a prefill is undone."""
-        now = self.sim.now
+        now = self.clock.now
         if self.phase == "decode":
             t0, b, c0, k = self.seg
             done = self._steps_by(now - t0, b, c0, k, finish_partial=False)
             ran, _ = self.dc.run_s(b, c0, done)
             self.seg = (t0, b, c0, done)
             self._end_decode(now, done)  # the device stays busy until now: the abandoned step was computed
-            self.sim.wasted_s += now - (t0 + ran)
+            self.wasted_s += now - (t0 + ran)
         elif self.phase == "prefill":
             self.compute -= self._prefill_end - now
             for s in reversed(self.prefilling):
@@ -298,24 +299,24 @@ class _Engine:
         self.waiting.extendleft(reversed(back))
         if not partial:
             for s in self.waiting:
-                self.sim.tokens_discarded += s.gen
+                self.tokens_discarded += s.gen
                 s.gen, s.spans = 0, []
         self.version = version
 
     def resume(self) -> None:
         self.phase = "idle"
-        self.t = max(self.t, self.sim.now)
-        self._schedule(self.sim.now)
+        self.t = max(self.t, self.clock.now)
+        self._schedule(self.clock.now)
 
     def abort(self, samples: Sequence[_Sample]) -> None:
         """Take these samples out (dynamic sampling reached its target); their tokens so far are materialised."""
         if self.phase == "decode":  # cut the run at the last completed step boundary so tokens are exact
-            now = self.sim.now
+            now = self.clock.now
             t0, b, c0, k = self.seg
             done = self._steps_by(now - t0, b, c0, k, finish_partial=False)
             self.seg = (t0, b, c0, done)
             self._end_decode(now, done)
-            self.sim.wasted_s += now - self.t
+            self.wasted_s += now - self.t
             self.t = now
         for s in samples:
             if s.state == _ACTIVE:
@@ -328,5 +329,5 @@ class _Engine:
             s.state = _ABORTED
         if self.phase in ("idle", "decode"):
             self.phase = "idle"
-            self.t = max(self.t, self.sim.now)
-            self._schedule(self.sim.now)
+            self.t = max(self.t, self.clock.now)
+            self._schedule(self.clock.now)

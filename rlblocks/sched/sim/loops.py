@@ -3,11 +3,8 @@ their decisions with the real sched blocks, and :func:`simulate`, which runs one
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import random
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +15,7 @@ from ..admission import StalenessController
 from ..dynamic_sampling import DynamicSampler
 from ..partial import PartialRollout, PartialRolloutBuffer
 from ..queue import StalenessQueue
+from .clock import Clock
 from .costs import Hardware
 from .engine import _DONE, _NEW, _Engine, _Group, _Sample
 from .workload import Schedule, Workload
@@ -67,21 +65,13 @@ class _Sim:
     def __init__(self, hw: Hardware, work: Workload, sched: Schedule, rollout_devices: int, train_devices: int,
                  ) -> None:
         self.hw, self.work, self.sched = hw, work, sched
-        # Two clocks. ``now`` is work time: a busy device does one second of its work per second of it, so every
-        # cost composes exactly. Real time runs 1 + c·(n − 1) times faster while n devices are busy (shared host,
-        # see Hardware.host_contention); every reported time is real. With c = 0 the two are the same.
-        self.now = 0.0
-        self._contention = hw.host_contention
-        self._n_busy = 0
-        self._real = self._last = 0.0
-        self._events: list[tuple[float, int, Callable, tuple]] = []
-        self._seq = itertools.count()
+        self.clock = Clock(hw.host_contention)  # work time and real time (see clock.py)
         colocated = sched.mode == "sync-colocated"
         pool = rollout_devices + train_devices if colocated else rollout_devices
         if pool % hw.devices_per_engine:
             raise ArgumentError(f"rollout_devices: expected a multiple of devices_per_engine="
                                 f"{hw.devices_per_engine}, got {pool}")
-        self.engines = [_Engine(self, i) for i in range(pool // hw.devices_per_engine)]
+        self.engines = [_Engine(self.clock, hw, i, self.on_sample_done) for i in range(pool // hw.devices_per_engine)]
         self.rollout_devices, self.train_devices = rollout_devices, train_devices
         self.train_pool = rollout_devices + train_devices if colocated else train_devices
         self.B, self.K = work.batch_groups, work.group_size
@@ -93,8 +83,7 @@ class _Sim:
         self._train_since: float | None = None
         self._train_phase = "train"
         self._train_real = {"train": 0.0, "sync": 0.0}
-        self.tokens_discarded = 0
-        self.wasted_s = 0.0
+        self.tokens_discarded = 0  # of aborted groups (the engines count those of restarted samples)
         self.dropped: Counter[str] = Counter()
         self.generated = 0
         self.done = False
@@ -125,40 +114,25 @@ class _Sim:
             self.buffer = PartialRolloutBuffer(group_size=self.K, max_staleness=max(1, eta),
                                                on_drop=self._on_buffer_drop)
 
-    # ------------------------------------------------------------------ clocks
-    def real_now(self) -> float:
-        return self._real + (self.now - self._last) * (1.0 + self._contention * max(0, self._n_busy - 1))
-
-    def busy_change(self, delta: int) -> None:
-        """A device (``delta`` > 0) became busy or (< 0) idle at ``now``."""
-        self._real = self.real_now()
-        self._last = self.now
-        self._n_busy += delta
-
+    # ------------------------------------------------------------------ the training pool's busy time
     def _trainer(self, busy: bool, phase: str = "") -> None:
         """The training pool starts (``phase`` "train" or "sync") or stops working."""
-        rn = self.real_now()
+        rn = self.clock.real_now()
         if self._train_since is not None:
             self._train_real[self._train_phase] += rn - self._train_since
             self._train_since = None
-            self.busy_change(-self.train_pool)
+            self.clock.busy_change(-self.train_pool)
         if busy:
-            self.busy_change(self.train_pool)
-            self._train_since, self._train_phase = self.real_now(), phase
+            self.clock.busy_change(self.train_pool)
+            self._train_since, self._train_phase = self.clock.real_now(), phase
 
     # ------------------------------------------------------------------ event loop
-    def at(self, when: float, fn: Callable, *args: Any) -> None:
-        heapq.heappush(self._events, (when, next(self._seq), fn, args))
-
     def run(self) -> None:
         if self.sched.mode == "async":
             self._admit()
         else:
             self._sync_start_step()
-        while self._events and not self.done:
-            when, _, fn, args = heapq.heappop(self._events)
-            self.now = when
-            fn(*args)
+        self.clock.run(lambda: self.done)
 
     # ------------------------------------------------------------------ groups
     def _new_group(self) -> _Group:
@@ -335,18 +309,18 @@ class _Sim:
         batch = [self.groups[i] for i in got]
         dt = self._train_seconds(batch)
         self._trainer(True, "train")
-        self.at(self.now + dt, self._sync_after_train, batch)
+        self.clock.at(self.clock.now + dt, self._sync_after_train, batch)
 
     def _sync_after_train(self, batch: list[_Group]) -> None:
         self._record_training(batch)
         dt = self._sync_seconds()
         self._trainer(True, "sync")
-        self.at(self.now + dt, self._sync_after_push)
+        self.clock.at(self.clock.now + dt, self._sync_after_push)
 
     def _sync_after_push(self) -> None:
         self._trainer(False)
         self.step += 1
-        self.step_end.append(self.real_now())
+        self.step_end.append(self.clock.real_now())
         for e in self.engines:
             e.version = self.step
         if self.step >= self.sched.steps:
@@ -402,7 +376,7 @@ class _Sim:
         dt = self._train_seconds(batch)
         self._trainer(True, "train")
         self.trainer_phase = "train"
-        self.at(self.now + dt, self._async_after_train, batch)
+        self.clock.at(self.clock.now + dt, self._async_after_train, batch)
 
     def _async_after_train(self, batch: list[_Group]) -> None:
         self._record_training(batch)
@@ -411,12 +385,12 @@ class _Sim:
         self.trainer_phase = "sync"
         for e in self.engines:
             e.pause()
-        self.at(self.now + dt, self._async_after_push)
+        self.clock.at(self.clock.now + dt, self._async_after_push)
 
     def _async_after_push(self) -> None:
         self._trainer(False)
         self.step += 1
-        self.step_end.append(self.real_now())
+        self.step_end.append(self.clock.real_now())
         for e in self.engines:
             e.swap_weights(self.step, partial=self.sched.partial_rollout)
         if self.step >= self.sched.steps:
@@ -431,7 +405,7 @@ class _Sim:
     # ------------------------------------------------------------------ result
     def result(self) -> SimResult:
         sched = self.sched
-        wall = self.step_end[-1] if self.step_end else self.real_now()
+        wall = self.step_end[-1] if self.step_end else self.clock.real_now()
         trained = sum(self.trained_tokens_per_step)
         w = sched.warmup_steps
         t0 = self.step_end[w - 1] if w > 0 else 0.0
@@ -441,15 +415,15 @@ class _Sim:
         for e in self.engines:
             b, bw = e.busy, e.busy_work
             if e._busy_since is not None:  # still working when the last step ended
-                b += self.real_now() - e._busy_real_since
-                bw += self.now - e._busy_since
+                b += self.clock.real_now() - e._busy_real_since
+                bw += self.clock.now - e._busy_since
             busy += b
             busy_work += bw
             comp += e.compute * (b / bw) if bw > 0 else 0.0
             batch_time += e.batch_time
         train_real = dict(self._train_real)
         if self._train_since is not None:
-            train_real[self._train_phase] += self.real_now() - self._train_since
+            train_real[self._train_phase] += self.clock.real_now() - self._train_since
         util = {"rollout_busy": busy / (n_eng * wall) if wall else 0.0,
                 "rollout_compute": comp / (n_eng * wall) if wall else 0.0,
                 "rollout_mean_batch": batch_time / busy_work if busy_work else 0.0,
@@ -461,6 +435,7 @@ class _Sim:
         dropped = sum(self.dropped.values())
         left = sum(1 for g in self.groups if g.state not in ("trained", "dropped") for s in g.samples
                    if s.finished_once)
+        discarded = self.tokens_discarded + sum(e.tokens_discarded for e in self.engines)
         return SimResult(
             mode=sched.mode, max_staleness=self.eta, partial_rollout=sched.partial_rollout,
             dynamic_sampling=sched.dynamic_sampling, rollout_devices=self.rollout_devices,
@@ -470,7 +445,7 @@ class _Sim:
             samples={"generated": self.generated, "trained": trained_samples, "dropped": dropped, "left": left},
             dropped_by_reason=dict(self.dropped),
             tokens={"decoded": sum(e.decode_tokens for e in self.engines),
-                    "prefilled": sum(e.prefill_tokens for e in self.engines), "discarded": self.tokens_discarded},
+                    "prefilled": sum(e.prefill_tokens for e in self.engines), "discarded": discarded},
             preemptions=sum(e.preemptions for e in self.engines),
             queue=self.queue.stats(), controller=self.ctrl.stats() if self.ctrl else None,
             buffer=self.buffer.stats() if self.buffer else None, sampler_filled=self.filled_total,

@@ -11,11 +11,20 @@ import pytest
 from agent_testlib import ANSWER, CALL, QUESTION, RESULT, RecordingEngine
 
 from rlblocks.errors import ArgumentError
-from rlblocks.rollout import Router, SamplingParams, TorchEngine
-from rlblocks.rollout.agents.episode import EpisodeStats, StepResult, run_episode
-from rlblocks.rollout.agents.tool_calls import parse_tool_calls
-from rlblocks.rollout.agents.tools import Tool, ToolEnv, calculator, calculator_tool, python_tool
+from rlblocks.rollout import Router, SamplingParams
+from rlblocks.rollout.agents import (
+    EpisodeStats,
+    StepResult,
+    Tool,
+    ToolEnv,
+    calculator_tool,
+    parse_tool_calls,
+    python_tool,
+    run_episode,
+)
+from rlblocks.rollout.agents.tools import calculator
 from rlblocks.rollout.agents.trajectory import to_tensors
+from rlblocks.rollout.engines import TorchEngine
 from rlblocks.sandbox import SandboxLimits
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=96)

@@ -12,11 +12,19 @@ import pytest
 import torch
 
 from rlblocks.errors import ArgumentError
-from rlblocks.rollout import Generation, SamplingParams, TorchEngine, build_batch
-from rlblocks.rollout.agents.episode import EpisodeStats, StepResult, generate_turn, run_episode
-from rlblocks.rollout.agents.tool_calls import parse_tool_calls
-from rlblocks.rollout.agents.tools import Tool, ToolEnv, python_tool
+from rlblocks.rollout import Generation, SamplingParams, build_batch
+from rlblocks.rollout.agents import (
+    EpisodeStats,
+    StepResult,
+    Tool,
+    ToolEnv,
+    generate_turn,
+    parse_tool_calls,
+    python_tool,
+    run_episode,
+)
 from rlblocks.rollout.agents.trajectory import Trajectory, to_tensors, trajectory_rows
+from rlblocks.rollout.engines import TorchEngine
 from rlblocks.rollout.resume import ResumableResult
 
 G = Generation("r", [1, 2], [3, 4], [-0.1, -0.2], [0, 0], "stop")

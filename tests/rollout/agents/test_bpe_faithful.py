@@ -17,7 +17,8 @@ import re
 
 import pytest
 
-from rlblocks.rollout import Generation, ToolEnv, Trajectory, calculator_tool, render_chat_text, run_episode
+from rlblocks.rollout import Generation
+from rlblocks.rollout.agents import ToolEnv, Trajectory, calculator_tool, render_chat_text, run_episode
 
 QUESTION = "What is 12*34 plus 5?"
 TURNS = [
@@ -202,7 +203,7 @@ async def openai_agent(client, session_id: str) -> None:
 @pytest.mark.parametrize("style", ["hermes", "llama3"])
 def test_gateway_with_the_openai_client_keeps_noncanonical_turns(bpe_tokenizers, style):
     openai = pytest.importorskip("openai")
-    from rlblocks.rollout import Gateway
+    from rlblocks.rollout.gateway import Gateway
 
     tok = bpe_tokenizers[style]
     engine = ScriptedEngine(tok, TURNS)
@@ -267,7 +268,7 @@ def test_the_gateway_with_a_stripping_template_still_branches_and_counts(bpe_tok
     import copy
 
     openai = pytest.importorskip("openai")
-    from rlblocks.rollout import Gateway
+    from rlblocks.rollout.gateway import Gateway
 
     tok = copy.deepcopy(bpe_tokenizers["hermes"])
     tok.chat_template = STRIP_REASONING
@@ -295,7 +296,7 @@ def test_the_gateway_with_a_stripping_template_still_branches_and_counts(bpe_tok
 
 def test_the_gateway_refusing_mismatches_names_the_edited_message(bpe_tokenizers):
     openai = pytest.importorskip("openai")
-    from rlblocks.rollout import Gateway
+    from rlblocks.rollout.gateway import Gateway
 
     tok = bpe_tokenizers["hermes"]
     engine = ScriptedEngine(tok, TURNS)
@@ -332,7 +333,7 @@ def test_a_completion_prompt_resent_as_text_extends_the_trajectory(bpe_tokenizer
     the new text is tokenised (the completions end on a closing tool-call tag, an added token, at the length
     limit: no EOS or stop text that a text client would not send back)."""
     openai = pytest.importorskip("openai")
-    from rlblocks.rollout import Gateway
+    from rlblocks.rollout.gateway import Gateway
 
     tok = bpe_tokenizers["hermes"]
     engine = ScriptedEngine(tok, TURNS[:2], finish="length")

@@ -1,6 +1,6 @@
 """Routing replay (R3) on megatron-core MoE models (``TopKRouter``), checked against megatron-core itself.
 
-The checks run in a child process (tests/rollout/_routing_megatron_worker.py): megatron-core needs
+The checks run in a child process (tests/rollout/_moe_replay_megatron_worker.py): megatron-core needs
 ``torch.distributed`` and the test-only CPU patches, which change process-wide state. What it checks:
 
 - ``exact``: replaying the routing megatron chose is bit-exact; forced routing gives the same logits and router
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-WORKER = Path(__file__).resolve().parent / "_routing_megatron_worker.py"
+WORKER = Path(__file__).resolve().parent / "_moe_replay_megatron_worker.py"
 ROOT = Path(__file__).resolve().parents[2]
 
 

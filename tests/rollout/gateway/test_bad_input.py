@@ -11,7 +11,7 @@ import math
 import pytest
 
 from rlblocks.errors import ArgumentError, GatewayError, RLBlocksError
-from rlblocks.rollout import TorchEngine
+from rlblocks.rollout.engines import TorchEngine
 from rlblocks.rollout.gateway import Gateway
 
 OK = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "seed": 0}

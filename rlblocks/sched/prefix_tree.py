@@ -21,17 +21,18 @@ Layout of a :class:`PrefixTree` with ``R`` packed rows of ``N`` slots:
   (each the only child of the one before), and the descendants of ``stop - 1`` are ``stop ..
   subtree_end[row, stop - 1] - 1``; every ancestor pair lies in exactly one edge's triangle (a query and a key
   of the same edge) or rectangle (a query below the edge, a key in it);
-- ``logit_index [B, T]`` (from :func:`response_prefix_tree` and a ``RolloutBatch``): the flat slot of the hidden
-  state that predicts response token ``t`` of row ``b`` (``-1`` where ``response_mask`` is false).
+- ``logit_index [B, T]`` (from :func:`response_prefix_tree` and a ``RolloutBatch``-layout batch): the flat slot of
+  the hidden state that predicts response token ``t`` of row ``b`` (``-1`` where ``response_mask`` is false).
 
 Rows: a token budget ``max_tokens`` bounds each row's nodes. Subtrees that share nothing (different prompts) are
 units of their own; a unit over the budget is cut at its shallowest branching into runs of children that fit
 (the prefix above the cut is repeated in each part). Units then go into rows by first-fit-decreasing,
-:func:`rlblocks.sched.pack_sequences` (the same packer the token-budget micro-batches use). Every sequence lies
+:func:`~rlblocks.sched.pack_sequences` (the same packer the token-budget micro-batches use). Every sequence lies
 whole in one row, so each (row, response position) has exactly one logit slot: none is lost or duplicated.
 
 All of it runs on the host (Python and small torch ops, ``O(total tokens + S log S)``); ``PrefixTree.to(device)``
-moves the tensors.
+moves the tensors. It lives beside :mod:`.packing` because it is a packing: the rollout side builds trees and the
+kernels (:mod:`rlblocks.kernels.prefix_share`) run the forward over them, and neither imports the other.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from jaxtyping import Bool, Int
@@ -47,11 +49,21 @@ from torch import Tensor
 
 from rlblocks._checks import check_bool, check_int, check_ndim, check_tensor, shape_str
 from rlblocks.errors import ArgumentError
-from rlblocks.sched.packing import pack_sequences
 
-from .batch import RolloutBatch
+from .packing import pack_sequences
 
-__all__ = ["PrefixTree", "build_prefix_tree", "response_prefix_tree"]
+__all__ = ["PrefixTree", "ResponseRows", "build_prefix_tree", "response_prefix_tree"]
+
+
+@runtime_checkable
+class ResponseRows(Protocol):
+    """A batch in the ``RolloutBatch`` layout, as far as a prefix tree reads it (a
+    :class:`~rlblocks.rollout.batch.RolloutBatch` is one): right-padded ``input_ids [B, L]``, ``prompt_lens [B]``
+    and the response-aligned ``response_mask [B, T]``."""
+
+    input_ids: Int[Tensor, "B L"]
+    prompt_lens: Int[Tensor, " B"]
+    response_mask: Bool[Tensor, "B T"]
 
 
 @dataclass(frozen=True)
@@ -104,7 +116,7 @@ class PrefixTree:
 
 
 def build_prefix_tree(
-    sequences: RolloutBatch | Sequence[Sequence[int] | Tensor],
+    sequences: ResponseRows | Sequence[Sequence[int] | Tensor],
     *,
     max_tokens: int | None = None,
     pad_id: int = 0,
@@ -115,8 +127,8 @@ def build_prefix_tree(
 
     Args:
         sequences: token sequences (lists of ints or 1-D integer tensors; empty ones are allowed and get no node),
-            or a :class:`~rlblocks.rollout.RolloutBatch`, whose rows are taken up to the last position that
-            predicts a response token (see :func:`response_prefix_tree`; ``logit_index`` is then set).
+            or a batch in the ``RolloutBatch`` layout (:class:`ResponseRows`), whose rows are taken up to the last
+            position that predicts a response token (see :func:`response_prefix_tree`; ``logit_index`` is then set).
         max_tokens: the most nodes in one packed row; ``None``: the largest set of sequences that share a prefix
             (so no shared prefix is repeated). Must be at least the longest sequence.
         pad_id: the token id of padding slots.
@@ -127,7 +139,7 @@ def build_prefix_tree(
     Raises :class:`~rlblocks.errors.ArgumentError` for an empty list, a non-integer sequence, a negative token
     id, a budget smaller than the longest sequence, or a bad ``pad_id`` / ``multiple_of``.
     """
-    if isinstance(sequences, RolloutBatch):
+    if isinstance(sequences, ResponseRows):
         return response_prefix_tree(sequences.input_ids, sequences.prompt_lens, sequences.response_mask,
                                     max_tokens=max_tokens, pad_id=pad_id, multiple_of=multiple_of, share=share)
     if isinstance(sequences, (str, bytes, Tensor)) or not isinstance(sequences, Sequence) or len(sequences) == 0:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from rlblocks.errors import ArgumentError
-from rlblocks.rollout.routing import (
+from rlblocks.rollout.moe_replay import (
     RoutingRecorder,
     concat_routing,
     pad_routing,
@@ -32,7 +32,7 @@ from rlblocks.rollout.routing import (
 transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _routing_models import VOCAB, response_logp, tiny_moe  # noqa: E402
+from _moe_replay_models import VOCAB, response_logp, tiny_moe  # noqa: E402
 
 # --------------------------------------------------------------------------------------------------------- records
 
@@ -356,7 +356,8 @@ def test_bad_input_names_the_argument(tiny_hf_dir):
 def _engine_rollouts(model, prompts, *, max_new_tokens: int, temperature: float = 1.0):
     """Generate one prompt at a time on a TorchEngine over ``model`` with a RoutingRecorder around the engine's
     forwards (one request in flight, so the recorder's rows are that request's positions in order)."""
-    from rlblocks.rollout import GenerationRequest, SamplingParams, TorchEngine
+    from rlblocks.rollout import GenerationRequest, SamplingParams
+    from rlblocks.rollout.engines import TorchEngine
 
     engine = TorchEngine(model)
     recorder = RoutingRecorder(model)
@@ -409,7 +410,8 @@ def test_engine_records_every_fed_position_and_replay_matches_its_logprobs():
 
 def test_multi_turn_records_merge_and_replay():
     """Turn 2's prompt is turn 1's prompt + output + new tokens; the merged record replays both turns."""
-    from rlblocks.rollout import Generation, GenerationRequest, SamplingParams, TorchEngine, build_batch
+    from rlblocks.rollout import Generation, GenerationRequest, SamplingParams, build_batch
+    from rlblocks.rollout.engines import TorchEngine
 
     model = tiny_moe("mixtral")
     engine = TorchEngine(model)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from rlblocks.errors import WeightUpdateError
-from rlblocks.rollout import GenerationRequest, SamplingParams, TorchEngine
+from rlblocks.rollout import GenerationRequest, SamplingParams
+from rlblocks.rollout.engines import TorchEngine
 from rlblocks.sync import dequantize_fp8, quantize_named
 from rlblocks.sync.fp8 import FP8_DTYPE, SCALE_SUFFIX
 from tests.conftest import build_small_llama

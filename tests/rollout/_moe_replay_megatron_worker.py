@@ -1,4 +1,4 @@
-"""Routing replay on megatron-core MoE models, in its own process: ``python _routing_megatron_worker.py <task>``.
+"""Routing replay on megatron-core MoE models, in its own process: ``python _moe_replay_megatron_worker.py <task>``.
 
 megatron-core needs ``torch.distributed`` and the TEST-ONLY CPU patches of tests/sync/reshard/conftest.py (they
 change process-wide state), so these checks run in a child process (one gloo rank). Each task raises on any
@@ -107,7 +107,7 @@ def task_exact() -> None:
     router gradients), for each score function; the recorder inside a replay sees the forced experts."""
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-    from rlblocks.rollout.routing import RoutingRecorder, replay_routing, routing_spec
+    from rlblocks.rollout.moe_replay import RoutingRecorder, replay_routing, routing_spec
 
     tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
     for case, router in ROUTER_CASES.items():
@@ -160,7 +160,7 @@ def task_exact() -> None:
 
 def task_errors() -> None:
     from rlblocks.errors import ArgumentError
-    from rlblocks.rollout.routing import replay_routing
+    from rlblocks.rollout.moe_replay import replay_routing
 
     model = build()
     tokens = torch.randint(0, VOCAB, (2, 9))
@@ -187,7 +187,7 @@ def _mismatch(model, run, engine_logp, routed, mask=None):
     with replay of ``routed``; ``run`` returns logits whose position ``j`` predicts token ``j + 1``."""
     from contextlib import nullcontext
 
-    from rlblocks.rollout.routing import RoutingRecorder, replay_routing, route_flip_fraction
+    from rlblocks.rollout.moe_replay import RoutingRecorder, replay_routing, route_flip_fraction
 
     out = {}
     for replay in (False, True):
@@ -225,7 +225,7 @@ def _near_tied(model, expert_scale: float = 3.0):
 
 def task_perturbation() -> None:
     """megatron engine-side forward (fp32) records; the trainer's weights moved by a small update."""
-    from rlblocks.rollout.routing import RoutingRecorder
+    from rlblocks.rollout.moe_replay import RoutingRecorder
 
     tokens = torch.randint(0, VOCAB, (8, 30), generator=torch.Generator().manual_seed(3))
     engine = _near_tied(build(seed=4))
@@ -281,10 +281,11 @@ def task_hf_engine_megatron_trainer() -> None:
     trainer (fp32, the same bf16-rounded weights) scores the samples with and without the engine's routing."""
     import asyncio
 
-    from _routing_models import tiny_moe
+    from _moe_replay_models import tiny_moe
 
-    from rlblocks.rollout import GenerationRequest, SamplingParams, TorchEngine, build_batch
-    from rlblocks.rollout.routing import RoutingRecorder, pad_routing
+    from rlblocks.rollout import GenerationRequest, SamplingParams, build_batch
+    from rlblocks.rollout.engines import TorchEngine
+    from rlblocks.rollout.moe_replay import RoutingRecorder, pad_routing
 
     hf = tiny_moe("mixtral", layers=LAYERS, gate_std=0.1, expert_scale=3.0, sharpen=1.0)
     mg = build(ffn=hf.config.intermediate_size, head_dim=hf.config.head_dim,

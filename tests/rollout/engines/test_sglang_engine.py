@@ -19,7 +19,8 @@ from fake_sglang import CONTROL_TYPES, EOS, VOCAB, FakeSGLang, validate_control,
 from sglang_0_5_23 import _support, api_types, io_struct
 
 from rlblocks.errors import ArgumentError, EngineError, SGLangError, WeightUpdateError
-from rlblocks.rollout import GenerationRequest, SamplingParams, SGLangEngine, resumable_generate
+from rlblocks.rollout import GenerationRequest, SamplingParams, resumable_generate
+from rlblocks.rollout.engines import SGLangEngine
 from rlblocks.rollout.engines.sglang_weights import serialize_named_tensors
 from rlblocks.rollout.types import RolloutEngine
 

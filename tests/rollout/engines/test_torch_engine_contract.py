@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rlblocks.errors import ArgumentError, EngineError, WeightUpdateError
-from rlblocks.rollout import GenerationRequest, SamplingParams, TorchEngine
+from rlblocks.rollout import GenerationRequest, SamplingParams
+from rlblocks.rollout.engines import TorchEngine
 from rlblocks.rollout.types import RolloutEngine
 
 PROMPT = [1, 5, 6, 7]
@@ -441,7 +442,8 @@ SSE42_SCRIPT = """
 import asyncio, json, sys
 import torch
 from transformers import AutoModelForCausalLM
-from rlblocks.rollout import GenerationRequest, SamplingParams, TorchEngine
+from rlblocks.rollout import GenerationRequest, SamplingParams
+from rlblocks.rollout.engines import TorchEngine
 
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
 weights = {n: t.detach().clone() for n, t in model.state_dict().items()}

@@ -1,4 +1,4 @@
-"""Router: one :class:`~rlblocks.rollout.types.RolloutEngine` over several engines.
+"""An engine pool: :class:`Router`, one :class:`~rlblocks.rollout.types.RolloutEngine` over several engines.
 
 - **Dispatch.** A request with a ``session_id`` seen before goes to the engine that served that session (prefix-cache
   locality; the map is an LRU of ``max_sessions`` entries). A request whose ``request_id`` was just aborted goes
@@ -19,8 +19,8 @@ call on it fails with an engine failure: an :class:`~rlblocks.errors.EngineError
 connection, a timed-out call, a closed engine; an HTTP 4xx answer is the request's fault and is raised instead),
 an ``OSError`` or a ``TimeoutError``; or when its heartbeat fails (:meth:`Router.check_health`, every
 ``health_interval`` seconds when set: ``health_check(engine)``, by default the engine's own ``health()`` where it
-has one, e.g. :meth:`~rlblocks.rollout.SGLangEngine.health`, must return within ``health_timeout``). Every request
-in flight on it is then sent to a live engine at once (least loaded; its session moves there and stays), so no
+has one, e.g. :meth:`~rlblocks.rollout.engines.SGLangEngine.health`, must return within ``health_timeout``). Every
+request in flight on it is then sent to a live engine at once (least loaded; its session moves there and stays), so no
 request is lost or answered twice: the caller's ``generate`` returns the live engine's answer. Tokens the dead
 engine produced in that call are lost with it and generated again; tokens from earlier calls, which
 :func:`~rlblocks.rollout.resumable_generate` keeps client-side, keep the versions that produced them. Control

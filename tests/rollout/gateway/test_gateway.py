@@ -10,9 +10,10 @@ import json
 import pytest
 from agent_testlib import ANSWER, QUESTION, RESULT, calc_schema
 
-from rlblocks.rollout import SamplingParams, TorchEngine
-from rlblocks.rollout.agents.episode import run_episode
-from rlblocks.rollout.agents.tools import ToolEnv, calculator, calculator_tool
+from rlblocks.rollout import SamplingParams
+from rlblocks.rollout.agents import ToolEnv, calculator_tool, run_episode
+from rlblocks.rollout.agents.tools import calculator
+from rlblocks.rollout.engines import TorchEngine
 from rlblocks.rollout.gateway import Gateway
 from rlblocks.sched import StalenessQueue
 

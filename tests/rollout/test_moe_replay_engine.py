@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from rlblocks.errors import ArgumentError
-from rlblocks.rollout import Generation, GenerationRequest, SamplingParams, TorchEngine, build_batch
+from rlblocks.rollout import Generation, GenerationRequest, SamplingParams, build_batch
+from rlblocks.rollout.engines import TorchEngine
+from rlblocks.rollout.moe_replay import RoutingRecorder, pad_routing, replay_routing, route_flip_fraction, routing_spec
 from rlblocks.rollout.resume import resumable_generate
-from rlblocks.rollout.routing import RoutingRecorder, pad_routing, replay_routing, route_flip_fraction, routing_spec
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
-from _routing_models import VOCAB, response_logp, tiny_moe
+from _moe_replay_models import VOCAB, response_logp, tiny_moe
 
 
 def _replay_mismatch(model, batch, *, mask=None):

@@ -21,7 +21,8 @@ import pytest
 from fake_sglang import VOCAB
 
 from rlblocks.errors import EngineError, NoLiveEngine
-from rlblocks.rollout import GenerationRequest, Router, SamplingParams, SGLangEngine, resumable_generate
+from rlblocks.rollout import GenerationRequest, Router, SamplingParams, resumable_generate
+from rlblocks.rollout.engines import SGLangEngine
 
 HERE = Path(__file__).resolve().parent
 

@@ -10,7 +10,7 @@ import torch
 
 from rlblocks.errors import ArgumentError
 from rlblocks.rollout import build_batch
-from rlblocks.rollout.tree import build_prefix_tree, response_prefix_tree
+from rlblocks.sched import build_prefix_tree, response_prefix_tree
 
 
 def _random_sequences(rng: random.Random, n: int, vocab: int = 3, max_len: int = 9) -> list[list[int]]:

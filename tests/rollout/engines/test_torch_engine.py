@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from rlblocks.errors import EngineError
-from rlblocks.rollout import Generation, GenerationRequest, SamplingParams, TorchEngine
+from rlblocks.rollout import Generation, GenerationRequest, SamplingParams
+from rlblocks.rollout.engines import TorchEngine
 from rlblocks.rollout.engines.torch_sampling import processed_logprobs
 from rlblocks.rollout.types import RolloutEngine
 

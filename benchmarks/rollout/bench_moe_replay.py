@@ -1,7 +1,7 @@
 """Routing replay (R3) overhead, measured side by side in one run on a tiny random Qwen3-MoE (CPU by default).
 
-    .venv/bin/python benchmarks/rollout/bench_routing.py
-    .venv/bin/python benchmarks/rollout/bench_routing.py --layers 8 --experts 64 --top-k 8 --batch 8 --seq 256
+    .venv/bin/python benchmarks/rollout/bench_moe_replay.py
+    .venv/bin/python benchmarks/rollout/bench_moe_replay.py --layers 8 --experts 64 --top-k 8 --batch 8 --seq 256
 
 Measures
 --------
@@ -28,8 +28,9 @@ import time
 
 import torch
 
-from rlblocks.rollout import GenerationRequest, SamplingParams, TorchEngine
-from rlblocks.rollout.routing import RoutingRecorder, replay_routing, routing_dtype
+from rlblocks.rollout import GenerationRequest, SamplingParams
+from rlblocks.rollout.engines import TorchEngine
+from rlblocks.rollout.moe_replay import RoutingRecorder, replay_routing, routing_dtype
 
 
 def build(args):

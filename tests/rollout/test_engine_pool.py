@@ -7,7 +7,8 @@ from collections import Counter, defaultdict
 import pytest
 import torch
 
-from rlblocks.rollout import Generation, GenerationRequest, Router, SamplingParams, TorchEngine, resumable_generate
+from rlblocks.rollout import Generation, GenerationRequest, Router, SamplingParams, resumable_generate
+from rlblocks.rollout.engines import TorchEngine
 from rlblocks.rollout.types import RolloutEngine
 
 

@@ -19,39 +19,15 @@ the router ranked them. The ``layers`` axis holds the model's MoE layers in mode
 router and no entry); :func:`replay_routing` also accepts one entry per decoder layer (vLLM's layout, whose rows
 for dense layers are ignored).
 
-Several records of one sequence (a resumed generation, the turns of a trajectory) are merged by
-:func:`concat_routing`; :func:`pad_routing` right-pads records into ``[B, L, layers, top_k]`` aligned with
-``RolloutBatch.input_ids`` (``-1`` where there is no record: padding, and the last token), which is what
-:func:`replay_routing` takes; :func:`response_routing` gives the ``[B, T, layers, top_k]`` view aligned with the
-response positions (``response_ids``, ``loss_mask``, ``rollout_logp``).
+Records of one sequence are merged by :func:`concat_routing` and right-padded into ``[B, L, layers, top_k]`` by
+:func:`pad_routing` (``-1``: no record), which is what :func:`replay_routing` takes.
 
-Supported routers
------------------
-Hugging Face transformers (5.x) routers, each replayed with its own gate-weight rule over the forced experts ``E``
-(``z``: router logits, ``p = softmax(z)`` over all experts, fp32):
-
-====================================================================  ==============================================
-router class                                                          gate weights over ``E``
-====================================================================  ==============================================
-``Qwen3MoeTopKRouter``, ``Qwen2MoeTopKRouter``, ``OlmoeTopKRouter``,  ``p[E]``, divided by ``sum(p[E])`` if
-``Qwen3NextTopKRouter``, ``FlexOlmoTopKRouter``                        ``norm_topk_prob``; cast to the logits' dtype
-``Qwen3_5MoeTopKRouter``, ``Qwen3VLMoeTextTopKRouter``                ``p[E] / sum(p[E])``, cast to the logits' dtype
-``MixtralTopKRouter``, ``MiniMaxTopKRouter``                          ``p[E] / sum(p[E])``, kept in fp32
-``GptOssTopKRouter``                                                  ``softmax(z[E])`` (logits include the bias)
-``DeepseekV3TopkRouter``, ``Glm4MoeTopkRouter``                       ``s = sigmoid(z)``: ``s[E]``, divided by
-                                                                      ``sum(s[E]) + 1e-20`` if ``norm_topk_prob``,
-                                                                      times ``routed_scaling_factor``
-====================================================================  ==============================================
-
-and megatron-core's ``TopKRouter`` (softmax before or after top-k, sigmoid with or without expert bias, group-limited
-top-k, score scaling: megatron applies its own rule to the forced experts, through the ``router_replay`` hook of
-``topk_routing_with_score_function``, the same place its ``RouterReplay`` uses). A router class not in this list
-is refused rather than replayed partially.
-
-Token order: Hugging Face MoE blocks flatten ``[B, L]`` batch-major; megatron-core routers see ``[L, B]``
-sequence-major. Records, :class:`RoutingRecorder` output and :func:`replay_routing` input are always batch-major
-``[B, L]``; the megatron order is handled here. Megatron sequence parallelism and context parallelism (a router
-that sees a shard of the tokens) are not supported: the token count then differs and the forward raises.
+Supported routers: the Hugging Face transformers (5.x) MoE routers of Qwen2/3-MoE, Qwen3-Next, Qwen3.5-MoE,
+Qwen3-VL-MoE, OLMoE, FlexOlmo, Mixtral, MiniMax, GPT-OSS, DeepSeek-V3 and GLM-4-MoE, each replayed with its own
+gate-weight rule, and megatron-core's ``TopKRouter`` (through its ``router_replay`` hook). A router class not in
+this list is refused rather than replayed partially. Each rule, and the token orders: ``docs/rollout/moe_replay.md``.
+One file: the recorder and the replay share the router discovery and the gate rules, and the record helpers
+(~200 lines) exist only for them.
 """
 
 from __future__ import annotations

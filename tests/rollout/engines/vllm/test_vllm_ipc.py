@@ -247,7 +247,7 @@ def _finished(routed):
                                                       ("int64", 300, torch.uint16), ("uint16", 60000, torch.uint16)])
 def test_routed_experts_reach_the_generation_compactly(dtype, num_experts, want):
     """vLLM's per-request record [positions, layers, top_k] becomes Generation.routed_experts, ids unchanged, in
-    the compact dtype rlblocks.rollout.routing uses (uint8 below 256 experts)."""
+    the compact dtype rlblocks.rollout.moe_replay uses (uint8 below 256 experts)."""
     import numpy as np
 
     rng = np.random.default_rng(0)
