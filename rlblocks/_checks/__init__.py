@@ -5,7 +5,7 @@ raised as :class:`rlblocks.errors.ArgumentError` (also a ``ValueError``).
 
 - :mod:`.scalars`: one plain value (``check_int``, ``check_real``, ``check_bool``, ``check_seconds``,
   ``check_timeout``, ``check_choice``, ``check_str``);
-- :mod:`.containers`: lists of values, string pairs, ``state_dict`` keys;
+- :mod:`.containers`: lists of values (token ids, log-probabilities), string pairs, ``state_dict`` keys;
 - :mod:`.versions`: the weight version (``check_version``);
 - :mod:`.tensors`: tensor kind, dtype, shape and masks (no host sync).
 
@@ -18,7 +18,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .containers import check_int_list, check_logprob_list, check_real_list, check_state_keys, check_str_pair
+from .containers import (
+    LOGPROB_SLACK,
+    check_int_list,
+    check_logprob_list,
+    check_real_list,
+    check_state_keys,
+    check_str_pair,
+    check_token_ids,
+)
 from .scalars import (
     MAX_WAIT_SECONDS,
     as_int,
@@ -39,6 +47,7 @@ if TYPE_CHECKING:
         check_floating,
         check_group_inputs,
         check_integer,
+        check_last_dim,
         check_ndim,
         check_real_tensor,
         check_same_shape,
@@ -53,6 +62,7 @@ _LAZY = {
     "check_floating": ".tensors",
     "check_group_inputs": ".tensors",
     "check_integer": ".tensors",
+    "check_last_dim": ".tensors",
     "check_ndim": ".tensors",
     "check_real_tensor": ".tensors",
     "check_same_shape": ".tensors",
@@ -62,6 +72,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "LOGPROB_SLACK",
     "MAX_WAIT_SECONDS",
     "as_bool_mask",
     "as_int",
@@ -72,6 +83,7 @@ __all__ = [
     "check_int",
     "check_int_list",
     "check_integer",
+    "check_last_dim",
     "check_logprob_list",
     "check_ndim",
     "check_optional_int",
@@ -85,6 +97,7 @@ __all__ = [
     "check_str_pair",
     "check_tensor",
     "check_timeout",
+    "check_token_ids",
     "check_token_pair",
     "check_version",
     "shape_str",
