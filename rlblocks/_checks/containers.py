@@ -41,6 +41,12 @@ def _items(name: str, values: object, what: str) -> list[object]:
         raise ArgumentError(f"{name}: expected {what}, got {type(values).__name__}") from None
 
 
+def _all_of(values: object, kind: type) -> bool:
+    """``values`` is a list whose elements are all exactly of type ``kind`` (not a subclass: ``bool`` is no
+    ``int`` here). C-speed (``map``/``set``): these checks run on every generation of an engine."""
+    return type(values) is list and set(map(type, values)) <= {kind}
+
+
 def check_int_list(name: str, values: Iterable[object], *, minimum: int | None = None) -> list[int]:
     """Every element a genuine integer ``>= minimum``, as plain ints."""
     items = _items(name, values, "a sequence of ints")
@@ -50,13 +56,13 @@ def check_int_list(name: str, values: Iterable[object], *, minimum: int | None =
 def check_token_ids(name: str, values: Iterable[object], *, vocab_size: int | None = None) -> list[int]:
     """Every element a token id: a genuine integer ``>= 0`` and, when ``vocab_size`` is given, ``< vocab_size``.
 
-    Returns a new list of plain ints. A list of plain ints in range takes one pass that builds no per-token
-    message (this runs on every generation of an engine); anything else is checked element by element, the first
+    Returns a new list of plain ints. A list of plain ints in range is checked at C speed, with no per-token
+    message built (this runs on every generation of an engine); anything else is checked element by element, the first
     bad element named by its index."""
     if vocab_size is not None:
         vocab_size = check_int("vocab_size", vocab_size, minimum=1)
-    if type(values) is list and all(type(t) is int and t >= 0 for t in values) and (
-            vocab_size is None or not values or max(values) < vocab_size):
+    if _all_of(values, int) and (not values or (min(values) >= 0 and (vocab_size is None or
+                                                                      max(values) < vocab_size))):
         return list(values)
     out = check_int_list(name, values, minimum=0)
     if vocab_size is not None:
@@ -87,9 +93,10 @@ def check_real_list(name: str, values: Iterable[object]) -> list[float]:
 def check_logprob_list(name: str, values: Iterable[object]) -> list[float]:
     """Every element a log-probability, as Python floats: a real number ``<= 0`` (up to :data:`LOGPROB_SLACK`
     of rounding, kept as it is), not NaN; ``−inf``, a probability that underflowed, is kept. A new list; a list
-    of Python floats takes one pass that builds no per-element message."""
-    if type(values) is list and all(type(v) is float and v <= LOGPROB_SLACK for v in values):
-        return list(values)  # NaN and +inf fail the comparison and take the path below, which names them
+    of Python floats is checked at C speed, with no per-element message built."""
+    # a NaN makes the sum NaN (so does +inf next to -inf): those take the path below, which names the element
+    if _all_of(values, float) and (not values or (not math.isnan(sum(values)) and max(values) <= LOGPROB_SLACK)):
+        return list(values)
     out = check_real_list(name, values)
     for i, v in enumerate(out):
         if math.isnan(v) or v > LOGPROB_SLACK:

@@ -141,7 +141,7 @@ def check_outputs(g: Generation, *, name: str = "", vocab_size: int | None = Non
     g.output_ids = check_token_ids(f"{name}output_ids", g.output_ids, vocab_size=vocab_size)
     g.output_logprobs = check_logprob_list(f"{name}output_logprobs", g.output_logprobs)
     versions = g.output_versions
-    if not (type(versions) is list and all(type(v) is int and v >= 0 for v in versions)):
+    if not (type(versions) is list and set(map(type, versions)) <= {int} and (not versions or min(versions) >= 0)):
         versions = check_int_list(f"{name}output_versions", versions, minimum=0)
     g.output_versions = list(versions)
     n = len(g.output_ids)
