@@ -106,7 +106,7 @@ class _Writing:
     """Registers a temporary of this process for the time it is written (see :data:`_ACTIVE`)."""
 
     def __init__(self, tmp: Path) -> None:
-        self.key = str(tmp)
+        self.key = tmp.name  # unique (pid, thread, random), and the same however the directory is spelt
 
     def __enter__(self) -> None:
         with _ACTIVE_LOCK:
@@ -147,7 +147,7 @@ def _remove_stale(path: Path, tags: Iterable[str]) -> None:
         if not pid.isdigit():
             continue
         with _ACTIVE_LOCK:
-            if e.path in _ACTIVE:
+            if e.name in _ACTIVE:
                 continue
         if int(pid) == me or not _pid_alive(int(pid)):
             try:

@@ -242,9 +242,15 @@ def test_files_of_the_previous_format_still_load_and_their_keys_are_checked(tmp_
 
 
 # --------------------------------------------------------------------------------------------- concurrent writers
-@pytest.mark.parametrize("shared", [True, False], ids=["one-object", "one-object-per-thread"])
-def test_eight_threads_saving_five_times_never_raise_and_the_last_file_loads(tmp_path, shared):
-    path = tmp_path / "ckpt.pt"
+@pytest.mark.parametrize(("shared", "relative"), [(True, False), (False, False), (False, True)],
+                         ids=["one-object", "one-object-per-thread", "relative-path"])
+def test_eight_threads_saving_five_times_never_raise_and_the_last_file_loads(tmp_path, monkeypatch, shared,
+                                                                              relative):
+    """With a relative path too: a save's cleanup must recognise another thread's temporary in progress however
+    the directory is spelt (``./.ckpt.pt.tmp-...``)."""
+    if relative:
+        monkeypatch.chdir(tmp_path)
+    path = Path("ckpt.pt") if relative else tmp_path / "ckpt.pt"
     one = Checkpoint(path)
     start = threading.Barrier(8)
     errors: list[BaseException] = []
