@@ -9,17 +9,28 @@ loop's choice (``cookbook/plumbing/checkpoints.py`` is one).
 File format (version :data:`FORMAT`)::
 
     RLBLOCKS-CHECKPOINT\\n                       magic line (a foreign file is refused at once)
-    {"format": 1, "kind": ..., "bytes": N, "sha256": ..., "keys": [...], "meta": {...}}\\n     one JSON line
+    {"bytes": N, "format": 2, "keys": [...], "kind": ..., "meta": {...}, "sha256": ...}\\n     one JSON line
     <N bytes>                                   the state, serialised by ``torch.save``
 
-Writing (:func:`save_checkpoint`): the whole file goes to a temporary file in the same directory, which is flushed
-and ``fsync``-ed, then renamed over the destination (``os.replace``, atomic on POSIX), and the directory is
-``fsync``-ed, so a crash at any point leaves either the old file or the new one, never a mix. Reading
-(:func:`load_checkpoint`): the magic, the header, the format version, the kind, the payload length (a torn file is
-shorter) and the SHA-256 of the payload (a flipped byte) are checked *before* anything is unpickled, then the
-required keys; any failure raises :class:`~rlblocks.errors.CheckpointError` naming the file and what is wrong, and
-nothing is returned. :class:`Checkpoint` keeps the previous file next to the latest one, so a checkpoint damaged
-after it was written still leaves the one before it loadable.
+``sha256`` is the SHA-256 of the header without it (``json.dumps(header, sort_keys=True)``, as written) and of
+the payload: ``sha256(header_json + b"\\n" + payload)``, so an edited ``meta`` or ``keys`` (``"step": 2`` made
+``7``) fails the check like a flipped payload byte. Files of format 1 (written by earlier versions, whose
+``sha256`` covers the payload only) are still read; their ``keys`` are checked against the state they hold.
+
+Writing (:func:`save_checkpoint`): the whole file goes to a temporary file in the same directory, named after the
+writer (``.<name>.tmp-<pid>-<thread>-<random>``, so threads and processes saving to one path never collide), which
+is flushed and ``fsync``-ed, then renamed over the destination (``os.replace``, atomic on POSIX), and the directory
+is ``fsync``-ed, so a crash at any point leaves either the old file or the new one, never a mix. After a
+successful save, the temporaries of writers that no longer run (a process killed mid-write: its pid is gone, or
+is this process's and the file is not one of its writes in progress) are removed.
+
+Reading (:func:`load_checkpoint`): the path must be a regular file (a directory, a FIFO or a device is refused
+without being opened for a blocking read), then the magic, the header, the format version, the kind, the payload
+length against the file's size (a torn file is shorter; a length beyond it is never allocated) and the SHA-256
+are checked *before* anything is unpickled, then the required keys; any failure, an operating-system error
+included, raises :class:`~rlblocks.errors.CheckpointError` naming the file and what is wrong, and nothing is
+returned. :class:`Checkpoint` keeps the previous file next to the latest one, so a checkpoint damaged after it
+was written still leaves the one before it loadable.
 
 The payload is a pickle (``torch.save``): load only checkpoints you wrote, as with any torch checkpoint. The
 checksum detects damage, not tampering.
@@ -32,7 +43,11 @@ import io
 import json
 import os
 import random
+import stat
 import sys
+import threading
+import uuid
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -51,11 +66,20 @@ __all__ = [
     "set_rng_state",
 ]
 
-FORMAT = 1
-"""The version of the file layout this module writes and reads."""
+FORMAT = 2
+"""The version of the file layout this module writes."""
+
+READ_FORMATS = (1, 2)
+"""The versions it reads (format 1: the checksum covers the payload only)."""
 
 MAGIC = b"RLBLOCKS-CHECKPOINT\n"
 _MAX_HEADER = 1 << 20  # a header longer than this is not one of ours
+_CHUNK = 1 << 20  # bytes hashed at a time when a file is checked without being loaded
+
+# The temporaries this process is writing now: a save removes the other temporaries of this pid (left by an
+# earlier process that had the same pid and was killed), never these.
+_ACTIVE: set[str] = set()
+_ACTIVE_LOCK = threading.Lock()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -71,49 +95,206 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# ------------------------------------------------------------------------------------------------ temporaries
+def _temp_name(path: Path, tag: str) -> Path:
+    """``.<name>.<tag>-<pid>-<thread>-<random>`` next to ``path``: unique per writer, and the pid tells a later save
+    whether its writer still runs."""
+    return path.with_name(f".{path.name}.{tag}-{os.getpid()}-{threading.get_native_id()}-{uuid.uuid4().hex[:12]}")
+
+
+class _Writing:
+    """Registers a temporary of this process for the time it is written (see :data:`_ACTIVE`)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.key = tmp.name  # unique (pid, thread, random), and the same however the directory is spelt
+
+    def __enter__(self) -> None:
+        with _ACTIVE_LOCK:
+            _ACTIVE.add(self.key)
+
+    def __exit__(self, *exc: object) -> None:
+        with _ACTIVE_LOCK:
+            _ACTIVE.discard(self.key)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it runs, under another user
+        return True
+    return True
+
+
+def _remove_stale(path: Path, tags: Iterable[str]) -> None:
+    """Remove the temporaries of ``path`` (``.<name>.<tag>-<pid>...``) whose writer no longer runs: its pid is not
+    alive, or it is this process's pid and the file is not one of this process's writes in progress. Temporaries
+    of a live process (another writer) are kept, and so is a name that does not start with a pid."""
+    prefixes = [f".{path.name}.{t}-" for t in tags]
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return
+    me = os.getpid()
+    for e in entries:
+        prefix = next((p for p in prefixes if e.name.startswith(p)), None)
+        if prefix is None:
+            continue
+        pid = e.name[len(prefix):].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        with _ACTIVE_LOCK:
+            if e.name in _ACTIVE:
+                continue
+        if int(pid) == me or not _pid_alive(int(pid)):
+            try:
+                os.unlink(e.path)
+            except OSError:  # removed by another writer meanwhile, or not ours to remove
+                pass
+
+
+# ------------------------------------------------------------------------------------------------ writing
+def _check_destination(path: str | os.PathLike) -> Path:
+    """``path`` as a ``Path`` whose directory exists and which is not itself a directory."""
+    try:
+        path = Path(path)
+    except TypeError:
+        raise ArgumentError(f"path: expected a file path (str or os.PathLike), got {type(path).__name__}") from None
+    if not path.name:
+        raise ArgumentError(f"path: expected a file path, got {str(path)!r}")
+    if not path.parent.is_dir():
+        raise ArgumentError(f"path: the directory {path.parent} of {path} does not exist (create it first)")
+    if path.is_dir():
+        raise ArgumentError(f"path: {path} is a directory, expected the path of a checkpoint file")
+    return path
+
+
+def _header_digest(fields: Mapping[str, Any], payload: bytes | memoryview) -> str:
+    """The format-2 checksum: SHA-256 of the header without ``sha256`` (sorted-key JSON) and of the payload."""
+    h = hashlib.sha256(json.dumps(fields, sort_keys=True).encode())
+    h.update(b"\n")
+    h.update(payload)
+    return h.hexdigest()
+
+
+def _encode(state: Mapping[str, Any], kind: str, meta: Mapping[str, Any] | None) -> tuple[bytes, memoryview]:
+    """The checked arguments as ``(magic + header line, payload)``; nothing is written."""
+    if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
+        raise ArgumentError(f"state: expected a mapping with str keys, got {type(state).__name__}")
+    if not isinstance(kind, str) or not kind:
+        raise ArgumentError(f"kind: expected a non-empty str, got {kind!r}")
+    if meta is not None and not isinstance(meta, Mapping):
+        raise ArgumentError(f"meta: expected a mapping of JSON-serialisable values, got {type(meta).__name__}")
+    buf = io.BytesIO()
+    torch.save(dict(state), buf)
+    payload = buf.getbuffer()
+    fields = {"format": FORMAT, "kind": kind, "bytes": len(payload), "keys": sorted(state), "meta": dict(meta or {})}
+    try:
+        # a round trip, so that the reader hashes exactly what was hashed here (tuples become lists, ...)
+        fields = json.loads(json.dumps(fields, sort_keys=True))
+        header = json.dumps({**fields, "sha256": _header_digest(fields, payload)}, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise ArgumentError(f"meta: expected JSON-serialisable values, got {meta!r:.200}: {e}") from e
+    return MAGIC + header.encode() + b"\n", payload
+
+
+def _write(path: Path, head: bytes, payload: memoryview) -> int:
+    """``head + payload`` to ``path`` by a temporary of this writer (module docstring); returns the bytes written."""
+    tmp = _temp_name(path, "tmp")
+    with _Writing(tmp):
+        try:
+            with open(tmp, "xb") as f:
+                f.write(head)
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException as e:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            if isinstance(e, (FileNotFoundError, NotADirectoryError)) and not path.parent.is_dir():
+                raise ArgumentError(f"path: the directory {path.parent} of {path} does not exist") from None
+            if isinstance(e, IsADirectoryError) or (isinstance(e, OSError) and path.is_dir()):
+                raise ArgumentError(f"path: {path} is a directory, expected the path of a checkpoint file") from None
+            raise
+    _fsync_dir(path.parent)
+    _remove_stale(path, ("tmp",))
+    return len(head) + len(payload)
+
+
 def save_checkpoint(path: str | os.PathLike, state: Mapping[str, Any], *, kind: str = "run",
                     meta: Mapping[str, Any] | None = None) -> int:
     """Write ``state`` to ``path`` atomically (temporary file, ``fsync``, rename, directory ``fsync``).
 
     Args:
-        path: the destination; its directory must exist.
+        path: the destination; its directory must exist (else :class:`~rlblocks.errors.ArgumentError` naming it,
+            as for a directory at ``path``).
         state: a mapping with ``str`` keys, serialisable by ``torch.save`` (tensors, plain Python values, picklable
             objects).
         kind: a label :func:`load_checkpoint` can insist on (``kind=``), so that a checkpoint of another sort is
             refused rather than half-used.
         meta: small JSON-serialisable facts stored in the header (e.g. the step), readable without loading the
-            payload (:func:`read_checkpoint_meta`).
+            payload (:func:`read_checkpoint_meta`) and covered by the checksum.
 
-    Returns the number of bytes written.
+    Returns the number of bytes written. A state that cannot be serialised raises before anything is written;
+    a failed write (a full disk) removes its temporary and leaves ``path`` as it was. A successful one also
+    removes the temporaries that writers killed mid-write left next to ``path`` (module docstring).
     """
-    path = Path(path)
-    if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
-        raise ArgumentError(f"state: expected a mapping with str keys, got {type(state).__name__}")
-    if not isinstance(kind, str) or not kind:
-        raise ArgumentError(f"kind: expected a non-empty str, got {kind!r}")
-    buf = io.BytesIO()
-    torch.save(dict(state), buf)
-    payload = buf.getbuffer()
+    path = _check_destination(path)
+    head, payload = _encode(state, kind, meta)
+    return _write(path, head, payload)
+
+
+# ------------------------------------------------------------------------------------------------ reading
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _not_regular(mode: int) -> str | None:
+    if stat.S_ISREG(mode):
+        return None
+    return next((what for test, what in _FILE_KINDS if test(mode)), "not a regular file")
+
+
+def _os_fault(path: Path, e: OSError) -> CheckpointError:
+    return CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {e.strerror or e})")
+
+
+def _open_regular(path: Path, label: Path | None = None):
+    """``(file, size)`` of the regular file at ``path``, opened for reading. Anything else (missing, a directory,
+    a FIFO, a device, no permission) raises :class:`CheckpointError` without a blocking ``open``: the file is
+    opened non-blocking and checked again through its descriptor (it may have been replaced since the ``stat``).
+    Errors name ``label`` (default ``path``)."""
+    label = path if label is None else label
     try:
-        header = json.dumps({"format": FORMAT, "kind": kind, "bytes": len(payload),
-                             "sha256": hashlib.sha256(payload).hexdigest(), "keys": sorted(state),
-                             "meta": dict(meta or {})}, sort_keys=True)
-    except (TypeError, ValueError) as e:
-        raise ArgumentError(f"meta: expected JSON-serialisable values, got {meta!r}: {e}") from e
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{label}: no checkpoint there") from None
+    except OSError as e:
+        raise _os_fault(label, e) from None
+    what = _not_regular(st.st_mode)
+    if what is not None:
+        raise CheckpointError(f"{label}: {what}, not a checkpoint file")
     try:
-        with open(tmp, "wb") as f:
-            f.write(MAGIC)
-            f.write(header.encode() + b"\n")
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise CheckpointError(f"{label}: no checkpoint there") from None
+    except OSError as e:
+        raise _os_fault(label, e) from None
+    try:
+        st = os.fstat(fd)
+        what = _not_regular(st.st_mode)
+        if what is not None:
+            raise CheckpointError(f"{label}: {what}, not a checkpoint file")
+        return os.fdopen(fd, "rb"), st.st_size
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        os.close(fd)
         raise
-    _fsync_dir(path.parent)
-    return len(MAGIC) + len(header) + 1 + len(payload)
 
 
 def _read_header(f, path: Path) -> dict[str, Any]:
@@ -132,24 +313,80 @@ def _read_header(f, path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: damaged checkpoint: the header is not JSON ({e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: damaged checkpoint: expected a JSON object header, got {line[:80]!r}")
-    if header.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: checkpoint format {header.get('format')!r}, this rlblocks reads format "
-                              f"{FORMAT} only")
+    fmt = header.get("format")
+    if type(fmt) is not int or fmt not in READ_FORMATS:
+        raise CheckpointError(f"{path}: checkpoint format {fmt!r}, this rlblocks reads formats "
+                              f"{', '.join(map(str, READ_FORMATS))}")
     for key, typ in (("kind", str), ("bytes", int), ("sha256", str), ("keys", list), ("meta", dict)):
-        if not isinstance(header.get(key), typ):
-            raise CheckpointError(f"{path}: damaged checkpoint: header field {key!r} is {header.get(key)!r}")
+        if not isinstance(header.get(key), typ) or isinstance(header.get(key), bool):
+            raise CheckpointError(f"{path}: damaged checkpoint: header field {key!r} is {header.get(key)!r:.80}")
+    if header["bytes"] < 0:
+        raise CheckpointError(f"{path}: damaged checkpoint: header field 'bytes' is {header['bytes']}")
+    if not all(isinstance(k, str) for k in header["keys"]):
+        raise CheckpointError(f"{path}: damaged checkpoint: header field 'keys' is {header['keys']!r:.80}")
     return header
 
 
+def _check_length(path: Path, header: Mapping[str, Any], available: int) -> None:
+    """The payload length of the header against the bytes the file holds after the header (nothing is read, so a
+    damaged length such as ``2**62`` is never allocated)."""
+    n = header["bytes"]
+    if available < n:
+        raise CheckpointError(f"{path}: torn checkpoint: {available} of its {n} payload bytes are there")
+    if available > n:
+        raise CheckpointError(f"{path}: damaged checkpoint: bytes follow the {n}-byte payload")
+
+
+def _check_digest(path: Path, header: Mapping[str, Any], digest: str) -> None:
+    if digest != header["sha256"]:
+        what = "header and payload" if header["format"] >= 2 else "payload"
+        raise CheckpointError(f"{path}: damaged checkpoint: the SHA-256 of its {what} is {digest[:16]}…, the header "
+                              f"says {header['sha256'][:16]}…")
+
+
+def _new_digest(header: Mapping[str, Any]):
+    """A running SHA-256 primed for ``header``'s format (format 2 hashes the header first)."""
+    if header["format"] >= 2:
+        fields = {k: v for k, v in header.items() if k != "sha256"}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode() + b"\n")
+    return hashlib.sha256()
+
+
+def _check_kind(path: Path, header: Mapping[str, Any], kind: str | None) -> None:
+    if kind is not None and header["kind"] != kind:
+        raise CheckpointError(f"{path}: a {header['kind']!r} checkpoint, expected a {kind!r} one")
+
+
+def _verify(path: Path, kind: str | None, label: Path) -> None:
+    """Every check of :func:`load_checkpoint` that does not unpickle, on ``path`` (named ``label`` in the errors):
+    the file is read and hashed in chunks (memory: one chunk), the state is not built."""
+    try:
+        f, size = _open_regular(path, label)
+        with f:
+            header = _read_header(f, label)
+            _check_length(label, header, size - f.tell())
+            h = _new_digest(header)
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+    except OSError as e:
+        raise _os_fault(label, e) from None
+    _check_digest(label, header, h.hexdigest())
+    _check_kind(label, header, kind)
+
+
 def read_checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:
-    """The header of the checkpoint at ``path`` without its payload: ``{"kind", "bytes", "keys", "meta", ...}``
-    (the payload is neither read nor checked; :func:`load_checkpoint` does that)."""
+    """The header of the checkpoint at ``path`` without its payload: ``{"kind", "bytes", "keys", "meta", ...}``.
+
+    Neither the payload nor the checksum (which covers this header) is read or checked: a damaged header can come
+    back from here; :func:`load_checkpoint` checks both. Raises :class:`~rlblocks.errors.CheckpointError` when
+    ``path`` is not a readable checkpoint file."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
+        f, _ = _open_regular(path)
+        with f:
             return _read_header(f, path)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no checkpoint there") from None
+    except OSError as e:
+        raise _os_fault(path, e) from None
 
 
 def load_checkpoint(path: str | os.PathLike, *, kind: str | None = None,
@@ -160,34 +397,38 @@ def load_checkpoint(path: str | os.PathLike, *, kind: str | None = None,
         kind: when given, the checkpoint's kind must be this.
         required: keys the state must hold.
 
-    Raises :class:`~rlblocks.errors.CheckpointError` (naming ``path`` and the fault: missing, foreign, torn,
-    damaged, another format version or kind, a missing key) and returns nothing in that case.
+    Raises :class:`~rlblocks.errors.CheckpointError` (naming ``path`` and the fault: missing, not a regular file,
+    unreadable, foreign, torn, damaged header or payload, another format version or kind, a missing key) and
+    returns nothing in that case.
     """
     path = Path(path)
     try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no checkpoint there") from None
-    with f:
-        header = _read_header(f, path)
-        payload = f.read(header["bytes"] + 1)
-    if len(payload) < header["bytes"]:
-        raise CheckpointError(f"{path}: torn checkpoint: {len(payload)} of its {header['bytes']} payload bytes are "
-                              "there")
-    if len(payload) > header["bytes"]:
-        raise CheckpointError(f"{path}: damaged checkpoint: bytes follow the {header['bytes']}-byte payload")
-    digest = hashlib.sha256(payload).hexdigest()
-    if digest != header["sha256"]:
-        raise CheckpointError(f"{path}: damaged checkpoint: the payload's SHA-256 is {digest[:16]}…, the header "
-                              f"says {header['sha256'][:16]}…")
-    if kind is not None and header["kind"] != kind:
-        raise CheckpointError(f"{path}: a {header['kind']!r} checkpoint, expected a {kind!r} one")
+        f, size = _open_regular(path)
+        with f:
+            header = _read_header(f, path)
+            _check_length(path, header, size - f.tell())
+            try:
+                payload = f.read(header["bytes"] + 1)
+            except MemoryError:
+                raise CheckpointError(f"{path}: its {header['bytes']}-byte payload does not fit in memory") from None
+    except OSError as e:
+        raise _os_fault(path, e) from None
+    if len(payload) != header["bytes"]:  # the file changed while it was read
+        raise CheckpointError(f"{path}: torn checkpoint: {len(payload)} of its {header['bytes']} payload bytes "
+                              "could be read")
+    h = _new_digest(header)
+    h.update(payload)
+    _check_digest(path, header, h.hexdigest())
+    _check_kind(path, header, kind)
     try:
         state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
     except Exception as e:  # the checksum matched, so this is a file written by an incompatible torch/pickle
         raise CheckpointError(f"{path}: the payload could not be read back ({type(e).__name__}: {e})") from e
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: expected a dict payload, got {type(state).__name__}")
+    if sorted(state) != header["keys"]:  # format 1 has no checksum over the header
+        raise CheckpointError(f"{path}: damaged checkpoint: the header lists the keys {header['keys']}, the state "
+                              f"holds {sorted(state)}")
     missing = [k for k in required if k not in state]
     if missing:
         raise CheckpointError(f"{path}: missing key(s) {missing} (it has {sorted(state)})")
@@ -197,50 +438,97 @@ def load_checkpoint(path: str | os.PathLike, *, kind: str | None = None,
 class Checkpoint:
     """A checkpoint file that keeps its predecessor: ``path`` (the latest) and ``<stem>.prev<suffix>``.
 
-    :meth:`save` gives the latest file the ``prev`` name too (a hard link, renamed over the old ``prev``) and then
-    writes the new one with :func:`save_checkpoint`, so at every instant both names hold complete files (where
-    the file system has no hard links the latest file is renamed instead, and a crash before the new one is in
-    place leaves only ``prev``). :meth:`load` returns the newest file
-    that passes every check, falling back to the previous one when the latest is missing, torn or damaged; the
-    faults it skipped are in :attr:`skipped` (``[(path, message)]``) so that a caller can report them. When no
-    file passes, it raises :class:`~rlblocks.errors.CheckpointError` listing every fault.
+    :meth:`save` first serialises the new state (a state that cannot be serialised changes nothing), then gives
+    the latest file the ``prev`` name too (a hard link, renamed over the old ``prev``) — only when that file passes
+    every check of :func:`load_checkpoint` but the unpickling (it is read and hashed once more) — and then writes
+    the new one with :func:`save_checkpoint`, so at every instant both names hold complete files (where the file
+    system has no hard links the latest file is renamed instead, and a crash before the new one is in place leaves
+    only ``prev``). A latest file that fails its checks is not kept: ``prev`` stays as it is, which a
+    ``RuntimeWarning`` says and :attr:`not_rotated` (``[(path, message)]``, over the object's life) records, so
+    that a damaged file never replaces the last good one. Saves through one object are serialised (a lock); saves
+    from several objects, threads or processes use writer-unique temporaries and never collide.
+
+    :meth:`load` returns the newest file that passes every check, falling back to the previous one when the
+    latest is missing or fails in any way (torn, damaged, foreign, a directory, a FIFO, unreadable, a header whose
+    numbers are impossible); the faults it skipped are in :attr:`skipped` (``[(path, message)]``) so that a caller
+    can report them. When no file passes, it raises :class:`~rlblocks.errors.CheckpointError` listing every fault.
     """
 
     def __init__(self, path: str | os.PathLike, *, kind: str = "run") -> None:
-        self.path = Path(path)
+        try:
+            self.path = Path(path)
+        except TypeError:
+            raise ArgumentError(f"path: expected a file path (str or os.PathLike), got {type(path).__name__}") from None
+        if not self.path.name:
+            raise ArgumentError(f"path: expected a file path, got {str(path)!r}")
+        if not isinstance(kind, str) or not kind:
+            raise ArgumentError(f"kind: expected a non-empty str, got {kind!r}")
         self.prev = self.path.with_name(f"{self.path.stem}.prev{self.path.suffix}")
         self.kind = kind
         self.skipped: list[tuple[str, str]] = []
+        self.not_rotated: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
 
     def exists(self) -> bool:
         """True when the latest or the previous file is there (loadable or not)."""
         return self.path.exists() or self.prev.exists()
 
-    def save(self, state: Mapping[str, Any], *, meta: Mapping[str, Any] | None = None) -> int:
-        """Write ``state`` as the latest checkpoint; the one it replaces becomes the previous one."""
-        if self.path.exists():
-            # a second name for the latest file becomes the previous one, so that the latest name is never absent
-            link = self.prev.with_name(f".{self.prev.name}.link-{os.getpid()}")
-            link.unlink(missing_ok=True)
+    def _rotate(self) -> None:
+        """The latest file becomes ``prev`` when it passes its checks (class docstring)."""
+        try:
+            os.lstat(self.path)
+        except OSError:
+            return  # nothing there (or nothing this process can see): prev stays
+        link = _temp_name(self.prev, "link")
+        with _Writing(link):
             try:
-                os.link(self.path, link)
-                os.replace(link, self.prev)
-            except OSError:  # no hard links on this file system: a rename (a crash before the write leaves prev)
-                link.unlink(missing_ok=True)
-                os.replace(self.path, self.prev)
-        return save_checkpoint(self.path, state, kind=self.kind, meta=meta)
+                os.link(self.path, link)  # the file checked below is the one that becomes prev, whatever happens
+                source = link
+            except FileNotFoundError:
+                return
+            except OSError:  # no hard links here (or not a file): the latest is renamed after its check
+                source = self.path
+            try:
+                _verify(source, self.kind, self.path)
+                os.replace(source, self.prev)
+            except CheckpointError as e:
+                self.not_rotated.append((str(self.path), str(e)))
+                warnings.warn(f"{self.path} fails its checks and is not kept as {self.prev.name}, which stays as it "
+                              f"was: {e}", RuntimeWarning, stacklevel=3)
+            finally:
+                if source is link:
+                    link.unlink(missing_ok=True)
+
+    def save(self, state: Mapping[str, Any], *, meta: Mapping[str, Any] | None = None) -> int:
+        """Write ``state`` as the latest checkpoint; the one it replaces becomes the previous one if it passes its
+        checks (class docstring). Returns the bytes written; raises as :func:`save_checkpoint` does."""
+        path = _check_destination(self.path)
+        if self.prev.is_dir():
+            raise ArgumentError(f"path: {self.prev} (where the previous checkpoint of {path} goes) is a directory")
+        head, payload = _encode(state, self.kind, meta)
+        with self._lock:
+            self._rotate()
+            n = _write(path, head, payload)
+        _remove_stale(self.prev, ("link",))
+        return n
 
     def load(self, *, required: Iterable[str] = ()) -> tuple[dict[str, Any], Path]:
         """``(state, path)`` of the newest checkpoint that passes every check (see the class docstring)."""
         required = list(required)
         self.skipped = []
         for p in (self.path, self.prev):
-            if not p.exists():
-                continue
+            try:
+                os.stat(p)
+            except FileNotFoundError:
+                continue  # absent: not a fault (a run before its first save, a deleted file)
+            except OSError:
+                pass  # load_checkpoint names it
             try:
                 return load_checkpoint(p, kind=self.kind, required=required), p
             except CheckpointError as e:
                 self.skipped.append((str(p), str(e)))
+            except Exception as e:  # anything else that fails reading this file: the other one may be good
+                self.skipped.append((str(p), f"{p}: could not be loaded ({type(e).__name__}: {e})"))
         faults = "; ".join(m for _, m in self.skipped) or "neither file exists"
         raise CheckpointError(f"{self.path}: no loadable checkpoint ({faults})")
 

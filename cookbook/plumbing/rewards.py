@@ -343,4 +343,5 @@ def _returns_tool(fn: Any) -> bool:
         ann = inspect.signature(fn).return_annotation
     except (TypeError, ValueError):
         return False
-    return ann is not inspect.Signature.empty and getattr(ann, "__name__", ann) in ("Tool", "rlblocks.rollout.agents.Tool")
+    name = getattr(ann, "__name__", ann)
+    return ann is not inspect.Signature.empty and name in ("Tool", "rlblocks.rollout.agents.Tool")

@@ -5,7 +5,7 @@ raised as :class:`rlblocks.errors.ArgumentError` (also a ``ValueError``).
 
 - :mod:`.scalars`: one plain value (``check_int``, ``check_real``, ``check_bool``, ``check_seconds``,
   ``check_timeout``, ``check_choice``, ``check_str``);
-- :mod:`.containers`: lists of values, string pairs, ``state_dict`` keys;
+- :mod:`.containers`: lists of values (token ids, log-probabilities), string pairs, ``state_dict`` keys;
 - :mod:`.versions`: the weight version (``check_version``);
 - :mod:`.tensors`: tensor kind, dtype, shape and masks (no host sync).
 
@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING
 
 from rlblocks._lazy import lazy_exports
 
-from .containers import check_int_list, check_logprob_list, check_real_list, check_state_keys, check_str_pair
+from .containers import (
+    LOGPROB_SLACK,
+    check_int_list,
+    check_logprob_list,
+    check_real_list,
+    check_state_keys,
+    check_str_pair,
+    check_token_ids,
+)
 from .scalars import (
     MAX_WAIT_SECONDS,
     as_int,
@@ -40,6 +48,7 @@ if TYPE_CHECKING:
         check_floating,
         check_group_inputs,
         check_integer,
+        check_last_dim,
         check_ndim,
         check_real_tensor,
         check_same_shape,
@@ -54,6 +63,7 @@ _LAZY = {
     "check_floating": ".tensors",
     "check_group_inputs": ".tensors",
     "check_integer": ".tensors",
+    "check_last_dim": ".tensors",
     "check_ndim": ".tensors",
     "check_real_tensor": ".tensors",
     "check_same_shape": ".tensors",
@@ -63,6 +73,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "LOGPROB_SLACK",
     "MAX_WAIT_SECONDS",
     "as_bool_mask",
     "as_int",
@@ -73,6 +84,7 @@ __all__ = [
     "check_int",
     "check_int_list",
     "check_integer",
+    "check_last_dim",
     "check_logprob_list",
     "check_ndim",
     "check_optional_int",
@@ -86,6 +98,7 @@ __all__ = [
     "check_str_pair",
     "check_tensor",
     "check_timeout",
+    "check_token_ids",
     "check_token_pair",
     "check_version",
     "shape_str",

@@ -12,7 +12,23 @@ from rlblocks.errors import ArgumentError
 
 from .scalars import check_int, check_real
 
-__all__ = ["check_int_list", "check_logprob_list", "check_real_list", "check_state_keys", "check_str_pair"]
+__all__ = [
+    "LOGPROB_SLACK",
+    "check_int_list",
+    "check_logprob_list",
+    "check_real_list",
+    "check_state_keys",
+    "check_str_pair",
+    "check_token_ids",
+]
+
+LOGPROB_SLACK = 1e-3
+"""How far above 0 a log-probability may come out of an engine's arithmetic and still be accepted (unchanged).
+
+``log p <= 0`` exactly, but an engine computes it as ``z − logsumexp(z)`` in fp32: for the top token of a
+near-certain distribution the two terms agree to a few ulps of ``|z|``, and the difference can round to a tiny
+positive number (``1e-7``; ``~2e-4`` for logits in the thousands, e.g. after a low temperature). A larger value is
+no rounding: it is refused, since it would enter the importance ratios as a probability above 1."""
 
 
 def _items(name: str, values: object, what: str) -> list[object]:
@@ -25,10 +41,36 @@ def _items(name: str, values: object, what: str) -> list[object]:
         raise ArgumentError(f"{name}: expected {what}, got {type(values).__name__}") from None
 
 
+def _all_of(values: object, kind: type) -> bool:
+    """``values`` is a list whose elements are all exactly of type ``kind`` (not a subclass: ``bool`` is no
+    ``int`` here). C-speed (``map``/``set``): these checks run on every generation of an engine."""
+    return type(values) is list and set(map(type, values)) <= {kind}
+
+
 def check_int_list(name: str, values: Iterable[object], *, minimum: int | None = None) -> list[int]:
     """Every element a genuine integer ``>= minimum``, as plain ints."""
     items = _items(name, values, "a sequence of ints")
     return [check_int(f"{name}[{i}]", v, minimum=minimum) for i, v in enumerate(items)]
+
+
+def check_token_ids(name: str, values: Iterable[object], *, vocab_size: int | None = None) -> list[int]:
+    """Every element a token id: a genuine integer ``>= 0`` and, when ``vocab_size`` is given, ``< vocab_size``.
+
+    Returns a new list of plain ints. A list of plain ints in range is checked at C speed, with no per-token
+    message built (this runs on every generation of an engine); anything else is checked element by element, the first
+    bad element named by its index."""
+    if vocab_size is not None:
+        vocab_size = check_int("vocab_size", vocab_size, minimum=1)
+    if _all_of(values, int) and (not values or (min(values) >= 0 and (vocab_size is None or
+                                                                      max(values) < vocab_size))):
+        return list(values)
+    out = check_int_list(name, values, minimum=0)
+    if vocab_size is not None:
+        for i, t in enumerate(out):
+            if t >= vocab_size:
+                raise ArgumentError(f"{name}[{i}]: expected a token id in [0, {vocab_size}) (the vocabulary), "
+                                    f"got {t}")
+    return out
 
 
 def _scalar(value: object) -> object:
@@ -49,12 +91,17 @@ def check_real_list(name: str, values: Iterable[object]) -> list[float]:
 
 
 def check_logprob_list(name: str, values: Iterable[object]) -> list[float]:
-    """Every element a log-probability, as Python floats: a real number that is not NaN and not ``+inf``
-    (``log p <= 0``; ``−inf``, a probability that underflowed, is kept)."""
+    """Every element a log-probability, as Python floats: a real number ``<= 0`` (up to :data:`LOGPROB_SLACK`
+    of rounding, kept as it is), not NaN; ``−inf``, a probability that underflowed, is kept. A new list; a list
+    of Python floats is checked at C speed, with no per-element message built."""
+    # a NaN makes the sum NaN (so does +inf next to -inf): those take the path below, which names the element
+    if _all_of(values, float) and (not values or (not math.isnan(sum(values)) and max(values) <= LOGPROB_SLACK)):
+        return list(values)
     out = check_real_list(name, values)
     for i, v in enumerate(out):
-        if math.isnan(v) or v == math.inf:
-            raise ArgumentError(f"{name}[{i}]: expected a log-probability (a number <= 0, not NaN), got {v}")
+        if math.isnan(v) or v > LOGPROB_SLACK:
+            raise ArgumentError(f"{name}[{i}]: expected a log-probability (a number <= 0, up to {LOGPROB_SLACK} of "
+                                f"rounding; not NaN), got {v}")
     return out
 
 

@@ -18,6 +18,7 @@ __all__ = [
     "check_floating",
     "check_group_inputs",
     "check_integer",
+    "check_last_dim",
     "check_ndim",
     "check_real_tensor",
     "check_same_shape",
@@ -72,6 +73,16 @@ def check_ndim(name: str, x: object, ndim: int | tuple[int, ...], layout: str = 
         want = " or ".join(f"{d}-D" for d in allowed)
         hint = f" {layout}" if layout else ""
         raise ArgumentError(f"{name}: expected a {want} tensor{hint}, got shape {shape_str(x)}")
+    return x
+
+
+def check_last_dim(name: str, x: object, symbol: str = "H") -> Tensor:
+    """A tensor ``[..., symbol]`` whose last dimension is not empty (e.g. the hidden size of a contraction with a
+    weight: over 0 entries it means nothing, and the flattening ``reshape(-1, 0)`` is ambiguous). The leading
+    dimensions may be 0: an empty batch is a batch, and gives an empty result."""
+    check_tensor(name, x)
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ArgumentError(f"{name}: expected shape [..., {symbol}] with {symbol} > 0, got {shape_str(x)}")
     return x
 
 

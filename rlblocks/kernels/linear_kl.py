@@ -20,7 +20,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from rlblocks._checks import shape_str
+from rlblocks._checks import check_last_dim, shape_str
 from rlblocks.errors import ArgumentError
 from rlblocks.kernels._common import (
     check_float_input,
@@ -291,13 +291,13 @@ def linear_vocab_kl(
 
     Differentiable w.r.t. ``student_hidden`` and ``student_weight``; the teacher is a constant (teacher tensors
     that require grad are rejected). Extra memory: one chunk of both logits (torch path, plus fp32 copies of bf16
-    weights) or a ``[N, vocab-chunk]`` gradient block (Triton), never ``[N, V]``.
+    weights) or a ``[N, vocab-chunk]`` gradient block (Triton), never ``[N, V]``. A hidden size of 0 (``Hs`` or
+    ``Ht``) raises :class:`~rlblocks.errors.ArgumentError`; an empty batch gives an empty result.
     """
     for name, x in (("student_hidden", student_hidden), ("student_weight", student_weight),
                     ("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):  # fmt: skip
         check_float_input(name, x)
-    if student_hidden.dim() < 1:
-        raise ArgumentError(f"student_hidden: expected shape [..., H], got {shape_str(student_hidden)}")
+    check_last_dim("student_hidden", student_hidden, "Hs")
     hs_dim = student_hidden.shape[-1]
     if student_weight.dim() != 2 or student_weight.shape[1] != hs_dim or student_weight.shape[0] == 0:
         raise ArgumentError(f"student_weight: expected shape [V, {hs_dim}] (H = student_hidden.shape[-1]), "
@@ -306,6 +306,7 @@ def linear_vocab_kl(
     if teacher_hidden.dim() < 1 or teacher_hidden.shape[:-1] != lead:
         raise ArgumentError(f"teacher_hidden: expected shape [{', '.join(map(str, lead))}, Ht] (the leading shape of "
                          f"student_hidden), got {shape_str(teacher_hidden)}")
+    check_last_dim("teacher_hidden", teacher_hidden, "Ht")
     v = student_weight.shape[0]
     ht_dim = teacher_hidden.shape[-1]
     if teacher_weight.dim() != 2 or teacher_weight.shape != (v, ht_dim):

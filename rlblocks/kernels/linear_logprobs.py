@@ -31,7 +31,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from rlblocks._checks import shape_str
+from rlblocks._checks import check_last_dim, shape_str
 from rlblocks.errors import ArgumentError
 from rlblocks.kernels._common import (
     apply_mask,
@@ -98,8 +98,7 @@ def _prepare(hidden, weight, labels, mask, temperature, ignore_index, backend, p
     """Checks shared by the public wrappers; returns flat ``(h, w, y)``, the temperature and the backend."""
     check_float_input("hidden", hidden)
     check_float_input("weight", weight)
-    if hidden.dim() < 1:
-        raise ArgumentError(f"hidden: expected shape [..., H], got {shape_str(hidden)}")
+    check_last_dim("hidden", hidden)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
         raise ArgumentError(f"weight: expected shape [V, {hidden.shape[-1]}] (V > 0, H = hidden.shape[-1]), "
                          f"got {shape_str(weight)}")
@@ -191,7 +190,8 @@ def linear_token_logprobs(
         backend: ``None``/``"auto"`` (Triton on CUDA, torch otherwise), ``"triton"`` or ``"torch"``.
 
     Raises ``ValueError`` (``ArgumentError``) naming the argument for non-floating inputs, mismatched dtypes or
-    devices, a ``weight`` whose second dimension is not ``hidden.shape[-1]``, a labels/mask shape other than
+    devices, a hidden size of 0 (an empty batch is fine: empty outputs), a ``weight`` whose second dimension is
+    not ``hidden.shape[-1]``, a labels/mask shape other than
     ``hidden.shape[:-1]``, a label out of range (one host sync; skipped under ``torch.compile``), a ``top_k`` /
     ``top_p`` of the wrong type, shape or range.
 

@@ -37,7 +37,7 @@ from rlblocks._checks import check_int, check_int_list, check_real_list
 from rlblocks.errors import ArgumentError
 
 from .moe_replay import pad_routing
-from .types import Generation
+from .types import Generation, check_outputs
 
 __all__ = ["RolloutBatch", "build_batch"]
 
@@ -123,6 +123,7 @@ def build_batch(
     group_ids: Sequence[int] | Tensor | None = None,
     rewards: Sequence[float] | Tensor | None = None,
     stop_token_ids: Sequence[int] | None = None,
+    vocab_size: int | None = None,
     device: torch.device | str | None = None,
 ) -> RolloutBatch:
     """Right-padded tensors for ``generations`` (any :class:`~rlblocks.rollout.types.Generation`, including the
@@ -136,17 +137,29 @@ def build_batch(
     - ``rollout_logp`` is float32 (the engines' fp32 values, exactly); ``versions`` int64.
     - ``group_ids`` (one int per generation; default: all 0) and ``rewards`` (float32) are per row.
 
+    - ``vocab_size`` (the model's vocabulary, when the caller knows it): every token id and ``pad_id`` must be
+      below it; an id beyond the embedding would fail (or, on some devices, read memory) inside the model.
+
     Raises :class:`~rlblocks.errors.ArgumentError` for an empty list, a non-``Generation`` entry, a ``pad_id``
     that is not an int >= 0, per-row lists of the wrong length or type (a float or bool group id, a ``None``
-    reward), stop ids that are not ints, or a generation's own ``loss_mask`` of another length than its output.
-    Nothing is dropped: every generation is one row.
+    reward), stop ids that are not ints, a generation's own ``loss_mask`` of another length than its output, or
+    a value no engine produces (checked again here, as lists may change after a ``Generation`` is built): a token
+    id that is not an int ``>= 0`` (or ``>= vocab_size``), a log-prob that is NaN or above 0 (beyond ``1e-3`` of
+    rounding), a version that is not an int ``>= 0``; the message names ``generations[i]``, the field and the
+    element. Nothing is dropped: every generation is one row.
     """
     if not isinstance(generations, Sequence) or len(generations) == 0:
         raise ArgumentError(f"generations: expected a non-empty sequence of Generation, got {generations!r:.80}")
     for i, g in enumerate(generations):
         if not isinstance(g, Generation):
             raise ArgumentError(f"generations[{i}]: expected a Generation, got {type(g).__name__}")
-    pad_id = check_int("pad_id", pad_id, minimum=0, what="an int token id >= 0")
+    if vocab_size is not None:
+        vocab_size = check_int("vocab_size", vocab_size, minimum=1)
+    in_vocab = "" if vocab_size is None else f" and < vocab_size ({vocab_size})"
+    pad_id = check_int("pad_id", pad_id, minimum=0, maximum=None if vocab_size is None else vocab_size - 1,
+                       what=f"an int token id >= 0{in_vocab}")
+    for i, g in enumerate(generations):
+        check_outputs(g, name=f"generations[{i}].", vocab_size=vocab_size)
     n = len(generations)
     gids = per_row("group_ids", group_ids, n, kind="int")
     rews = per_row("rewards", rewards, n, kind="real")

@@ -32,6 +32,7 @@ the live engines' weight version (``weights=`` loads them first), so a request n
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Literal
@@ -57,6 +58,34 @@ def is_engine_failure(exc: BaseException) -> bool:
     return isinstance(exc, (EngineError, OSError, TimeoutError, asyncio.TimeoutError))
 
 
+# what RolloutEngine declares: the methods and properties every engine has
+_PROTOCOL = tuple(sorted(n for n in vars(RolloutEngine) if not n.startswith("_")))
+_METHODS = frozenset(n for n in _PROTOCOL if inspect.isfunction(vars(RolloutEngine)[n]))
+
+
+def check_engine(name: str, engine: object) -> RolloutEngine:
+    """``engine`` if it implements the :class:`~rlblocks.rollout.types.RolloutEngine` protocol (every method
+    callable, every property present), else :class:`~rlblocks.errors.ArgumentError` naming ``name`` and what is
+    missing. Properties are looked up without being evaluated (``inspect.getattr_static``: a property of an HTTP
+    engine may call its server); an object that forwards attributes through ``__getattr__`` is asked by
+    ``hasattr``."""
+    forwards = getattr(type(engine), "__getattr__", None) is not None
+    missing = []
+    for member in _PROTOCOL:
+        try:
+            value = inspect.getattr_static(engine, member)
+        except AttributeError:
+            if not (forwards and hasattr(engine, member)):
+                missing.append(member)
+            continue
+        if member in _METHODS and not callable(value):
+            missing.append(f"{member} (not callable)")
+    if missing:
+        raise ArgumentError(f"{name}: expected a rollout engine (the RolloutEngine protocol), got "
+                            f"{type(engine).__name__} without {', '.join(missing)}")
+    return engine  # type: ignore[return-value]
+
+
 def _retrieve(task: asyncio.Future) -> None:
     if not task.cancelled():
         task.exception()
@@ -67,7 +96,8 @@ class Router:
     taken out and their requests moved to live ones (module docstring).
 
     Args:
-        engines: at least one engine implementing the rollout protocol (any mix of kinds).
+        engines: at least one engine implementing the rollout protocol (any mix of kinds); anything else (``None``,
+            an object missing a method or property of ``RolloutEngine``) is refused here, naming its index.
         max_sessions: sessions remembered for affinity (least recently used ones are forgotten first).
         health_check: ``await health_check(engine)`` raises (or times out) when the engine is dead; default: the
             engine's own ``health()`` method where it has one (engines without either are checked by their
@@ -80,9 +110,13 @@ class Router:
     def __init__(self, engines: Sequence[RolloutEngine], *, max_sessions: int = 1_000_000,
                  health_check: Callable[[RolloutEngine], Awaitable[Any]] | None = None,
                  health_timeout: float = 10.0, health_interval: float | None = None) -> None:
+        if isinstance(engines, (str, bytes)) or not isinstance(engines, Iterable):
+            raise ArgumentError(f"engines: expected a sequence of rollout engines, got {type(engines).__name__}")
         engines = list(engines)
         if not engines:
             raise ArgumentError("engines: expected at least one engine, got an empty sequence")
+        for i, e in enumerate(engines):
+            check_engine(f"engines[{i}]", e)
         max_sessions = check_int("max_sessions", max_sessions, minimum=1)
         if health_check is not None and not callable(health_check):
             raise ArgumentError(f"health_check: expected None or an async callable, got {type(health_check).__name__}")
@@ -255,7 +289,7 @@ class Router:
         index = check_int("index", index, minimum=0, maximum=len(self.engines) - 1)
         if self.alive[index]:
             raise ArgumentError(f"index: engine {index} is live; only an engine that was taken out can rejoin")
-        e = self.engines[index] if engine is None else engine
+        e = self.engines[index] if engine is None else check_engine("engine", engine)
         async with self._weights:
             live = self._live()
             target = self.version if live else int(e.version)

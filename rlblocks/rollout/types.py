@@ -22,7 +22,7 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from rlblocks._checks import check_int, check_real
+from rlblocks._checks import check_int, check_int_list, check_logprob_list, check_real, check_token_ids
 from rlblocks.errors import ArgumentError
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -74,20 +74,23 @@ class GenerationRequest:
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ArgumentError(f"request_id: expected a non-empty str, got {self.request_id!r}")
-        ids = self.prompt_ids
-        # fast path for the common case (a list of non-negative Python ints): the per-token check builds a name
-        # string per token, which dominated the gateway's per-request CPU time on long prompts
-        if isinstance(ids, list) and all(type(t) is int for t in ids) and (not ids or min(ids) >= 0):
-            self.prompt_ids = list(ids)
-        else:
-            self.prompt_ids = [check_int(f"prompt_ids[{i}]", t, minimum=0) for i, t in enumerate(ids)]
+        # one pass over a list of plain ints: a per-token check that builds a name string per token dominated the
+        # gateway's per-request CPU time on long prompts
+        self.prompt_ids = check_token_ids("prompt_ids", self.prompt_ids)
         if len(self.prompt_ids) == 0:
             raise ArgumentError("prompt_ids: expected at least one token, got an empty list")
 
 
 @dataclass
 class Generation:
-    """The result of one request. Invariant: ``len(output_ids) == len(output_logprobs) == len(output_versions)``."""
+    """The result of one request. Invariant: ``len(output_ids) == len(output_logprobs) == len(output_versions)``.
+
+    Values no engine can produce are refused on construction with :class:`~rlblocks.errors.ArgumentError` naming
+    the field and the element: a token id that is not an int ``>= 0``, a log-prob that is NaN or above 0 (fp32
+    rounding up to ``1e-3`` above 0 passes unchanged: a log-softmax of a near-certain token can round there), a
+    version that is not an int ``>= 0``. ``build_batch`` checks them again (and the vocabulary, given
+    ``vocab_size``), since the lists may change after construction.
+    """
 
     request_id: str
     prompt_ids: list[int]
@@ -100,24 +103,7 @@ class Generation:
     routed_experts: Tensor | None = None
 
     def __post_init__(self) -> None:
-        n = len(self.output_ids)
-        if len(self.output_logprobs) != n or len(self.output_versions) != n:
-            raise ArgumentError(
-                "Generation: output_ids, output_logprobs and output_versions must have one entry per token, got "
-                f"{n}, {len(self.output_logprobs)} and {len(self.output_versions)}"
-            )
-        if self.finish_reason not in FINISH_REASONS:
-            raise ArgumentError(f"finish_reason: expected one of {FINISH_REASONS}, got {self.finish_reason!r}")
-        r = self.routed_experts
-        if r is not None and not (
-            isinstance(r, Tensor) and r.dim() == 3 and r.dtype in (torch.uint8, torch.uint16)
-            and r.shape[0] <= len(self.prompt_ids) + n
-        ):
-            got = list(r.shape) if isinstance(r, Tensor) else type(r).__name__
-            raise ArgumentError(
-                f"routed_experts: expected a uint8/uint16 tensor [<= {len(self.prompt_ids) + n}, layers, top_k], "
-                f"got {got}"
-            )
+        check_outputs(self)
 
     @property
     def num_output_tokens(self) -> int:
@@ -140,6 +126,42 @@ class Generation:
             else:
                 spans.append((v, i, i + 1))
         return spans
+
+
+def check_outputs(g: Generation, *, name: str = "", vocab_size: int | None = None) -> None:
+    """Check, in place, the values of a generation that no engine can produce, so that they never reach the
+    training tensors: token ids (prompt and output) that are not ints ``>= 0`` (``< vocab_size`` when given),
+    log-probs that are NaN or ``> 0`` (beyond :data:`~rlblocks._checks.LOGPROB_SLACK` of fp32 rounding, which
+    passes unchanged), versions that are not ints ``>= 0``, lists of different lengths, an unknown
+    ``finish_reason`` and a malformed ``routed_experts``. The lists are replaced by checked copies (plain ints and
+    floats). Raises :class:`~rlblocks.errors.ArgumentError` naming the field (prefixed by ``name``, e.g.
+    ``generations[3].``) and the first bad element. Run by ``Generation`` on construction and by ``build_batch``
+    (a generation's lists may have changed since)."""
+    g.prompt_ids = check_token_ids(f"{name}prompt_ids", g.prompt_ids, vocab_size=vocab_size)
+    g.output_ids = check_token_ids(f"{name}output_ids", g.output_ids, vocab_size=vocab_size)
+    g.output_logprobs = check_logprob_list(f"{name}output_logprobs", g.output_logprobs)
+    versions = g.output_versions
+    if not (type(versions) is list and set(map(type, versions)) <= {int} and (not versions or min(versions) >= 0)):
+        versions = check_int_list(f"{name}output_versions", versions, minimum=0)
+    g.output_versions = list(versions)
+    n = len(g.output_ids)
+    if len(g.output_logprobs) != n or len(g.output_versions) != n:
+        raise ArgumentError(
+            f"{name or 'Generation: '}output_ids, output_logprobs and output_versions must have one entry per "
+            f"token, got {n}, {len(g.output_logprobs)} and {len(g.output_versions)}"
+        )
+    if g.finish_reason not in FINISH_REASONS:
+        raise ArgumentError(f"{name}finish_reason: expected one of {FINISH_REASONS}, got {g.finish_reason!r}")
+    r = g.routed_experts
+    if r is not None and not (
+        isinstance(r, Tensor) and r.dim() == 3 and r.dtype in (torch.uint8, torch.uint16)
+        and r.shape[0] <= len(g.prompt_ids) + n
+    ):
+        got = list(r.shape) if isinstance(r, Tensor) else type(r).__name__
+        raise ArgumentError(
+            f"{name}routed_experts: expected a uint8/uint16 tensor [<= {len(g.prompt_ids) + n}, layers, top_k], "
+            f"got {got}"
+        )
 
 
 @runtime_checkable

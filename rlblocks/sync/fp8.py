@@ -120,6 +120,12 @@ def scale_shape(shape: Iterable[int], block: tuple[int, int] = BLOCK) -> tuple[i
     return (*shape[:-2], -(-shape[-2] // bm), -(-shape[-1] // bn))
 
 
+def _check_matrix(name: str, x: Tensor) -> None:
+    """The last two dimensions (the ``[M, N]`` matrix the blocks tile) are not empty."""
+    if x.shape[-2] == 0 or x.shape[-1] == 0:
+        raise ArgumentError(f"{name}: expected a [..., M, N] weight with M > 0 and N > 0, got {list(x.shape)}")
+
+
 def _check_block(block: object) -> tuple[int, int]:
     if (
         not isinstance(block, tuple | list)
@@ -153,12 +159,14 @@ def quantize_fp8(
     ``scale_inv`` ``float32`` of :func:`scale_shape` (see the module docstring for the formula, rounding, saturation
     and the last partial block). Runs on ``weight``'s device; ``name`` only labels errors.
 
-    Raises :class:`~rlblocks.errors.ArgumentError` for a non-floating or 0/1-D tensor and for NaN or infinite
-    values (the message names ``name`` and counts them).
+    Raises :class:`~rlblocks.errors.ArgumentError` for a non-floating or 0/1-D tensor, a matrix with no rows or
+    no columns (``M == 0`` or ``N == 0``: no block, no scale), and for NaN or infinite values (the message names
+    ``name`` and counts them). Leading (``*batch``) dimensions of 0 give empty results.
     """
     if not isinstance(weight, Tensor) or not weight.is_floating_point() or weight.dim() < 2:
         got = f"{weight.dtype} {list(weight.shape)}" if isinstance(weight, Tensor) else type(weight).__name__
         raise ArgumentError(f"{name}: expected a floating tensor with at least 2 dimensions, got {got}")
+    _check_matrix(name, weight)
     bm, bn = _check_block(block)
     w = weight.detach()
     m, n = w.shape[-2], w.shape[-1]
@@ -199,14 +207,15 @@ def dequantize_fp8(
     """``float32(q) * scale_inv`` per block (float32 products), rounded once to ``dtype``: the inverse of
     :func:`quantize_fp8` up to its rounding, bit-identical to vLLM's ``block_dequant`` / ``scaled_dequantize``.
 
-    Checked (:class:`~rlblocks.errors.ArgumentError` naming ``name``): ``q`` is ``float8_e4m3fn``, ``scale_inv`` is
-    float32 of :func:`scale_shape`, every scale finite and positive. NaN bytes in ``q`` dequantise to NaN (the
-    caller's finiteness check sees them).
+    Checked (:class:`~rlblocks.errors.ArgumentError` naming ``name``): ``q`` is ``float8_e4m3fn`` with
+    ``M, N > 0``, ``scale_inv`` is float32 of :func:`scale_shape`, every scale finite and positive. NaN bytes in
+    ``q`` dequantise to NaN (the caller's finiteness check sees them).
     """
     bm, bn = _check_block(block)
     if not isinstance(q, Tensor) or q.dtype != FP8_DTYPE or q.dim() < 2:
         got = f"{q.dtype} {list(q.shape)}" if isinstance(q, Tensor) else type(q).__name__
         raise ArgumentError(f"{name}: expected a float8_e4m3fn tensor with at least 2 dimensions, got {got}")
+    _check_matrix(name, q)
     want = scale_shape(q.shape, (bm, bn))
     if not isinstance(scale_inv, Tensor) or scale_inv.dtype != torch.float32 or tuple(scale_inv.shape) != want:
         got = f"{scale_inv.dtype} {list(scale_inv.shape)}" if isinstance(scale_inv, Tensor) else type(scale_inv)

@@ -101,9 +101,10 @@ def test_another_format_version_kind_or_a_foreign_file_is_refused(tmp_path):
     data = p.read_bytes()
     end = _header_end(data)
     header = json.loads(data[len(MAGIC):end])
-    p.write_bytes(MAGIC + json.dumps({**header, "format": 2}).encode() + b"\n" + data[end:])
-    with pytest.raises(CheckpointError, match="checkpoint format 2, this rlblocks reads format 1"):
-        load_checkpoint(p)
+    for fmt in (3, 0, "2", True):
+        p.write_bytes(MAGIC + json.dumps({**header, "format": fmt}).encode() + b"\n" + data[end:])
+        with pytest.raises(CheckpointError, match=f"checkpoint format {fmt!r}, this rlblocks reads formats 1, 2"):
+            load_checkpoint(p)
     save_checkpoint(p, _state(), kind="teacher")
     with pytest.raises(CheckpointError, match="a 'teacher' checkpoint, expected a 'run' one"):
         load_checkpoint(p, kind="run")

@@ -9,7 +9,14 @@ import threading
 import numpy as np
 import pytest
 
-from rlblocks._checks import check_logprob_list, check_seconds, check_state_keys, check_timeout
+from rlblocks._checks import (
+    LOGPROB_SLACK,
+    check_logprob_list,
+    check_seconds,
+    check_state_keys,
+    check_timeout,
+    check_token_ids,
+)
 from rlblocks.errors import ArgumentError
 
 
@@ -46,11 +53,27 @@ def test_check_state_keys_names_the_owner_and_the_key():
 
 def test_check_logprob_list():
     assert check_logprob_list("lp", [-0.5, 0, -math.inf, np.float32(-1.0)]) == [-0.5, 0.0, -math.inf, -1.0]
-    for bad, i in (([-0.5, math.nan], 1), ([math.inf], 0)):
+    assert check_logprob_list("lp", [1e-7, LOGPROB_SLACK]) == [1e-7, LOGPROB_SLACK]  # fp32 rounding, unchanged
+    for bad, i in (([-0.5, math.nan], 1), ([math.inf], 0), ([-1.0, 0.5], 1), ([np.float32(0.01)], 0),
+                   ([-1.0, LOGPROB_SLACK * 1.5], 1)):
         with pytest.raises(ArgumentError, match=rf"^lp\[{i}\]: expected a log-probability"):
             check_logprob_list("lp", bad)
     with pytest.raises(ArgumentError, match=r"^lp\[0\]: expected a real number"):
         check_logprob_list("lp", [True])
+
+
+def test_check_token_ids():
+    ids = [3, 0, 9]
+    out = check_token_ids("ids", ids, vocab_size=10)
+    assert out == ids and out is not ids
+    assert check_token_ids("ids", (np.int64(2), 4)) == [2, 4]
+    for bad, msg in (([1, -1], r"^ids\[1\]: expected an int >= 0, got -1"), ([True], r"^ids\[0\]: expected an int"),
+                     ([2.0], r"^ids\[0\]: expected an int >= 0, got 2\.0"), ("12", r"^ids: expected a sequence"),
+                     ([1, 10], r"^ids\[1\]: expected a token id in \[0, 10\) \(the vocabulary\), got 10")):
+        with pytest.raises(ArgumentError, match=msg):
+            check_token_ids("ids", bad, vocab_size=10)
+    with pytest.raises(ArgumentError, match=r"^vocab_size: expected an int >= 1, got 0"):
+        check_token_ids("ids", [1], vocab_size=0)
 
 
 def test_one_rule_per_kind_of_value():

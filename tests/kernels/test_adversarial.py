@@ -232,3 +232,19 @@ def test_numpy_scalars_are_numbers_and_tensors_or_bools_are_not():
     for beta in (True, torch.tensor(0.3), 1.0, 0):
         with pytest.raises(ArgumentError, match=r"beta: expected a float in \(0, 1\)"):
             vocab_kl(x, t, kind="jsd", beta=beta)
+
+
+# ----------------------------------------------------------------------------------------- empty hidden dimension
+@pytest.mark.parametrize("n", [3, 0])
+def test_a_hidden_size_of_zero_is_refused_by_name(n):
+    """A contraction over 0 hidden entries means nothing (it used to raise torch's ``cannot reshape tensor of 0
+    elements``); an empty batch with a real hidden size still gives empty outputs (above)."""
+    y = torch.zeros(n, dtype=torch.long)
+    with pytest.raises(ArgumentError, match=rf"^hidden: expected shape \[\.\.\., H\] with H > 0, got \[{n}, 0\]"):
+        linear_token_logprobs(torch.zeros(n, 0), torch.zeros(5, 0), y)
+    with pytest.raises(ArgumentError, match=rf"^hidden: expected shape \[\.\.\., H\] with H > 0, got \[{n}, 0\]"):
+        linear_token_logprobs_loss(torch.zeros(n, 0, requires_grad=True), torch.zeros(5, 0), y, torch.ones(n))
+    with pytest.raises(ArgumentError, match=r"^student_hidden: expected shape \[\.\.\., Hs\] with Hs > 0"):
+        linear_vocab_kl(torch.zeros(n, 0), torch.zeros(5, 0), torch.zeros(n, 4), torch.zeros(5, 4))
+    with pytest.raises(ArgumentError, match=r"^teacher_hidden: expected shape \[\.\.\., Ht\] with Ht > 0"):
+        linear_vocab_kl(torch.zeros(n, 4), torch.zeros(5, 4), torch.zeros(n, 0), torch.zeros(5, 0))

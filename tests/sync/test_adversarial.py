@@ -4,6 +4,8 @@ weights back), and generators that used to check their arguments only at the fir
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -123,3 +125,20 @@ def test_merge_lora_checks_its_state_at_the_call():
     for bad in ({}, {"tensors": [], "config": {}}, None):
         with pytest.raises(ArgumentError, match=r"^lora_state: expected the dict returned by lora_state"):
             merge_lora({"w.weight": torch.zeros(2, 2)}, bad)
+
+
+# ------------------------------------------------------------------------------------------------------ FP8
+@pytest.mark.parametrize("shape", [(0, 128), (128, 0), (4, 0, 128), (0, 0)])
+def test_fp8_of_a_matrix_without_rows_or_columns_is_refused_by_name(shape):
+    """It used to raise torch's ``cannot reshape tensor of 0 elements``; a weight with no rows or columns has no
+    blocks to scale (an empty leading dimension is a batch of 0 matrices: empty results, checked below)."""
+    from rlblocks.sync.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8, scale_shape
+
+    msg = r"^layer\.weight: expected a \[\.\.\., M, N\] weight with M > 0 and N > 0, got " + re.escape(str(list(shape)))
+    with pytest.raises(ArgumentError, match=msg):
+        quantize_fp8(torch.zeros(shape), name="layer.weight")
+    with pytest.raises(ArgumentError, match=r"^layer\.weight: expected a \[\.\.\., M, N\] weight with M > 0"):
+        dequantize_fp8(torch.zeros(shape).to(FP8_DTYPE), torch.ones(scale_shape(shape)), name="layer.weight")
+    q, s = quantize_fp8(torch.zeros(0, 128, 128))
+    assert q.shape == (0, 128, 128) and q.dtype == FP8_DTYPE and s.shape == (0, 1, 1)
+    assert dequantize_fp8(q, s).shape == (0, 128, 128)

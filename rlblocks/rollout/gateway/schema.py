@@ -100,7 +100,9 @@ def _boolean(v: Any) -> bool | None:
 
 
 def _only_n_one(v: Any) -> None:
-    if v not in (None, 1) or isinstance(v, bool):
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int)):  # 1.0 == 1 == True: the type decides
+        raise _refuse("invalid_type", f"expected an integer, got {_show(v, 40)} ({type(v).__name__})")
+    if v not in (None, 1):
         raise _refuse("unsupported_value", f"only n=1 is supported (send one request per sample), got {v!r}")
 
 
