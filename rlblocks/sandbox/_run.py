@@ -27,7 +27,6 @@ __all__ = ["SandboxLimits", "SandboxResult", "arun_python", "isolation_support",
 
 _ISOLATION = ("strict", "weak")
 _BOOT = (Path(__file__).with_name("_boot.py")).read_text(encoding="utf-8")
-_TAIL = 256  # bytes of each stream kept beyond the cap, so that the checks' marker survives a flood of output
 _REFUSED_RC = 97  # the bootstrap's exit status when a required layer is missing
 # Seconds each step of the clean-up after the wall clock may take (reap, empty the cgroup, drain the pipes): three
 # steps stay under the one second a call may run past wall_seconds.
@@ -85,9 +84,10 @@ class SandboxResult:
     ``"disk"`` (the scratch directory is full), or ``"killed"`` (SIGKILL from outside the sandbox's own limits,
     e.g. the OOM killer). Output is never a reason to stop (it is truncated, not fatal). ``isolation``: the layers
     in force, as the sandbox's first code found them (``mode``, ``tool``, ``namespaces``, ``seccomp``,
-    ``network``, ``processes``, ``files``, ``disk``, ``proc``, ``capabilities``, ``audit_hook``).
-    ``checks_passed``: for a run with ``checks``, whether the program and every check ran to the end (the
-    per-run marker came back); ``None`` without checks. ``error``: the sandbox itself failed (the interpreter
+    ``network``, ``processes``, ``files``, ``disk``, ``proc``, ``capabilities``, ``audit_hook``, and with checks
+    ``checks``: where they ran). ``checks_passed``: for a run with ``checks``, whether every check ran to its end
+    without an error while the program's process kept answering (the checker's verdict, read from a pipe the
+    program cannot write to); ``None`` without checks. ``error``: the sandbox itself failed (the interpreter
     would not start); the program did not run.
     """
 
@@ -146,13 +146,12 @@ def _cgroup_possible() -> bool:
 
 
 class _Capture:
-    """One output stream: the first ``cap`` bytes, the count of the rest, and its last ``_TAIL`` bytes; what was
-    read so far stays available when reading is stopped."""
+    """One output stream: the first ``cap`` bytes and the count of the rest; what was read so far stays
+    available when reading is stopped."""
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self.kept = bytearray()
-        self.tail = bytearray()
         self.dropped = 0
 
     async def pump(self, stream: asyncio.StreamReader) -> None:
@@ -163,10 +162,7 @@ class _Capture:
             room = self.cap - len(self.kept)
             if room > 0:
                 self.kept += chunk[:room]
-            over = chunk[max(room, 0):]
-            self.dropped += len(over)
-            if over:
-                self.tail = (self.tail + over)[-_TAIL:]
+            self.dropped += len(chunk) - max(min(room, len(chunk)), 0)
 
 
 def _check_run_args(code: object, stdin: object, args: object, files: object, python: object,
@@ -247,6 +243,29 @@ def _dir_bytes(path: Path) -> int:
     return total
 
 
+def _status(fd: int, marker: str | None) -> tuple[dict, dict]:
+    """What the sandbox's first code wrote on the status pipe: the layers in force (the first line), and with
+    checks the checker's verdict (a later line carrying this run's marker; none when the checker died)."""
+    os.set_blocking(fd, False)
+    data = b""
+    try:
+        while chunk := os.read(fd, 65536):
+            data += chunk
+    except OSError:  # nothing more (EAGAIN)
+        pass
+    lines = []
+    for line in data.split(b"\n"):
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            lines.append(obj)
+    isolation = lines[0] if lines and "marker" not in lines[0] else {}
+    verdict = next((v for v in lines if marker is not None and v.get("marker") == marker), {})
+    return isolation, verdict
+
+
 def _memfd(data: bytes) -> int:
     fd = os.memfd_create("rlblocks-sandbox-file", 0)
     os.write(fd, data)
@@ -296,13 +315,21 @@ async def arun_python(
     → str or bytes content) are written into the scratch directory first, beside the program itself (``main.py``,
     a name ``files`` may not use). The program runs as ``__main__``.
 
-    ``checks``: Python statements (assertion tests) run after the program, in its namespace. The program then
-    runs in a worker thread, and ``checks_passed`` is True only when the program and every check ran to their end:
-    the last statement makes the sandbox print a per-run random marker (``secrets.token_hex``), which is read back
-    from stdout and removed from it. The program never sees the marker (see :mod:`rlblocks.sandbox._boot`), so an
+    ``checks``: Python statements (assertion tests) run after the program, as if in its namespace, but in a
+    separate checker process inside the same sandbox: the checks, their constants and the verdict never enter
+    the program's process, so no frame walk, garbage-collector search or re-run of code it finds can read or
+    forge them. The checks see the program's top-level names as proxies: calls, attributes, items, ``len``,
+    ``bool``, iteration and ``str`` go to the program's process over a pipe, and results come back as plain
+    built-in values (a namedtuple as a tuple, a numpy scalar as a number; an object of the program's own class
+    stays a reference, equal only to itself), so the comparisons run on the checker's side and no ``__eq__`` of
+    the program decides them. Lists, dicts, sets and bytearrays passed to a call are updated in place afterwards.
+    A program name that is also a builtin's (``abs``, ``len``, ...) is not seen by the checks. ``checks_passed``
+    is the checker's verdict, written with a per-run marker on a pipe the program's process does not hold: an
     early ``os._exit(0)`` / ``sys.exit(0)`` / ``atexit`` exit, a patched ``print`` or ``sys.stdout``, a killed
-    interpreter or a guessed marker never pass. Checks with ``allow_subprocesses=True`` are refused: a child
-    process could read its parent's memory.
+    checker, printed or guessed verdicts never pass. The program's process ends when the checks are done (no
+    ``atexit`` handlers run); a program that ends before, killed by a signal or not, ends the run the same way
+    (its exit status, or ``0`` with ``checks_passed`` False). Checks with ``allow_subprocesses=True`` are refused:
+    in weak isolation a child process could read the checker's memory.
 
     Returns a :class:`SandboxResult`; a program that fails, is killed or exceeds a limit is a result, not an
     exception, and the call returns within about ``wall_seconds + 1`` s. Raises
@@ -315,7 +342,7 @@ async def arun_python(
         raise ArgumentError(f"limits: expected a SandboxLimits, got {type(limits).__name__}")
     if checks is not None and limits.allow_subprocesses:
         raise ArgumentError("checks: expected limits.allow_subprocesses=False with checks (a child process could "
-                            "read the checker's marker from its parent's memory), got allow_subprocesses=True")
+                            "read the checker's memory), got allow_subprocesses=True")
     python = os.fspath(python) if python is not None else sys.executable
     t0 = time.perf_counter()
     if not (os.path.isfile(python) and os.access(python, os.X_OK)):
@@ -348,7 +375,7 @@ async def arun_python(
         return fd
 
     try:
-        extra = 1 if checks is not None else 0  # the worker thread the checks run in
+        extra = 1 if checks is not None else 0  # the checker process
         cgroup = PidsCgroup.create(limits.max_processes + extra + (2 if use_bwrap else 1))
         status_r, status_w = os.pipe()
         fds += [status_r, status_w]
@@ -454,14 +481,10 @@ async def arun_python(
             await asyncio.wait_for(readers, _GRACE)
         except asyncio.TimeoutError:  # a descendant outside every kill still holds a pipe: stop reading there
             pass
-        out, out_dropped, out_tail = bytes(out_cap.kept), out_cap.dropped, bytes(out_cap.tail)
+        out, out_dropped = bytes(out_cap.kept), out_cap.dropped
         err, err_dropped = bytes(err_cap.kept), err_cap.dropped
         seconds = time.perf_counter() - t0
-        os.set_blocking(status_r, False)
-        try:
-            isolation = json.loads(os.read(status_r, 65536) or b"{}")
-        except (OSError, ValueError):
-            isolation = {}
+        isolation, verdict = _status(status_r, marker)
         rc = proc.returncode
         if use_bwrap and rc is not None and 128 < rc < 128 + signal.NSIG:
             # bubblewrap exits with 128 + N when the program was killed by signal N (a program that exits with
@@ -478,13 +501,9 @@ async def arun_python(
             if strict:
                 raise SandboxUnavailable(f"bubblewrap could not start the sandbox: {msg}")
             return SandboxResult(None, "", stderr, seconds, error=f"bubblewrap could not start the sandbox: {msg}")
-        passed = None
-        if marker is not None:
-            token = f"\n{marker}\n".encode()
-            passed = token in out or token in out_tail
-            if token in out:
-                i = out.rindex(token)
-                out = out[:i] + out[i + len(token):]
+        passed = None if marker is None else verdict.get("checks") == "passed"
+        if "checker" in verdict:
+            isolation["checks"] = verdict["checker"]
         sig = signal.Signals(-rc).name if rc is not None and rc < 0 else None
         return SandboxResult(
             returncode=None if timed_out else rc,
