@@ -751,11 +751,7 @@ class _Link:
         """Send ``msg``, return the program's reply (a dict); :class:`_ProgramGone` when there is none."""
         if self.dead is not None:
             raise _ProgramGone(self.dead)
-        for s in (self.sys.stdout, self.sys.stderr):  # the checks' output before the program's next output
-            try:
-                s.flush()
-            except Exception:
-                pass
+        _flush(self.sys)  # the checks' output before the program's next output
         try:
             _send(self.os, self.wfd, _dumps(self.json, msg))
             reply = _recv(self.os, self.json, self.rfd, self.cap)
@@ -837,7 +833,8 @@ def _checker(os, sys, json, cfg, pid, req_w, resp_r):
         checks = compile("\n\n".join(secret["checks"]) + "\n", "<checks>", "exec", dont_inherit=True)
         ready = link.exchange({"op": "go"}).get("ready")
         if type(ready) is not list:
-            raise _ProgramGone("the program's process broke the checker's channel (no list of names)")
+            link.dead = "the program's process broke the checker's channel (no list of its names)"
+            raise _ProgramGone(link.dead)
         ns = {"__name__": "__main__", "__builtins__": builtins}
         for item in ready:
             name = item[0] if type(item) is list and len(item) == 2 else None
@@ -850,19 +847,18 @@ def _checker(os, sys, json, cfg, pid, req_w, resp_r):
         pass
     except BaseException as e:
         sys.__excepthook__(type(e), e, e.__traceback__)
-    for s in (sys.stdout, sys.stderr):
-        try:
-            s.flush()
-        except Exception:
-            pass
-    if link.dead is None:
+    _flush(sys)
+    if link.dead == "ended":  # the program ended (or closed its channel) before the checks did: its exit status
+        status, killed = _reap(os, time, pid, 2.0)
+    elif link.dead is not None:  # it broke the channel: nothing more of it is run, or shown
+        _reap(os, time, pid, 0.0)
+    else:
+        # The program's process flushed its output before its last reply and has nothing left to do: tell it to
+        # end, and end now (the sandbox's teardown, or the host, kills what is left of the run).
         try:
             _send(os, req_w, _dumps(json, {"op": "end"}))
         except OSError:
             pass
-    os.close(req_w)
-    os.close(resp_r)
-    status, killed = _reap(os, time, pid, 2.0)
     how = "separate process" + ("" if dumpable else ", not dumpable")
     verdict = {"marker": secret["marker"], "checks": "passed" if passed else "failed", "checker": how}
     os.write(cfg["status_fd"], json.dumps(verdict).encode() + b"\n")
@@ -873,8 +869,17 @@ def _checker(os, sys, json, cfg, pid, req_w, resp_r):
     elif link.dead == "ended" and killed:
         os.write(2, b"rlblocks sandbox: the program's process closed the checker's channel and did not end\n")
     elif link.dead == "ended":
-        _end_like(os, status)  # the program ended before the checks did: its own exit status
+        _end_like(os, status)
     os._exit(1)
+
+
+def _flush(sys):
+    """Flush the standard streams, the current ones and the original ones (a program may have replaced them)."""
+    for s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            s.flush()
+        except BaseException:
+            pass
 
 
 def _reap(os, time, pid, timeout):
@@ -916,20 +921,16 @@ def _serve(code, globals_, req_r, resp_w, cap):
     def leave(rc):
         # the end of the program: its output flushed, then the process ends at once (no atexit handlers, as
         # when the checks end it)
-        for s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-            try:
-                s.flush()
-            except BaseException:
-                pass
+        _flush(sys)
         if rc is None:
-            rc = 0
-        elif type(rc) is not int and type(rc) is not bool:
-            try:
-                os.write(2, f"{rc}\n".encode("utf-8", "replace"))
-            except BaseException:
-                pass
-            rc = 1
-        os._exit(int(rc) & 0xFF)
+            os._exit(0)
+        if isinstance(rc, int):
+            os._exit(int.__int__(rc) & 0xFF)
+        try:
+            os.write(2, f"{rc}\n".encode("utf-8", "replace"))
+        except BaseException:
+            pass
+        os._exit(1)
 
     def send(obj):
         try:
@@ -998,13 +999,9 @@ def _serve(code, globals_, req_r, resp_w, cap):
         if type(k) is str and not (k.startswith("__") and k.endswith("__")):
             try:
                 names.append([k, _encode(v, ref, [10000])])  # small data as values, the rest by reference
-            except Exception:
+            except BaseException:
                 names.append([k, ref(v)])
-    for s in (sys.stdout, sys.stderr):
-        try:
-            s.flush()
-        except BaseException:
-            pass
+    _flush(sys)  # (the program's output is out before each message: the checker may end the run after any)
     send({"ready": names})
     while True:
         msg = _recv(os, json, req_r, cap)
@@ -1020,11 +1017,7 @@ def _serve(code, globals_, req_r, resp_w, cap):
             except BaseException:
                 text = "(unprintable)"
             out = {"err": [type(e).__name__, text[:2000]]}
-        for s in (sys.stdout, sys.stderr):
-            try:
-                s.flush()
-            except BaseException:
-                pass
+        _flush(sys)
         send(out)
 
 

@@ -223,19 +223,20 @@ FORGERIES = {
         "sys.stdout.flush()\n"),
     "a verdict and forged replies written to every descriptor it can guess": WRONG + (
         "import json, os, secrets, sys\n"
-        "wrote, opened = 0, 0\n"
-        "for fd in range(3, 256):\n"
-        "    for data in (json.dumps({'marker': secrets.token_hex(16), 'checks': 'passed'}).encode() + b'\\n',\n"
-        "                 len(b'{\"ok\":true}').to_bytes(4, 'big') + b'{\"ok\":true}'):\n"
-        "        try:\n            os.write(fd, data)\n            wrote += 1\n"
-        "        except OSError:\n            pass\n"
+        "opened = 0\n"
         "for pid in {os.getppid(), 1, 2}:\n"
         "    for fd in range(64):\n"
         "        try:\n"
         "            with open(f'/proc/{pid}/fd/{fd}', 'wb') as f:\n"
         "                f.write(b'{\"checks\": \"passed\"}\\n')\n                opened += 1\n"
         "        except OSError:\n            pass\n"
-        "sys.stderr.write(f'forged {wrote} writes; opened {opened} descriptors of other processes\\n')\n"),
+        "sys.stderr.write(f'opened {opened} descriptors of other processes\\n')\n"
+        "sys.stderr.flush()\n"
+        "for fd in range(3, 256):\n"
+        "    for data in (json.dumps({'marker': secrets.token_hex(16), 'checks': 'passed'}).encode() + b'\\n',\n"
+        "                 len(b'{\"ok\":true}').to_bytes(4, 'big') + b'{\"ok\":true}'):\n"
+        "        try:\n            os.write(fd, data)\n"
+        "        except OSError:\n            pass\n"),
     "the checker's memory, environment and descriptors read through /proc": WRONG + (
         "import os, sys\n"
         "seen = []\n"
