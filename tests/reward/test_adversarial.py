@@ -169,18 +169,17 @@ WALKS = {
         "import inspect\n"
         "def add(a, b):\n    for fi in inspect.stack():\n        from_frames(fi.frame)\n    return cheat(a, b)\n"),
 }
-# the walks are tried against checks of three shapes: plain, with a type check, and a generator expression
-SHAPES = [
-    [CodeTest(assertion="assert add(2, 3) == 5"), CodeTest(assertion="assert add(-1, 1) == 0")],
-    [CodeTest(assertion="assert add(2, 3) == 5 and type(add(2, 3)) is int"),
-     CodeTest(assertion="assert add(-1, 1) == 0 and type(add(-1, 1)) is int")],
-    [CodeTest(assertion="assert all(add(a, b) == c for a, b, c in [(2, 3, 5), (-1, 1, 0)])")],
-]
+# checks with a type check (what reading the constants must get right), and a generator expression (whose frame
+# the generator walk reaches); the first walk also meets the plain shape
+TYPED = [CodeTest(assertion="assert add(2, 3) == 5 and type(add(2, 3)) is int"),
+         CodeTest(assertion="assert add(-1, 1) == 0 and type(add(-1, 1)) is int")]
+GENEXP = [CodeTest(assertion="assert all(add(a, b) == c for a, b, c in [(2, 3, 5), (-1, 1, 0)])")]
 
 
 @pytest.mark.parametrize("name", list(WALKS))
 def test_walks_to_the_checks_find_nothing_and_score_zero(reward, name):
-    for tests in SHAPES[1:] if name.startswith("generator") else SHAPES[:2]:
+    shapes = {"sys._getframe f_back": [TESTS, TYPED], "generator": [GENEXP]}
+    for tests in next((v for k, v in shapes.items() if name.startswith(k)), [TYPED]):
         r = score(reward, WALK + WALKS[name], tests)
         assert r.score == 0.0, (name, r.details["tests"])
         for t in r.details["tests"]:
