@@ -9,12 +9,17 @@ A test (:class:`CodeTest`) is either
 - stdin/stdout (APPS, CodeContests, LiveCodeBench style): the program reads ``stdin``; it passes when it exits with
   status 0 and its stdout equals ``stdout`` under the chosen comparison; or
 - an assertion (HumanEval, MBPP style): ``assertion`` (e.g. ``"assert add(2, 3) == 5"``) runs after the program,
-  in its namespace, as the sandbox's ``checks`` (the program then runs in a worker thread, so it cannot install
-  signal handlers); it passes only when the per-run random marker printed after the assertion comes back
-  (:attr:`~rlblocks.sandbox.SandboxResult.checks_passed`). A program that ends the process
-  first (``os._exit(0)``, ``sys.exit(0)``, ``atexit.register(os._exit, 0)``, ``SystemExit`` raised inside the
-  test), patches ``print`` or ``sys.stdout``, kills its interpreter or prints a guessed marker scores 0 for that
-  test, with the reason recorded; or both (the program's stdout, without the marker, must also match).
+  as the sandbox's ``checks``: in a checker process of the same sandbox that the program's process never shares,
+  with the program's top-level names reached through a narrow channel (calls, attributes, items, iteration; results
+  come back as plain built-in values, so the comparison is the checker's own). The assertion, its constants and the
+  verdict are nowhere the program can look: frame walks, tracebacks, generator frames, other threads, the garbage
+  collector or ``inspect`` find none of them, and there is no code of the checks to re-run. It passes only on the
+  checker's verdict (:attr:`~rlblocks.sandbox.SandboxResult.checks_passed`). A program that ends its process first
+  (``os._exit(0)``, ``sys.exit(0)``, ``atexit.register(os._exit, 0)``, ``SystemExit`` raised inside the test),
+  returns an object equal to everything (an object of the program's own class is equal only to itself; a subclass
+  of a built-in type arrives as its base type), shadows a builtin the assertion uses (the checks keep their own),
+  patches ``print`` or ``sys.stdout``, prints or writes a verdict, or kills the checker scores 0 for that test,
+  with the reason recorded; or both (the program's stdout must also match).
 
 The program is the last fenced code block of the response (```` ```python ````, ```` ```py ```` or a bare
 ```` ``` ````), or the whole response when it has none.
@@ -28,9 +33,11 @@ failures a ``reason`` and the tail of ``stderr``. ``score = passed / total``; ``
 not start) makes the whole result an error (the infrastructure failed, not the program), as does a reference that
 is not a list of tests.
 
-Not covered, as in every harness that runs assertions in the program's namespace: a program can shadow a name the
-assertion uses, or return an object whose ``__eq__`` is always true; stdin/stdout tests compare text and are immune
-to both.
+Limits of the channel: the checks cannot pass the program their own functions or objects of their own classes
+(only built-in values and the program's objects travel); a list, dict, set or bytearray passed to a call is a copy,
+updated in place from the program's copy when the call returns (a later change by the program is not seen); an
+object of the program's own class supports calls, attributes, items, ``len``, ``bool``, iteration and ``str`` in
+the checks, not operators or ``isinstance``.
 """
 
 from __future__ import annotations
@@ -146,8 +153,8 @@ def _outcome(test: CodeTest, r: SandboxResult, compare: str) -> dict[str, Any]:
         rec["reason"] = f"stopped by the {r.limit} limit{before}"
     elif unfinished and r.returncode == 0:
         rec["status"] = "early_exit"
-        rec["reason"] = ("the program ended the process with status 0 before every assertion had run (the "
-                         "checker's marker did not come back)")
+        rec["reason"] = ("the program ended its process with status 0 before every assertion had run (no "
+                         "verdict from the checker)")
     elif unfinished or r.returncode != 0:
         rec["status"] = "runtime_error"
         err = _last_line(r.stderr)

@@ -3,23 +3,32 @@
 It runs single-threaded, before any untrusted byte is read, and imports only the standard library (rlblocks
 itself is not visible inside the sandbox). In order it
 
-1. reads the run's secret (a per-run marker and the checks, see below) from an inherited in-memory file and
-   closes it;
-2. checks the kernel layers the host asked for (PID, user and network namespaces, seccomp, a read-only root, a
+1. checks the kernel layers the host asked for (PID, user and network namespaces, seccomp, a read-only root, a
    size-limited scratch directory, no capabilities) and reports what it found on the status pipe; a missing
    required layer stops it here, before the program is even read;
-3. sets the rlimits;
+2. sets the rlimits;
+3. with checks, forks: the parent becomes the **checker**, the child the **program's process** (below);
 4. installs the audit hooks (PEP 578, they cannot be removed from Python) and runs the program.
 
-**Checks and the marker.** With checks (assertion tests), the program runs in a worker thread, then the checks
-in the same namespace, then a last statement the checks end with raises the audit event
-``rlblocks.sandbox.finish``. A first audit hook, the only holder of the marker, writes the marker to stdout and
-ends the process at once, but only when that event comes from the frame of the checks' own code object: the
-program cannot forge it by exiting early (no marker), by raising the event itself (wrong frame; the marker is
-then withheld for good), by patching ``print`` or ``sys.stdout`` (the hook writes with ``os.write``), or by
-reading the marker (it is in no file, argument, environment variable, global or frame the program can reach:
-``gc`` and frame-walking of other threads are refused, the program runs outside the main thread so no signal
-handler of its own can see a frame, ``/proc/*/mem`` cannot be opened, and no native code can be loaded).
+**Checks run where the program is not.** With checks (assertion tests), what the program's process can see holds
+no secret, so there is nothing for it to find by walking frames, tracebacks, generators, threads or the garbage
+collector, or by reading its own memory: the checker reads the checks and a per-run marker from an inherited
+in-memory file only after the fork (the child closes its copy first, and never had the contents), makes itself
+non-dumpable (another process of the same user cannot read its memory or descriptors through ptrace or /proc),
+and only then lets the program start. The checks run in the checker against proxies of the program's top-level
+names; each use of a proxy (a call, an attribute, an item, ``len``, ``bool``, iteration, ``str``) is one request
+over a pipe to the program's process, which answers with the result as plain data: JSON with type tags for
+tuples, sets, dicts, dict views, bytes, big ints, complex numbers, slices, ranges, fractions, decimals and numpy
+arrays, subclasses converted to their base type, anything else a reference to an object that stays in the
+program's process. The checker
+builds only built-in values from a reply, so no ``__eq__`` of the program ever runs there; a reference compares
+equal only to itself. Lists, dicts, sets and bytearrays passed to a call are updated in place from the program's
+copies afterwards, so tests of in-place functions keep working. The verdict is written by the checker, with the
+marker, on the status pipe, which the program's process closed at the fork; nothing the program prints or writes
+to its own descriptors can make a check pass. A program that ends (or kills) its process before the checks have
+finished, or that kills the checker, fails; the checker then exits the way the program's process did. The
+checker runs without the policy hook: the checks are the caller's code, and all that reaches them from the program
+is built-in values.
 """
 
 
@@ -60,17 +69,7 @@ def _main():
     import stat
 
     cfg = json.loads(sys.argv[1])
-    secret = None
-    if cfg["secret_fd"] >= 0:
-        data = b""
-        while True:
-            chunk = os.read(cfg["secret_fd"], 65536)
-            if not chunk:
-                break
-            data += chunk
-        os.close(cfg["secret_fd"])
-        secret = json.loads(data)
-        del data, chunk
+    with_checks = cfg["secret_fd"] >= 0
     root = os.path.realpath(os.getcwd())
     lim = cfg["limits"]
     strict_layers = cfg["bwrap"]
@@ -107,7 +106,7 @@ def _main():
     if strict_layers and host_uid != 0:
         # In a fresh user namespace the kernel (5.14+) counts RLIMIT_NPROC per namespace, so this is the
         # sandbox's own budget; for the host's uid 0 the limit is not enforced at all, hence the cgroup.
-        nproc = lim["max_processes"] + 1 + (1 if secret else 0)  # + bubblewrap's init (+ the checks' thread)
+        nproc = lim["max_processes"] + 1 + with_checks  # + bubblewrap's init (+ the checker)
         resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
         kernel = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2] if x.isdigit())
         found["process_limit"] = cfg["cgroup"] or kernel >= (5, 14)
@@ -132,8 +131,9 @@ def _main():
     status["processes"] = processes
     missing = sorted(k for k in cfg["require"] if not found.get(k, False))
     status["missing"] = missing
-    os.write(cfg["status_fd"], json.dumps(status).encode())
-    os.close(cfg["status_fd"])
+    os.write(cfg["status_fd"], json.dumps(status).encode() + b"\n")
+    if not with_checks:
+        os.close(cfg["status_fd"])
     if missing:
         os.write(2, f"rlblocks sandbox: refusing to run: layers not in force: {', '.join(missing)}\n".encode())
         os._exit(97)
@@ -146,28 +146,25 @@ def _main():
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_NOFILE, (lim["open_files"], lim["open_files"]))
 
-    # -- 4. the program and its checks ---------------------------------------------------------------------------
+    # -- 4. with checks, the checker and the program's process ---------------------------------------------------
+    chan = None
+    if with_checks:
+        req_r, req_w = os.pipe()  # checker -> program: requests
+        resp_r, resp_w = os.pipe()  # program -> checker: replies
+        pid = os.fork()
+        if pid:
+            for fd in (req_r, resp_w):
+                os.close(fd)
+            _checker(os, sys, json, cfg, pid, req_w, resp_r)  # never returns
+        for fd in (cfg["secret_fd"], cfg["status_fd"], req_w, resp_r):  # first: this process never reads them
+            os.close(fd)
+        chan = (req_r, resp_w, _message_cap(cfg))
+
+    # -- 5. the program ------------------------------------------------------------------------------------------
     program = cfg["program"]
     with open(program, "rb") as f:
         src = f.read()
-    checks_code = None
-    if secret is not None:
-        import ast
-
-        # The checks run as one code object that ends by flushing stdout and raising the finish event; the
-        # event's line is past every line of the checks, so no other statement of that code object carries it.
-        tree = ast.parse("\n\n".join(secret["checks"]) + "\n", filename="<checks>")
-        finish_line = max([getattr(n, "end_lineno", 0) or 0 for n in ast.walk(tree)] + [0]) + 6
-        tail = ast.parse('try:\n    __import__("sys").stdout.flush()\nexcept BaseException:\n    pass\n'
-                         '__import__("sys").audit("rlblocks.sandbox.finish")\n')
-        for node in tail.body:
-            ast.increment_lineno(node, finish_line - 5)
-        tree.body.extend(tail.body)
-        checks_code = compile(tree, "<checks>", "exec", dont_inherit=True)
-        _install_finisher(sys, os, checks_code, finish_line, ("\n" + secret["marker"] + "\n").encode())
-        secret = None  # the marker now lives only in the finisher hook
-
-    _install_policy(sys, os, stat, cfg, root, checks=checks_code is not None)
+    _install_policy(sys, os, stat, cfg, root, checks=with_checks)
     sys.argv = [program, *cfg["args"]]
     code = compile(src, program, "exec", dont_inherit=True)
     import types
@@ -175,31 +172,7 @@ def _main():
     main = types.ModuleType("__main__")
     main.__file__ = program
     sys.modules["__main__"] = main
-    return code, main.__dict__, checks_code
-
-
-def _install_finisher(sys, os, checks_code, finish_line, marker):
-    """The hook that holds the marker. It never raises (an exception would carry its frame to the program), calls
-    nothing the program can replace (every name it uses is a default argument bound here), and acts on one event
-    only."""
-    state = [checks_code, finish_line, marker, False]  # [code, line, marker bytes, withheld for good]
-
-    def _finisher(event, args, _st=state, _getframe=sys._getframe, _write=os.write, _exit=os._exit,
-                  _fin="rlblocks.sandbox.finish", _BE=BaseException):
-        if event != _fin:
-            return
-        try:
-            if _st[3]:
-                return
-            f = _getframe(1)
-            if f.f_code is _st[0] and f.f_lineno == _st[1]:
-                _write(1, _st[2])
-                _exit(0)
-            _st[3] = True  # raised from anywhere else: the program tried to forge the end of the checks
-        except _BE:
-            _st[3] = True
-
-    sys.addaudithook(_finisher)
+    return code, main.__dict__, chan
 
 
 def _install_policy(sys, os, stat, cfg, root, checks):
@@ -228,12 +201,7 @@ def _install_policy(sys, os, stat, cfg, root, checks):
                  "os.lchflags": ((0,), ()), "os.setxattr": ((0,), ()), "os.removexattr": ((0,), ()),
                  "shutil.rmtree": ((0,), ()), "shutil.copyfile": ((1,), (1,)), "shutil.copytree": ((1,), (1,)),
                  "shutil.move": ((0, 1), (1,)), "shutil.copymode": ((1,), ()), "shutil.copystat": ((1,), ())}
-    # With checks the marker lives in this process: refuse every way Python has to see another thread's frames
-    # or every object (the program's own frames stay visible: tracebacks, warnings and namedtuple need them).
-    introspection = {"sys.settrace", "sys.setprofile", "sys._settraceallthreads", "sys._setprofileallthreads",
-                     "sys._current_frames", "sys._current_exceptions", "gc.get_objects", "gc.get_referrers",
-                     "gc.get_referents", "sys.monitoring.register_callback"} if checks else set()
-    refused = {"sys.addaudithook", "code.__new__", "marshal.load"} | introspection
+    refused = {"sys.addaudithook", "code.__new__", "marshal.load"}
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
     counters = [0]  # files created (weak mode)
     scratch_prefix = root.rstrip("/") + "/"
@@ -289,7 +257,8 @@ def _install_policy(sys, os, stat, cfg, root, checks):
         except _OSError:
             return False
 
-    def _check_proc(real, _weak=weak, _getpid=os.getpid, _int=int, _len=len, _is_dir=_is_dir, _PE=PermissionError,
+    def _check_proc(real, _weak=weak, _others=weak or checks, _getpid=os.getpid, _int=int, _len=len,
+                    _is_dir=_is_dir, _PE=PermissionError,
                     _host_ok=frozenset({"cpuinfo", "meminfo", "stat", "uptime", "loadavg", "version"})):
         parts = real.split("/")  # ["", "proc", ...]
         if _len(parts) < 3 or parts[2] == "":
@@ -297,7 +266,7 @@ def _install_policy(sys, os, stat, cfg, root, checks):
         if "mem" in parts or "pagemap" in parts or "map_files" in parts:
             raise _PE(f"sandbox: reading process memory is not allowed: {real!r}")
         if parts[2].isdigit():
-            if _weak and _int(parts[2]) != _getpid():
+            if _others and _int(parts[2]) != _getpid():  # the host's processes, or the checker
                 raise _PE(f"sandbox: another process's /proc entry is not visible: {real!r}")
         elif _weak and not (_len(parts) == 3 and parts[2] in _host_ok):
             raise _PE(f"sandbox: the host's {real!r} is not visible")
@@ -467,56 +436,595 @@ def _install_policy(sys, os, stat, cfg, root, checks):
     sys.addaudithook(_policy)
 
 
-def _run_checks(code, globals_, checks_code):
-    """Worker thread: the program, then its checks (which end with the finish event). Reaching the end here
-    means the finish event did not end the process: something in the program interfered."""
+# -- the channel between the checker and the program's process ------------------------------------------------
+# A message is 4 bytes of length (big-endian) and that many bytes of JSON. Values travel as plain JSON (None, bool,
+# int, float, str, list) or as {"$": tag, "v": ...} for the other built-in types; {"$": "ref", "id": n} names an
+# object that stays in the program's process.
+
+_BIG_BITS = 8192  # larger ints travel as hex: JSON ints are read from decimal digits, whose length Python caps
+_DEPTH = 100  # nesting of one value
+_OPS = ("call", "getattr", "getitem", "len", "bool", "iter", "next", "repr", "str")
+_VIEWS = {type({}.keys()): "dict_keys", type({}.values()): "dict_values", type({}.items()): "dict_items"}
+
+
+class _TooBig(Exception):
+    """A value larger than the budget it was encoded with."""
+
+
+class _ProgramGone(BaseException):
+    """The program's process no longer answers (it ended, or broke the channel). A BaseException, so that no
+    ``except Exception`` of the checks can hide it; the checks fail whatever they do with it."""
+
+
+def _message_cap(cfg):
+    """The longest message either side reads: a quarter of the memory limit (at least 1 MiB)."""
+    return max(1 << 20, cfg["limits"]["memory_bytes"] // 4)
+
+
+def _dumps(json, obj):
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _send(os, fd, data):
+    view = memoryview(len(data).to_bytes(4, "big") + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_exact(os, fd, n):
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = os.read(fd, min(n - len(buf), 1 << 20))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def _recv(os, json, fd, cap):
+    """The next message; None at the end of the stream. ValueError for a message longer than ``cap`` bytes or
+    one that is not JSON."""
+    head = _read_exact(os, fd, 4)
+    if head is None:
+        return None
+    n = int.from_bytes(head, "big")
+    if n > cap:
+        raise ValueError(f"a message of {n} bytes, more than the {cap} read")
+    body = _read_exact(os, fd, n)
+    return None if body is None else json.loads(body)
+
+
+def _encode(x, ref, budget, depth=0):
+    """``x`` as JSON-able data; ``ref(x)`` stands for what is not plain data. Subclasses of built-in types are
+    encoded as their base type (a namedtuple as a tuple, a Counter as a dict), numpy scalars as Python numbers.
+    ``budget``: ``[nodes left]``, or None for no limit (:class:`_TooBig` when spent)."""
+    if budget is not None:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise _TooBig
+    if depth > _DEPTH:
+        raise ValueError(f"a value nested more than {_DEPTH} levels deep cannot be sent")
+    t = type(x)
+    if x is None or t is bool or t is str or t is float:
+        return x
+    if t is int:
+        return x if x.bit_length() <= _BIG_BITS else {"$": "int", "v": hex(x)}
+    d = depth + 1
+    if t is list:
+        return [_encode(e, ref, budget, d) for e in x]
+    if t is tuple or t is set or t is frozenset:
+        return {"$": t.__name__, "v": [_encode(e, ref, budget, d) for e in x]}
+    if t is dict:
+        return {"$": "dict", "v": [[_encode(k, ref, budget, d), _encode(v, ref, budget, d)] for k, v in x.items()]}
+    if t is bytes or t is bytearray:
+        return {"$": t.__name__, "v": x.hex()}
+    if t is complex:
+        return {"$": "complex", "v": [x.real, x.imag]}
+    if t is slice or t is range:
+        return {"$": t.__name__, "v": [_encode(e, ref, budget, d) for e in (x.start, x.stop, x.step)]}
+    if t in _VIEWS:
+        return {"$": _VIEWS[t], "v": [_encode(e, ref, budget, d) for e in x]}
+    try:
+        kind, base = _as_builtin(x, t)
+    except Exception:  # (code of the value's own type failed: it stays where it is)
+        kind = None
+    if kind is None:
+        return ref(x)
+    if kind == "tagged":
+        if base["$"] != "decimal":
+            base["v"] = _encode(base["v"], ref, budget, d)
+        return base
+    return _encode(base, ref, budget, depth)
+
+
+def _as_builtin(x, t):
+    """``("value", v)``: a value of a subclass of a built-in type as that type (by the base type's own methods),
+    a numpy scalar as a Python number; ``("tagged", {"$": ...})``: a fraction, a decimal or a numpy array;
+    ``(None, None)``: anything else."""
     import sys
 
+    for base in (int, float, str, complex, list, tuple, dict, set, frozenset, bytes, bytearray):
+        if issubclass(t, base):
+            if base is int:
+                return "value", int.__int__(x)
+            if base is float:
+                return "value", float.__float__(x)
+            if base is str:
+                return "value", str.__str__(x)
+            if base is complex:
+                return "value", complex(float(x.real), float(x.imag))
+            if base is dict:
+                return "value", dict(dict.items(x))
+            if base is bytes or base is bytearray:
+                return "value", base(x)
+            return "value", base(base.__iter__(x))
+    mod, name = getattr(t, "__module__", None), getattr(t, "__qualname__", None)
+    if mod == "fractions" and name == "Fraction":
+        return "tagged", {"$": "fraction", "v": [int.__int__(x.numerator), int.__int__(x.denominator)]}
+    if mod == "decimal" and name == "Decimal":
+        return "tagged", {"$": "decimal", "v": str.__str__(str(x))}
+    np = sys.modules.get("numpy")
+    if np is not None and issubclass(t, np.generic):
+        return "value", x.item()
+    if np is not None and t is np.ndarray and x.dtype.kind in "biufcUS":
+        return "tagged", {"$": "ndarray", "dtype": str.__str__(str(x.dtype.str)), "shape": [int(n) for n in x.shape],
+                          "v": x.tolist()}
+    return None, None
+
+
+def _decode(j, deref, depth=0):
+    """The built-in value of the JSON ``j`` (its references through ``deref``); ValueError for what no encoder
+    writes. Only built-in types are constructed: no code of the other side runs here."""
+    t = type(j)
+    if j is None or t is bool or t is int or t is float or t is str:
+        return j
+    if depth > _DEPTH + 2:
+        raise ValueError("a value nested too deeply")
+    d = depth + 1
+    if t is list:
+        return [_decode(e, deref, d) for e in j]
+    if t is not dict:
+        raise ValueError(f"not a value: {t.__name__}")
+    tag, v = j.get("$"), j.get("v")
+    if tag == "ref":
+        return deref(j)
+    if tag in ("tuple", "set", "frozenset"):
+        if type(v) is not list:
+            raise ValueError(f"{tag}: expected a list")
+        return {"tuple": tuple, "set": set, "frozenset": frozenset}[tag](_decode(e, deref, d) for e in v)
+    if tag == "dict":
+        if type(v) is not list or any(type(kv) is not list or len(kv) != 2 for kv in v):
+            raise ValueError("dict: expected a list of pairs")
+        return {_decode(k, deref, d): _decode(w, deref, d) for k, w in v}
+    if tag in ("slice", "range", "dict_keys", "dict_values", "dict_items"):
+        if type(v) is not list:
+            raise ValueError(f"{tag}: expected a list")
+        items = [_decode(e, deref, d) for e in v]
+        if tag == "slice" or tag == "range":
+            if len(items) != 3 or (tag == "range" and any(type(e) is not int for e in items)):
+                raise ValueError(f"{tag}: expected start, stop and step")
+            return slice(*items) if tag == "slice" else range(*items)
+        if tag == "dict_keys":  # (views of a fresh dict: ordered, set-like, as the program's were)
+            return dict.fromkeys(items).keys()
+        if tag == "dict_values":
+            return dict(enumerate(items)).values()
+        if any(type(kv) is not tuple or len(kv) != 2 for kv in items):
+            raise ValueError("dict_items: expected pairs")
+        return dict(items).items()
+    if tag in ("bytes", "bytearray", "int", "decimal") and type(v) is not str:
+        raise ValueError(f"{tag}: expected a str")
+    if tag == "bytes":
+        return bytes.fromhex(v)
+    if tag == "bytearray":
+        return bytearray.fromhex(v)
+    if tag == "int":
+        return int(v, 16)
+    if tag == "decimal":
+        from decimal import Decimal
+
+        return Decimal(v)
+    if tag == "complex" or tag == "fraction":
+        kinds = (int, float) if tag == "complex" else (int,)
+        if type(v) is not list or len(v) != 2:
+            raise ValueError(f"{tag}: expected two numbers")
+        a, b = (_decode(e, deref, d) for e in v)
+        if type(a) not in kinds or type(b) not in kinds:
+            raise ValueError(f"{tag}: expected two numbers")
+        if tag == "complex":
+            return complex(a, b)
+        from fractions import Fraction
+
+        return Fraction(a, b)
+    if tag == "ndarray":
+        value = _decode(v, deref, d)
+        try:
+            import numpy
+        except ImportError:  # the checks cannot use numpy either: the nested lists
+            return value
+        shape = j.get("shape")
+        if type(shape) is not list or any(type(n) is not int for n in shape) or type(j.get("dtype")) is not str:
+            raise ValueError("ndarray: expected a shape and a dtype")
+        return numpy.array(value, dtype=numpy.dtype(j["dtype"])).reshape(shape)
+    raise ValueError(f"unknown tag {tag!r}")
+
+
+def _exception(err):
+    """The checker's exception for the program's ``[type name, message]``: the built-in exception of that name
+    (so that ``except ValueError`` in the checks works), else an ``Exception`` naming it."""
+    import builtins
+
+    name, msg = [*err, "", ""][:2] if type(err) is list else ("", "")
+    name, msg = str(name)[:200], str(msg)[:2000]
+    cls = getattr(builtins, name, None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            return cls(msg)
+        except Exception:
+            pass
+    return Exception(f"{name}: {msg}" if name else msg)
+
+
+class _Remote:
+    """An object that stays in the program's process, seen from the checks: calling it, reading an attribute or
+    an item, ``len``, ``bool``, iterating, ``repr`` and ``str`` are requests answered by the program. Equality,
+    hashing and ordering are the checker's own (identity): the program never sees a value it is compared with,
+    and no ``__eq__`` of its own decides a comparison."""
+
+    __slots__ = ("__weakref__", "_rid", "_rtype")
+    _link = None
+    _NAMES = frozenset({"__name__", "__qualname__", "__doc__", "__module__"})
+
+    def __init__(self, rid, rtype):
+        self._rid = rid
+        self._rtype = rtype
+
+    def _ask(self, op, **kw):
+        return _Remote._link.ask({"op": op, "ref": self._rid, **kw})
+
+    def __call__(self, *args, **kwargs):
+        return _Remote._link.call(self._rid, args, kwargs)
+
+    def __getattr__(self, name):
+        if name in _Remote.__slots__:  # (a copy made without __init__: no id to ask with)
+            raise AttributeError(name)
+        if name.startswith("__") and name.endswith("__") and name not in _Remote._NAMES:
+            raise AttributeError(name)  # protocol probes (copy, numpy, ...) stay here
+        return self._ask("getattr", name=name)
+
+    def __getitem__(self, key):
+        return self._ask("getitem", key=_Remote._link.encode(key))
+
+    def __len__(self):
+        return self._ask("len")
+
+    def __bool__(self):
+        return self._ask("bool")
+
+    def __iter__(self):
+        return self._ask("iter")
+
+    def __next__(self):
+        return self._ask("next")
+
+    def __repr__(self):
+        return self._text("repr")
+
+    def __str__(self):
+        return self._text("str")
+
+    def _text(self, op):
+        try:
+            text = self._ask(op)
+        except BaseException:
+            text = None
+        return text if type(text) is str else f"<{self._rtype} object of the program>"
+
+
+class _Link:
+    """The checker's end of the channel."""
+
+    _MUTABLE = (list, dict, set, bytearray)
+
+    def __init__(self, os, json, sys, wfd, rfd, cap):
+        self.os, self.json, self.sys, self.wfd, self.rfd, self.cap = os, json, sys, wfd, rfd, cap
+        self.dead = None  # why the program can no longer answer
+        self.proxies = {}
+
+    def _proxy(self, j):
+        rid = j.get("id")
+        if type(rid) is not int:
+            raise ValueError("ref: expected an int id")
+        if rid not in self.proxies:
+            self.proxies[rid] = _Remote(rid, str(j.get("t", "?"))[:100])
+        return self.proxies[rid]
+
+    def encode(self, value):
+        def ref(x):
+            if type(x) is _Remote:
+                return {"$": "ref", "id": x._rid}
+            raise TypeError(f"a {type(x).__name__} cannot be passed to the program (only built-in values and "
+                            f"the program's own objects can)")
+
+        return _encode(value, ref, None)
+
+    def exchange(self, msg):
+        """Send ``msg``, return the program's reply (a dict); :class:`_ProgramGone` when there is none."""
+        if self.dead is not None:
+            raise _ProgramGone(self.dead)
+        _flush(self.sys)  # the checks' output before the program's next output
+        try:
+            _send(self.os, self.wfd, _dumps(self.json, msg))
+            reply = _recv(self.os, self.json, self.rfd, self.cap)
+            if reply is None:
+                self.dead = "ended"
+            elif type(reply) is not dict:
+                raise ValueError("a reply that is not an object")
+        except OSError:
+            self.dead = "ended"
+        except Exception as e:
+            self.dead = f"the program's process broke the checker's channel ({type(e).__name__}: {e})"
+        if self.dead is not None:
+            raise _ProgramGone(self.dead)
+        return reply
+
+    def value(self, reply, key="ok"):
+        try:
+            return _decode(reply.get(key), self._proxy)
+        except Exception as e:
+            self.dead = f"the program's process broke the checker's channel ({type(e).__name__}: {e})"
+            raise _ProgramGone(self.dead) from None
+
+    def ask(self, msg):
+        reply = self.exchange(msg)
+        if "err" in reply:
+            raise _exception(reply["err"])
+        if reply.get("stop") is True:
+            raise StopIteration
+        return self.value(reply)
+
+    def call(self, rid, args, kwargs):
+        back = [i for i, a in enumerate(args) if type(a) in self._MUTABLE]
+        back += [k for k, a in kwargs.items() if type(a) in self._MUTABLE]
+        reply = self.exchange({"op": "call", "ref": rid, "args": [self.encode(a) for a in args],
+                               "kwargs": [[k, self.encode(a)] for k, a in kwargs.items()], "back": back})
+        if "err" in reply:
+            raise _exception(reply["err"])
+        result = self.value(reply)
+        after = self.value(reply, "back") if back else []
+        if type(after) is not list or len(after) != len(back):
+            self.dead = "the program's process broke the checker's channel (arguments not sent back)"
+            raise _ProgramGone(self.dead)
+        for where, new in zip(back, after):  # the program's in-place changes, onto the checks' own objects
+            old = args[where] if type(where) is int else kwargs[where]
+            if type(new) is type(old):
+                if type(old) is list or type(old) is bytearray:
+                    old[:] = new
+                else:
+                    old.clear()
+                    old.update(new)
+        return result
+
+
+def _checker(os, sys, json, cfg, pid, req_w, resp_r):
+    """The parent after the fork: reads the checks, runs them against the program's process, writes the verdict
+    on the status pipe and exits. Never returns."""
+    import builtins
+    import time
+
+    try:  # not dumpable: the program's process (same user) cannot read this one's memory or descriptors
+        import ctypes
+
+        dumpable = ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0  # PR_SET_DUMPABLE
+    except Exception:
+        dumpable = True
+    data = b""
+    while True:
+        chunk = os.read(cfg["secret_fd"], 65536)
+        if not chunk:
+            break
+        data += chunk
+    os.close(cfg["secret_fd"])
+    secret = json.loads(data)
+    del data, chunk
+    link = _Link(os, json, sys, req_w, resp_r, _message_cap(cfg))
+    _Remote._link = link
+    passed = False
     try:
-        exec(code, globals_)
-        exec(checks_code, globals_)
-        sys.stderr.write("rlblocks sandbox: the checks ended without their marker (the program interfered)\n")
-        _RESULT.append(1)
-    except SystemExit as e:
-        _RESULT.append(e.code)
+        checks = compile("\n\n".join(secret["checks"]) + "\n", "<checks>", "exec", dont_inherit=True)
+        ready = link.exchange({"op": "go"}).get("ready")
+        if type(ready) is not list:
+            link.dead = "the program's process broke the checker's channel (no list of its names)"
+            raise _ProgramGone(link.dead)
+        ns = {"__name__": "__main__", "__builtins__": builtins}
+        for item in ready:
+            name = item[0] if type(item) is list and len(item) == 2 else None
+            # the program's top-level names, less dunders and built-in names: the checks' builtins are their own
+            if type(name) is str and name.isidentifier() and not name.startswith("__") and not hasattr(builtins, name):
+                ns[name] = link.value({"ok": item[1]})
+        exec(checks, ns)
+        passed = link.dead is None
+    except _ProgramGone:
+        pass
     except BaseException as e:
         sys.__excepthook__(type(e), e, e.__traceback__)
-        _RESULT.append(1)
-    finally:
-        _DONE.release()
+    _flush(sys)
+    if link.dead == "ended":  # the program ended (or closed its channel) before the checks did: its exit status
+        status, killed = _reap(os, time, pid, 2.0)
+    elif link.dead is not None:  # it broke the channel: nothing more of it is run, or shown
+        _reap(os, time, pid, 0.0)
+    else:
+        # The program's process flushed its output before its last reply and has nothing left to do: tell it to
+        # end, and end now (the sandbox's teardown, or the host, kills what is left of the run).
+        try:
+            _send(os, req_w, _dumps(json, {"op": "end"}))
+        except OSError:
+            pass
+    how = "separate process" + ("" if dumpable else ", not dumpable")
+    verdict = {"marker": secret["marker"], "checks": "passed" if passed else "failed", "checker": how}
+    os.write(cfg["status_fd"], json.dumps(verdict).encode() + b"\n")
+    if passed:
+        os._exit(0)
+    if link.dead not in (None, "ended"):
+        os.write(2, f"rlblocks sandbox: {link.dead}\n".encode())
+    elif link.dead == "ended" and killed:
+        os.write(2, b"rlblocks sandbox: the program's process closed the checker's channel and did not end\n")
+    elif link.dead == "ended":
+        _end_like(os, status)
+    os._exit(1)
+
+
+def _flush(sys):
+    """Flush the standard streams, the current ones and the original ones (a program may have replaced them)."""
+    for s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            s.flush()
+        except BaseException:
+            pass
+
+
+def _reap(os, time, pid, timeout):
+    """Wait for the child ``pid`` (at most ``timeout`` s, then kill it): (wait status, whether it was killed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status, False
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            return os.waitpid(pid, 0)[1], True
+        time.sleep(0.001)
+
+
+def _end_like(os, status):
+    """Exit the way a process with wait status ``status`` ended: the same exit status, or the same signal."""
+    import signal
+
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+        os.kill(os.getpid(), sig)
+        os._exit(128 + sig)
+    os._exit(os.WEXITSTATUS(status))
+
+
+def _serve(code, globals_, req_r, resp_w, cap):
+    """The program's process: runs the program when the checker says so, then answers the checker's requests
+    until it says the end (or goes). The program may change anything here: nothing here is secret, and every
+    answer it could forge is one it could have returned."""
+    import json
+    import os
+    import sys
+
+    def leave(rc):
+        # the end of the program: its output flushed, then the process ends at once (no atexit handlers, as
+        # when the checks end it)
+        _flush(sys)
+        if rc is None:
+            os._exit(0)
+        if isinstance(rc, int):
+            os._exit(int.__int__(rc) & 0xFF)
+        try:
+            os.write(2, f"{rc}\n".encode("utf-8", "replace"))
+        except BaseException:
+            pass
+        os._exit(1)
+
+    def send(obj):
+        try:
+            data = _dumps(json, obj)
+        except BaseException as e:
+            data = _dumps(json, {"err": [type(e).__name__, f"the result cannot be sent to the checker: {e}"[:2000]]})
+        if len(data) > cap:
+            data = _dumps(json, {"err": ["MemoryError", f"the result is {len(data)} bytes of data, more than the "
+                                                        f"{cap} the checker reads"]})
+        try:
+            _send(os, resp_w, data)
+        except OSError:  # the checker is gone
+            leave(0)
+
+    objs, ids = [], {}
+
+    def ref(x):
+        key = id(x)
+        if key not in ids:
+            ids[key] = len(objs)
+            objs.append(x)  # kept alive: its id names it until the end
+        try:
+            name = str(type(x).__name__)
+        except Exception:
+            name = "object"
+        return {"$": "ref", "id": ids[key], "t": name[:100]}
+
+    def deref(j):
+        return objs[j["id"]]
+
+    def answer(msg):
+        op, obj = msg["op"], deref({"id": msg["ref"]})
+        if op == "call":
+            args = [_decode(a, deref) for a in msg["args"]]
+            kwargs = {k: _decode(a, deref) for k, a in msg["kwargs"]}
+            result = obj(*args, **kwargs)
+            out = {"ok": _encode(result, ref, None)}
+            if msg["back"]:
+                out["back"] = [_encode(args[w] if type(w) is int else kwargs[w], ref, None) for w in msg["back"]]
+            return out
+        if op == "next":
+            try:
+                value = next(obj)
+            except StopIteration:
+                return {"stop": True}
+        elif op == "getattr":
+            value = getattr(obj, msg["name"])
+        elif op == "getitem":
+            value = obj[_decode(msg["key"], deref)]
+        else:
+            value = {"len": len, "bool": bool, "iter": iter, "repr": repr, "str": str}[op](obj)
+        return {"ok": _encode(value, ref, None)}
+
+    first = _recv(os, json, req_r, cap)
+    if first is None or first.get("op") != "go":  # the checker is gone, or ends before the start
+        leave(0)
+    try:
+        exec(code, globals_)
+    except SystemExit as e:
+        leave(e.code)
+    except BaseException as e:
+        sys.__excepthook__(type(e), e, e.__traceback__)
+        leave(1)
+    names = []
+    for k, v in list(globals_.items()):
+        if type(k) is str and not (k.startswith("__") and k.endswith("__")):
+            try:
+                names.append([k, _encode(v, ref, [10000])])  # small data as values, the rest by reference
+            except BaseException:
+                names.append([k, ref(v)])
+    _flush(sys)  # (the program's output is out before each message: the checker may end the run after any)
+    send({"ready": names})
+    while True:
+        msg = _recv(os, json, req_r, cap)
+        if msg is None or msg.get("op") not in _OPS:
+            leave(0)
+        try:
+            out = answer(msg)
+        except SystemExit as e:
+            leave(e.code)
+        except BaseException as e:
+            try:
+                text = str(e)
+            except BaseException:
+                text = "(unprintable)"
+            out = {"err": [type(e).__name__, text[:2000]]}
+        _flush(sys)
+        send(out)
 
 
 if __name__ == "__main__":
-    _code, _globals, _checks = _main()
+    _code, _globals, _chan = _main()
     del _main
-    if _checks is None:
+    if _chan is None:
         exec(_code, _globals)
     else:
-        import _thread
-        import os as _os
-        import sys as _sys
-
-        _RESULT = []
-        _DONE = _thread.allocate_lock()
-        _DONE.acquire()
-        _thread.start_new_thread(_run_checks, (_code, _globals, _checks))
-        del _code, _globals, _checks
-        while True:
-            try:
-                if _DONE.acquire(timeout=0.5) or _RESULT:
-                    break
-            except BaseException:
-                continue
-        _rc = _RESULT[0] if _RESULT else 1
-        for _s in (_sys.stdout, _sys.stderr):
-            try:
-                _s.flush()
-            except BaseException:
-                pass
-        if _rc is None:
-            _rc = 0
-        elif not isinstance(_rc, int):
-            _sys.stderr.write(f"{_rc}\n")
-            _sys.stderr.flush()
-            _rc = 1
-        _os._exit(_rc & 0xFF)
+        _serve(_code, _globals, *_chan)
