@@ -56,7 +56,8 @@ def server(tinker_model_dir, boxed_model_dir, tinker_env, tmp_path_factory):
     from rlblocks.tinker import ServerThread
 
     state = str(tmp_path_factory.mktemp("tinker_state"))
-    srv = ServerThread({MODEL: tinker_model_dir, RL_MODEL: boxed_model_dir}, state_dir=state, max_body_bytes=8 << 20)
+    srv = ServerThread({MODEL: tinker_model_dir, RL_MODEL: boxed_model_dir}, state_dir=state, max_body_bytes=8 << 20,
+                       max_num_samples=256, max_request_tokens=1 << 16)
     with srv:
         os.environ["TINKER_BASE_URL"] = srv.base_url
         yield srv
