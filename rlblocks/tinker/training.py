@@ -27,6 +27,7 @@ Not thread-safe: the service calls one host from one worker at a time.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,7 +161,11 @@ class TrainingHost:
         name = f"a{self._count}"
         self._count += 1
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
+            # a tied LM head (SmolLM2, Qwen2.5, Llama-3.2) with an adapter: peft warns that the tying is not carried
+            # into the adapter. That is intended: the adapter changes the head only (the forward merges it into a
+            # separate head weight, the sampler unties its copy), the input embedding stays the base one.
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*", category=UserWarning)
             if spec.seed is not None:
                 torch.manual_seed(spec.seed)
             if self._peft is None:
