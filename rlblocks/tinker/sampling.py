@@ -132,7 +132,8 @@ class SamplerHost:
         path: the HF checkpoint directory.
         engine: ``"torch"`` or ``"vllm"``.
         engine_args: extra ``VLLMEngine.from_pretrained`` arguments (``--engine vllm``).
-        device, dtype: of the engine's model (TorchEngine); vLLM picks its own device.
+        device: of the engine's model (TorchEngine); vLLM picks its own device.
+        dtype: of the engine's model.
         max_batch_size: TorchEngine's most sequences stepped together.
     """
 
