@@ -4,7 +4,7 @@
 #   make demo-agent  the multi-turn tool-use demo (bounded-async GRPO learns to call a calculator, 2 processes)
 #   make demo-ppo    PPO with actor, critic, frozen reference and a learned reward model (one process)
 #   make demo-distill  on-policy distillation: make demo's checkpoint teaches a fresh student (one process)
-#   make demo-tinker   tinker-cookbook's RL recipe against rlblocks.tinker (the Tinker API served locally)
+#   make demo-tinker   tinker-cookbook's RL recipe on SmolLM2-135M against rlblocks.tinker (the Tinker API, local)
 # Everything is installed into .venv; nothing is assumed to be on the machine but python3 (>= 3.10).
 
 PYTHON ?= python3
@@ -74,8 +74,8 @@ demo-distill: $(STAMP)
 		--prompts-per-step 64 --group-size 4 --lr 3e-4 --steps 350 --time-limit 0 --eval-every 25
 	$(PY) cookbook/plot.py runs/demo-distill
 
-# The CPU demo model (make demo's cached warm start) served by python -m rlblocks.tinker in a subprocess, trained by
-# tinker-cookbook's rl.train through the official tinker SDK; held-out accuracy before/after in runs/demo-tinker/.
+# SmolLM2-135M-Instruct served by python -m rlblocks.tinker in a subprocess, trained by tinker-cookbook's rl.train
+# through the official tinker SDK on reasoning-gym arithmetic; held-out accuracy before/after in runs/demo-tinker/.
 demo-tinker: $(STAMP)
 	$(PY) cookbook/tinker_rl.py --name demo-tinker
 

@@ -2,7 +2,8 @@
 tinker-cookbook recipes on your own hardware.
 
 ``python -m rlblocks.tinker --model NAME=HF_DIR [--model ...] [--host 127.0.0.1] [--port 8000] [--engine torch|vllm]
-[--state-dir DIR]``, then point the SDK at it: ``TINKER_BASE_URL=http://127.0.0.1:8000`` and any
+[--state-dir DIR] [--max-num-samples N] [--max-request-tokens N] [--stable-reinforce-as ppo|cispo|importance_sampling]``
+(``--help`` lists them all), then point the SDK at it: ``TINKER_BASE_URL=http://127.0.0.1:8000`` and any
 ``TINKER_API_KEY`` starting with ``tml-``.
 
 Modules: ``wire`` (the SDK's protobuf and JSON formats), ``losses`` (each ``loss_fn`` on ``rlblocks.losses``),

@@ -32,6 +32,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="unnamed sampler snapshots kept per training model (older ones expire)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's); 1 is fastest for small models on a few cores")
+    p.add_argument("--max-num-samples", type=int, default=1024,
+                   help="most num_samples of one sample request (more answers 400; default 1024)")
+    p.add_argument("--max-request-tokens", type=int, default=1 << 22,
+                   help="most tokens one sample request may ask for, num_samples x (prompt + max_tokens) (more "
+                        "answers 400; default 4194304)")
+    p.add_argument("--stable-reinforce-as", choices=("ppo", "cispo", "importance_sampling"), default=None,
+                   help="run loss_fn='stable_reinforce' (tinker-cookbook's default, whose objective Tinker does not "
+                        "publish) as this documented objective, announced in get_server_capabilities and in every "
+                        "forward_backward / optim_step answer's metrics; default: refuse it")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     args = p.parse_args(argv)
     models = {}
@@ -44,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if name in models:
             p.error(f"--model: {name!r} given twice")
         models[name] = path
+    for flag in ("max_num_samples", "max_request_tokens"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')}: expected an integer >= 1, got {getattr(args, flag)}")
     args.models = models
     return args
 
@@ -58,13 +70,16 @@ async def _serve(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     service = TinkerService(args.models, state_dir=args.state_dir, engine=args.engine, device=args.device,
-                            dtype=dtype, keep_snapshots=args.keep_snapshots)
+                            dtype=dtype, keep_snapshots=args.keep_snapshots, max_num_samples=args.max_num_samples,
+                            max_request_tokens=args.max_request_tokens,
+                            stable_reinforce_as=args.stable_reinforce_as)
     sock = bind(args.host, args.port)
     port = sock.getsockname()[1]
 
     def announce() -> None:
+        mapping = f", stable_reinforce runs as {args.stable_reinforce_as}" if args.stable_reinforce_as else ""
         print(f"rlblocks.tinker: serving {sorted(args.models)} at http://{args.host}:{port} "
-              f"(engine {args.engine}, state {os.path.abspath(args.state_dir)})", flush=True)
+              f"(engine {args.engine}, state {os.path.abspath(args.state_dir)}{mapping})", flush=True)
 
     app = create_app(service, api_key=args.api_key, max_body_bytes=int(args.max_body_mb * (1 << 20)),
                      on_ready=announce)

@@ -43,8 +43,10 @@ GSPO: the rlblocks loss is taken over ``M`` only, which equals Tinker's sum over
 are 0 outside ``M`` (as every Tinker recipe builds them); a datum with a nonzero advantage outside ``M`` is refused
 rather than silently dropped. The docs do not state GSPO's default thresholds; PPO's (0.8 / 1.2) are used.
 
-Not served, with a clear error: ``stable_reinforce`` (its objective depends on stability information the hosted
-sampler records and the docs do not define, so it cannot be stated from the SDK's documentation) and ``custom``
+Not served by default, with a clear error: ``stable_reinforce`` (its objective depends on stability information the
+hosted sampler records and the docs do not define, so it cannot be stated from the SDK's documentation; the
+server's operator may map it to one of :data:`STABLE_REINFORCE_TARGETS` with ``--stable-reinforce-as``, see
+:func:`resolve_loss_fn`, so that recipes defaulting to it run unchanged on a named objective) and ``custom``
 (server-side traced losses; the SDK runs ``forward_backward_custom`` client-side against this server, as a
 ``forward`` plus a ``cross_entropy`` backward with ``weights = −∂C/∂logprobs``). Per-token clip thresholds in
 ``loss_fn_inputs`` are refused (``loss_fn_config`` holds the scalar thresholds).
@@ -66,7 +68,8 @@ from torch import Tensor
 from rlblocks.errors import RequestError
 from rlblocks.losses import cispo_loss, gspo_loss, kl_estimate, pg_loss, ppo_clip_loss
 
-__all__ = ["LOSS_FNS", "LossSpec", "check_loss_config", "check_loss_inputs", "tinker_loss"]
+__all__ = ["LOSS_FNS", "STABLE_REINFORCE_TARGETS", "LossSpec", "check_loss_config", "check_loss_inputs",
+           "mapped_metric", "nonfinite_inputs", "resolve_loss_fn", "tinker_loss"]
 
 _NEVER_BINDS = 2.0**-40
 """``1 − eps_low`` for a lower clip that never binds: below e⁻²⁰, the smallest ratio after the ±20 log-ratio clamp."""
@@ -102,6 +105,30 @@ _REFUSED = {
 }
 
 
+STABLE_REINFORCE_TARGETS = ("ppo", "cispo", "importance_sampling")
+"""The documented objectives ``stable_reinforce`` may be mapped to (``--stable-reinforce-as``): each reads the same
+``loss_fn_inputs`` (``target_tokens``, ``logprobs``, ``advantages``) that the cookbook builds for it."""
+
+
+def resolve_loss_fn(loss_fn: str, stable_reinforce_as: str | None = None) -> str:
+    """The objective a request's ``loss_fn`` runs: itself, or for ``stable_reinforce`` the operator's mapping
+    (``stable_reinforce_as``, one of :data:`STABLE_REINFORCE_TARGETS`); without a mapping ``stable_reinforce`` is
+    refused with a ``RequestError`` that says how the operator can map it."""
+    if loss_fn == "stable_reinforce" and stable_reinforce_as is not None:
+        return stable_reinforce_as
+    if loss_fn == "stable_reinforce":
+        raise RequestError(f"loss_fn: 'stable_reinforce' is not supported: {_REFUSED[loss_fn]}; or the server's "
+                           "operator can map it to a documented objective with --stable-reinforce-as "
+                           f"{'|'.join(STABLE_REINFORCE_TARGETS)}")
+    return loss_fn
+
+
+def mapped_metric(stable_reinforce_as: str) -> str:
+    """The metric key that announces the ``stable_reinforce`` mapping (value 1.0 where it applied, else 0.0).
+    One ``:`` and a reduction the SDK knows (``max``), as the SDK's metric merging requires."""
+    return f"loss_fn_mapped/stable_reinforce->{stable_reinforce_as}:max"
+
+
 def check_loss_config(loss_fn: str, config: Mapping[str, object] | None) -> dict[str, float]:
     """``loss_fn`` and its ``loss_fn_config`` with defaults filled in; raises ``RequestError`` naming the field."""
     if loss_fn in _REFUSED:
@@ -132,9 +159,27 @@ def _is_float(t) -> bool:
     return t.dtype.is_floating_point if isinstance(t, Tensor) else t.dtype.kind == "f"
 
 
-def check_loss_inputs(loss_fn: str, where: str, n: int, inputs: Mapping[str, Tensor | np.ndarray]) -> None:
+def nonfinite_inputs(inputs: Mapping[str, Tensor | np.ndarray]) -> list[tuple[str, int, float]]:
+    """The float ``loss_fn_inputs`` fields of one datum that hold NaN or ±inf: ``(name, first flat position, its
+    value)`` each, in field order."""
+    out = []
+    for name, t in inputs.items():
+        if not _is_float(t):
+            continue
+        arr = np.asarray(t)
+        bad = ~np.isfinite(arr)
+        if bool(bad.any()):
+            j = int(np.flatnonzero(bad)[0])
+            out.append((name, j, float(arr.reshape(-1)[j])))
+    return out
+
+
+def check_loss_inputs(loss_fn: str, where: str, n: int, inputs: Mapping[str, Tensor | np.ndarray], *,
+                      check_finite: bool = True) -> None:
     """Check one datum's ``loss_fn_inputs`` (torch tensors or numpy arrays) for ``loss_fn`` (``n`` = its model
-    input length); ``where`` prefixes the field names in the message (e.g. ``"data[3]"``)."""
+    input length); ``where`` prefixes the field names in the message (e.g. ``"data[3]"``). Float fields must be
+    finite (a NaN advantage would make every adapter weight NaN at the next step) unless ``check_finite`` is
+    false (the caller then reports them itself, see :func:`nonfinite_inputs`)."""
     spec = LOSS_FNS[loss_fn]
     for name in inputs:
         if name not in spec.inputs:
@@ -164,6 +209,9 @@ def check_loss_inputs(loss_fn: str, where: str, n: int, inputs: Mapping[str, Ten
                                f"got {list(t.shape)}")
         if not _is_float(t):
             raise RequestError(f"{where}.loss_fn_inputs[{name!r}]: expected float32 values, got int64")
+    if check_finite and (bad := nonfinite_inputs({k: inputs[k] for k in spec.inputs})):
+        name, j, v = bad[0]
+        raise RequestError(f"{where}.loss_fn_inputs[{name!r}][{j}]: expected a finite number, got {v}")
     if loss_fn == "gspo":
         outside = np.asarray((inputs["sequence_ratio_mask"] == 0) & (inputs["advantages"] != 0))
         if bool(outside.any()):

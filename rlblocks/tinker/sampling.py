@@ -284,7 +284,8 @@ class SamplerHost:
             raise RequestError("prompt_alt_tokens_k: not supported by this server")
         if req.record_stability_info:
             raise RequestError("record_stability_info: not supported (stable_reinforce is not served; train with "
-                               "importance_sampling, ppo, cispo, dro or gspo and sample without it)")
+                               "importance_sampling, ppo, cispo, dro or gspo and sample without it, or the server's "
+                               "operator can map stable_reinforce with --stable-reinforce-as)")
         topk_prompt, topk_sample = int(req.topk_prompt_logprobs or 0), int(req.topk_sample_logprobs or 0)
         if topk_prompt < 0 or topk_sample < 0:
             raise RequestError("topk_prompt_logprobs / topk_sample_logprobs: expected >= 0")

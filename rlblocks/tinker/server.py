@@ -91,15 +91,34 @@ except ImportError:  # pragma: no cover
         return JSONResponse(obj, status_code=status)
 
 
+_EXPECTED = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
+             "string_type": "a string"}
+
+
 def _validate(model: type, body: Any) -> Any:
+    """``body`` as the SDK's request type ``model``, in pydantic's strict mode: a value of another JSON type is
+    refused rather than coerced (``lora_config.rank: true`` would otherwise become rank 1, ``4.0`` rank 4)."""
     try:
-        return model.model_validate(body)
-    except pydantic.ValidationError as e:
-        parts = []
-        for err in e.errors()[:5]:
-            loc = ".".join(str(x) for x in err["loc"]) or "body"
+        return model.model_validate(body, strict=True)
+    except pydantic.ValidationError as strict:
+        try:
+            model.model_validate(body)
+        except pydantic.ValidationError as e:
+            raise RequestError(_words(e)) from None
+        raise RequestError(_words(strict)) from None
+
+
+def _words(e: pydantic.ValidationError) -> str:
+    parts = []
+    for err in e.errors()[:5]:
+        loc = ".".join(str(x) for x in err["loc"]) or "body"
+        if err["type"] in _EXPECTED:
+            got = err.get("input")
+            shown = json.dumps(got) if isinstance(got, (bool, int, float, str)) else type(got).__name__
+            parts.append(f"{loc}: expected {_EXPECTED[err['type']]}, got {shown} ({type(got).__name__})")
+        else:
             parts.append(f"{loc}: {err['msg']}")
-        raise RequestError("; ".join(parts)) from None
+    return "; ".join(parts)
 
 
 def create_app(service: TinkerService, *, api_key: str | None = None, max_body_bytes: int = 256 << 20,

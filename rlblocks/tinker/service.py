@@ -28,9 +28,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlblocks.errors import RequestError
+from rlblocks.errors import ArgumentError, RequestError
 from rlblocks.tinker.futures import FutureRecord, FutureStore
-from rlblocks.tinker.losses import check_loss_config, check_loss_inputs
+from rlblocks.tinker.losses import (
+    STABLE_REINFORCE_TARGETS,
+    check_loss_config,
+    check_loss_inputs,
+    mapped_metric,
+    nonfinite_inputs,
+    resolve_loss_fn,
+)
 from rlblocks.tinker.sampling import SamplerHost, Snapshot
 from rlblocks.tinker.store import CheckpointStore, TinkerPath, check_name
 from rlblocks.tinker.training import LoraSpec, TrainingHost, check_adam
@@ -65,6 +72,7 @@ class _Model:
     user_metadata: dict | None = None
     last_request: float = 0.0
     snapshots: list[str] = field(default_factory=list)  # unnamed sampler snapshots, oldest first
+    mapped_pending: bool = False  # gradients of a mapped stable_reinforce request await the next optim_step
 
 
 @dataclass
@@ -100,14 +108,29 @@ class TinkerService:
             sessions answer 404); named ones live on disk.
         max_batch_tokens: padded tokens per training micro-batch.
         engine_args: extra arguments of the sampling engine (``VLLMEngine.from_pretrained`` keywords).
+        max_num_samples: most ``num_samples`` of one sample request (more answers 400).
+        max_request_tokens: most tokens one sample request may ask for, ``num_samples × (prompt length +
+            max_tokens)`` (more answers 400): one request cannot hold the sampler for minutes.
+        stable_reinforce_as: ``None`` (``loss_fn="stable_reinforce"`` is refused), or the documented objective it
+            runs as (one of ``STABLE_REINFORCE_TARGETS``), announced in :meth:`capabilities` and in the metrics of
+            every ``forward_backward`` and ``optim_step`` answer (:func:`~rlblocks.tinker.losses.mapped_metric`).
     """
 
     def __init__(self, models: dict[str, str], *, state_dir: str, engine: str = "torch",
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  keep_snapshots: int = 16, max_batch_tokens: int = 16384,
-                 engine_args: dict[str, Any] | None = None) -> None:
+                 engine_args: dict[str, Any] | None = None, max_num_samples: int = 1024,
+                 max_request_tokens: int = 1 << 22, stable_reinforce_as: str | None = None) -> None:
         if not models:
             raise RequestError("--model: expected at least one NAME=HF_DIR")
+        for flag, v in (("--max-num-samples", max_num_samples), ("--max-request-tokens", max_request_tokens)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ArgumentError(f"{flag}: expected an integer >= 1, got {v!r}")
+        if stable_reinforce_as is not None and stable_reinforce_as not in STABLE_REINFORCE_TARGETS:
+            raise ArgumentError(f"--stable-reinforce-as: expected one of {list(STABLE_REINFORCE_TARGETS)}, got "
+                                f"{stable_reinforce_as!r}")
+        self.max_num_samples, self.max_request_tokens = max_num_samples, max_request_tokens
+        self.stable_reinforce_as = stable_reinforce_as
         self.model_dirs = dict(models)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -224,9 +247,13 @@ class TinkerService:
 
     # ------------------------------------------------------------------ service routes
     def capabilities(self) -> dict:
+        """The SDK's ``GetServerCapabilitiesResponse``, plus this server's ``loss_fn_mappings`` (``{"stable_reinforce":
+        objective}`` when the operator mapped it, else ``{}``) and ``limits`` (fields the SDK's type ignores)."""
         return {"supported_models": [
             {"model_name": n, "max_context_length": h.training.max_len, "trainable": True, "sampleable": True}
-            for n, h in self.hosts.items()]}
+            for n, h in self.hosts.items()],
+            "loss_fn_mappings": ({"stable_reinforce": self.stable_reinforce_as} if self.stable_reinforce_as else {}),
+            "limits": {"max_num_samples": self.max_num_samples, "max_request_tokens": self.max_request_tokens}}
 
     def client_config(self) -> dict:
         # Every flag this server answers differently from the SDK's defaults, with the reason:
@@ -314,23 +341,30 @@ class TinkerService:
             return seen
         m = self._model(fb.model_id)
         host = self.hosts[m.base]
-        config = check_loss_config(fb.loss_fn, fb.loss_fn_config)
+        loss_fn = resolve_loss_fn(fb.loss_fn, self.stable_reinforce_as)
+        config = check_loss_config(loss_fn, fb.loss_fn_config)
         if not fb.data:
             raise RequestError("data: expected at least one datum, got none")
-        if not self._check_columns(fb, host):
-            self._check_data(fb, host)
+        if not self._check_columns(fb, host, loss_fn):
+            self._check_data(fb, host, loss_fn)
+        mapped = loss_fn != fb.loss_fn
 
         def run():
-            outputs, metrics = host.training.forward_backward(m.model_id, fb.data, fb.loss_fn, config,
+            outputs, metrics = host.training.forward_backward(m.model_id, fb.data, loss_fn, config,
                                                               fb.forward_only)
+            if mapped and not fb.forward_only:
+                m.mapped_pending = True  # announced again by the optim_step that applies these gradients
+            if self.stable_reinforce_as is not None:
+                metrics[mapped_metric(self.stable_reinforce_as)] = float(mapped)
             return encode_forward_backward_output(outputs, metrics)
 
         kind = "Forward" if fb.forward_only else "ForwardBackward"
         return self._enqueue(host, kind, ("train", m.model_id, fb.seq_id), run)
 
     @staticmethod
-    def _check_data(fb: WireForwardBackward, host: _Host) -> None:
-        """Every datum checked on its own (raises ``RequestError`` naming the first bad datum and field)."""
+    def _check_data(fb: WireForwardBackward, host: _Host, loss_fn: str) -> None:
+        """Every datum checked on its own (raises ``RequestError`` naming the first bad datum and field); then, once
+        every datum is well formed, non-finite float inputs are refused naming every datum that holds one."""
         vocab, max_len = host.training.vocab_size, host.training.max_len
         for i, d in enumerate(fb.data):
             n = len(d.tokens)
@@ -342,13 +376,21 @@ class TinkerService:
             if toks.min() < 0 or toks.max() >= vocab:
                 bad = toks[(toks < 0) | (toks >= vocab)].tolist()
                 raise RequestError(f"data[{i}].model_input: token ids must be in [0, {vocab}), got {bad[:5]}")
-            check_loss_inputs(fb.loss_fn, f"data[{i}]", n, d.inputs)
+            check_loss_inputs(loss_fn, f"data[{i}]", n, d.inputs, check_finite=False)
             tgt = np.asarray(d.inputs["target_tokens"])
             if tgt.size and (tgt.min() < 0 or tgt.max() >= vocab):
                 raise RequestError(f"data[{i}].loss_fn_inputs['target_tokens']: token ids must be in [0, {vocab})")
+        bad = [(i, name, j, v) for i, d in enumerate(fb.data) for name, j, v in nonfinite_inputs(d.inputs)]
+        if bad:
+            i, name, j, v = bad[0]
+            where = sorted({i for i, *_ in bad})
+            listed = ", ".join(f"data[{i}].{name}[{j}]={v}" for i, name, j, v in bad[:8])
+            raise RequestError(f"data[{i}].loss_fn_inputs[{name!r}][{j}]: expected a finite number, got {v}; "
+                               f"{len(where)} of {len(fb.data)} datums hold non-finite inputs ({listed}"
+                               f"{', ...' if len(bad) > 8 else ''}); nothing was computed or accumulated")
 
     @staticmethod
-    def _check_columns(fb: WireForwardBackward, host: _Host) -> bool:
+    def _check_columns(fb: WireForwardBackward, host: _Host, loss_fn: str) -> bool:
         """The checks of :meth:`_check_data` once over the whole request (:class:`~rlblocks.tinker.wire.WireColumns`):
         true when every datum passes them. False when something is off or the request has no columns; the caller
         then runs the per-datum checks, which find and name the bad datum."""
@@ -364,7 +406,7 @@ class TinkerService:
         if any(not np.array_equal(r, lengths) for r in cols.rows.values()):
             return False
         try:
-            check_loss_inputs(fb.loss_fn, "data", int(lengths.sum()), cols.inputs)
+            check_loss_inputs(loss_fn, "data", int(lengths.sum()), cols.inputs)
         except RequestError:
             return False
         tgt = cols.inputs["target_tokens"]
@@ -382,7 +424,12 @@ class TinkerService:
         adam = check_adam(params.model_dump())
 
         def run():
-            return {"type": "optim_step", "metrics": host.training.optim_step(m.model_id, adam)}
+            mapped, m.mapped_pending = m.mapped_pending, False
+            metrics = host.training.optim_step(m.model_id, adam,
+                                               where=f"optim_step of model {m.model_id!r} (seq_id {body.seq_id})")
+            if self.stable_reinforce_as is not None:
+                metrics[mapped_metric(self.stable_reinforce_as)] = float(mapped)
+            return {"type": "optim_step", "metrics": metrics}
 
         return self._enqueue(host, "OptimStep", ("train", m.model_id, body.seq_id), run)
 
@@ -589,7 +636,20 @@ class TinkerService:
         host = self.hosts[snap.base_model]
         if key is not None and (rec := self.futures.lookup(key)) is not None:
             return {"request_id": rec.request_id, "sample_sequence_ids": rec.extra["sequence_ids"]}
+        if body.record_stability_info and self.stable_reinforce_as is not None:
+            # the mapped objective needs no stability information: sample as usual, record nothing
+            body = body.model_copy(update={"record_stability_info": False})
         spec = host.sampler.check(body)
+        if spec.num_samples > self.max_num_samples:
+            raise RequestError(f"num_samples: {spec.num_samples} exceeds this server's limit of "
+                               f"{self.max_num_samples} samples per request (--max-num-samples); send several "
+                               "requests")
+        tokens = spec.num_samples * (len(spec.prompt) + spec.max_tokens)
+        if tokens > self.max_request_tokens:
+            raise RequestError(f"num_samples × (prompt + sampling_params.max_tokens): {spec.num_samples} × "
+                               f"({len(spec.prompt)} + {spec.max_tokens}) = {tokens} tokens exceeds this server's "
+                               f"limit of {self.max_request_tokens} tokens per sample request "
+                               "(--max-request-tokens); lower num_samples or max_tokens")
         rec, new = self.futures.create("Sample", key)
         seq_ids = [f"{rec.request_id}:{i}" for i in range(spec.num_samples)]
         if new:

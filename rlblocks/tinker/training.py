@@ -17,7 +17,9 @@ client, with its own AdamW.
   and gradients of every ``forward_backward`` add up until ``optim_step``.
 - **optim_step**: ``torch.optim.AdamW`` (Tinker's optimizer "is identical to torch.optim.AdamW") with the request's
   ``learning_rate``, ``beta1``, ``beta2``, ``eps``, ``weight_decay``; ``grad_clip_norm > 0`` clips the global norm
-  of the adapter's gradients first. Gradients are then cleared.
+  of the adapter's gradients first. Gradients are then cleared. Accumulated gradients holding NaN or ±inf (or whose
+  global norm overflows) are refused: the step raises ``RequestError`` naming the request and the first such
+  tensor, discards those gradients, and leaves the adapter, its Adam moments and its step count as they were.
 
 Not thread-safe: the service calls one host from one worker at a time.
 """
@@ -25,6 +27,7 @@ Not thread-safe: the service calls one host from one worker at a time.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -158,7 +161,11 @@ class TrainingHost:
         name = f"a{self._count}"
         self._count += 1
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
+            # a tied LM head (SmolLM2, Qwen2.5, Llama-3.2) with an adapter: peft warns that the tying is not carried
+            # into the adapter. That is intended: the adapter changes the head only (the forward merges it into a
+            # separate head weight, the sampler unties its copy), the input embedding stays the base one.
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*", category=UserWarning)
             if spec.seed is not None:
                 torch.manual_seed(spec.seed)
             if self._peft is None:
@@ -268,13 +275,26 @@ class TrainingHost:
         return torch.from_numpy(ids).to(self.device), targets, inputs, torch.from_numpy(mask).to(self.device)
 
     # ------------------------------------------------------------------ optimizer
-    def optim_step(self, model_id: str, adam: dict[str, float]) -> dict[str, float]:
+    def optim_step(self, model_id: str, adam: dict[str, float], *, where: str = "optim_step") -> dict[str, float]:
         """One AdamW step on the accumulated gradients (see the module docstring); returns ``grad_norm`` (before
-        clipping; 0 when no gradient was accumulated, in which case the weights do not move)."""
+        clipping; 0 when no gradient was accumulated, in which case the weights do not move). Non-finite gradients
+        raise ``RequestError`` (``where`` names the request) and change nothing but discarding them."""
         ad = self._activate(model_id)
         params = list(ad.params.values())
         grads = [p.grad for p in params if p.grad is not None]
         norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        if not math.isfinite(norm):
+            bad = [(n, p.grad) for n, p in ad.params.items()
+                   if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+            ad.optimizer.zero_grad(set_to_none=True)
+            ad.pending = False
+            what = (f"{len(bad)} of {len(grads)} gradient tensors hold NaN or inf (first: {bad[0][0]}, "
+                    f"{int((~torch.isfinite(bad[0][1])).sum())} values)" if bad else
+                    f"the gradients' global norm overflows float32 ({norm})")
+            raise RequestError(f"{where}: refused: {what}. The accumulated gradients were discarded; the adapter, "
+                               f"its Adam moments and its step count ({ad.steps}) are unchanged. Check the "
+                               "forward_backward inputs since the last step (advantages, weights, logprobs) for "
+                               "values too large to train on")
         if grads and adam["grad_clip_norm"] > 0:
             torch.nn.utils.clip_grads_with_norm_(params, adam["grad_clip_norm"], torch.tensor(norm))
         for g in ad.optimizer.param_groups:

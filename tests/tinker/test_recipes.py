@@ -82,3 +82,67 @@ def test_sl_loop_recipe_runs_unchanged(server, local_datasets, tmp_path):
     metrics = [m for m in _jsonl(log / "metrics.jsonl") if "train_mean_nll" in m]
     assert len(metrics) == 3 and all(m["num_sequences"] == 2 for m in metrics)
     assert _jsonl(log / "checkpoints.jsonl")[-1]["name"] == "final"
+
+
+@pytest.fixture(scope="module")
+def mapped_server(tinker_model_dir, boxed_model_dir, tinker_env, tmp_path_factory):
+    """A second server whose operator maps stable_reinforce to ppo (the session's server keeps refusing it)."""
+    from rlblocks.tinker import ServerThread
+
+    srv = ServerThread({MODEL: tinker_model_dir, RL_MODEL: boxed_model_dir},
+                       state_dir=str(tmp_path_factory.mktemp("tinker_mapped")), stable_reinforce_as="ppo")
+    with srv:
+        yield srv
+
+
+MAPPED = "loss_fn_mapped/stable_reinforce->ppo:max"
+
+
+def test_stable_reinforce_runs_as_the_operators_objective_and_says_so(mapped_server):
+    """Mapped to ppo: the same loss and gradient as a ppo request (two clients from one seed, one step each), the
+    mapping in the capabilities answer and in the metrics of every forward_backward and optim_step answer."""
+    import httpx
+    import tinker
+    from tinker import types
+
+    caps = httpx.get(f"{mapped_server.base_url}/api/v1/get_server_capabilities").json()
+    assert caps["loss_fn_mappings"] == {"stable_reinforce": "ppo"}
+    sc = tinker.ServiceClient(base_url=mapped_server.base_url)
+    seqs = [[1, 40, 41, 42, 43, 2], [1, 50, 51, 52, 53, 54, 2]]
+    data = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
+                        loss_fn_inputs={"target_tokens": s[1:], "logprobs": [-2.0] * (len(s) - 1),
+                                        "advantages": [0.5 * (-1) ** i] * (len(s) - 1)}) for i, s in enumerate(seqs)]
+    runs = {}
+    for loss_fn in ("stable_reinforce", "ppo"):
+        tc = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=3).result(60)
+        fb = tc.forward_backward(data, loss_fn).result(60)
+        step = tc.optim_step(types.AdamParams(learning_rate=1e-2)).result(60)
+        after = tc.forward(data, "ppo").result(60)
+        runs[loss_fn] = (fb, step, [o["logprobs"].to_torch() for o in after.loss_fn_outputs])
+    (fb_s, step_s, lp_s), (fb_p, step_p, lp_p) = runs["stable_reinforce"], runs["ppo"]
+    assert fb_s.metrics["loss:sum"] == fb_p.metrics["loss:sum"] and step_s.metrics["grad_norm"] > 0
+    assert step_s.metrics["grad_norm"] == step_p.metrics["grad_norm"]
+    assert all(bool((x == y).all()) for x, y in zip(lp_s, lp_p))
+    assert fb_s.metrics[MAPPED] == 1.0 and step_s.metrics[MAPPED] == 1.0
+    assert fb_p.metrics[MAPPED] == 0.0 and step_p.metrics[MAPPED] == 0.0
+    # sampling clients asking for stability information (as stable_reinforce recipes do) are served
+    sampler = sc.create_sampling_client(base_model=MODEL, record_stability_info=True).result(60)
+    assert len(sampler.sample(types.ModelInput.from_ints([1, 40]), 2,
+                              types.SamplingParams(max_tokens=3)).result(60).sequences) == 2
+    sc.close("success").result(60)
+
+
+def test_rl_loop_recipe_with_its_default_stable_reinforce_runs_when_mapped(mapped_server, local_datasets, tmp_path):
+    """rl_loop.py unchanged, with its default loss_fn (stable_reinforce: stability-recording samplers and datums
+    with provenance spans), trains on a server that maps stable_reinforce; the mapping shows in its metrics log."""
+    from tinker_cookbook.recipes import rl_loop
+
+    log = tmp_path / "rl_default"
+    cfg = rl_loop.Config(base_url=mapped_server.base_url, log_path=str(log), model_name=RL_MODEL, batch_size=4,
+                         group_size=4, max_tokens=12, max_steps=2, save_every=0, lora_rank=8)
+    assert cfg.loss_fn == "stable_reinforce"
+    rl_loop.main(cfg)
+    metrics = [m for m in _jsonl(log / "metrics.jsonl") if "progress/batch" in m]
+    assert [m["progress/batch"] for m in metrics] == [0, 1]
+    trained = [m for m in metrics if m.get("grad_norm", 0) > 0]
+    assert trained and all(m[MAPPED] == 1.0 for m in trained)
