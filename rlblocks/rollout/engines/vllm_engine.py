@@ -819,8 +819,9 @@ class VLLMEngine:
 
     async def _refresh_tied(self) -> None:
         """After every load: the workers re-derive the state of tied modules (:func:`refresh_tied_modules`; without
-        it a tied LM head keeps serving its start-up values on CPU). A tied module that cannot be refreshed is
-        warned about once."""
+        it a tied LM head keeps serving its start-up values on CPU), through :class:`WorkerExtension` (which
+        :meth:`from_pretrained` installs) on every update path. A tied module that cannot be refreshed is warned
+        about once."""
         answers = await self._llm.collective_rpc("rlblocks_refresh_tied")
         stale = sorted({n for answer in answers for n in answer[1]})
         if stale and not self._warned_stale:
