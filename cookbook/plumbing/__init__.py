@@ -12,7 +12,8 @@ A loop imports it as ``from plumbing import ...``: a script's own folder (``cook
   ``trainer_groups`` (DP × CP), ``rank0_first``, the weight-sync group, collectives (``all_reduce``,
   ``global_counts``, ``broadcast_flag``, ``gather_cp``).
 - :mod:`.policy`: loading an HF checkpoint, ``PolicyLogprobs`` (the policy's per-token log-probs), FSDP2 sharding.
-- :mod:`.engines`: ``make_engine`` (``--engine``), ``--max-model-len``, response budgets.
+- :mod:`.engines`: ``make_engine`` (``--engine``), ``--max-model-len``, ``EngineFlags`` (``--engine-dtype``,
+  ``--kv-cache-mb``; ``--correction auto``), response budgets.
 - :mod:`.batches`: ``group_record`` (what travels from rollout to trainer), ``batch_tensors`` (what a step reads).
 - :mod:`.messages`: the typed control messages ``Weights``/``Stale``/``Stop``, ``RolloutEnd``, ``Outbox``/``Inbox``.
 - :mod:`.losses`: the policy-loss flags (``--loss``, clip offsets, ``--correction``) and ``policy_loss``.
@@ -66,7 +67,17 @@ from .distributed import (
     setup_dist,
     trainer_groups,
 )
-from .engines import check_max_model_len, length_budget, make_engine, model_max_len, resolve_max_model_len, until_eos
+from .engines import (
+    EngineFlags,
+    check_engine_flags,
+    check_max_model_len,
+    length_budget,
+    make_engine,
+    model_max_len,
+    resolve_engine_dtype,
+    resolve_max_model_len,
+    until_eos,
+)
 from .evaluation import eval_metrics, heldout, on_model
 from .flags import check_at_least, every, opt, parse_flags
 from .losses import CORRECTION_CAP, POLICY_LOSSES, check_loss_flags, loss_defaults, policy_loss
@@ -83,6 +94,7 @@ __all__ = [
     "FREE_FLAGS",
     "POLICY_LOSSES",
     "DataFlags",
+    "EngineFlags",
     "Inbox",
     "Journal",
     "LogFlags",
@@ -109,6 +121,7 @@ __all__ = [
     "batch_tensors",
     "broadcast_flag",
     "check_at_least",
+    "check_engine_flags",
     "check_fits",
     "check_loss_flags",
     "check_max_model_len",
@@ -147,6 +160,7 @@ __all__ = [
     "prompts_per_rank",
     "rank0_first",
     "recv_control",
+    "resolve_engine_dtype",
     "resolve_max_model_len",
     "restart_count",
     "restore_rng",

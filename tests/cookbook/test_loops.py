@@ -94,7 +94,7 @@ def _check_common(rows: list[dict], summary: dict, steps: int, eta: int) -> None
         assert ages and 0 <= min(ages) and max(ages) <= eta, r["staleness_hist"]
         assert sum(r["staleness_hist"].values()) == r["tokens_trained"]
         for key in ("reward", "heldout_acc", "kl_k3", "clipfrac_low", "clipfrac_high", "tokens_per_s",
-                    "sync_seconds", "queue_wait_seconds"):
+                    "sync_seconds", "queue_wait_seconds", "zero_variance_groups", "zero_variance_step"):
             assert key in r, key
     assert 0 <= summary["max_staleness_seen"] <= eta
     assert summary["max_staleness_seen"] == max(max(int(a) for a in r["staleness_hist"]) for r in rows)
