@@ -3,9 +3,10 @@ produces the training data, unchanged (AReaL's online-proxy contract), for a few
 
     python cookbook/agent_gateway.py --steps 8
 
-One process, one event loop: a TorchEngine behind ``rlblocks.rollout.Gateway`` on loopback; ``B·K`` agents per step,
-each an ordinary ``openai.AsyncOpenAI`` tool-calling loop (``tools=[calc]``, ``message.tool_calls``, ``tool``
-messages, at most 3 turns) that posts its reward (exact match on the toy task; ``--reward`` on the final answer) to
+One process, one event loop: a TorchEngine behind the gateway (``rlblocks.rollout.gateway``) on loopback;
+``B·K`` agents per step, each an ordinary ``openai.AsyncOpenAI`` tool-calling loop (``tools=[calc]``,
+``message.tool_calls``, ``tool`` messages, at most 3 turns) that posts its reward (exact match on the toy task;
+``--reward`` on the final answer) to
 ``/v1/sessions/<id>/reward``. ``--prompts`` and ``--tools`` give the agents your prompts and tools. The gateway records
 each session's trajectory token for token (the re-sent history is checked against it) and hands it, with the
 reward, to a ``StalenessQueue`` (η = 0: synchronous). The trainer takes the step's trajectories, computes the same

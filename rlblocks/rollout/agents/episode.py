@@ -2,7 +2,7 @@
 :func:`generate_turn` and :func:`run_episode`.
 
 Episode loop (:func:`run_episode`): the environment's first messages are rendered with the tokenizer's chat
-template into a :class:`~rlblocks.rollout.Trajectory`; then, per turn,
+template into a :class:`~rlblocks.rollout.agents.Trajectory`; then, per turn,
 
 1. the whole trajectory is the prompt of one :func:`generate_turn`: every engine call goes through
    :func:`~rlblocks.rollout.resume.resumable_generate`, so a weight update in the middle of a turn keeps the
@@ -13,7 +13,7 @@ template into a :class:`~rlblocks.rollout.Trajectory`; then, per turn,
 3. the model's tokens are appended as they are (never re-tokenised); the decoded text is the action given to
    ``env.step``; the environment's observation messages are appended as a chat-template DELTA: the conversation
    is rendered to text and only what follows the trajectory's own text (the observation, the template's glue,
-   the generation prompt) is tokenised and appended (:meth:`~rlblocks.rollout.Trajectory.text_delta`);
+   the generation prompt) is tokenised and appended (:meth:`~rlblocks.rollout.agents.Trajectory.text_delta`);
    a template that rewrote history falls back to the token-level prefix check, and branches (counted).
 
 Every request of one episode carries the episode's ``session_id``, so a :class:`~rlblocks.rollout.Router`
