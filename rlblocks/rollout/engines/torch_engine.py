@@ -488,9 +488,8 @@ class TorchEngine(_Compute, EngineBase):
             if keep_kv:
                 kv, n = self._take_kv(seq)
                 self._store_prefix(seq, kv, n)
+            self._leave_batch([seq])  # its row only: O(1) in the batch size
             self._finish(seq, "abort")
-        if ids and self._batch is not None:
-            self._batch = self._drop_rows(self._batch)
         return ids
 
     def _invalidate_kv(self) -> None:
@@ -524,13 +523,13 @@ class TorchEngine(_Compute, EngineBase):
     # ------------------------------------------------------------------ results (event loop, under lock)
     def _apply(self, result: list[tuple[_Seq, int, float] | None]) -> None:
         self._stats.steps += 1
-        finished = False
+        finished: list[_Seq] = []
         for item in result:
             if item is None:
                 continue
             seq, token, lp = item
             if seq.done:
-                finished = True
+                finished.append(seq)
                 continue
             seq.tokens.append(token)
             seq.output_ids.append(token)
@@ -545,6 +544,5 @@ class TorchEngine(_Compute, EngineBase):
             if reason is not None:
                 self._inflight.pop(seq.rid, None)
                 self._finish(seq, reason)
-                finished = True
-        if finished and self._batch is not None:
-            self._batch = self._drop_rows(self._batch)
+                finished.append(seq)
+        self._leave_batch(finished)
