@@ -43,7 +43,7 @@ class _Batch:
             self.keys.append(k.new_zeros((max(n, 4), k.shape[1], cols, k.shape[3])))
             self.values.append(v.new_zeros((max(n, 4), v.shape[1], cols, v.shape[3])))
         self.start, self.end = 0, width
-        self._write_rows(0, kv, 0)
+        self._write_rows(0, kv, 0, pads)
         self._extend(seqs, pads)
 
     # ---------------------------------------------------------------- geometry
@@ -93,15 +93,17 @@ class _Batch:
                 self.pads = [p - cut for p in self.pads]
 
     # ---------------------------------------------------------------- rows
-    def _write_rows(self, row0: int, kv: KV, col0: int) -> None:
-        k0 = kv[0][0]
-        rows, m = int(k0.shape[0]), int(k0.shape[-2])
+    def _write_rows(self, row0: int, kv: KV, col0: int, pads: list[int]) -> None:
+        """Rows ``row0...`` get ``kv`` at columns ``[col0, col0 + m)``; their padding (before ``col0``, and the first
+        ``pads[i]`` columns of ``kv``'s row ``i``, which hold the keys of pad tokens) is zeroed."""
+        rows, m = int(kv[0][0].shape[0]), int(kv[0][0].shape[-2])
         for layer, (k, v) in enumerate(kv):
-            bk, bv = self.keys[layer], self.values[layer]
-            bk[row0 : row0 + rows, :, self.start : col0].zero_()  # padding of these rows: zero, never stale
-            bv[row0 : row0 + rows, :, self.start : col0].zero_()
-            bk[row0 : row0 + rows, :, col0 : col0 + m] = k
-            bv[row0 : row0 + rows, :, col0 : col0 + m] = v
+            for buf, src in ((self.keys[layer], k), (self.values[layer], v)):
+                buf[row0 : row0 + rows, :, self.start : col0].zero_()
+                buf[row0 : row0 + rows, :, col0 : col0 + m] = src
+                for i, p in enumerate(pads):
+                    if p:
+                        buf[row0 + i, :, col0 : col0 + p].zero_()
 
     def _extend(self, seqs: list[_Seq], pads: list[int]) -> None:
         for s, p in zip(seqs, pads):
@@ -127,7 +129,7 @@ class _Batch:
         elif rows_cap != self.rows_cap:
             self._alloc(rows_cap, self.cols_cap)
         lead = self.width - m
-        self._write_rows(self.n, kv, self.end - m)
+        self._write_rows(self.n, kv, self.end - m, pads)
         self._extend(seqs, [lead + p for p in pads])
 
     @torch.inference_mode()  # the buffers are inference tensors; this runs on the event loop, outside the step
