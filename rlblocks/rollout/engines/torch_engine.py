@@ -3,8 +3,11 @@
 It implements the whole :class:`~rlblocks.rollout.types.RolloutEngine` protocol with plain PyTorch:
 
 - **Continuous batching.** A background asyncio task runs the engine loop. Every engine *step* gives each running
-  sequence exactly one new token: new requests are prefilled (prompts of equal length are batched together), the
-  others are decoded together in one forward over a left-padded KV cache (attention mask + explicit position ids).
+  sequence exactly one new token: new requests are prefilled together in one left-padded forward whatever their
+  lengths (split only beyond a token budget), the others are decoded together in one forward over a left-padded KV
+  cache (attention mask + explicit position ids) that is preallocated per batch row, grown by doubling and written
+  in place (:mod:`~rlblocks.rollout.engines.torch_memory`); a finished or aborted request leaves it in O(1) (the last
+  row moves into its slot, no scan of the batch).
   Requests submitted while a step runs join at the next step. The forward runs in a worker thread
   (``asyncio.to_thread``) so the event loop stays responsive; all state changes (abort, pause, weight update) happen
   under one lock, i.e. *between* steps.
