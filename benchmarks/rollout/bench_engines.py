@@ -315,7 +315,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-mb", type=int, default=None, help="vLLM KV cache (default 64; 1024 for smollm2-135m)")
     args = ap.parse_args()
     shape = {"prompt_len": 16, "new_tokens": 64, "batches": [1, 8, 64], "kv_cache_mb": 64}
-    shape.update(NAMED_SHAPES.get(args.model or "", {}))
+    # a named model's shape, also when given as its directory (named after it)
+    shape.update(NAMED_SHAPES.get(args.model or "", NAMED_SHAPES.get(Path(args.model or "").name, {})))
     if args.quick:
         shape.update(prompt_len=12, new_tokens=16)
     for k, v in shape.items():

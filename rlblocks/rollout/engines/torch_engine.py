@@ -486,12 +486,13 @@ class TorchEngine(_Compute, EngineBase):
     def _abort_locked(self, wanted: Iterable[str] | str | None, *, keep_kv: bool = True) -> list[str]:
         """Abort ``wanted`` (``None``: all); with ``keep_kv`` their KV goes to the prefix cache for the resume."""
         ids = self._inflight.select(wanted)
-        for rid in ids:
-            seq = self._inflight.pop(rid)
-            if keep_kv:
+        seqs = [self._inflight.pop(rid) for rid in ids]
+        if keep_kv:
+            for seq in seqs:
                 kv, n = self._take_kv(seq)
                 self._store_prefix(seq, kv, n)
-            self._leave_batch([seq])  # its row only: O(1) in the batch size
+        self._leave_batch(seqs)  # their rows only: no scan of the batch; the last rows move into the holes
+        for seq in seqs:
             self._finish(seq, "abort")
         return ids
 
