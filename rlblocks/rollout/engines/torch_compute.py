@@ -1,6 +1,8 @@
-"""The forward passes of one :class:`~rlblocks.rollout.engines.TorchEngine` step (run in a worker thread):
-prefill of newcomers grouped by length, one decode forward over the left-padded batch, or, in batch-invariant
-mode, one one-token forward per sequence; then one token sampled per stepped sequence."""
+"""The forward passes of one :class:`~rlblocks.rollout.engines.TorchEngine` step (run in a worker thread): one
+left-padded prefill forward for the newcomers (chunked by a token budget, not one forward per prompt length), one
+decode forward over the preallocated decode batch (:class:`~rlblocks.rollout.engines.torch_memory._Batch`, written
+in place), or, in batch-invariant mode, one one-token forward per sequence; then one token sampled per stepped
+sequence."""
 
 from __future__ import annotations
 
@@ -10,39 +12,48 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .torch_memory import KV, _Batch, _left_pad_stack, _make_cache
+from .torch_memory import KV, _Batch, _make_cache
 from .torch_sampling import sample_tokens
 
 if TYPE_CHECKING:
     from .torch_engine import _Seq
 
+# Most padded tokens (rows x longest prompt) one prefill forward takes: bounds its activations; newcomers beyond it
+# (sorted by length, so that rows of similar length share a forward and padding stays small) go in further forwards.
+PREFILL_TOKEN_BUDGET = 16384
+
 
 class _Compute:
     """The step computation of :class:`~rlblocks.rollout.engines.TorchEngine` (a base class of it). It reads the
-    engine's ``model``, ``batch_invariant``, ``_device``, ``_cache_arg``, ``_supports_logits_to_keep``,
-    ``_routing``, ``_stats`` and ``_state``, and owns the decode batch ``_batch``."""
+    engine's ``model``, ``batch_invariant``, ``max_model_len``, ``_device``, ``_cache_arg``,
+    ``_supports_logits_to_keep``, ``_routing``, ``_stats`` and ``_state``, and owns the decode batch ``_batch``."""
 
     _batch: _Batch | None
 
     def _in_batch(self, seq: _Seq) -> bool:
-        return self._batch is not None and any(s is seq for s in self._batch.seqs)
+        return self._batch is not None and seq in self._batch.row_of
 
     def _take_kv(self, seq: _Seq) -> tuple[KV | None, int]:
-        """The KV of ``seq`` (its own, or its row of the decode batch) and how many tokens it covers."""
+        """The KV of ``seq`` (its own, or views of its row of the decode batch) and how many tokens it covers."""
         if self._batch is not None:
-            for b, s in enumerate(self._batch.seqs):
-                if s is seq:
-                    return self._batch.row_kv(b), self._batch.width - self._batch.pads[b]
+            b = self._batch.row_of.get(seq)
+            if b is not None:
+                return self._batch.row_kv(b), self._batch.width - self._batch.pads[b]
         return seq.kv, seq.n_cached
 
-    def _drop_rows(self, batch: _Batch) -> _Batch | None:
-        return self._select_rows(batch, [s for s in batch.seqs if not s.done])
+    def _leave_batch(self, seqs: list[_Seq]) -> None:
+        """Remove ``seqs``' rows from the decode batch: O(rows leaving), independent of the batch size."""
+        if self._batch is not None and seqs:
+            self._batch.remove(seqs)
+            if self._batch.n == 0:
+                self._batch = None
 
     def _forward(
-        self, input_ids: Tensor, kv: KV | None, attention_mask: Tensor, position_ids: Tensor, seqs: list[_Seq],
-        restart: bool = False,
-    ):
-        cache = _make_cache(kv)
+        self, input_ids: Tensor, cache: Any, attention_mask: Tensor, position_ids: Tensor, seqs: list[_Seq],
+        restart: bool = False, pads: list[int] | None = None,
+    ) -> tuple[Tensor, Any]:
+        """One model forward; the fp32 logits of each row's last position, and ``cache`` (updated in place).
+        ``pads``: left padding per row, whose positions are not recorded by the routing recorder."""
         kwargs: dict[str, Any] = {self._cache_arg: cache, "use_cache": True}
         if self._supports_logits_to_keep:
             kwargs["logits_to_keep"] = 1
@@ -53,12 +64,15 @@ class _Compute:
             for b, seq in enumerate(seqs):
                 if restart:  # a prefill from position 0 (e.g. after a weight update) replaces the old rows
                     seq.routed = []
-                seq.routed.append(rows[b])
+                seq.routed.append(rows[b, pads[b] :] if pads else rows[b])
         self._stats.forwards += 1
+        return out.logits[:, -1, :].float(), cache
+
+    @staticmethod
+    def _cache_kv(cache: Any) -> KV:
         # A Cache is updated in place by the forward: read the keys and values from the object we passed rather
         # than from the output, whose field is also being renamed (``past_key_values`` -> ``cache``).
-        new_kv = [(layer.keys, layer.values) for layer in cache.layers]
-        return out.logits[:, -1, :].float(), new_kv
+        return [(layer.keys, layer.values) for layer in cache.layers]
 
     def _compute(self, live: list[_Seq]) -> list[tuple[_Seq, int, float] | None]:
         try:
@@ -69,6 +83,7 @@ class _Compute:
                 self._batch = None
 
     def _prefill_group(self, group: list[_Seq], n_cached: int, m: int) -> tuple[Tensor, KV]:
+        """Feed ``tokens[n_cached : n_cached + m]`` of every sequence of ``group`` over their own KV (no padding)."""
         dev = self._device
         ids = torch.tensor([s.tokens[n_cached : n_cached + m] for s in group], device=dev)
         pos = torch.arange(n_cached, n_cached + m, device=dev).unsqueeze(0).expand(len(group), m)
@@ -80,7 +95,25 @@ class _Compute:
                 for layer in range(len(group[0].kv))
             ]
         self._stats.prefill_tokens += len(group) * m
-        return self._forward(ids, kv, mask, pos, group, restart=n_cached == 0)
+        logits, cache = self._forward(ids, _make_cache(kv), mask, pos, group, restart=n_cached == 0)
+        return logits, self._cache_kv(cache)
+
+    def _prefill_padded(self, group: list[_Seq]) -> tuple[Tensor, KV, list[int]]:
+        """Prefill every token of every sequence of ``group`` in one forward, left-padded to the longest: the
+        padding is masked out of attention and gets position 0; returns the logits, the KV ``[B, H, longest, D]``
+        and the padding per row."""
+        dev = self._device
+        lens = [len(s.tokens) for s in group]
+        m = max(lens)
+        pads = [m - t for t in lens]
+        ids = torch.tensor([[0] * p + s.tokens for s, p in zip(group, pads)], device=dev)
+        pad_t = torch.tensor(pads, device=dev).unsqueeze(1)
+        cols = torch.arange(m, device=dev).unsqueeze(0)
+        mask = (cols >= pad_t).long()
+        pos = (cols - pad_t).clamp_min(0)
+        self._stats.prefill_tokens += sum(lens)
+        logits, cache = self._forward(ids, _make_cache(None), mask, pos, group, restart=True, pads=pads)
+        return logits, self._cache_kv(cache), pads
 
     def _compute_invariant(self, live: list[_Seq]) -> list[tuple[_Seq, int, float] | None]:
         """One forward per sequence, one token each: tokens[n_cached] is fed; sample if it was the last one."""
@@ -96,74 +129,93 @@ class _Compute:
             out.extend(sample_tokens([s for s, _ in sampled], torch.cat([lg for _, lg in sampled])))
         return out
 
+    def _join(self, kv: KV, pads: list[int], seqs: list[_Seq]) -> None:
+        if self._batch is None:
+            self._batch = _Batch(kv, pads, seqs, self.max_model_len)
+        else:
+            self._batch.add(kv, pads, seqs)
+        for s in seqs:
+            s.kv = None
+
     def _compute_batched(self, live: list[_Seq]) -> list[tuple[_Seq, int, float] | None]:
-        in_batch = set()
-        if self._batch is not None:
-            in_batch = {id(s) for s in self._batch.seqs}
-        decode = [s for s in live if id(s) in in_batch]
-        newcomers = [s for s in live if id(s) not in in_batch]
+        if self._batch is not None:  # rows of cancelled requests leave
+            self._leave_batch([s for s in self._batch.seqs if s.done])
+        newcomers = [s for s in live if not self._in_batch(s)]
+        # 1) a resumed request whose KV covers all but its last token (the prefix cache) joins the decode batch
+        #    now: its one token is fed by the decode step, the same computation as had it never been interrupted
+        resumed = [s for s in newcomers if s.kv is not None and len(s.tokens) - s.n_cached == 1]
+        for s in resumed:
+            self._join(s.kv, [0], [s])
         seqs: list[_Seq] = []
         logits_parts: list[Tensor] = []
-        # 1) decode the batch (rows that left are dropped; the remaining ones each feed their last token)
+        # 2) decode the batch: every row feeds its last token; keys and values are written in place
         if self._batch is not None:
-            batch = self._batch
-            if len(decode) != len(batch.seqs):  # rows of cancelled requests leave
-                batch = self._select_rows(batch, decode)
-            self._batch = batch
-            if batch is not None:
-                logits, kv = self._decode(batch)
-                batch.keys = [k for k, _ in kv]
-                batch.values = [v for _, v in kv]
-                seqs.extend(batch.seqs)
-                logits_parts.append(logits)
-        # 2) prefill newcomers, grouped by (cached length, tokens to feed) so that no padding is needed
-        groups: dict[tuple[int, int], list[_Seq]] = {}
-        for s in newcomers:
-            groups.setdefault((s.n_cached, len(s.tokens) - s.n_cached), []).append(s)
-        joined: list[_Seq] = []
-        for (n_cached, m), group in groups.items():
-            logits, kv = self._prefill_group(group, n_cached, m)
-            for b, s in enumerate(group):
-                s.kv = [(k[b : b + 1], v[b : b + 1]) for k, v in kv]
-                s.n_cached = n_cached + m
-            seqs.extend(group)
-            joined.extend(group)
+            logits = self._decode(self._batch, resumed=len(resumed))
+            seqs.extend(self._batch.seqs)
             logits_parts.append(logits)
-        # 3) the newcomers join the decode batch for the next step
-        if joined:
-            members = ([] if self._batch is None else list(self._batch.seqs)) + joined
-            kvs = [self._batch.row_kv(b) for b in range(len(self._batch.seqs))] if self._batch is not None else []
-            kvs += [s.kv for s in joined]
-            keys, values, pads = _left_pad_stack(kvs)
-            self._batch = _Batch(members, keys, values, pads)
-            for s in joined:
-                s.kv = None
+        # 3) prefill the other newcomers: prefix-cache hits with several tokens to feed over their own KV (grouped
+        #    by cached length and tokens to feed), everything else from position 0, left-padded, in one forward per
+        #    token budget
+        joining: list[tuple[KV, list[int], list[_Seq]]] = []
+        extend: dict[tuple[int, int], list[_Seq]] = {}
+        fresh: list[_Seq] = []
+        for s in newcomers:
+            if self._in_batch(s):
+                continue
+            if s.kv is not None:
+                extend.setdefault((s.n_cached, len(s.tokens) - s.n_cached), []).append(s)
+            else:
+                s.n_cached = 0
+                fresh.append(s)
+        for (n_cached, m), group in extend.items():
+            logits, kv = self._prefill_group(group, n_cached, m)
+            for s in group:
+                s.n_cached = n_cached + m
+            joining.append((kv, [0] * len(group), group))
+            seqs.extend(group)
+            logits_parts.append(logits)
+        for group in self._prefill_chunks(fresh):
+            logits, kv, pads = self._prefill_padded(group)
+            for s in group:
+                s.n_cached = len(s.tokens)
+            joining.append((kv, pads, group))
+            seqs.extend(group)
+            logits_parts.append(logits)
+        # 4) the prefilled newcomers join the decode batch for the next step
+        for kv, pads, group in joining:
+            self._join(kv, pads, group)
         if not seqs:
             return []
         return sample_tokens(seqs, torch.cat(logits_parts))
 
-    def _select_rows(self, batch: _Batch, keep_seqs: list[_Seq]) -> _Batch | None:
-        pos = {id(s): b for b, s in enumerate(batch.seqs)}
-        keep = [pos[id(s)] for s in keep_seqs]
-        if not keep:
-            return None
-        idx = torch.tensor(keep, device=batch.keys[0].device)
-        trim = min(batch.pads[b] for b in keep)
-        return _Batch(
-            [batch.seqs[b] for b in keep],
-            [k.index_select(0, idx)[:, :, trim:] for k in batch.keys],
-            [v.index_select(0, idx)[:, :, trim:] for v in batch.values],
-            [batch.pads[b] - trim for b in keep],
-        )
+    @staticmethod
+    def _prefill_chunks(fresh: list[_Seq]) -> list[list[_Seq]]:
+        """``fresh`` sorted by length and cut so that each chunk's padded size stays within the token budget."""
+        chunks: list[list[_Seq]] = []
+        chunk: list[_Seq] = []
+        for s in sorted(fresh, key=lambda s: len(s.tokens)):
+            if chunk and (len(chunk) + 1) * len(s.tokens) > PREFILL_TOKEN_BUDGET:
+                chunks.append(chunk)
+                chunk = []
+            chunk.append(s)
+        if chunk:
+            chunks.append(chunk)
+        return chunks
 
-    def _decode(self, batch: _Batch) -> tuple[Tensor, KV]:
+    def _decode(self, batch: _Batch, resumed: int = 0) -> Tensor:
+        """One token per row over the batch's cache (left padding masked, positions counted from each row's first
+        real token); the cache grows by one column in place. ``resumed`` rows feed a resumed request's last prompt
+        token: counted as prefill tokens, the others as decode tokens."""
         dev = self._device
-        width, n = batch.width, len(batch.seqs)
+        batch.trim()
+        batch.reserve(1)
+        width = batch.width
         ids = torch.tensor([[s.tokens[-1]] for s in batch.seqs], device=dev)
-        mask = torch.ones((n, width + 1), dtype=torch.long, device=dev)
-        for b, p in enumerate(batch.pads):
-            if p:
-                mask[b, :p] = 0
-        pos = torch.tensor([[width - p] for p in batch.pads], device=dev)
-        self._stats.decode_tokens += n
-        return self._forward(ids, list(zip(batch.keys, batch.values)), mask, pos, batch.seqs)
+        pads = torch.tensor(batch.pads, device=dev).unsqueeze(1)
+        mask = (torch.arange(width + 1, device=dev).unsqueeze(0) >= pads).long()
+        pos = width - pads
+        self._stats.decode_tokens += batch.n - resumed
+        self._stats.prefill_tokens += resumed
+        logits, _ = self._forward(ids, batch.cache(), mask, pos, batch.seqs)
+        batch.end += 1
+        return logits

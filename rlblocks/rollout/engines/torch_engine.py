@@ -3,8 +3,11 @@
 It implements the whole :class:`~rlblocks.rollout.types.RolloutEngine` protocol with plain PyTorch:
 
 - **Continuous batching.** A background asyncio task runs the engine loop. Every engine *step* gives each running
-  sequence exactly one new token: new requests are prefilled (prompts of equal length are batched together), the
-  others are decoded together in one forward over a left-padded KV cache (attention mask + explicit position ids).
+  sequence exactly one new token: new requests are prefilled together in one left-padded forward whatever their
+  lengths (split only beyond a token budget), the others are decoded together in one forward over a left-padded KV
+  cache (attention mask + explicit position ids) that is preallocated per batch row, grown by doubling and written
+  in place (:mod:`~rlblocks.rollout.engines.torch_memory`); a finished or aborted request leaves it in O(1) (the last
+  row moves into its slot, no scan of the batch).
   Requests submitted while a step runs join at the next step. The forward runs in a worker thread
   (``asyncio.to_thread``) so the event loop stays responsive; all state changes (abort, pause, weight update) happen
   under one lock, i.e. *between* steps.
@@ -483,14 +486,14 @@ class TorchEngine(_Compute, EngineBase):
     def _abort_locked(self, wanted: Iterable[str] | str | None, *, keep_kv: bool = True) -> list[str]:
         """Abort ``wanted`` (``None``: all); with ``keep_kv`` their KV goes to the prefix cache for the resume."""
         ids = self._inflight.select(wanted)
-        for rid in ids:
-            seq = self._inflight.pop(rid)
-            if keep_kv:
+        seqs = [self._inflight.pop(rid) for rid in ids]
+        if keep_kv:
+            for seq in seqs:
                 kv, n = self._take_kv(seq)
                 self._store_prefix(seq, kv, n)
+        self._leave_batch(seqs)  # their rows only: no scan of the batch; the last rows move into the holes
+        for seq in seqs:
             self._finish(seq, "abort")
-        if ids and self._batch is not None:
-            self._batch = self._drop_rows(self._batch)
         return ids
 
     def _invalidate_kv(self) -> None:
@@ -524,13 +527,13 @@ class TorchEngine(_Compute, EngineBase):
     # ------------------------------------------------------------------ results (event loop, under lock)
     def _apply(self, result: list[tuple[_Seq, int, float] | None]) -> None:
         self._stats.steps += 1
-        finished = False
+        finished: list[_Seq] = []
         for item in result:
             if item is None:
                 continue
             seq, token, lp = item
             if seq.done:
-                finished = True
+                finished.append(seq)
                 continue
             seq.tokens.append(token)
             seq.output_ids.append(token)
@@ -545,6 +548,5 @@ class TorchEngine(_Compute, EngineBase):
             if reason is not None:
                 self._inflight.pop(seq.rid, None)
                 self._finish(seq, reason)
-                finished = True
-        if finished and self._batch is not None:
-            self._batch = self._drop_rows(self._batch)
+                finished.append(seq)
+        self._leave_batch(finished)

@@ -1,0 +1,26 @@
+"""Benchmarks' ``--quick`` modes: each still runs and its own checks of agreement pass (equal generations for a seed,
+finite log-probs, applied weights equal to the sent ones); never their speed."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+QUICK = {
+    "rollout/bench_engines.py": "quick: ok",
+    "sync/bench_delta.py": "quick: ok",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(QUICK))
+def test_quick_mode_runs_and_agrees(script):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TORCHDYNAMO_DISABLE="1")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert QUICK[script] in out.stdout, out.stdout[-3000:]
