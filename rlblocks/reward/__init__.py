@@ -22,8 +22,9 @@ fast. ``math-verify`` is the optional extra ``pip install rlblocks[reward]``.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rlblocks._lazy import lazy_exports
 
 from .code import CodeReward, CodeTest, code_reward, extract_code, outputs_match
 from .combine import FormatReward, OverlongPenalty, WeightedReward
@@ -72,13 +73,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value  # later lookups skip __getattr__
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)

@@ -15,8 +15,9 @@ Names are imported lazily: ``import rlblocks.tinker`` imports neither torch-heav
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rlblocks._lazy import lazy_exports
 
 _LAZY = {
     "TinkerService": ".service",
@@ -44,11 +45,4 @@ __all__ = ["LOSS_FNS", "REFUSED", "SERVED", "LoraSpec", "SamplerHost", "ServerTh
            "TrainingHost", "WireDatum", "create_app", "tinker_loss"]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)
