@@ -43,6 +43,7 @@ from plumbing import (
     check_task_flags,
     eval_metrics,
     eval_reward_spec,
+    heldout_figures,
     load_hf,
     load_task,
     load_tokenizer,
@@ -233,8 +234,9 @@ async def run(cfg: Config, path: str) -> dict:
                "wall_seconds": time.time() - t0, **{k: totals[k] for k in (
                    "samples_generated", "samples_trained", "samples_failed_reward", "groups_failed_reward")},
                "reward_failures": scorer.stats()["failures"], "gateway": stats, "config": dataclasses.asdict(cfg),
-               "task": loop_task.source, "heldout_prompts": len(heldout), "heldout_before": eval_before.metrics(),
-               "heldout_after": eval_after.metrics(), "reward": scorer.stats(), "eval_reward": eval_reward.stats()}
+               "task": loop_task.source, "heldout_prompts": len(heldout),
+               "heldout_before": heldout_figures(eval_before), "heldout_after": heldout_figures(eval_after),
+               "reward": scorer.stats(), "eval_reward": eval_reward.stats()}
     files.write_summary(summary)
     files.close()
     scorer.close()

@@ -101,6 +101,7 @@ from plumbing import (
     every,
     group_record,
     heldout,
+    heldout_figures,
     join_sync_group,
     length_budget,
     load_hf,
@@ -864,8 +865,8 @@ def finish(t: Trainer, tensors) -> None:
         "left_uids": [item["uid"] for item, _, _ in q.state_dict()["items"]], "config": dataclasses.asdict(cfg),
         "sync_bytes_full": t.full_push_bytes,
         "task": t.task.source, "heldout_prompts": len(t.task.heldout),
-        "heldout_before": t.eval_before.metrics() if t.eval_before is not None else None,
-        "heldout_after": t.last_eval.metrics() if t.last_eval is not None else None,
+        "heldout_before": heldout_figures(t.eval_before) if t.eval_before is not None else None,
+        "heldout_after": heldout_figures(t.last_eval) if t.last_eval is not None else None,
         "reward_failures": rollout.get("reward_failures", 0), "eval_reward": t.eval_reward.stats(),
         **t.recovery.summary(),
     }

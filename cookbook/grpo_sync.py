@@ -66,6 +66,7 @@ from plumbing import (
     gather_cp,
     group_record,
     heldout,
+    heldout_figures,
     length_budget,
     load_hf,
     load_model_state,
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     if rec.state is None:
         eval_before = evaluate(0) if rank == 0 else None
         acc_before = eval_before.mean_at_k if eval_before is not None else 0.0
-        heldout_before = eval_before.metrics() if eval_before is not None else None
+        heldout_before = heldout_figures(eval_before) if eval_before is not None else None
         teacher_acc = None
         if teacher is not None and rank == 0:
             teacher_acc = on_model(teacher, lambda e: heldout(e, task.heldout, eval_reward, tok, cfg,
@@ -274,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         acc_before, teacher_acc, last_acc, heldout_before, heldout_after = (rec.state["summary"][k] for k in (
             "accuracy_before", "teacher_accuracy", "accuracy_after", "heldout_before", "heldout_after"))
         t_start -= rec.state["summary"]["wall_seconds"]
-    say(f"held-out accuracy before RL: {acc_before:.3f} ({len(task.heldout)} prompts, {task.source})")
+    say(f"held-out accuracy before RL: {acc_before:.3f} ({len(task.heldout)} prompts, {task.heldout_source})")
     if teacher_acc is not None:
         say(f"teacher held-out accuracy: {teacher_acc:.3f}")
 
@@ -325,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             result = evaluate(step) if (every(step, cfg.eval_every) or done) else None
             if result is not None:
-                last_acc, heldout_after = result.mean_at_k, result.metrics()
+                last_acc, heldout_after = result.mean_at_k, heldout_figures(result)
             step_s = time.perf_counter() - t0
             mean_reward = sums[0].item() / max(sums[1].item(), 1)
             files.log({

@@ -67,7 +67,7 @@ from .distributed import (
     trainer_groups,
 )
 from .engines import check_max_model_len, length_budget, make_engine, model_max_len, resolve_max_model_len, until_eos
-from .evaluation import eval_metrics, heldout, on_model
+from .evaluation import eval_metrics, heldout, heldout_figures, on_model
 from .flags import check_at_least, every, opt, parse_flags
 from .losses import CORRECTION_CAP, POLICY_LOSSES, check_loss_flags, loss_defaults, policy_loss
 from .messages import Inbox, Outbox, RolloutEnd, Stale, Stop, Weights, recv_control, send_control
@@ -123,6 +123,7 @@ __all__ = [
     "global_counts",
     "group_record",
     "heldout",
+    "heldout_figures",
     "join_sync_group",
     "length_budget",
     "load_hf",
