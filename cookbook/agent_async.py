@@ -82,6 +82,7 @@ from plumbing import (
     rank0_first,
     recv_control,
     resume_run,
+    save_policy,
     save_run_checkpoint,
     seed_rank,
     send_control,
@@ -493,6 +494,7 @@ def trainer_main(cfg: Config, world: int, sample_group, path: str, port: int) ->
     eval_reward.close()
     model.save_pretrained(files.dir / "policy")  # the trained policy, loadable with from_pretrained
     tok.save_pretrained(files.dir / "policy")
+    save_policy(cfg, tok, model)  # --save-hf: the same, where the user asks
     print(f"held-out accuracy before RL: {acc_before:.3f}  after {step} steps: {last_acc:.3f}  "
           f"(+{100 * (last_acc - acc_before):.1f} points, {summary['wall_seconds']:.0f} s of RL)", flush=True)
     print(f"summary: {files.summary}", flush=True)

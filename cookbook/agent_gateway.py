@@ -54,6 +54,7 @@ from plumbing import (
     opt,
     parse_flags,
     parse_log_flag,
+    save_policy,
     seed_rank,
     setup_dist,
 )
@@ -243,6 +244,7 @@ async def run(cfg: Config, path: str) -> dict:
     eval_reward.close()
     policy.save_pretrained(files.dir / "policy")  # the trained policy, loadable with from_pretrained
     tok.save_pretrained(files.dir / "policy")
+    save_policy(cfg, tok, policy)  # --save-hf: the same, where the user asks
     print(f"held-out accuracy after {cfg.steps} steps through the gateway: {acc_after:.3f} "
           f"(before {acc_before:.3f}); sessions {stats.get('sessions_finished', 0)}, prefix mismatches "
           f"{stats.get('prefix_mismatches', 0)}; summary: {files.summary}", flush=True)

@@ -87,6 +87,7 @@ from plumbing import (
     TimedEngine,
     Weights,
     all_reduce,
+    apply_lora,
     batch_tensors,
     broadcast_flag,
     check_at_least,
@@ -125,6 +126,7 @@ from plumbing import (
     resolve_max_model_len,
     resume_run,
     rollout_columns,
+    save_policy,
     save_run_checkpoint,
     seed_rank,
     send_control,
@@ -608,14 +610,9 @@ def setup_trainer(cfg: Config, rank: int, world: int, n_train: int, device, grou
     lm.train()
     peft_model = None
     if cfg.sync == "lora":  # LoRA training: adapters on every decoder linear; the HF modules are wrapped in place
-        from peft import LoraConfig, get_peft_model
-
         if n_train > 1:
             raise ArgumentError("--sync lora: supported with one trainer rank here (no FSDP2 of peft modules)")
-        # REAL MODEL: the projection names of Llama/Qwen-style decoders; other architectures name them differently
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        peft_model = get_peft_model(lm, LoraConfig(r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank,
-                                                   target_modules=targets, lora_dropout=0.0))
+        peft_model = apply_lora(lm, cfg.lora_rank)
     # fresh run, or resume from the last checkpoint (--resume, or torchrun restarted the group after a rank died)
     rec = resume_run(files, cfg, rank=rank, world=n_train, group=groups["train"],
                      required=("step", "model", "optim", "rng", "config", "queue", "counters"))
@@ -920,6 +917,8 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
         if done:
             break
     bar.close()
+    save_policy(cfg, t.tok, t.lm, peft_model=t.peft_model, policy=t.policy, world=n_train, rank=rank,
+                base=path)  # --save-hf
     if t.is0:
         finish(t, tensors)
 

@@ -98,6 +98,7 @@ from plumbing import (
     resolve_max_model_len,
     restore_rng,
     resume_run,
+    save_policy,
     save_run_checkpoint,
     seed_rank,
     setup_dist,
@@ -850,10 +851,12 @@ def main(argv: list[str] | None = None) -> None:
         if done:
             break
     bar.close()
+    saved = save_policy(cfg, tok, actor.lm, policy=actor, world=world, rank=rank, base=path, log=say)  # --save-hf
     if rank == 0:
         summary = {
             "accuracy_before": acc_before, "accuracy_after": last_acc, "wall_seconds": time.time() - t_start,
             "cpu_seconds": time.process_time(), "steps": steps_done, "max_staleness": 0, "max_staleness_seen": 0,
+            "saved_hf": saved,
             "samples_generated": totals["samples_generated"], "samples_trained": totals["samples_trained"],
             "samples_dropped_stale": 0, "samples_failed_reward": totals["samples_failed_reward"],
             "groups_failed_reward": totals["samples_failed_reward"] // cfg.group_size, "rollout": dict(totals),

@@ -53,6 +53,7 @@ import rgym
 
 from rlblocks.errors import ArgumentError
 
+from .export import ExportFlags, check_export_flags
 from .flags import opt
 from .rewards import RewardFlags, check_reward_flags
 from .tracking import LogFlags, parse_log_flag
@@ -319,9 +320,10 @@ def check_fits(task: Task, max_model_len: int, flag: str = "--prompts") -> None:
 
 
 @dataclass
-class TaskFlags(LogFlags, RewardFlags, DataFlags):
-    """What a loop trains and evaluates on, and where its metrics go: :class:`DataFlags`,
-    :class:`~.rewards.RewardFlags`, :class:`~.tracking.LogFlags` (a loop's ``Config`` inherits this)."""
+class TaskFlags(ExportFlags, LogFlags, RewardFlags, DataFlags):
+    """What a loop trains and evaluates on, and where its metrics and trained policy go: :class:`DataFlags`,
+    :class:`~.rewards.RewardFlags`, :class:`~.tracking.LogFlags`, :class:`~.export.ExportFlags` (a loop's
+    ``Config`` inherits this)."""
 
 
 def check_task_flags(cfg: Any, *, rm_built_here: bool = False) -> None:
@@ -330,3 +332,4 @@ def check_task_flags(cfg: Any, *, rm_built_here: bool = False) -> None:
     check_reward_flags(cfg, rm_built_here=rm_built_here)
     check_data_flags(cfg)
     parse_log_flag(cfg.log_to)
+    check_export_flags(cfg)
