@@ -11,6 +11,8 @@ its cached directory, converted on first use:
   ``gguf`` package and dequantises the 4-bit weights to float32; the result is written with ``save_pretrained``
   (safetensors, tokenizer, chat template), float32.
 
+``python cookbook/plumbing/models.py smollm2-135m`` converts (once) and prints the directory.
+
 Cache: ``$RLBLOCKS_CACHE/models/<name>`` (default ``~/.cache/rlblocks/models/<name>``). A conversion is written
 into a temporary directory next to it and renamed into place only after :func:`check_conversion` passed, under a
 file lock, so concurrent processes (the ranks of one ``torchrun``) convert once and a killed conversion never
@@ -202,3 +204,10 @@ def resolve_model_flags(cfg: Any) -> None:
         value = getattr(cfg, field, None)
         if isinstance(value, str) and value:
             setattr(cfg, field, resolve_model(value, "--" + field.replace("_", "-")))
+
+
+if __name__ == "__main__":  # python cookbook/plumbing/models.py smollm2-135m: convert once, print the directory
+    import sys
+
+    for arg in sys.argv[1:] or list(MODELS):
+        print(model_dir(arg, log=lambda s: print(s, file=sys.stderr, flush=True)))
