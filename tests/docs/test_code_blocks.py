@@ -169,11 +169,14 @@ REAL_MODEL = "smollm2-135m"
 def _ensure_real_model() -> None:
     """The cached HF directory of ``--model smollm2-135m`` (rule 4), converted once by the cookbook's helper."""
     import importlib.util
+    import sys
 
-    spec = importlib.util.spec_from_file_location("_cookbook_models", ROOT / "cookbook" / "plumbing" / "models.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.model_dir(REAL_MODEL)
+    name = "_cookbook_plumbing_models"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "cookbook" / "plumbing" / "models.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)  # its dataclasses look their module up by name
+        spec.loader.exec_module(sys.modules[name])
+    sys.modules[name].model_dir(REAL_MODEL)
 
 
 @pytest.mark.parametrize("path", _page_params())
