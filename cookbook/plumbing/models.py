@@ -207,7 +207,14 @@ def resolve_model_flags(cfg: Any) -> None:
 
 
 if __name__ == "__main__":  # python cookbook/plumbing/models.py smollm2-135m: convert once, print the directory
+    import argparse
     import sys
 
-    for arg in sys.argv[1:] or list(MODELS):
-        print(model_dir(arg, log=lambda s: print(s, file=sys.stderr, flush=True)))
+    parser = argparse.ArgumentParser(description="Convert a named model once into its cached HF directory (checked "
+                                                 "against its GGUF file) and print the directory.")
+    parser.add_argument("names", nargs="*", help=f"models to convert: {', '.join(MODELS)} (default: all)")
+    for name in parser.parse_args().names or list(MODELS):
+        try:
+            print(model_dir(name, log=lambda s: print(s, file=sys.stderr, flush=True)))
+        except ArgumentError as e:
+            parser.error(str(e))
