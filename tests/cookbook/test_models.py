@@ -54,3 +54,28 @@ def test_a_directory_that_is_not_a_checked_conversion_is_never_overwritten(tmp_p
     assert (tmp_path / "smollm2-135m" / "config.json").read_text() == "{}"
     with pytest.raises(ArgumentError, match="smollm2-135m"):
         model_dir("no-such-model", root=tmp_path)
+
+
+def test_conversion_is_atomic_and_cached(tmp_path, monkeypatch):
+    """A conversion whose check fails leaves no directory; a passing one appears whole, with its check's figures,
+    and is never converted again. (The GGUF reader is replaced by the toy model here: what is tested is the
+    directory handling, not the GGUF file.)"""
+    import toy
+    from plumbing import models
+
+    tok = toy.build_tokenizer()
+    calls = []
+    monkeypatch.setattr(models, "load_gguf", lambda name: calls.append(name) or (tok, toy.build_tiny_model(tok)))
+
+    def failing_check(path, name="", *, reference=None, atol=1e-4):
+        assert (Path(path) / "config.json").is_file()  # checked after writing, before it is renamed into place
+        raise RuntimeError("logits differ")
+
+    monkeypatch.setattr(models, "check_conversion", failing_check)
+    with pytest.raises(RuntimeError, match="logits differ"):
+        models.model_dir("smollm2-135m", root=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".smollm2-135m.lock"]  # no half directory
+    monkeypatch.setattr(models, "check_conversion", lambda path, name="", *, reference=None, atol=1e-4: {"ok": 1})
+    out = models.model_dir("smollm2-135m", root=tmp_path)
+    assert json.loads((Path(out) / MARKER).read_text()) == {"ok": 1} and (Path(out) / "config.json").is_file()
+    assert models.model_dir("smollm2-135m", root=tmp_path) == out and calls == ["smollm2-135m"] * 2
