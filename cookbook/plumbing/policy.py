@@ -1,4 +1,4 @@
-"""The policy: an HF checkpoint (tokenizer and causal LM) and its per-token log-prob module."""
+"""The policy: an HF checkpoint (tokenizer and causal LM), its per-token log-prob module, LoRA adapters."""
 
 from __future__ import annotations
 
@@ -12,13 +12,40 @@ from rlblocks.kernels import causal_lm_logprobs
 
 def load_tokenizer(path: str, *, chat: bool = False, flag: str = "--model"):
     """The tokenizer of the HF checkpoint at ``path`` (local files only). ``chat=True``: it must have a chat
-    template (the agent loops render every turn with it); refused with an :class:`ArgumentError` naming ``flag``."""
+    template that lists tools (the agent loops render every turn, tools included, with it; see
+    :func:`with_tool_template`); refused with an :class:`ArgumentError` naming ``flag``."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
     if chat and not getattr(tok, "chat_template", None):
         raise ArgumentError(f"{flag}: expected a checkpoint whose tokenizer has a chat template (each turn is "
                             f"rendered with it), got {path!r} (tokenizer_config.json has no chat_template)")
+    return with_tool_template(tok, path, flag) if chat else tok
+
+
+def with_tool_template(tok, path: str = "", flag: str = "--model"):
+    """``tok``, its chat template able to show the model its tools. A template that renders a tool's schema is kept.
+    One that ignores ``tools=`` (SmolLM2's: plain ChatML turns) would hide the tools from the model; a ChatML
+    template (``<|im_start|>`` turns) is then replaced by rlblocks' ``HERMES_TEMPLATE``: the same ChatML turns, the
+    tools listed in the system turn and tool calls written as ``<tool_call>{json}</tool_call>`` (the Hermes /
+    Qwen2.5 format the agent loops parse). A tokenizer whose vocabulary cannot write that listing (it would hold
+    the unknown token: the toy agent's character vocabulary, whose model learnt its tool without one) keeps its
+    template. Any other template that ignores tools is refused."""
+    from rlblocks.rollout.agents.chat_templates import HERMES_TEMPLATE
+
+    probe = {"type": "function", "function": {"name": "probe_tool_name", "description": "probe",
+                                              "parameters": {"type": "object", "properties": {}}}}
+    messages = [{"role": "user", "content": "hi"}]
+    if "probe_tool_name" in tok.apply_chat_template(messages, tools=[probe], tokenize=False):
+        return tok
+    if "<|im_start|>" not in tok.chat_template:
+        raise ArgumentError(f"{flag}: expected a chat template that lists the tools it is given (the agent loops "
+                            f"show the model its tools through it), got {path!r}, whose template ignores tools=")
+    current = tok.chat_template
+    tok.chat_template = HERMES_TEMPLATE
+    ids = tok.encode(tok.apply_chat_template(messages, tools=[probe], tokenize=False), add_special_tokens=False)
+    if tok.unk_token_id is not None and tok.unk_token_id in ids:
+        tok.chat_template = current
     return tok
 
 
@@ -71,6 +98,30 @@ class PolicyLogprobs(nn.Module):
         return causal_lm_logprobs(self.lm, input_ids, first, scored, attention_mask=attention_mask,
                                   temperature=self.temperature, prefix_share=self.prefix_share,
                                   cp_group=self.cp_group)
+
+
+# REAL MODEL: the projection names of Llama/Qwen-style decoders; other architectures name them differently
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def apply_lora(lm: nn.Module, rank: int) -> nn.Module:
+    """LoRA adapters (peft; rank ``rank``, alpha = 2·rank, no dropout) on every linear layer of the decoder
+    (:data:`LORA_TARGETS`), the HF modules wrapped in place (``lm`` itself computes with them afterwards, its
+    base weights frozen). Returns the ``PeftModel``."""
+    from peft import LoraConfig, get_peft_model
+
+    if rank < 1:
+        raise ArgumentError(f"--lora-rank: expected an int >= 1, got {rank}")
+    return get_peft_model(lm, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(LORA_TARGETS),
+                                         lora_dropout=0.0))
+
+
+def merged_tensors(peft_model: nn.Module) -> list[tuple[str, Tensor]]:
+    """The weights of a LoRA-trained model as a rollout engine loads them: HF names, ``W + s·B·A`` merged into every
+    adapted layer (``rlblocks.sync.merge_lora``)."""
+    from rlblocks.sync.lora import base_state, lora_state, merge_lora
+
+    return list(merge_lora(base_state(peft_model), lora_state(peft_model)))
 
 
 def decoder_layers(lm: nn.Module) -> nn.ModuleList:

