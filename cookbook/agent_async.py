@@ -61,6 +61,7 @@ from plumbing import (
     eval_metrics,
     eval_reward_spec,
     every,
+    heldout_figures,
     join_sync_group,
     load_hf,
     load_model_state,
@@ -81,6 +82,7 @@ from plumbing import (
     rank0_first,
     recv_control,
     resume_run,
+    save_policy,
     save_run_checkpoint,
     seed_rank,
     send_control,
@@ -379,11 +381,11 @@ def trainer_main(cfg: Config, world: int, sample_group, path: str, port: int) ->
     if ck is None:
         eval_before = evaluate(0)
         acc_before = last_acc = eval_before.mean_at_k
-        heldout_before = heldout_after = eval_before.metrics()
+        heldout_before = heldout_after = heldout_figures(eval_before)
     else:
         acc_before, last_acc = ck["accuracy_before"], ck["accuracy_after"]
         heldout_before, heldout_after = ck["heldout_before"], ck["heldout_after"]
-    print(f"held-out accuracy before RL: {acc_before:.3f} ({len(heldout)} prompts, {loop_task.source}, "
+    print(f"held-out accuracy before RL: {acc_before:.3f} ({len(heldout)} prompts, {loop_task.heldout_source}, "
           f"{cfg.eval_k} episode(s) each)", flush=True)
     t_start = t_rl = time.time()
     failed_calls_logged = 0  # inbox.failed_calls at the last logged step
@@ -431,7 +433,7 @@ def trainer_main(cfg: Config, world: int, sample_group, path: str, port: int) ->
         done = step >= cfg.steps or (cfg.time_limit > 0 and time.time() - t_rl > cfg.time_limit)
         result = evaluate(step) if (every(step, cfg.eval_every) or done) else None
         if result is not None:
-            last_acc, heldout_after = result.mean_at_k, result.metrics()
+            last_acc, heldout_after = result.mean_at_k, heldout_figures(result)
         acc = last_acc if result is not None else None
         rewards = [t.reward for t in trajs]
         # the failed reward calls received since the last step (their groups were failed whole, never in a batch)
@@ -492,6 +494,7 @@ def trainer_main(cfg: Config, world: int, sample_group, path: str, port: int) ->
     eval_reward.close()
     model.save_pretrained(files.dir / "policy")  # the trained policy, loadable with from_pretrained
     tok.save_pretrained(files.dir / "policy")
+    save_policy(cfg, tok, model)  # --save-hf: the same, where the user asks
     print(f"held-out accuracy before RL: {acc_before:.3f}  after {step} steps: {last_acc:.3f}  "
           f"(+{100 * (last_acc - acc_before):.1f} points, {summary['wall_seconds']:.0f} s of RL)", flush=True)
     print(f"summary: {files.summary}", flush=True)

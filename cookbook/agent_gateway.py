@@ -43,6 +43,7 @@ from plumbing import (
     check_task_flags,
     eval_metrics,
     eval_reward_spec,
+    heldout_figures,
     load_hf,
     load_task,
     load_tokenizer,
@@ -53,6 +54,7 @@ from plumbing import (
     opt,
     parse_flags,
     parse_log_flag,
+    save_policy,
     seed_rank,
     setup_dist,
 )
@@ -233,14 +235,16 @@ async def run(cfg: Config, path: str) -> dict:
                "wall_seconds": time.time() - t0, **{k: totals[k] for k in (
                    "samples_generated", "samples_trained", "samples_failed_reward", "groups_failed_reward")},
                "reward_failures": scorer.stats()["failures"], "gateway": stats, "config": dataclasses.asdict(cfg),
-               "task": loop_task.source, "heldout_prompts": len(heldout), "heldout_before": eval_before.metrics(),
-               "heldout_after": eval_after.metrics(), "reward": scorer.stats(), "eval_reward": eval_reward.stats()}
+               "task": loop_task.source, "heldout_prompts": len(heldout),
+               "heldout_before": heldout_figures(eval_before), "heldout_after": heldout_figures(eval_after),
+               "reward": scorer.stats(), "eval_reward": eval_reward.stats()}
     files.write_summary(summary)
     files.close()
     scorer.close()
     eval_reward.close()
     policy.save_pretrained(files.dir / "policy")  # the trained policy, loadable with from_pretrained
     tok.save_pretrained(files.dir / "policy")
+    save_policy(cfg, tok, policy)  # --save-hf: the same, where the user asks
     print(f"held-out accuracy after {cfg.steps} steps through the gateway: {acc_after:.3f} "
           f"(before {acc_before:.3f}); sessions {stats.get('sessions_finished', 0)}, prefix mismatches "
           f"{stats.get('prefix_mismatches', 0)}; summary: {files.summary}", flush=True)

@@ -87,6 +87,7 @@ from plumbing import (
     TimedEngine,
     Weights,
     all_reduce,
+    apply_lora,
     batch_tensors,
     broadcast_flag,
     check_at_least,
@@ -101,6 +102,7 @@ from plumbing import (
     every,
     group_record,
     heldout,
+    heldout_figures,
     join_sync_group,
     length_budget,
     load_hf,
@@ -124,6 +126,7 @@ from plumbing import (
     resolve_max_model_len,
     resume_run,
     rollout_columns,
+    save_policy,
     save_run_checkpoint,
     seed_rank,
     send_control,
@@ -607,14 +610,9 @@ def setup_trainer(cfg: Config, rank: int, world: int, n_train: int, device, grou
     lm.train()
     peft_model = None
     if cfg.sync == "lora":  # LoRA training: adapters on every decoder linear; the HF modules are wrapped in place
-        from peft import LoraConfig, get_peft_model
-
         if n_train > 1:
             raise ArgumentError("--sync lora: supported with one trainer rank here (no FSDP2 of peft modules)")
-        # REAL MODEL: the projection names of Llama/Qwen-style decoders; other architectures name them differently
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        peft_model = get_peft_model(lm, LoraConfig(r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank,
-                                                   target_modules=targets, lora_dropout=0.0))
+        peft_model = apply_lora(lm, cfg.lora_rank)
     # fresh run, or resume from the last checkpoint (--resume, or torchrun restarted the group after a rank died)
     rec = resume_run(files, cfg, rank=rank, world=n_train, group=groups["train"],
                      required=("step", "model", "optim", "rng", "config", "queue", "counters"))
@@ -864,8 +862,8 @@ def finish(t: Trainer, tensors) -> None:
         "left_uids": [item["uid"] for item, _, _ in q.state_dict()["items"]], "config": dataclasses.asdict(cfg),
         "sync_bytes_full": t.full_push_bytes,
         "task": t.task.source, "heldout_prompts": len(t.task.heldout),
-        "heldout_before": t.eval_before.metrics() if t.eval_before is not None else None,
-        "heldout_after": t.last_eval.metrics() if t.last_eval is not None else None,
+        "heldout_before": heldout_figures(t.eval_before) if t.eval_before is not None else None,
+        "heldout_after": heldout_figures(t.last_eval) if t.last_eval is not None else None,
         "reward_failures": rollout.get("reward_failures", 0), "eval_reward": t.eval_reward.stats(),
         **t.recovery.summary(),
     }
@@ -919,6 +917,8 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
         if done:
             break
     bar.close()
+    save_policy(cfg, t.tok, t.lm, peft_model=t.peft_model, policy=t.policy, world=n_train, rank=rank,
+                base=path)  # --save-hf
     if t.is0:
         finish(t, tensors)
 

@@ -22,10 +22,11 @@ Held-out evaluation (``plumbing/evaluation.py``): ``--eval-k`` samples per held-
 pass@k and mean@k, every ``--eval-every`` steps and before and after RL.
 
 Files: ``runs/<name>/metrics.jsonl`` (one line per step; TensorBoard / W&B with ``--log-to``), ``summary.json``,
-``eval/`` (per-prompt held-out results) and ``ckpt.pt``, as ``grpo_async.py`` writes them. ``--resume`` (or a
-``torchrun --max-restarts`` restart) continues from the last checkpoint; on CPU with the TorchEngine the resumed run
-ends with the weights an uninterrupted run of the seed ends with, to the bit (the checkpoint holds the weights, the
-optimizer, every rank's RNG states, the data sampler's and the counters).
+``eval/`` (per-prompt held-out results) and ``ckpt.pt``, as ``grpo_async.py`` writes them; ``--save-hf DIR``
+writes the trained policy as an HF directory (``--lora-rank``: merged, or the adapter with ``--save-lora adapter``).
+``--resume`` (or a ``torchrun --max-restarts`` restart) continues from the last checkpoint; on CPU with the
+TorchEngine the resumed run ends with the weights an uninterrupted run of the seed ends with, to the bit (the
+checkpoint holds the weights, the optimizer, every rank's RNG states, the data sampler's and the counters).
 Lines a user changes for a real model or task are marked ``REAL MODEL:``.
 """
 
@@ -51,6 +52,7 @@ from plumbing import (
     RunFiles,
     TaskFlags,
     all_reduce,
+    apply_lora,
     batch_tensors,
     broadcast_flag,
     check_at_least,
@@ -66,6 +68,7 @@ from plumbing import (
     gather_cp,
     group_record,
     heldout,
+    heldout_figures,
     length_budget,
     load_hf,
     load_model_state,
@@ -73,6 +76,7 @@ from plumbing import (
     load_task,
     loss_defaults,
     make_engine,
+    merged_tensors,
     model_state,
     needs_reference,
     on_model,
@@ -85,6 +89,7 @@ from plumbing import (
     resolve_max_model_len,
     restore_rng,
     resume_run,
+    save_policy,
     save_run_checkpoint,
     seed_rank,
     setup_dist,
@@ -130,6 +135,9 @@ class Config(TaskFlags):
     mini_batches: int = opt(1, "optimizer updates per pass, each on a random 1/mini_batches of the batch's samples")
     agg: str = opt("token-mean", "loss aggregation mode (global normalisers)")
     kl_coef: float = opt(0.0, "k3 KL penalty to the initial policy (0: no reference model)")
+    lora_rank: int = opt(0, "LoRA adapters of this rank (alpha = 2·rank) on every linear layer of the decoder, the "
+                            "base frozen; the engine gets the merged weights; 0: full fine-tuning (one rank only "
+                            "with LoRA)")
     lr: float = opt(3e-4, "AdamW learning rate")
     grad_clip: float = opt(1.0, "max grad norm")
     temperature: float = opt(1.0, "sampling temperature (log-probs use the same)")
@@ -162,6 +170,10 @@ def check_flags(cfg: Config) -> None:
     check_max_model_len(cfg.max_model_len)
     check_at_least(cfg, 0, "eval_every", "save_every")
     check_at_least(cfg, 1, "cp")
+    check_at_least(cfg, 0, "lora_rank")
+    if cfg.lora_rank and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ArgumentError(f"--lora-rank: supported with one rank here (no FSDP2 of peft modules), got "
+                            f"--lora-rank {cfg.lora_rank} with {os.environ['WORLD_SIZE']} ranks")
     if cfg.cp > 1 and cfg.distill_from:
         raise ArgumentError("--cp: context parallelism covers the policy and the reference, not the --distill-from "
                             f"teacher; got --cp {cfg.cp} with --distill-from")
@@ -230,11 +242,14 @@ def main(argv: list[str] | None = None) -> None:
                            sglang_url=cfg.sglang_url)
 
     engine = loop.run_until_complete(start_engine())
+    # ---- LoRA (--lora-rank): adapters wrapped into lm in place, the base frozen; the engine gets merged weights
+    peft_model = apply_lora(lm, cfg.lora_rank) if cfg.lora_rank else None
     # ---- fresh run, or resume: the weights (before sharding) and the engine at the checkpoint's version
     rec = resume_run(files, cfg, rank=rank, world=world)
     if rec.state is not None:
         load_model_state(lm, rec.state["model"])
-        loop.run_until_complete(engine.update_weights(list(rec.state["model"].items()), version=rec.step))
+        weights = merged_tensors(peft_model) if peft_model is not None else list(rec.state["model"].items())
+        loop.run_until_complete(engine.update_weights(weights, version=rec.step))
     policy = PolicyLogprobs(lm, cfg.temperature, cfg.prefix_share, cp_group=tg.cp)
     shard(policy, decoder_layers(lm), world)
     ref = None
@@ -243,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
                              cp_group=tg.cp).requires_grad_(False)
     teacher = (distill.load_teacher(cfg.distill_from, path, device, world=world, mode=cfg.distill_mode)
                if cfg.distill_from else None)
-    optim = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
+    optim = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
     counters = Counter()  # this rank's rollout counters: samples / tokens generated, resubmissions, reward failures
     totals = Counter()  # all ranks: samples and tokens generated and trained
 
@@ -258,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     if rec.state is None:
         eval_before = evaluate(0) if rank == 0 else None
         acc_before = eval_before.mean_at_k if eval_before is not None else 0.0
-        heldout_before = eval_before.metrics() if eval_before is not None else None
+        heldout_before = heldout_figures(eval_before) if eval_before is not None else None
         teacher_acc = None
         if teacher is not None and rank == 0:
             teacher_acc = on_model(teacher, lambda e: heldout(e, task.heldout, eval_reward, tok, cfg,
@@ -274,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
         acc_before, teacher_acc, last_acc, heldout_before, heldout_after = (rec.state["summary"][k] for k in (
             "accuracy_before", "teacher_accuracy", "accuracy_after", "heldout_before", "heldout_after"))
         t_start -= rec.state["summary"]["wall_seconds"]
-    say(f"held-out accuracy before RL: {acc_before:.3f} ({len(task.heldout)} prompts, {task.source})")
+    say(f"held-out accuracy before RL: {acc_before:.3f} ({len(task.heldout)} prompts, {task.heldout_source})")
     if teacher_acc is not None:
         say(f"teacher held-out accuracy: {teacher_acc:.3f}")
 
@@ -307,7 +322,8 @@ def main(argv: list[str] | None = None) -> None:
         step += 1
         # ---- weight push into the colocated engine (version = step)
         t2 = time.perf_counter()
-        tensors = [(n.removeprefix("lm."), t) for n, t in full_tensors(policy)]
+        tensors = (merged_tensors(peft_model) if peft_model is not None
+                   else [(n.removeprefix("lm."), t) for n, t in full_tensors(policy)])
         loop.run_until_complete(engine.update_weights(tensors, version=step))
         sync_s = time.perf_counter() - t2
         # ---- logging: generated counts come from the rollout, trained counts from the batch, summed over ranks
@@ -325,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             result = evaluate(step) if (every(step, cfg.eval_every) or done) else None
             if result is not None:
-                last_acc, heldout_after = result.mean_at_k, result.metrics()
+                last_acc, heldout_after = result.mean_at_k, heldout_figures(result)
             step_s = time.perf_counter() - t0
             mean_reward = sums[0].item() / max(sums[1].item(), 1)
             files.log({
@@ -349,6 +365,8 @@ def main(argv: list[str] | None = None) -> None:
         if done:
             break
     bar.close()
+    saved = save_policy(cfg, tok, lm, peft_model=peft_model, policy=policy, world=world, rank=rank, base=path,
+                        log=say)  # --save-hf
     if rank == 0:
         summary = {
             "accuracy_before": acc_before, "accuracy_after": last_acc, "wall_seconds": time.time() - t_start,
@@ -360,6 +378,7 @@ def main(argv: list[str] | None = None) -> None:
             "config": dataclasses.asdict(cfg),
             "teacher_accuracy": teacher_acc, "task": task.source, "heldout_prompts": len(task.heldout),
             "heldout_before": heldout_before, "heldout_after": heldout_after, "reward": reward.stats(),
+            "saved_hf": saved,
             **rec.summary(),
         }
         files.write_summary(summary)

@@ -81,6 +81,7 @@ from plumbing import (
     eval_reward_spec,
     every,
     heldout,
+    heldout_figures,
     load_hf,
     load_model_state,
     load_optim_state,
@@ -97,6 +98,7 @@ from plumbing import (
     resolve_max_model_len,
     restore_rng,
     resume_run,
+    save_policy,
     save_run_checkpoint,
     seed_rank,
     setup_dist,
@@ -771,7 +773,7 @@ def main(argv: list[str] | None = None) -> None:
     if rec.state is None:
         eval_before = evaluate(0) if rank == 0 else None
         acc_before = eval_before.mean_at_k if eval_before is not None else 0.0
-        heldout_before = eval_before.metrics() if eval_before is not None else None
+        heldout_before = heldout_figures(eval_before) if eval_before is not None else None
         last_acc, heldout_after = acc_before, heldout_before
     else:  # both optimizers, the counters and the figures of the run so far
         load_optim_state(actor, actor_opt, rec.state["actor_optim"], world)
@@ -781,7 +783,7 @@ def main(argv: list[str] | None = None) -> None:
         acc_before, last_acc, heldout_before, heldout_after, memory = (rec.state["summary"][k] for k in (
             "accuracy_before", "accuracy_after", "heldout_before", "heldout_after", "memory_bytes_per_rank"))
         t_start -= rec.state["summary"]["wall_seconds"]
-    say(f"held-out accuracy before RL: {acc_before:.3f} ({len(task.heldout)} prompts, {task.source})")
+    say(f"held-out accuracy before RL: {acc_before:.3f} ({len(task.heldout)} prompts, {task.heldout_source})")
 
     def save_checkpoint(steps_done: int) -> None:
         extra = {"totals": dict(totals), "checker": checker.state_dict(),
@@ -828,7 +830,7 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             result = evaluate(step + 1) if (every(step + 1, cfg.eval_every) or done) else None
             if result is not None:
-                last_acc, heldout_after = result.mean_at_k, result.metrics()
+                last_acc, heldout_after = result.mean_at_k, heldout_figures(result)
             step_s = time.perf_counter() - t0
             files.log({
                 "step": step + 1, "version": step + 1, "reward": st["score"], "reward_failures": failed,
@@ -849,10 +851,12 @@ def main(argv: list[str] | None = None) -> None:
         if done:
             break
     bar.close()
+    saved = save_policy(cfg, tok, actor.lm, policy=actor, world=world, rank=rank, base=path, log=say)  # --save-hf
     if rank == 0:
         summary = {
             "accuracy_before": acc_before, "accuracy_after": last_acc, "wall_seconds": time.time() - t_start,
             "cpu_seconds": time.process_time(), "steps": steps_done, "max_staleness": 0, "max_staleness_seen": 0,
+            "saved_hf": saved,
             "samples_generated": totals["samples_generated"], "samples_trained": totals["samples_trained"],
             "samples_dropped_stale": 0, "samples_failed_reward": totals["samples_failed_reward"],
             "groups_failed_reward": totals["samples_failed_reward"] // cfg.group_size, "rollout": dict(totals),

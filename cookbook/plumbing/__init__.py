@@ -11,7 +11,10 @@ A loop imports it as ``from plumbing import ...``: a script's own folder (``cook
 - :mod:`.distributed`: ``setup_dist`` (process group, device, CPU threads), ``seed_rank``, ``prompts_per_rank``,
   ``trainer_groups`` (DP × CP), ``rank0_first``, the weight-sync group, collectives (``all_reduce``,
   ``global_counts``, ``broadcast_flag``, ``gather_cp``).
-- :mod:`.policy`: loading an HF checkpoint, ``PolicyLogprobs`` (the policy's per-token log-probs), FSDP2 sharding.
+- :mod:`.policy`: loading an HF checkpoint, ``PolicyLogprobs`` (the policy's per-token log-probs), LoRA adapters
+  (``apply_lora``, ``merged_tensors``), FSDP2 sharding.
+- :mod:`.models`: named models (``--model smollm2-135m``: a GGUF file converted once into a cached HF directory).
+- :mod:`.export`: ``--save-hf`` (the trained policy as an HF directory; LoRA merged or as an adapter).
 - :mod:`.engines`: ``make_engine`` (``--engine``), ``--max-model-len``, response budgets.
 - :mod:`.batches`: ``group_record`` (what travels from rollout to trainer), ``batch_tensors`` (what a step reads).
 - :mod:`.messages`: the typed control messages ``Weights``/``Stale``/``Stop``, ``RolloutEnd``, ``Outbox``/``Inbox``.
@@ -67,11 +70,12 @@ from .distributed import (
     trainer_groups,
 )
 from .engines import check_max_model_len, length_budget, make_engine, model_max_len, resolve_max_model_len, until_eos
-from .evaluation import eval_metrics, heldout, on_model
+from .evaluation import eval_metrics, heldout, heldout_figures, on_model
+from .export import ExportFlags, save_hf, save_policy
 from .flags import check_at_least, every, opt, parse_flags
 from .losses import CORRECTION_CAP, POLICY_LOSSES, check_loss_flags, loss_defaults, policy_loss
 from .messages import Inbox, Outbox, RolloutEnd, Stale, Stop, Weights, recv_control, send_control
-from .policy import PolicyLogprobs, decoder_layers, load_hf, load_tokenizer, shard
+from .policy import PolicyLogprobs, apply_lora, decoder_layers, load_hf, load_tokenizer, merged_tensors, shard
 from .rewards import Reward, RewardFlags, eval_reward_spec, load_tools, needs_reference
 from .runs import Progress, RunFiles, mean_metrics
 from .timing import RolloutClock, RolloutTimes, TimedEngine, rollout_columns
@@ -83,6 +87,7 @@ __all__ = [
     "FREE_FLAGS",
     "POLICY_LOSSES",
     "DataFlags",
+    "ExportFlags",
     "Inbox",
     "Journal",
     "LogFlags",
@@ -106,6 +111,7 @@ __all__ = [
     "TrainerGroups",
     "Weights",
     "all_reduce",
+    "apply_lora",
     "batch_tensors",
     "broadcast_flag",
     "check_at_least",
@@ -123,6 +129,7 @@ __all__ = [
     "global_counts",
     "group_record",
     "heldout",
+    "heldout_figures",
     "join_sync_group",
     "length_budget",
     "load_hf",
@@ -134,6 +141,7 @@ __all__ = [
     "loss_defaults",
     "make_engine",
     "mean_metrics",
+    "merged_tensors",
     "model_max_len",
     "model_state",
     "needs_reference",
@@ -152,6 +160,8 @@ __all__ = [
     "restore_rng",
     "resume_run",
     "rollout_columns",
+    "save_hf",
+    "save_policy",
     "save_run_checkpoint",
     "seed_rank",
     "send_control",

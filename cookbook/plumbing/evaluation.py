@@ -4,8 +4,10 @@ samples each at ``--eval-temperature`` (greedy, one sample: the usual held-out a
 
 Logged every ``--eval-every`` steps and before and after RL: ``heldout_acc`` (mean@k: with binary rewards the
 fraction of samples that are right; greedy k = 1: the accuracy), ``heldout_pass_at_k`` (the unbiased pass@k) and
-``heldout_failures`` (samples the reward could not score). The per-prompt results of each evaluation go to
-``runs/<name>/eval/step_<N>.jsonl`` (:meth:`RunFiles.write_eval`).
+``heldout_failures`` (samples the reward could not score), and beside them ``heldout_last_number``: the fraction
+of samples whose last number equals a numeric reference (:func:`last_number_accuracy`; what a lenient grader that
+ignores the requested answer format would report; ``None`` when no reference is a number). The per-prompt results
+of each evaluation go to ``runs/<name>/eval/step_<N>.jsonl`` (:meth:`RunFiles.write_eval`).
 
 A loop whose trainer holds no engine (``grpo_async.py``'s trainer ranks) evaluates through :func:`on_model`: a
 fresh ``TorchEngine`` over its HF model.
@@ -14,6 +16,8 @@ fresh ``TorchEngine`` over its HF model.
 from __future__ import annotations
 
 import asyncio
+import math
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -39,12 +43,44 @@ async def heldout(engine: Any, prompts: Sequence[Any], reward: Any, tok: Any, cf
                           seed=cfg.seed, tag=tag)
 
 
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def last_number(text: str) -> float | None:
+    """The last number written in ``text`` (an optional minus, digits, an optional decimal part), or None."""
+    found = _NUMBER.findall(text)
+    return float(found[-1]) if found else None
+
+
+def last_number_accuracy(result: Any) -> float | None:
+    """Mean over the prompts whose reference is a number (``float(reference)`` parses) of the fraction of their
+    samples whose :func:`last_number` equals it (to 1e-9); ``None`` when no reference is a number."""
+    per_prompt = []
+    for p in result.prompts:
+        try:
+            want = float(str(p.reference).strip())
+        except ValueError:
+            continue
+        if not math.isfinite(want) or not p.responses:
+            continue
+        hits = [(got := last_number(r)) is not None and abs(got - want) <= 1e-9 for r in p.responses]
+        per_prompt.append(sum(hits) / len(hits))
+    return sum(per_prompt) / len(per_prompt) if per_prompt else None
+
+
+def heldout_figures(result: Any) -> dict[str, Any]:
+    """An evaluation's figures for ``summary.json`` (``heldout_before`` / ``heldout_after``): ``pass@k``,
+    ``mean@k``, ``failures`` and ``last_number`` (:func:`last_number_accuracy`)."""
+    return {**result.metrics(), "last_number": last_number_accuracy(result)}
+
+
 def eval_metrics(result: Any) -> dict[str, Any]:
     """The logged keys of an evaluation (``None`` for each when there was none this step)."""
     if result is None:
-        return {"heldout_acc": None, "heldout_pass_at_k": None, "heldout_failures": None}
+        return {"heldout_acc": None, "heldout_pass_at_k": None, "heldout_failures": None,
+                "heldout_last_number": None}
     return {"heldout_acc": result.mean_at_k, "heldout_pass_at_k": result.pass_at_k,
-            "heldout_failures": result.failures}
+            "heldout_failures": result.failures, "heldout_last_number": last_number_accuracy(result)}
 
 
 def on_model(model: Any, run: Callable[[Any], Awaitable[T]]) -> T:

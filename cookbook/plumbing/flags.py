@@ -22,9 +22,13 @@ def parse_flags(cls: type, argv: list[str] | None = None, check: Callable[[Any],
     The description is the first paragraph of ``cls``' docstring. Each field becomes ``--field-name`` (bools get
     ``--x/--no-x``; choices come from ``field.metadata["choices"]``; a field whose default is ``None`` takes its type
     from ``field.metadata["type"]``). Help texts are literal (a ``%`` is shown as is) and end with the default.
+    A checkpoint flag (``--model``, ``--critic-model``, ``--distill-from``) that names a model of
+    :data:`.models.MODELS` (``--model smollm2-135m``) is replaced by its cached HF directory (converted once).
     ``check(cfg)`` may raise :class:`ArgumentError` for flag combinations; the parser then exits with status 2 and
     the message, like any other bad flag.
     """
+    from .models import resolve_model_flags
+
     summary = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())  # the docstring's first paragraph
     parser = argparse.ArgumentParser(description=summary, formatter_class=_DefaultsHelp)
     for f in dataclasses.fields(cls):
@@ -37,11 +41,12 @@ def parse_flags(cls: type, argv: list[str] | None = None, check: Callable[[Any],
         parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=helptext, **kw)
     ns = parser.parse_args(argv)
     cfg = cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
-    if check is not None:
-        try:
+    try:
+        resolve_model_flags(cfg)  # the one place a model name becomes a directory, for every loop
+        if check is not None:
             check(cfg)
-        except ArgumentError as e:
-            parser.error(str(e))
+    except ArgumentError as e:
+        parser.error(str(e))
     return cfg
 
 

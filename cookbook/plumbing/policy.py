@@ -1,4 +1,4 @@
-"""The policy: an HF checkpoint (tokenizer and causal LM) and its per-token log-prob module."""
+"""The policy: an HF checkpoint (tokenizer and causal LM), its per-token log-prob module, LoRA adapters."""
 
 from __future__ import annotations
 
@@ -71,6 +71,30 @@ class PolicyLogprobs(nn.Module):
         return causal_lm_logprobs(self.lm, input_ids, first, scored, attention_mask=attention_mask,
                                   temperature=self.temperature, prefix_share=self.prefix_share,
                                   cp_group=self.cp_group)
+
+
+# REAL MODEL: the projection names of Llama/Qwen-style decoders; other architectures name them differently
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def apply_lora(lm: nn.Module, rank: int) -> nn.Module:
+    """LoRA adapters (peft; rank ``rank``, alpha = 2·rank, no dropout) on every linear layer of the decoder
+    (:data:`LORA_TARGETS`), the HF modules wrapped in place (``lm`` itself computes with them afterwards, its
+    base weights frozen). Returns the ``PeftModel``."""
+    from peft import LoraConfig, get_peft_model
+
+    if rank < 1:
+        raise ArgumentError(f"--lora-rank: expected an int >= 1, got {rank}")
+    return get_peft_model(lm, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(LORA_TARGETS),
+                                         lora_dropout=0.0))
+
+
+def merged_tensors(peft_model: nn.Module) -> list[tuple[str, Tensor]]:
+    """The weights of a LoRA-trained model as a rollout engine loads them: HF names, ``W + s·B·A`` merged into every
+    adapted layer (``rlblocks.sync.merge_lora``)."""
+    from rlblocks.sync import base_state, lora_state, merge_lora
+
+    return list(merge_lora(base_state(peft_model), lora_state(peft_model)))
 
 
 def decoder_layers(lm: nn.Module) -> nn.ModuleList:

