@@ -111,19 +111,30 @@ class PeakRSS:
         return self.sample()
 
 
-def heldout_accuracy(model, tok, items, max_new_tokens: int) -> float:
-    """Greedy held-out accuracy of an HF model, the way the loops evaluate (``plumbing.heldout`` on a
-    ``TorchEngine``, the demo's strict reward)."""
-    from plumbing import Reward, heldout, on_model
-    from plumbing.data import make_prompts
+def spec(args) -> str:
+    """The demo's ``rg:`` spec with ``--heldout`` held-out items."""
+    return _cookbook().SPEC.replace("eval_size=256", f"eval_size={args.heldout}")
 
-    real = _cookbook()
-    rows = [(f"heldout[{i}]", {"prompt": real.messages(e), "answer": e["answer"]}) for i, e in enumerate(items)]
-    prompts = make_prompts(tok, rows, prompt_field="prompt", answer_field="answer", chat=True, needs_reference=True)
-    reward = Reward(f"{ROOT / 'cookbook/real.py'}:reward", tok)
+
+def items(args) -> tuple[list[dict], list[dict]]:
+    """``(training items, held-out items)`` of :func:`spec` (``cookbook/rgym.py``'s split, as the loops draw it)."""
+    import rgym
+
+    train, held, _dropped = rgym.split(rgym.parse_spec(spec(args)))
+    return train, held
+
+
+def heldout_accuracy(model, tok, held, max_new_tokens: int) -> float:
+    """Greedy held-out accuracy of an HF model (answers ``--reward rg`` scores 1), the way the loops evaluate:
+    ``plumbing.heldout`` on a ``TorchEngine`` over the model."""
+    from plumbing import Reward, heldout, on_model
+
+    prompts = _cookbook().prompts(tok, held)
+    reward = Reward("rg", tok)
     cfg = argparse.Namespace(eval_k=1, eval_temperature=0.0, seed=0)
     try:
-        return on_model(model, lambda e: heldout(e, prompts, reward, tok, cfg, max_new_tokens=max_new_tokens)).mean_at_k
+        return on_model(model, lambda e: heldout(e, prompts, reward, tok, cfg,
+                                                 max_new_tokens=max_new_tokens)).pass_at_k
     finally:
         reward.close()
 
@@ -139,46 +150,42 @@ def run_rlblocks(args, model: str, work: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     real = _cookbook()
-    items = real.split()
-    train = real.write_prompts(items["rl"], work / "train.jsonl")
-    held = real.write_prompts(items["heldout"][: args.heldout], work / "heldout.jsonl")
-    grpo_sync.main(["--name", "rlblocks", "--runs-dir", str(work), "--model", model, "--prompts", str(train),
-                    "--eval-prompts", str(held), "--reward", f"{ROOT / 'cookbook/real.py'}:reward",
+    _train, held = items(args)
+    grpo_sync.main(["--name", "rlblocks", "--runs-dir", str(work), "--model", model, "--prompts", spec(args),
+                    "--reward", "rg", "--answer-format", real.ANSWER_FORMAT, "--rg-system", real.RG_SYSTEM,
                     "--engine", args.engine, "--max-model-len", "128", "--steps", str(args.steps),
                     "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
                     "--max-new-tokens", str(args.max_new_tokens), "--lr", str(args.lr),
                     "--temperature", str(args.temperature), "--mini-batches", "1", "--eval-every", "0",
-                    "--save-every", "0", "--seed", str(args.seed), "--quiet"])
+                    "--save-every", "0", "--seed", str(args.seed), "--quiet", "--save-hf", str(work / "hf")])
     rows = [json.loads(line) for line in (work / "rlblocks/metrics.jsonl").read_text().splitlines() if line.strip()]
     tok = AutoTokenizer.from_pretrained(model)
-    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    state = torch.load(work / "rlblocks/ckpt.pt", map_location="cpu", weights_only=False)["model"]
-    lm.load_state_dict(state, strict=False)
-    lm.tie_weights()
+    lm = AutoModelForCausalLM.from_pretrained(work / "hf", dtype=torch.float32)  # the trained policy
     step_s = [r["step_seconds"] for r in rows]
     gen_s = [r["generate_seconds"] for r in rows]
     return {"steps": len(rows), "step_seconds": median_after_first(step_s),
             "generate_seconds": median_after_first(gen_s),
             "train_seconds": median_after_first([s - g for s, g in zip(step_s, gen_s)]),
-            "heldout_acc": heldout_accuracy(lm, tok, items["heldout"][: args.heldout], args.max_new_tokens),
-            "heldout_n": min(args.heldout, len(items["heldout"])),
+            "heldout_acc": heldout_accuracy(lm, tok, held, args.max_new_tokens), "heldout_n": len(held),
             "mean_reward": statistics.fmean(r["reward"] for r in rows),
             "generation": f"rlblocks {args.engine} engine"}
 
 
 def run_trl(args, model: str, work: Path) -> dict:
     import datasets
+    import rgym
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     real = _cookbook()
-    items = real.split()
-    ds = datasets.Dataset.from_list([{"prompt": real.messages(e), "answer": e["answer"]} for e in items["rl"]])
+    train, held = items(args)
+    rows = rgym.rows(train, answer_format=real.ANSWER_FORMAT, system=real.RG_SYSTEM, chat=True, where="train")
+    ds = datasets.Dataset.from_list([{"prompt": r["prompt"], "entry": json.dumps(r["rg_entry"])} for _, r in rows])
 
-    def reward(prompts, completions, answer, **kw):
-        return [real.score(real.extract(c[0]["content"] if isinstance(c, list) else c), a)
-                for c, a in zip(completions, answer)]
+    def reward(prompts, completions, entry, **kw):  # the same verifier as --reward rg
+        return [real.score(c[0]["content"] if isinstance(c, list) else c, json.loads(e))
+                for c, e in zip(completions, entry)]
 
     n = args.prompts_per_step * args.group_size
     cfg = GRPOConfig(output_dir=str(work / "trl"), per_device_train_batch_size=n, num_generations=args.group_size,
@@ -218,9 +225,7 @@ def run_trl(args, model: str, work: Path) -> dict:
     return {"steps": len(step_s), "step_seconds": median_after_first(step_s),
             "generate_seconds": median_after_first(gen_s),
             "train_seconds": median_after_first([s - g for s, g in zip(step_s, gen_s)]),
-            "heldout_acc": heldout_accuracy(trainer.model, tok, items["heldout"][: args.heldout],
-                                            args.max_new_tokens),
-            "heldout_n": min(args.heldout, len(items["heldout"])),
+            "heldout_acc": heldout_accuracy(trainer.model, tok, held, args.max_new_tokens), "heldout_n": len(held),
             "mean_reward": statistics.fmean(rewards) if rewards else float("nan"),
             "generation": "transformers generate (TRL use_vllm=False)"}
 
