@@ -21,18 +21,23 @@ One call of :func:`grpo_step` is one policy version: the whole update on this ra
       grad-norm clip; optimizer step.
 4. **Metrics**: each one averaged over the updates, plus the train/rollout mismatch of π_old (with
    ``max_staleness`` also per token age ``step − version``: age 0 isolates what the rollout engine adds, e.g. FP8
-   weights, from what staleness adds).
+   weights, from what staleness adds), and the groups whose rewards are all equal (:func:`zero_variance_groups`,
+   over every trainer rank): their advantages are 0, and when every group of a step is such a group the
+   policy-gradient term of the step is exactly 0 (only ``--kl-coef`` acts). Such a step is announced on stderr.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from plumbing import CORRECTION_CAP, global_counts, mean_metrics, policy_loss
+from jaxtyping import Bool, Float, Int
+from plumbing import CORRECTION_CAP, all_reduce, global_counts, mean_metrics, policy_loss
 from torch import Tensor
 
+from rlblocks.errors import ArgumentError
 from rlblocks.losses import aggregate, grpo_advantages, kl_estimate, mismatch_metrics, rollout_correction
 
 
@@ -45,6 +50,10 @@ def grpo_step(cfg: Any, policy: torch.nn.Module, optim: torch.optim.Optimizer, b
     ``0..η`` (``mismatch_staleness{s}_kl_k3``, ``..._ratio_in_band_frac``, ``..._token_frac``).
     Returns the metrics, averaged over the optimizer updates."""
     mask, rollout_logp = bt["mask"], bt["rollout_logp"]
+    if cfg.correction not in ("tis", "mis", "none"):
+        raise ArgumentError(f"cfg.correction: expected 'tis', 'mis' or 'none' (resolve 'auto' with plumbing's "
+                            f"check_engine_flags), got {cfg.correction!r}")
+    zero, n_groups = zero_variance_groups(bt["rewards"], bt["group_ids"], bt.get("trained"), group)
 
     def logprobs(module: torch.nn.Module, rows: Any = slice(None)) -> Tensor:
         return module(bt["input_ids"][rows], bt["attention_mask"][rows], bt["labels"][rows])
@@ -93,7 +102,38 @@ def grpo_step(cfg: Any, policy: torch.nn.Module, optim: torch.optim.Optimizer, b
     mm = mismatch_metrics(old_logp if old_logp is not None else old, rollout_logp, mask, **by_age)
     metrics.update({f"mismatch_{k}": float(v) for k, v in mm.items()})
     metrics["ppo_updates"] = n_updates
+    metrics["zero_variance_groups"] = zero
+    metrics["zero_variance_step"] = int(n_groups > 0 and zero == n_groups)
+    if metrics["zero_variance_step"] and _is_rank0():  # the counts are global: one line per job
+        # the loops log this update as step + 1 (the version it produces)
+        print(f"step {step + 1}: all {n_groups} groups have zero reward variance (every sample of a prompt scored the "
+              "same), so the policy-gradient term is exactly 0; likely cause: the task is too hard or too easy for "
+              "the policy at this --temperature, or the reward is constant (check --reward)",
+              file=sys.stderr, flush=True)
     return metrics
+
+
+def zero_variance_groups(rewards: Float[Tensor, " B"], group_ids: Int[Tensor, " B"],
+                         trained: Bool[Tensor, " B"] | None = None, group=None) -> tuple[int, int]:
+    """``(zero-variance groups, groups)`` of a batch, summed over the ranks of ``group`` (each rank holds whole
+    groups): a group counts when it is trained (``trained``: False for the rows of a group failed for its reward)
+    and all its rewards are equal (max = min; a NaN reward makes a group count as varied: it is not silently
+    called flat). GRPO's advantage ``(r − mean) / (std + ε)`` is 0 for every sample of such a group."""
+    keep = torch.ones_like(group_ids, dtype=torch.bool) if trained is None else trained.to(torch.bool)
+    r = rewards[keep].to(torch.float64)
+    _, inv = torch.unique(group_ids[keep], return_inverse=True)
+    n = int(inv.max()) + 1 if inv.numel() else 0
+    hi = torch.full((n,), float("-inf"), dtype=torch.float64).scatter_reduce(0, inv, r, "amax")
+    lo = torch.full((n,), float("inf"), dtype=torch.float64).scatter_reduce(0, inv, r, "amin")
+    counts = all_reduce(torch.tensor([float((hi == lo).sum()), float(n)], dtype=torch.float64), group=group)
+    return int(counts[0]), int(counts[1])
+
+
+def _is_rank0() -> bool:
+    """Whether this process is global rank 0 (or the only process)."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def minibatches(cfg: Any, n: int, step: int) -> Iterator[Tensor | slice]:

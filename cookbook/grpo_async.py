@@ -72,6 +72,7 @@ import toy
 from grpo import grpo_step
 from plumbing import (
     CORRECTION_CAP,
+    EngineFlags,
     Inbox,
     Outbox,
     PolicyLogprobs,
@@ -91,6 +92,7 @@ from plumbing import (
     batch_tensors,
     broadcast_flag,
     check_at_least,
+    check_engine_flags,
     check_fits,
     check_loss_flags,
     check_max_model_len,
@@ -123,6 +125,7 @@ from plumbing import (
     prompts_per_rank,
     rank0_first,
     recv_control,
+    resolve_engine_dtype,
     resolve_max_model_len,
     resume_run,
     rollout_columns,
@@ -157,7 +160,7 @@ from rlblocks.sync import (
 
 
 @dataclass
-class Config(TaskFlags):
+class Config(TaskFlags, EngineFlags):
     """Bounded-async disaggregated GRPO (flags are generated from these fields; the data, reward, evaluation and
     --log-to flags every loop shares come from plumbing's TaskFlags)."""
 
@@ -195,7 +198,9 @@ class Config(TaskFlags):
                                        f"({loss_defaults('eps_high')})", type=float)
     rollout_weight_cap: float | None = opt(None, "--loss decoupled only: drop tokens whose π_old/π_rollout "
                                                  "exceeds this (AReaL); default: no cap", type=float)
-    correction: str = opt("none", "train/rollout mismatch correction on ρ = π_old/π_rollout", ("tis", "mis", "none"))
+    correction: str = opt("auto", "train/rollout mismatch correction on ρ = π_old/π_rollout; auto: tis when the "
+                                  "engine samples in another dtype (--engine-dtype, --rollout-dtype fp8), else none",
+                          ("auto", "tis", "mis", "none"))
     correction_cap: float | None = opt(None, f"--correction tis|mis only: tis truncates ρ at this, mis masks tokens "
                                              f"with ρ outside [1/cap, cap]; default {CORRECTION_CAP}", type=float)
     ppo_epochs: int = opt(2, "passes over each batch (π_old fixed at the first; > 1 makes ratios move and clip)")
@@ -224,6 +229,7 @@ class Config(TaskFlags):
 
 def check_flags(cfg: Config) -> None:
     """Flag combinations that cannot work (raised before any process group is created)."""
+    check_engine_flags(cfg)  # first: resolves --correction auto
     check_loss_flags(cfg)
     check_task_flags(cfg)
     check_at_least(cfg, 0, "dynamic_max_rounds", "eval_every", "save_every")
@@ -492,7 +498,8 @@ def rollout_main(cfg: Config, rank: int, n_train: int, device, sample_group, pat
 
     async def main(engine_path: str):
         engine = make_engine(cfg.engine, engine_path, device, max_model_len=max_model_len,
-                             max_staleness=cfg.max_staleness, sglang_url=cfg.sglang_url)
+                             max_staleness=cfg.max_staleness, sglang_url=cfg.sglang_url,
+                             dtype=resolve_engine_dtype(cfg), kv_cache_mb=cfg.kv_cache_mb)
         try:
             await Rollout(cfg, rank, n_train, sample_group, sync_group, tok, engine, max_model_len, task,
                           reward).run()
@@ -797,7 +804,7 @@ def log_step(t: Trainer, tensors, stats: dict, m: dict[str, float], batch: list[
         "wall_seconds": t.wall_seconds(),
         "trained_uids": [g["uid"] for g in batch], "lr": t.optim.param_groups[0]["lr"],
         "groups_filled_unfiltered": sum(1 for g in batch if g.get("zero_variance_fill")),
-        **{k: v for k, v in m.items() if k.startswith("correction_")},
+        **{k: v for k, v in m.items() if k.startswith(("correction_", "zero_variance_"))},
     })
 
 

@@ -46,6 +46,7 @@ import toy
 from grpo import grpo_step
 from plumbing import (
     CORRECTION_CAP,
+    EngineFlags,
     PolicyLogprobs,
     Progress,
     Reward,
@@ -56,6 +57,7 @@ from plumbing import (
     batch_tensors,
     broadcast_flag,
     check_at_least,
+    check_engine_flags,
     check_fits,
     check_loss_flags,
     check_max_model_len,
@@ -86,6 +88,7 @@ from plumbing import (
     parse_log_flag,
     prompts_per_rank,
     rank0_first,
+    resolve_engine_dtype,
     resolve_max_model_len,
     restore_rng,
     resume_run,
@@ -104,7 +107,7 @@ from rlblocks.sync import full_tensors
 
 
 @dataclass
-class Config(TaskFlags):
+class Config(TaskFlags, EngineFlags):
     """Synchronous colocated GRPO (flags are generated from these fields; the data, reward, evaluation and --log-to
     flags every loop shares come from plumbing's TaskFlags)."""
 
@@ -128,7 +131,9 @@ class Config(TaskFlags):
                                        f"({loss_defaults('eps_high')})", type=float)
     rollout_weight_cap: float | None = opt(None, "--loss decoupled only: drop tokens whose π_old/π_rollout "
                                                  "exceeds this (AReaL); default: no cap", type=float)
-    correction: str = opt("none", "train/rollout mismatch correction on ρ = π_old/π_rollout", ("tis", "mis", "none"))
+    correction: str = opt("auto", "train/rollout mismatch correction on ρ = π_old/π_rollout; auto: tis when the "
+                                  "engine samples in another dtype (--engine-dtype), else none",
+                          ("auto", "tis", "mis", "none"))
     correction_cap: float | None = opt(None, f"--correction tis|mis only: tis truncates ρ at this, mis masks tokens "
                                              f"with ρ outside [1/cap, cap]; default {CORRECTION_CAP}", type=float)
     ppo_epochs: int = opt(1, "passes over each batch (π_old fixed at the first; > 1 makes ratios move and clip)")
@@ -164,6 +169,7 @@ class Config(TaskFlags):
 
 def check_flags(cfg: Config) -> None:
     """Flag combinations that cannot work (raised before anything starts)."""
+    check_engine_flags(cfg)  # first: resolves --correction auto
     check_loss_flags(cfg)
     check_task_flags(cfg)
     distill.check_distill_flags(cfg)
@@ -239,7 +245,8 @@ def main(argv: list[str] | None = None) -> None:
 
     async def start_engine():
         return make_engine(cfg.engine, path, device, max_model_len=max_model_len, max_staleness=0,
-                           sglang_url=cfg.sglang_url)
+                           sglang_url=cfg.sglang_url, dtype=resolve_engine_dtype(cfg),
+                           kv_cache_mb=cfg.kv_cache_mb)
 
     engine = loop.run_until_complete(start_engine())
     # ---- LoRA (--lora-rank): adapters wrapped into lm in place, the base frozen; the engine gets merged weights
@@ -357,7 +364,7 @@ def main(argv: list[str] | None = None) -> None:
                 "queue_wait_seconds": 0.0, "samples_generated": totals["samples_generated"],
                 "samples_trained": totals["samples_trained"], "tokens_generated": totals["tokens_generated"],
                 "resubmissions": totals["resubmissions"], "wall_seconds": time.time() - t_start,
-                **{k: v for k, v in m.items() if k.startswith(("correction_", "distill_"))},
+                **{k: v for k, v in m.items() if k.startswith(("correction_", "distill_", "zero_variance_"))},
             })
             bar.update({"reward": mean_reward, "acc": last_acc})
         if every(step, cfg.save_every) or done:

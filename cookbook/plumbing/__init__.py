@@ -15,7 +15,8 @@ A loop imports it as ``from plumbing import ...``: a script's own folder (``cook
   (``apply_lora``, ``merged_tensors``), FSDP2 sharding.
 - :mod:`.models`: named models (``--model smollm2-135m``: a GGUF file converted once into a cached HF directory).
 - :mod:`.export`: ``--save-hf`` (the trained policy as an HF directory; LoRA merged or as an adapter).
-- :mod:`.engines`: ``make_engine`` (``--engine``), ``--max-model-len``, response budgets.
+- :mod:`.engines`: ``make_engine`` (``--engine``), ``--max-model-len``, ``EngineFlags`` (``--engine-dtype``,
+  ``--kv-cache-mb``; ``--correction auto``), response budgets.
 - :mod:`.batches`: ``group_record`` (what travels from rollout to trainer), ``batch_tensors`` (what a step reads).
 - :mod:`.messages`: the typed control messages ``Weights``/``Stale``/``Stop``, ``RolloutEnd``, ``Outbox``/``Inbox``.
 - :mod:`.losses`: the policy-loss flags (``--loss``, clip offsets, ``--correction``) and ``policy_loss``.
@@ -69,7 +70,17 @@ from .distributed import (
     setup_dist,
     trainer_groups,
 )
-from .engines import check_max_model_len, length_budget, make_engine, model_max_len, resolve_max_model_len, until_eos
+from .engines import (
+    EngineFlags,
+    check_engine_flags,
+    check_max_model_len,
+    length_budget,
+    make_engine,
+    model_max_len,
+    resolve_engine_dtype,
+    resolve_max_model_len,
+    until_eos,
+)
 from .evaluation import eval_metrics, heldout, heldout_figures, on_model
 from .export import ExportFlags, save_hf, save_policy
 from .flags import check_at_least, every, opt, parse_flags
@@ -87,6 +98,7 @@ __all__ = [
     "FREE_FLAGS",
     "POLICY_LOSSES",
     "DataFlags",
+    "EngineFlags",
     "ExportFlags",
     "Inbox",
     "Journal",
@@ -115,6 +127,7 @@ __all__ = [
     "batch_tensors",
     "broadcast_flag",
     "check_at_least",
+    "check_engine_flags",
     "check_fits",
     "check_loss_flags",
     "check_max_model_len",
@@ -155,6 +168,7 @@ __all__ = [
     "prompts_per_rank",
     "rank0_first",
     "recv_control",
+    "resolve_engine_dtype",
     "resolve_max_model_len",
     "restart_count",
     "restore_rng",

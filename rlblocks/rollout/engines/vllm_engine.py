@@ -25,6 +25,7 @@ Conventions
   (:mod:`rlblocks.rollout.engines._weights`, against the model's checkpoint layout; a refusal raises
   :class:`~rlblocks.errors.WeightUpdateError` and nothing is loaded) → pause (mode ``keep``, unless already paused) →
   ``collective_rpc`` into the worker's ``reload_weights(weights_iterator=...)`` (via :class:`WorkerExtension`) →
+  re-derive the state of tied modules (:func:`refresh_tied_modules`: a tied LM head's pre-packed CPU GEMM copy) →
   ``reset_prefix_cache(reset_running_requests=True)`` (frozen requests are preempted and re-prefilled under the
   new weights: no KV computed under old weights survives) → commit the version → resume (only if this call paused).
   ``pause`` itself keeps the caches, so an abort-and-resubmit without an update re-uses the prefix cache.
@@ -54,6 +55,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,7 +70,14 @@ from ..types import Generation, GenerationRequest, SamplingParams
 from ._weights import WeightLayout, WeightSpec, check_update_version, refuse
 from .lifecycle import Lifecycle, wait_first
 
-__all__ = ["VLLMEngine", "VLLMEngineStats", "WorkerExtension", "nccl_trainer_init", "nccl_trainer_send"]
+__all__ = [
+    "VLLMEngine",
+    "VLLMEngineStats",
+    "WorkerExtension",
+    "nccl_trainer_init",
+    "nccl_trainer_send",
+    "refresh_tied_modules",
+]
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 WORKER_EXTENSION = "rlblocks.rollout.engines.vllm_engine.WorkerExtension"
@@ -100,6 +109,53 @@ class WorkerExtension:
         tensors = ((name, _decode_tensor(dtype, shape, blob)) for name, dtype, shape, blob in encoded)
         self.reload_weights(weights_iterator=tensors)  # type: ignore[attr-defined]
         return len(encoded)
+
+    def rlblocks_refresh_tied(self) -> list[list[str]]:
+        """Re-derive what the modules of a tied tensor built from it (:func:`refresh_tied_modules` on this worker's
+        model); returns ``[refreshed module names, module names that could not be refreshed]``."""
+        refreshed, stale = refresh_tied_modules(self.model_runner.get_model())  # type: ignore[attr-defined]
+        return [refreshed, stale]
+
+
+def refresh_tied_modules(model: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """Re-run ``process_weights_after_loading`` on every module of ``model`` (a vLLM model) that shares a weight
+    with another module (tied embeddings: vLLM's ``ParallelLMHead.tie_weights`` makes ``lm_head.weight`` *the*
+    ``embed_tokens.weight`` parameter). Returns ``(refreshed, stale)`` module names.
+
+    Why: vLLM's in-place reload (``reload_weights`` and the weight-transfer engines) processes a layer only when
+    weights were loaded *into it*; a tied checkpoint names the tensor once (``model.embed_tokens.weight``), so the
+    LM head is never processed again. Its parameter holds the new values (it is the embedding's), but what the
+    head's ``process_weights_after_loading`` derived from it at start-up is kept: on CPU that is the GEMM handle
+    with a pre-packed copy of the matrix (``dispatch_cpu_unquantized_gemm``: oneDNN, sgl-kernel or zentorch), so
+    the engine sampled from the new body and the initial head. Re-running the unquantized embedding method
+    rebuilds that handle from the current values (on CUDA it derives nothing: a no-op). Other quantisation
+    methods are not re-run (their processing rewrites the parameter and is not idempotent): their names are
+    returned in ``stale``."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    holders: dict[int, list[tuple[str, torch.nn.Module]]] = {}
+    for name, module in model.named_modules():
+        for p in module._parameters.values():
+            if p is None or p.is_meta or p.numel() == 0:
+                continue
+            holders.setdefault(p.untyped_storage().data_ptr(), []).append((name, module))
+    refreshed: list[str] = []
+    stale: list[str] = []
+    done: set[int] = set()
+    for group in holders.values():
+        if len({id(m) for _, m in group}) < 2:
+            continue
+        for name, module in group:
+            if id(module) in done:
+                continue
+            done.add(id(module))
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, UnquantizedEmbeddingMethod):
+                method.process_weights_after_loading(module)
+                refreshed.append(name)
+            elif method is not None:
+                stale.append(name)
+    return refreshed, stale
 
 
 @dataclass
@@ -227,6 +283,7 @@ class VLLMEngine:
         self._gc_tasks: set[asyncio.Task] = set()
         self._stats = VLLMEngineStats()
         self._own_lora_dir = lora_dir is None
+        self._warned_stale = False  # a tied module vLLM cannot re-derive was warned about
         self._ipc_initialised = False  # vLLM's IPC transfer engine is initialised by the first IPC update
         self._lora_dir = Path(lora_dir) if lora_dir is not None else None
         from vllm.outputs import CompletionOutput
@@ -760,6 +817,20 @@ class VLLMEngine:
         self._label_versions[str(version)] = version
         self._version = version
 
+    async def _refresh_tied(self) -> None:
+        """After every load: the workers re-derive the state of tied modules (:func:`refresh_tied_modules`; without
+        it a tied LM head keeps serving its start-up values on CPU). A tied module that cannot be refreshed is
+        warned about once."""
+        answers = await self._llm.collective_rpc("rlblocks_refresh_tied")
+        stale = sorted({n for answer in answers for n in answer[1]})
+        if stale and not self._warned_stale:
+            self._warned_stale = True
+            warnings.warn(
+                f"VLLMEngine: the tied modules {stale} use a quantisation method whose derived state cannot be "
+                "rebuilt after an update; they may keep serving the weights they were started with",
+                RuntimeWarning, stacklevel=3,
+            )
+
     async def _swap(self, version: int, partial: bool, allow_rollback: bool, load: Any) -> None:
         """Quiesce, run ``load()``, reset caches, commit ``version``, resume (the order of the module docstring)."""
         async with self._control:
@@ -772,6 +843,7 @@ class VLLMEngine:
                     await self._llm.pause_generation(mode="keep", clear_cache=False)
                     self._vllm_paused = True
                 await load()
+                await self._refresh_tied()
                 await self._llm.reset_prefix_cache(reset_running_requests=True)
                 await self._commit_version(version)
                 if not partial:

@@ -80,6 +80,11 @@ class FakeLLM:
     async def finish_weight_update(self) -> None:
         self.calls.append("finish")
 
+    async def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        assert method == "rlblocks_refresh_tied" and not args  # the only worker call of the IPC path
+        self.calls.append("refresh tied")
+        return [[["lm_head"], []]]
+
 
 def _engine(llm: FakeLLM):
     from rlblocks.rollout.engines.vllm_engine import VLLMEngine
@@ -101,8 +106,8 @@ def test_ipc_update_runs_vllms_transfer_sequence_and_commits():
     llm = FakeLLM()
     eng = _engine(llm)
     asyncio.run(eng.update_weights_from_ipc(_info(), version=1))
-    assert llm.calls == ["pause", "init {'packed': False}", "start", "update", "finish", "reset", "version 1",
-                         "resume"]
+    assert llm.calls == ["pause", "init {'packed': False}", "start", "update", "finish", "refresh tied", "reset",
+                         "version 1", "resume"]
     got = llm.received[0]
     assert got.names == list(SHAPES) and got.dtype_names == ["bfloat16"] * 5
     assert got.shapes == list(SHAPES.values())
@@ -111,7 +116,7 @@ def test_ipc_update_runs_vllms_transfer_sequence_and_commits():
     # the transfer engine is initialised once; later updates go straight to start/update/finish
     llm.calls.clear()
     asyncio.run(eng.update_weights_from_ipc(_info(), version=2))
-    assert llm.calls == ["pause", "start", "update", "finish", "reset", "version 2", "resume"]
+    assert llm.calls == ["pause", "start", "update", "finish", "refresh tied", "reset", "version 2", "resume"]
     assert eng.version == 2
 
 
