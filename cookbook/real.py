@@ -46,7 +46,7 @@ DEFAULT_MODEL = "smollm2-135m"
 
 # grpo_sync.py flags of the recipe (docs/cookbook/real_model.md says why each)
 RECIPE = ["--prompts", SPEC, "--reward", "rg", "--answer-format", ANSWER_FORMAT, "--rg-system", RG_SYSTEM,
-          "--engine", "vllm", "--max-model-len", "128", "--max-new-tokens", "16", "--prompts-per-step", "16",
+          "--engine", "vllm", "--max-model-len", "128", "--max-new-tokens", "16", "--prompts-per-step", "8",
           "--group-size", "8", "--mini-batches", "2", "--lr", "2e-5", "--temperature", "1.0", "--time-limit", "900",
           "--steps", "200", "--eval-every", "10", "--save-every", "0"]
 
