@@ -876,7 +876,7 @@ def finish(t: Trainer, tensors) -> None:
     }
     if cfg.rollout_dtype == "fp8":  # the held-out metrics of the FP8 weights the rollout engine ended with
         fp8 = evaluate_rollout_form(t, tensors)
-        summary["accuracy_after_fp8"], summary["heldout_after_fp8"] = fp8.mean_at_k, fp8.metrics()
+        summary["accuracy_after_fp8"], summary["heldout_after_fp8"] = fp8.mean_at_k, heldout_figures(fp8)
     t.files.write_summary(summary)
     t.files.close()
     t.eval_reward.close()

@@ -195,16 +195,21 @@ def figures(heldout: dict[str, Any]) -> dict[str, float]:
     return {"strict": heldout["pass@1"], "last_number": heldout["last_number"]}
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
+def parser() -> argparse.ArgumentParser:
+    """The driver's own flags (those after ``--`` go to ``grpo_sync.py``, after the recipe's)."""
     ap = argparse.ArgumentParser(description="GRPO on SmolLM2-135M-Instruct, a reasoning-gym task, strict verifier")
     ap.add_argument("--name", default="demo-real")
     ap.add_argument("--runs-dir", default="runs")
     ap.add_argument("--model", default=DEFAULT_MODEL, help="the instruct model's HF directory")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    args = parser().parse_args(argv)
     here = Path(__file__).resolve().parent
     sys.path.insert(0, str(here))
     import grpo_sync

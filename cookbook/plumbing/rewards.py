@@ -35,7 +35,8 @@ accuracy.
 model is no measure of accuracy, so ``rm`` is evaluated with ``verifier`` on a toy task and ``math`` on a file.
 
 ``--tools module:function,...`` (agent loops): each is a ``rlblocks.rollout.agents.Tool``, a function annotated
-``-> Tool`` (called with no arguments: ``rlblocks.rollout:calculator_tool``, ``rlblocks.rollout:python_tool``),
+``-> Tool`` (called with no arguments: ``rlblocks.rollout.agents:calculator_tool``,
+``rlblocks.rollout.agents:python_tool``),
 or a plain function, wrapped by ``Tool.from_function`` (name, docstring and typed parameters become the schema).
 """
 

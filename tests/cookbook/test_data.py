@@ -248,7 +248,7 @@ def test_code_references_become_tests():
 def test_tools_from_module_functions(tmp_path, monkeypatch):
     (tmp_path / "my_tools.py").write_text(REWARDS_PY)
     monkeypatch.syspath_prepend(str(tmp_path))
-    tools = load_tools("rlblocks.rollout:calculator_tool, my_tools:double")
+    tools = load_tools("rlblocks.rollout.agents:calculator_tool, my_tools:double")
     assert [t.name for t in tools] == ["calc", "double"]
     assert tools[1].schema()["function"]["parameters"]["properties"] == {"x": {"type": "integer"}}
     assert asyncio.run(tools[1]({"x": 4})) == "8"

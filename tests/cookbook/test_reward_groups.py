@@ -214,7 +214,7 @@ def test_agent_async_fails_a_group_whole(bpe_chat_dir, tmp_path, flaky):
     _run([*TORCHRUN, "--nproc_per_node", "2", "--master_port", str(_port()), "cookbook/agent_async.py", "--model",
           bpe_chat_dir, "--runs-dir", str(tmp_path), "--name", "g", "--prompts", str(GSM8K), "--prompt-field",
           "question", "--steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--time-limit", "0",
-          "--max-turns", "2", "--turn-tokens", "16", "--tools", "rlblocks.rollout:calculator_tool", "--reward",
+          "--max-turns", "2", "--turn-tokens", "16", "--tools", "rlblocks.rollout.agents:calculator_tool", "--reward",
           flaky, "--eval-reward", "verifier", "--eval-every", "0", "--quiet"], tmp_path)
     rows, summary, log = _read(tmp_path, "g")
     _check_failed_counted(rows, summary, 2)

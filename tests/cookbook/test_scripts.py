@@ -189,5 +189,12 @@ def test_makefile_demos_run_loops_with_flags_they_accept():
     assert {m for m, _ in commands} >= {"grpo_async", "agent_async", "ppo", "grpo_sync"}, commands
     for module, argv in commands:
         mod = importlib.import_module(module)
+        if not hasattr(mod, "Config"):  # a driver (real.py): its own flags, and grpo_sync.py's with its recipe
+            own = argv[: argv.index("--")] if "--" in argv else argv
+            extra = argv[argv.index("--") + 1:] if "--" in argv else []
+            assert mod.parser().parse_args(own).name.startswith("demo"), (module, argv)
+            grpo_sync = importlib.import_module("grpo_sync")
+            parse_flags(grpo_sync.Config, [*mod.RECIPE, *extra])
+            continue
         cfg = parse_flags(mod.Config, argv, check=mod.check_flags)
         assert cfg.name.startswith("demo"), (module, argv)

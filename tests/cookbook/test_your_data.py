@@ -140,6 +140,6 @@ def test_agent_async_on_the_jsonl(bpe_chat_dir, tmp_path, reward_file):
     _run([*TORCHRUN, "--master_port", str(_port()), "cookbook/agent_async.py", *_data_flags(
         bpe_chat_dir, tmp_path, "g", "--reward", "math", "--eval-reward", reward_file, "--prompts-per-step", "2",
         "--group-size", "2", "--time-limit", "0", "--max-turns", "2", "--turn-tokens", "16",
-        "--tools", "rlblocks.rollout:calculator_tool")], tmp_path)
+        "--tools", "rlblocks.rollout.agents:calculator_tool")], tmp_path)
     summary = _check(tmp_path, "g", eval_steps=[0, 1, 2], custom_eval=True)
     assert summary["samples_trained"] == 2 * 4 and summary["rollout"].get("reward_failures", 0) == 0

@@ -96,6 +96,12 @@ print(json.dumps({"found": found, "failed": failed}))
 """
 
 
+# The sandbox's boot script runs as ``python -I -S -c <its text>`` inside the sandbox, where rlblocks cannot be
+# imported; these two private control-flow exceptions are raised and caught inside that interpreter and never reach
+# a caller (the host sees only the verdict on the status pipe).
+BOOT_PRIVATE = {"rlblocks.sandbox._boot._TooBig", "rlblocks.sandbox._boot._ProgramGone"}
+
+
 @pytest.mark.slow
 def test_no_module_outside_errors_defines_an_exception():
     """Import every module of the package (vllm and the other optional extras are installed in the test
@@ -107,8 +113,9 @@ def test_no_module_outside_errors_defines_an_exception():
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["failed"] == []
-    assert {f.rsplit(".", 1)[0] for f in result["found"]} <= {"rlblocks.errors"}, result["found"]
-    assert len(result["found"]) == len(EXPECTED) + 1
+    found = [f for f in result["found"] if f not in BOOT_PRIVATE]
+    assert {f.rsplit(".", 1)[0] for f in found} <= {"rlblocks.errors"}, result["found"]
+    assert len(found) == len(EXPECTED) + 1
 
 
 def test_no_source_file_outside_errors_declares_an_exception_class():
@@ -120,10 +127,13 @@ def test_no_source_file_outside_errors_declares_an_exception_class():
     for path in sorted(PACKAGE.rglob("*.py")):
         if path == PACKAGE / "errors.py":
             continue
+        boot = path == PACKAGE / "sandbox" / "_boot.py"
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.ClassDef):
                 bases = {b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else ""
                          for b in node.bases}
+                if boot and f"rlblocks.sandbox._boot.{node.name}" in BOOT_PRIVATE:
+                    continue
                 if bases & exception_names or any(b.endswith(("Error", "Exception")) for b in bases):
                     offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}")
     assert offenders == []
