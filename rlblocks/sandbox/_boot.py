@@ -187,6 +187,9 @@ def _install_policy(sys, os, stat, cfg, root, checks):
 
     allow_proc, allow_net = cfg["allow_subprocesses"], cfg["allow_network"]
     weak = not cfg["bwrap"]
+    # The interpreter's prefixes, bound read-only (strict mode): a venv that lives below the scratch mount point on the
+    # host (e.g. under /tmp) is still the host's, and the program cannot write into it.
+    ro_prefixes = tuple(cfg.get("ro_prefixes", ()))
     blocked_imports = {"ctypes", "_ctypes", "cffi", "_cffi_backend", "_testcapi", "_testinternalcapi",
                        "_xxsubinterpreters", "_xxinterpchannels"}
     if not allow_proc:
@@ -340,7 +343,7 @@ def _install_policy(sys, os, stat, cfg, root, checks):
         if blob[16:] != data:
             raise _PE("sandbox: marshal.loads of bytes that are not the named .pyc file")
 
-    def _policy(event, args, _allow_proc=allow_proc, _allow_net=allow_net, _weak=weak, _root=root,
+    def _policy(event, args, _allow_proc=allow_proc, _allow_net=allow_net, _weak=weak, _root=root, _ro=ro_prefixes,
                 _prefix=scratch_prefix, _proc_events=frozenset(proc_events), _fs_events=fs_events,
                 _blocked=frozenset(blocked_imports), _refused=frozenset(refused), _wflags=write_flags,
                 _check_path=_check_path, _check_marshal=_check_marshal, _resolve=_resolve, _as_str=_as_str,
@@ -377,7 +380,7 @@ def _install_policy(sys, os, stat, cfg, root, checks):
                 raise _IE(f"sandbox: importing {args[0]} is not allowed")
             if _type(args[1]) is _str:  # a native extension (source modules come with None)
                 real = _resolve(args[1])
-                if real == _root or real.startswith(_prefix):
+                if (real == _root or real.startswith(_prefix)) and not real.startswith(_ro):
                     raise _IE(f"sandbox: loading a native extension from the sandbox directory is not allowed: "
                               f"{args[1]!r}")
         elif event in _refused or event.startswith("ctypes."):

@@ -397,8 +397,10 @@ async def arun_python(
         if use_bwrap:
             scratch = _bwrap.SCRATCH
             cfg["program"] = f"{scratch}/main.py"
+            prefixes = _bwrap.python_prefixes(python)
+            cfg["ro_prefixes"] = [p.rstrip("/") + "/" for p in prefixes]
             argv = [bwrap, *_bwrap.base_args(allow_network=limits.allow_network, disk_bytes=limits.disk_bytes),
-                    *_bwrap.bind_args(_bwrap.python_prefixes(python), limits.allow_network)]
+                    *_bwrap.bind_args(prefixes, limits.allow_network)]
             for k, v in (("HOME", scratch), ("TMPDIR", scratch), ("PATH", env["PATH"]), ("LANG", "C.UTF-8")):
                 argv += ["--setenv", k, v]
             made = set()
