@@ -3,6 +3,8 @@ references it. References: the sender's own tensors, compared bit for bit (uint8
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from rlblocks.sync import WeightReceiver, WeightSender
@@ -83,7 +85,10 @@ def test_default_receiver_tensors_stay_valid_and_exact_across_receives():
         second_ptrs = {t.untyped_storage().data_ptr() for t in second.values()}
         first_ptrs = {t.untyped_storage().data_ptr() for t in first.values()}
         second_ok = all(_same_bits(second[n], states[1][n]) for n in states[1])
-        del second
+        # the consumer drops the second receive's tensors and its spent iterator; collect so that a reference cycle
+        # left by the interpreter (not the pool) cannot keep a block alive into the next receive
+        del second, it
+        gc.collect()
         v2, it = r.receive()
         third = dict(it)
         third_ptrs = {t.untyped_storage().data_ptr() for t in third.values()}
