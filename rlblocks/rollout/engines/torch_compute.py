@@ -101,7 +101,26 @@ class _Compute:
     def _prefill_padded(self, group: list[_Seq]) -> tuple[Tensor, KV, list[int]]:
         """Prefill every token of every sequence of ``group`` in one forward, left-padded to the longest: the
         padding is masked out of attention and gets position 0; returns the logits, the KV ``[B, H, longest, D]``
-        and the padding per row."""
+        and the padding per row. Sequences with identical tokens (a GRPO group: K samples of one prompt) are
+        forwarded once and their rows copied (``prefill_tokens_shared`` counts the tokens not recomputed); with a
+        routing recorder every row is forwarded, since each request records its own routing."""
+        keys = [tuple(s.tokens) for s in group]
+        slot: dict[tuple[int, ...], int] = {}
+        inverse = [slot.setdefault(k, len(slot)) for k in keys]
+        if self._routing is not None or len(slot) == len(group):
+            return self._prefill_rows(group)
+        unique: list[_Seq] = []
+        for s, i in zip(group, inverse):
+            if i == len(unique):  # the first sequence with these tokens
+                unique.append(s)
+        logits, kv, pads = self._prefill_rows(unique)
+        idx = torch.tensor(inverse, device=self._device)
+        self._stats.prefill_tokens_shared += sum(map(len, keys)) - sum(len(s.tokens) for s in unique)
+        kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in kv]
+        return logits.index_select(0, idx), kv, [pads[i] for i in inverse]
+
+    def _prefill_rows(self, group: list[_Seq]) -> tuple[Tensor, KV, list[int]]:
+        """:meth:`_prefill_padded` of distinct sequences: one left-padded forward."""
         dev = self._device
         lens = [len(s.tokens) for s in group]
         m = max(lens)

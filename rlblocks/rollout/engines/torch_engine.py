@@ -93,9 +93,12 @@ __all__ = ["EngineStats", "TorchEngine"]
 
 @dataclass
 class EngineStats:
-    """Counters since construction: tokens fed through prefill, tokens decoded, forwards, prefix-cache hits."""
+    """Counters since construction: prompt tokens computed by prefill forwards, prompt tokens served by an
+    identical prompt prefilled in the same forward (``prefill_tokens_shared``: the K samples of one prompt), tokens
+    decoded, forwards, prefix-cache hits."""
 
     prefill_tokens: int = 0
+    prefill_tokens_shared: int = 0
     decode_tokens: int = 0
     forwards: int = 0
     steps: int = 0

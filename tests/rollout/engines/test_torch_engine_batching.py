@@ -172,3 +172,23 @@ def test_decode_batch_rows_hold_each_sequence_kv_through_joins_steps_and_removal
                 assert not bk[b, :, batch.start : batch.start + batch.pads[b]].any()
         assert min(batch.pads) == 0  # trimmed: no column every row pads
     assert reallocs <= 12, reallocs  # geometric growth, not one allocation per step
+
+
+def test_identical_prompts_prefill_once_and_sample_like_one_at_a_time_float64(f64_model):
+    """A GRPO group (K requests with one prompt) plus distinct prompts: each distinct prompt is computed once in the
+    prefill forward (the others' rows copied), and every request's tokens and log-probs equal its own run alone,
+    sampled with its own seed."""
+    group = [PROMPTS[2]] * 4 + [PROMPTS[0]] * 3 + [PROMPTS[3]]
+    requests = [GenerationRequest(f"g{i}", p, SamplingParams(temperature=1.0, max_new_tokens=6, seed=100 + i))
+                for i, p in enumerate(group)]
+    engine = TorchEngine(f64_model, prefix_cache_size=0)
+    batched = run(together(engine, requests))
+    stats = engine.stats()
+    distinct = len(PROMPTS[2]) + len(PROMPTS[0]) + len(PROMPTS[3])
+    assert stats["prefill_tokens"] == distinct
+    assert stats["prefill_tokens_shared"] == sum(map(len, group)) - distinct
+    alone = run(one_at_a_time(TorchEngine(f64_model, prefix_cache_size=0), requests))
+    for b, a in zip(batched, alone):
+        assert b.output_ids == a.output_ids
+        torch.testing.assert_close(torch.tensor(b.output_logprobs), torch.tensor(a.output_logprobs),
+                                   rtol=0, atol=1e-5)
