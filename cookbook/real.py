@@ -5,9 +5,10 @@
 
 Task (:data:`SPEC`, through the loops' ``--prompts rg:...``, ``cookbook/rgym.py``): reasoning-gym's
 ``basic_arithmetic`` with two terms in [0, 100] and ``+`` / ``-`` (``Calculate 57 - 83.``), 256 held-out items,
-the answer asked for in ``<answer>...</answer>`` by reasoning-gym's ``direct`` system prompt. Reward and held-out
-accuracy: ``--reward rg``, the dataset's own ``score_answer`` on the text inside the last ``<answer>`` tags (0
-without them); the accuracy counts greedy answers it scores 1. The last-number accuracy (the last number anywhere in
+the answer asked for in ``<answer>...</answer>`` by reasoning-gym's ``direct`` system prompt. Reward:
+``--reward rg-exact``, 1 when the dataset's own ``score_answer`` on the text inside the last ``<answer>`` tags is 1,
+else 0 (its partial credit for an answer that contains the right one is gamed by padding answers with digits); the
+held-out accuracy counts the greedy answers it scores 1. The last-number accuracy (the last number anywhere in
 the response, tags or not) is reported beside it.
 
 Warm start (:func:`warm_start`): SmolLM2-135M-Instruct never writes the tags untaught (0 % strict on this task; 15 %
@@ -45,7 +46,7 @@ ANSWER_FORMAT, RG_SYSTEM = "answer", "direct"  # <answer> tags, asked for by rea
 DEFAULT_MODEL = "smollm2-135m"
 
 # grpo_sync.py flags of the recipe (docs/cookbook/real_model.md says why each)
-RECIPE = ["--prompts", SPEC, "--reward", "rg", "--answer-format", ANSWER_FORMAT, "--rg-system", RG_SYSTEM,
+RECIPE = ["--prompts", SPEC, "--reward", "rg-exact", "--answer-format", ANSWER_FORMAT, "--rg-system", RG_SYSTEM,
           "--engine", "vllm", "--max-model-len", "128", "--max-new-tokens", "16", "--prompts-per-step", "8",
           "--group-size", "8", "--mini-batches", "2", "--lr", "2e-5", "--temperature", "1.0", "--time-limit", "900",
           "--steps", "200", "--eval-every", "10", "--save-every", "0"]

@@ -154,7 +154,7 @@ def run_rlblocks(args, model: str, work: Path) -> dict:
     real = _cookbook()
     _train, held = items(args)
     grpo_sync.main(["--name", "rlblocks", "--runs-dir", str(work), "--model", model, "--prompts", spec(args),
-                    "--reward", "rg", "--answer-format", real.ANSWER_FORMAT, "--rg-system", real.RG_SYSTEM,
+                    "--reward", "rg-exact", "--answer-format", real.ANSWER_FORMAT, "--rg-system", real.RG_SYSTEM,
                     "--engine", args.engine, "--max-model-len", "128", "--steps", str(args.steps),
                     "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
                     "--max-new-tokens", str(args.max_new_tokens), "--lr", str(args.lr),
@@ -187,8 +187,8 @@ def run_trl(args, model: str, work: Path) -> dict:
     rows = rgym.rows(train, answer_format=real.ANSWER_FORMAT, system=real.RG_SYSTEM, chat=True, where="train")
     ds = datasets.Dataset.from_list([{"prompt": r["prompt"], "entry": json.dumps(r["rg_entry"])} for _, r in rows])
 
-    def reward(prompts, completions, entry, **kw):  # the same verifier as --reward rg
-        return [real.score(c[0]["content"] if isinstance(c, list) else c, json.loads(e))
+    def reward(prompts, completions, entry, **kw):  # the same reward as --reward rg-exact
+        return [float(real.score(c[0]["content"] if isinstance(c, list) else c, json.loads(e)) == 1.0)
                 for c, e in zip(completions, entry)]
 
     n = args.prompts_per_step * args.group_size

@@ -11,7 +11,9 @@
   sandbox; score = fraction passed.
 - ``rg``: the reasoning-gym dataset's own ``score_answer`` on the answer in the ``--answer-format`` the prompt
   asked for (``<answer>`` tags or ``\\boxed{}``; 0.0 when it is missing), for ``--prompts rg:...``
-  (``cookbook/rgym.py``), in killable worker processes.
+  (``cookbook/rgym.py``), in killable worker processes. ``rg-exact``: 1.0 iff that score is 1.0, else 0.0 (some
+  datasets' partial credit can be gamed, e.g. ``basic_arithmetic`` pays an answer padded with digits that contain
+  the right one).
 - ``rm``: ``rlblocks.reward.RewardModel`` on ``--reward-model`` (an HF sequence-classification checkpoint),
   scoring prompt + response.
 - ``module:function`` (an importable module, e.g. ``my_rewards:score`` or ``rlblocks.reward:math_reward``) or
@@ -55,7 +57,7 @@ from rlblocks.errors import ArgumentError
 
 from .flags import opt
 
-KINDS = ("verifier", "math", "code", "rm", "rg")
+KINDS = ("verifier", "math", "code", "rm", "rg", "rg-exact")
 
 
 @dataclass
@@ -63,7 +65,8 @@ class RewardFlags:
     """The reward and evaluation flags every loop shares (a loop's ``Config`` inherits them)."""
 
     reward: str = opt("verifier", "verifier: exact match; math: math_reward; code: code_reward (tests in the "
-                                  "sandbox); rg: the reasoning-gym dataset's score_answer (--prompts rg:...); rm: "
+                                  "sandbox); rg: the reasoning-gym dataset's score_answer (--prompts rg:...); "
+                                  "rg-exact: 1 iff that score is 1 (no partial credit); rm: "
                                   "--reward-model; module:function or file.py:function: your fn(sample) -> float | "
                                   "RewardResult")
     reward_model: str = opt("", "--reward rm: an HF sequence-classification checkpoint")
@@ -98,9 +101,10 @@ def check_reward_flags(cfg: Any, *, rm_built_here: bool = False) -> None:
         raise ArgumentError("--reward-model: --reward rm needs a reward-model checkpoint"
                             + (" (the reward-model stage here trains one for the toy task only)"
                                if hasattr(cfg, "rm_steps") else ""))
-    if "rg" in (cfg.reward, cfg.eval_reward) and not str(getattr(cfg, "prompts", "")).startswith("rg:"):
-        raise ArgumentError(f"--reward rg: scores reasoning-gym items, expected --prompts rg:NAME?..., got --prompts "
-                            f"{getattr(cfg, 'prompts', '')!r}")
+    rg = {"rg", "rg-exact"} & {cfg.reward, cfg.eval_reward}
+    if rg and not str(getattr(cfg, "prompts", "")).startswith("rg:"):
+        raise ArgumentError(f"--reward {min(rg)}: scores reasoning-gym items, expected --prompts rg:NAME?..., "
+                            f"got --prompts {getattr(cfg, 'prompts', '')!r}")
     if cfg.reward_model and "rm" not in (cfg.reward, cfg.eval_reward):
         raise ArgumentError(f"--reward-model: only --reward rm reads it, got --reward {cfg.reward}")
     if cfg.eval_k < 1:
@@ -207,6 +211,10 @@ class Reward:
             import rgym
 
             fn = rgym.score  # synchronous: in worker processes
+        elif spec == "rg-exact":
+            import rgym
+
+            fn = rgym.score_exact
         elif spec == "rm":
             from rlblocks.reward import RewardModel
 

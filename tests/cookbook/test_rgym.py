@@ -108,6 +108,38 @@ def test_reward_is_the_datasets_own_score_answer(smollm2_dir, fmt):
     assert 1.0 in scores and 0.0 in scores and any(0 < s < 1 for s in scores)  # right, wrong or missing, partial
 
 
+def test_exact_reward_pays_only_what_the_verifier_accepts_in_full(smollm2_dir):
+    """``rg-exact``: an answer padded with digits that contain the right one (partial credit under ``rg``, the
+    behaviour a policy learns when paid for it) earns 0; the right answer 1; the reference is ``score_answer == 1``
+    computed here from the dataset."""
+    tok = load_tokenizer(smollm2_dir)
+    cfg = Flags(prompts="rg:basic_arithmetic?min_terms=2&max_terms=2&max_digits=2&seed=5&size=20&eval_size=6",
+                reward="rg-exact")
+    check_task_flags(cfg)
+    task = load_task(tok, cfg)
+    cases = []
+    for p in task.heldout:
+        ans = p.reference
+        cases += [(p, f"<answer>{ans}</answer>"), (p, f"<answer>{ans}0</answer>"), (p, f"<answer>1{ans}</answer>"),
+                  (p, f"<answer>{int(ans) + 1}</answer>"), (p, f"It is {ans}.")]
+    ds = reasoning_gym.create_dataset("basic_arithmetic", size=26, min_terms=2, max_terms=2, max_digits=2, seed=5)
+    exact, partial = Reward("rg-exact", tok), Reward("rg", tok)
+    try:
+        ids = [tok.encode(text) for _, text in cases]
+        got = asyncio.run(exact.results([p for p, _ in cases], ids))
+        credit = asyncio.run(partial.results([p for p, _ in cases], ids))
+    finally:
+        exact.close()
+        partial.close()
+    for (p, text), r in zip(cases, got):
+        answer = _by_hand(text, "answer")
+        want = 0.0 if answer is None else float(ds.score_answer(answer, p.metadata["rg_entry"]) == 1.0)
+        assert r.ok and r.score == want, (text, r)
+    padded = [c.score for (_, text), c in zip(cases, credit) if text.endswith("0</answer>") or "<answer>1" in text]
+    assert any(0 < s < 1 for s in padded)  # the gameable credit rg pays, and rg-exact does not
+    with pytest.raises(ArgumentError, match="--reward rg-exact"):
+        check_task_flags(Flags(prompts="p.jsonl", reward="rg-exact"))
+
 def test_prompts_ask_for_the_format_through_the_chat_template(smollm2_dir):
     tok = load_tokenizer(smollm2_dir)
     for fmt, needle in (("answer", "<answer>"), ("boxed", "\\boxed{")):
