@@ -38,17 +38,19 @@ checksum detects damage, not tampering.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
 import random
+import shutil
 import stat
 import sys
 import threading
 import uuid
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,7 @@ __all__ = [
     "Checkpoint",
     "load_checkpoint",
     "read_checkpoint_meta",
+    "replace_dir",
     "rng_state",
     "save_checkpoint",
     "set_rng_state",
@@ -248,6 +251,41 @@ def save_checkpoint(path: str | os.PathLike, state: Mapping[str, Any], *, kind: 
     path = _check_destination(path)
     head, payload = _encode(state, kind, meta)
     return _write(path, head, payload)
+
+
+@contextlib.contextmanager
+def replace_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Write a whole directory at ``path`` so that a crash leaves the old one or the new one, never a part.
+
+    The block writes into the yielded path, a fresh temporary sibling of ``path`` (``.<name>.dir-<pid>-...``,
+    unique per writer; its parent is created). When the block ends without an exception the temporary is renamed to
+    ``path`` (an existing directory there is renamed aside first and removed after), and the parent is
+    ``fsync``-ed; when it raises, the temporary is removed and ``path`` is left as it was. A directory rename is
+    atomic on POSIX, but the replacement takes two: between them ``path`` is briefly absent, never half-written.
+    A file at ``path`` is refused (:class:`~rlblocks.errors.ArgumentError`)."""
+    path = Path(path)
+    if path.is_file() or path.is_symlink():
+        raise ArgumentError(f"path: expected a directory to write, got the file {path}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_name(path, "dir")
+    tmp.mkdir()
+    try:
+        yield tmp
+        if path.exists():
+            old = _temp_name(path, "old")
+            path.rename(old)
+            try:
+                tmp.rename(path)
+            except BaseException:
+                old.rename(path)  # put the old directory back
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(path.parent)
 
 
 # ------------------------------------------------------------------------------------------------ reading
