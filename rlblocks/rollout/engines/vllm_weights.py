@@ -346,29 +346,18 @@ class _VLLMWeights:
         the version are checked before the round starts (:class:`~rlblocks.errors.WeightUpdateError`, nothing
         received, old version kept: the trainer must not send then; values cannot be checked before they arrive).
         Same pause / reset / commit sequence as :meth:`update_weights`."""
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
         self._state.check_open()
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ArgumentError(
                 f"names, dtypes, shapes: expected equal lengths, got {len(names)}, {len(dtypes)}, {len(shapes)}"
             )
-        version = check_update_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
-        self._state.check_update(partial)
-        metas = [(n, torch.empty(tuple(s), dtype=d, device="meta")) for n, d, s in zip(names, dtypes, shapes)]
-        self.validate_weights(metas, partial=partial)
+        version = self._check_described(names, dtypes, shapes, version, partial, allow_rollback)
         info = {
             "names": self._receive_names(names),
             "dtype_names": [str(d).removeprefix("torch.") for d in dtypes],
             "shapes": [list(s) for s in shapes],
         }
-
-        async def load() -> None:
-            await self._llm.start_weight_update()
-            await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
-            await self._llm.finish_weight_update()
-
-        await self._swap(version, partial, allow_rollback, load)
+        await self._swap(version, partial, allow_rollback, lambda: self._transfer(info))
 
     # ---- CUDA IPC path (GPU only): a colocated trainer hands its device memory over, no host round trip
     async def update_weights_from_ipc(
@@ -399,7 +388,7 @@ class _VLLMWeights:
         import base64
         import pickle
 
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         self._state.check_open()
         backend = getattr(self._llm.vllm_config.weight_transfer_config, "backend", None)
@@ -430,10 +419,7 @@ class _VLLMWeights:
             if not isinstance(dtype, torch.dtype):
                 raise ArgumentError(f"update_info['dtype_names'] of {name!r}: expected a torch dtype name, got {d!r}")
             dtypes.append(dtype)
-        version = check_update_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
-        self._state.check_update(partial)
-        metas = [(n, torch.empty(tuple(s), dtype=d, device="meta")) for n, d, s in zip(names, dtypes, shapes)]
-        self.validate_weights(metas, partial=partial)
+        version = self._check_described(names, dtypes, shapes, version, partial, allow_rollback)
         info = {
             "names": self._receive_names(names),
             "dtype_names": dtype_names,
@@ -445,11 +431,28 @@ class _VLLMWeights:
             if not self._ipc_initialised:
                 await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={"packed": False}))
                 self._ipc_initialised = True
-            await self._llm.start_weight_update()
-            await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
-            await self._llm.finish_weight_update()
+            await self._transfer(info)
 
         await self._swap(version, partial, allow_rollback, load)
+
+    def _check_described(self, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]],
+                         version: int, partial: bool, allow_rollback: bool) -> int:
+        """The checks of an update that arrives by vLLM's weight transfer (NCCL, CUDA IPC), where only names, dtypes
+        and shapes are known before the load: version, engine state and the shared rule on meta tensors. Returns
+        the checked version."""
+        version = check_update_version("VLLMEngine", version, self._version, allow_rollback=allow_rollback)
+        self._state.check_update(partial)
+        metas = [(n, torch.empty(tuple(s), dtype=d, device="meta")) for n, d, s in zip(names, dtypes, shapes)]
+        self.validate_weights(metas, partial=partial)
+        return version
+
+    async def _transfer(self, info: dict) -> None:
+        """One update through vLLM's weight-transfer engine (initialised): start, update, finish."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self._llm.start_weight_update()
+        await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+        await self._llm.finish_weight_update()
 
     def _receive_names(self, names: Sequence[str]) -> list[str]:
         """Names the workers load under: a tied alias sent alone becomes the name vLLM loads (a tied ``lm_head``
