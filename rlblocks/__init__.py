@@ -11,7 +11,8 @@ Sub-packages (import the one you need; none is imported here, so ``import rlbloc
 - ``rlblocks.reward``  verifiers and reward models as bounded async services
 - ``rlblocks.sandbox`` untrusted code in a separate process inside a bubblewrap sandbox
 - ``rlblocks.tinker``  the Tinker training API served from these blocks (``python -m rlblocks.tinker``)
-- ``rlblocks.checkpoint`` run checkpoints that survive a crash (atomic writes, checked on load, RNG states)
+- ``rlblocks.checkpoint`` run checkpoints that survive a crash (atomic writes of files and directories, checked on
+  load, RNG states)
 
 Every exception raised on purpose derives from ``rlblocks.RLBlocksError`` (see ``rlblocks.errors``).
 """

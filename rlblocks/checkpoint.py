@@ -1,54 +1,43 @@
 """Run checkpoints that survive a crash: written atomically, checked on load, loaded whole or not at all.
 
 A run checkpoint is one file holding everything a loop needs to continue where it stopped: the model and optimizer
-states, every sched block's ``state_dict`` (``StalenessController``, ``StalenessQueue``, ``PartialRolloutBuffer``,
-``DynamicSampler`` counters), the data cursor, the policy version, the RNG states of every rank and the counters
-of the run's summary. The library only defines the file and the RNG capture; what goes into the state is the
-loop's choice (``cookbook/plumbing/checkpoints.py`` is one).
+states, every sched block's ``state_dict``, the data cursor, the policy version, the RNG states of every rank and
+the counters of the run's summary. The library only defines the file and the RNG capture; what goes into the state
+is the loop's choice (``cookbook/plumbing/checkpoints.py`` is one). The file is a magic line, one JSON header (the
+format version :data:`FORMAT`, kind, keys, ``meta``, payload length, a SHA-256 over header and payload) and the
+``torch.save`` payload.
 
-File format (version :data:`FORMAT`)::
+Writing (:func:`save_checkpoint`): a temporary file of this writer in the same directory, flushed and
+``fsync``-ed, renamed over the destination (``os.replace``, atomic on POSIX), the directory ``fsync``-ed, so a
+crash leaves either the old file or the new one, never a mix; temporaries of writers killed mid-write are removed
+by the next save. :func:`replace_dir` does the same for a whole directory (an exported model, a saved adapter).
 
-    RLBLOCKS-CHECKPOINT\\n                       magic line (a foreign file is refused at once)
-    {"bytes": N, "format": 2, "keys": [...], "kind": ..., "meta": {...}, "sha256": ...}\\n     one JSON line
-    <N bytes>                                   the state, serialised by ``torch.save``
+Reading (:func:`load_checkpoint`): the path must be a regular file, then the magic, the header, the format, the
+kind, the payload length against the file's size (a torn file) and the SHA-256 are checked *before* anything is
+unpickled, then the required keys; any failure raises :class:`~rlblocks.errors.CheckpointError` naming the file,
+and nothing is returned. :class:`Checkpoint` keeps the previous file next to the latest one, so a checkpoint
+damaged after it was written still leaves the one before it loadable. The payload is a pickle: load only
+checkpoints you wrote; the checksum detects damage, not tampering. The format byte by byte: ``docs/faults.md``.
 
-``sha256`` is the SHA-256 of the header without it (``json.dumps(header, sort_keys=True)``, as written) and of
-the payload: ``sha256(header_json + b"\\n" + payload)``, so an edited ``meta`` or ``keys`` (``"step": 2`` made
-``7``) fails the check like a flipped payload byte. Files of format 1 (written by earlier versions, whose
-``sha256`` covers the payload only) are still read; their ``keys`` are checked against the state they hold.
-
-Writing (:func:`save_checkpoint`): the whole file goes to a temporary file in the same directory, named after the
-writer (``.<name>.tmp-<pid>-<thread>-<random>``, so threads and processes saving to one path never collide), which
-is flushed and ``fsync``-ed, then renamed over the destination (``os.replace``, atomic on POSIX), and the directory
-is ``fsync``-ed, so a crash at any point leaves either the old file or the new one, never a mix. After a
-successful save, the temporaries of writers that no longer run (a process killed mid-write: its pid is gone, or
-is this process's and the file is not one of its writes in progress) are removed.
-
-Reading (:func:`load_checkpoint`): the path must be a regular file (a directory, a FIFO or a device is refused
-without being opened for a blocking read), then the magic, the header, the format version, the kind, the payload
-length against the file's size (a torn file is shorter; a length beyond it is never allocated) and the SHA-256
-are checked *before* anything is unpickled, then the required keys; any failure, an operating-system error
-included, raises :class:`~rlblocks.errors.CheckpointError` naming the file and what is wrong, and nothing is
-returned. :class:`Checkpoint` keeps the previous file next to the latest one, so a checkpoint damaged after it
-was written still leaves the one before it loadable.
-
-The payload is a pickle (``torch.save``): load only checkpoints you wrote, as with any torch checkpoint. The
-checksum detects damage, not tampering.
+One file: writing and reading share the format, the temporaries' names and the checks, and each is tested against
+the other.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
 import random
+import shutil
 import stat
 import sys
 import threading
 import uuid
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +50,7 @@ __all__ = [
     "Checkpoint",
     "load_checkpoint",
     "read_checkpoint_meta",
+    "replace_dir",
     "rng_state",
     "save_checkpoint",
     "set_rng_state",
@@ -248,6 +238,41 @@ def save_checkpoint(path: str | os.PathLike, state: Mapping[str, Any], *, kind: 
     path = _check_destination(path)
     head, payload = _encode(state, kind, meta)
     return _write(path, head, payload)
+
+
+@contextlib.contextmanager
+def replace_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Write a whole directory at ``path`` so that a crash leaves the old one or the new one, never a part.
+
+    The block writes into the yielded path, a fresh temporary sibling of ``path`` (``.<name>.dir-<pid>-...``,
+    unique per writer; its parent is created). When the block ends without an exception the temporary is renamed to
+    ``path`` (an existing directory there is renamed aside first and removed after), and the parent is
+    ``fsync``-ed; when it raises, the temporary is removed and ``path`` is left as it was. A directory rename is
+    atomic on POSIX, but the replacement takes two: between them ``path`` is briefly absent, never half-written.
+    A file at ``path`` is refused (:class:`~rlblocks.errors.ArgumentError`)."""
+    path = Path(path)
+    if path.is_file() or path.is_symlink():
+        raise ArgumentError(f"path: expected a directory to write, got the file {path}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_name(path, "dir")
+    tmp.mkdir()
+    try:
+        yield tmp
+        if path.exists():
+            old = _temp_name(path, "old")
+            path.rename(old)
+            try:
+                tmp.rename(path)
+            except BaseException:
+                old.rename(path)  # put the old directory back
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(path.parent)
 
 
 # ------------------------------------------------------------------------------------------------ reading

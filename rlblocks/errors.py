@@ -1,40 +1,13 @@
 """The exceptions rlblocks raises on purpose, under one base class: every exception class of the library is here.
 
 Every error a block raises deliberately derives from :class:`RLBlocksError`, so ``except RLBlocksError`` catches
-all of them. Each one also derives from the built-in exception a caller would naturally catch, so code written
-against the built-ins keeps working:
+all of them. Each one also derives from the built-in exception a caller would naturally catch (``ArgumentError`` is
+a ``ValueError``, ``QueueFull`` a ``queue.Full``, ``RewardTimeout`` a ``TimeoutError``, ...), so code written
+against the built-ins keeps working. The same failure raises the same class from every engine and transport: a
+refused weight update is a ``WeightUpdateError`` whether TorchEngine, VLLMEngine, SGLangEngine or a sync receiver
+refused it. Exceptions are imported from this module only.
 
-| class | also a | raised when |
-|---|---|---|
-| ``ArgumentError`` | ``ValueError`` | an argument is refused (the message names it, what was expected, what came) |
-| ``WeightUpdateError`` | ``ValueError`` | a weight update is refused before anything changed |
-| ``EngineError`` | ``RuntimeError`` | a rollout engine failed or answered unexpectedly |
-| ``SGLangError`` | ``EngineError`` | an SGLang server answered an HTTP error or an unexpected body, or not at all |
-| ``SyncError`` | ``RuntimeError`` | a collective of a sync group failed (dead or silent peer, timeout) |
-| ``SyncMismatchError`` | ``SyncError``, ``WeightUpdateError`` | sender and receivers disagree on what to move |
-| ``DeltaError`` | ``WeightUpdateError`` | a delta packet was refused |
-| ``QueueFull`` | ``queue.Full`` | a bounded queue is at capacity |
-| ``QueueClosed`` | ``RuntimeError`` | ``put`` on a closed queue |
-| ``InsufficientGroupsError`` | ``RuntimeError`` | dynamic sampling could not fill its target |
-| ``SimulationStalled`` | ``RuntimeError`` | a simulated loop ran out of events before its last step |
-| ``SandboxUnavailable`` | ``RuntimeError`` | the sandbox cannot put its isolation layers in force (names them) |
-| ``PrefixMismatchError`` | ``ArgumentError`` | a rendering does not extend a trajectory's tokens exactly |
-| ``GatewayError`` | ``RuntimeError`` | the gateway answers with an OpenAI-style error (status, code, param) |
-| ``ClientDisconnected`` | ``ConnectionError`` | a gateway client hung up before its answer (its turn is rolled back) |
-| ``QueueRefused`` | ``GatewayError`` | the queue refused a finished trajectory; it is kept, never dropped |
-| ``SessionNotFound`` | ``ArgumentError`` | no open gateway session has that id |
-| ``ToolUnavailable`` | ``RuntimeError`` | a tool refused a call: too many earlier calls timed out and still run |
-| ``RequestError`` | ``ArgumentError`` | a service request was refused (the Tinker server answers ``status``, a 4xx) |
-| ``CheckpointError`` | ``ValueError`` | a checkpoint is missing, foreign, torn, damaged or lacks a key (none loaded) |
-| ``EngineDied`` | ``EngineError`` | a ``Router`` took an engine out while it served a request (the request moves on) |
-| ``NoLiveEngine`` | ``EngineError`` | a ``Router`` has no live engine left to serve a request |
-| ``RewardTimeout`` | ``TimeoutError`` | a reward call in a worker process ran past its timeout (the worker is killed) |
-| ``WorkerCrashed`` | ``RuntimeError`` | a reward worker process died during a call, or could not start |
-| ``WorkerError`` | ``RuntimeError`` | the function called in a reward worker process raised |
-
-The same failure raises the same class from every engine and transport: a refused weight update is a
-``WeightUpdateError`` whether TorchEngine, VLLMEngine, SGLangEngine or a sync receiver refused it. Exceptions are
-imported from this module only.
+The table of every class, its built-in base and when it is raised: ``docs/concepts.md`` (Errors).
 """
 
 from __future__ import annotations

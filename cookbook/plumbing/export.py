@@ -9,20 +9,21 @@ plain HF model of the base architecture; default) or, with ``--save-lora adapter
 
 Under FSDP2 (several trainer ranks) the full weights are gathered (a collective of every rank) and loaded into an
 unsharded copy of the base model on rank 0 first. The directory is written into a temporary sibling and renamed into
-place, so a killed run never leaves half of one; an existing directory is replaced.
+place (``rlblocks.checkpoint.replace_dir``), so a killed run never leaves half of one; an existing directory is
+replaced.
 """
 
 from __future__ import annotations
 
 import copy
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
+from rlblocks.checkpoint import replace_dir
 from rlblocks.errors import ArgumentError
 
 from .flags import opt
@@ -58,25 +59,12 @@ def save_hf(out: str | os.PathLike, model: nn.Module, tok: Any, *, lora: str = "
     if lora not in LORA_FORMS:
         raise ArgumentError(f"--save-lora: expected one of {'|'.join(LORA_FORMS)}, got {lora!r}")
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with replace_dir(out) as tmp:
         if is_peft(model) and lora == "merged":
             copy.deepcopy(model).merge_and_unload().save_pretrained(tmp)  # the live model keeps its adapters
         else:
             model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if out.exists():
-            old = out.parent / f".old-{out.name}-{os.getpid()}"
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return str(out)
 
 

@@ -13,29 +13,19 @@ The model runs unchanged, through its own forward and weights: the packed rows g
 What that mask is depends on the model's attention implementation and on ``attention``:
 
 - ``"segments"`` (the default on CPU, for ``sdpa`` models): a :class:`TreeAttentionMask`, a tensor that knows the
-  tree. When the layer calls ``scaled_dot_product_attention`` with it, attention runs per compressed trie edge:
-  the edge's own tokens causally (a triangle), and every token below the edge against all of the edge's tokens (a
-  dense rectangle, e.g. all responses of a group against its prompt). Those pieces cover each (query, ancestor)
-  pair exactly once, so no masked-out pair is computed; pieces of similar shape run as one batched call of the CPU
-  flash-attention kernel, and the partial results are merged with their log-sum-exps (the way ring attention
-  merges blocks). The backward calls the kernel's backward per piece with the merged output and log-sum-exp, which
-  gives the gradient of the whole attention restricted to that piece.
-- ``"flex"`` (the default on CUDA): the same :class:`TreeAttentionMask` runs FlexAttention with a ``BlockMask``
-  (``mask_mod``: ``k <= q < subtree_end[k]``; blocks no query of which sees a key are skipped), compiled; for a
-  model loaded with ``attn_implementation="flex_attention"`` the ``BlockMask`` itself is passed. FlexAttention
-  has no backward on CPU.
-- ``"dense"`` (any device; the reference): the materialised additive mask, ``0`` on ancestor pairs and the
-  dtype's most negative value elsewhere, ``[R, 1, N, N]``; the only choice for ``eager`` models (their softmax
-  takes the mask as it is).
+  tree; attention runs per compressed trie edge with the CPU flash-attention kernel (no masked-out pair computed),
+  the pieces merged with their log-sum-exps, with a backward per piece;
+- ``"flex"`` (the default on CUDA): FlexAttention with a ``BlockMask`` built from the tree, compiled;
+- ``"dense"`` (any device; the reference): the materialised additive mask, the only choice for ``eager`` models.
 
 Exactness needs full attention over every position (no sliding window shorter than a sequence: refused). Padding
 slots of a packed row attend to themselves only and are never read. When the packed rows would hold as many
 slots as the padded batch (nothing is shared), the batch runs unshared, so prefix sharing never forwards more
 tokens than one row per sample.
 
-Under ``torch.compile`` the prefix-shared forward is not traced (the tree is built on the host). One file: the three
-attention paths over the tree (segments with their backward, FlexAttention, the dense reference) serve this forward
-alone and are chosen per call, so they live with it.
+Under ``torch.compile`` the prefix-shared forward is not traced (the tree is built on the host). Each attention path in
+detail: ``docs/kernels.md`` (Prefix-shared training). One file: the three attention paths over the tree (segments
+with their backward, FlexAttention, the dense reference) serve this forward alone and are chosen per call.
 """
 
 from __future__ import annotations

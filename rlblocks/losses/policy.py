@@ -81,6 +81,14 @@ def _zero(dt: torch.dtype, device: torch.device) -> Tensor:
     return torch.zeros((), dtype=dt, device=device)
 
 
+def _clipfracs(low: Tensor, high: Tensor, m: Tensor, dt: torch.dtype, clipped: Tensor | None = None) -> dict:
+    """The clip metrics every clipping loss reports, as masked token means: ``clipfrac`` (``clipped``, default
+    ``low | high``: the tokens a clip is active on), ``clipfrac_low`` and ``clipfrac_high``."""
+    clipped = low | high if clipped is None else clipped
+    return {"clipfrac": masked_mean(clipped.to(dt), m), "clipfrac_low": masked_mean(low.to(dt), m),
+            "clipfrac_high": masked_mean(high.to(dt), m)}
+
+
 def ppo_clip_loss(
     logp: Float[Tensor, "B T"],
     old_logp: Float[Tensor, "B T"],
@@ -122,9 +130,7 @@ def ppo_clip_loss(
     low = (r < 1.0 - el) & neg
     high = (r > 1.0 + eh) & (adv > 0)
     metrics = Metrics(
-        clipfrac=masked_mean((low | high | dual_active).to(dt), m),
-        clipfrac_low=masked_mean(low.to(dt), m),
-        clipfrac_high=masked_mean(high.to(dt), m),
+        **_clipfracs(low, high, m, dt, low | high | dual_active),
         dual_clipfrac=masked_mean(dual_active.to(dt), m),
         approx_kl=_approx_kl(log_ratio, m),
     )
@@ -177,9 +183,7 @@ def gspo_loss(
     low = (sd < 1.0 - el) & (adv < 0)
     high = (sd > 1.0 + eh) & (adv > 0)
     metrics = Metrics(
-        clipfrac=masked_mean((low | high).to(dt), m),
-        clipfrac_low=masked_mean(low.to(dt), m),
-        clipfrac_high=masked_mean(high.to(dt), m),
+        **_clipfracs(low, high, m, dt),
         seq_ratio_mean=masked_mean(torch.exp(seq_log.detach()), has),
         approx_kl=_approx_kl(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), m),
     )
@@ -215,9 +219,7 @@ def cispo_loss(
     low = ratio < 1.0 - el
     high = ratio > 1.0 + eh
     metrics = Metrics(
-        clipfrac=masked_mean((low | high).to(dt), m),
-        clipfrac_low=masked_mean(low.to(dt), m),
-        clipfrac_high=masked_mean(high.to(dt), m),
+        **_clipfracs(low, high, m, dt),
         is_weight_mean=masked_mean(w, m),
         approx_kl=_approx_kl(log_ratio, m),
     )
@@ -299,9 +301,7 @@ def gmpo_loss(
     low = (lrd < lo) & (adv < 0)
     high = (lrd > hi) & ~(adv < 0)
     metrics = Metrics(
-        clipfrac=masked_mean((lr_eff.detach() != lrd).to(dt), m),  # equals low | high
-        clipfrac_low=masked_mean(low.to(dt), m),
-        clipfrac_high=masked_mean(high.to(dt), m),
+        **_clipfracs(low, high, m, dt, lr_eff.detach() != lrd),  # the clipped tokens: equals low | high
         seq_ratio_mean=masked_mean(torch.exp(seq_log.detach()), n > 0),
         approx_kl=_approx_kl(log_ratio, m),
     )

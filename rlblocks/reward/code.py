@@ -1,43 +1,22 @@
 """Code rewards: run the candidate program against test cases in the sandbox; score = fraction of tests passed.
 
 The program never runs in this process: every test is one run of :func:`rlblocks.sandbox.arun_python` — a fresh
-interpreter in a bubblewrap sandbox (namespaces, seccomp, a read-only root, CPU, memory, disk, process and
-wall-clock limits; see :mod:`rlblocks.sandbox` and ``details["isolation"]`` for the layers in force).
+interpreter in a bubblewrap sandbox (see :mod:`rlblocks.sandbox`; ``details["isolation"]`` holds the layers in
+force). The program is the last fenced code block of the response, or the whole response when it has none.
 
-A test (:class:`CodeTest`) is either
+A test (:class:`CodeTest`) is stdin/stdout (APPS, CodeContests style: exit status 0 and matching stdout), an
+assertion (HumanEval, MBPP style: ``"assert add(2, 3) == 5"``), or both. An assertion runs after the program in a
+checker process of the same sandbox that the program's process never shares, reaching the program's top-level
+names through a narrow channel (calls, attributes, items, iteration; plain built-in values come back), so the
+assertion, its constants and the verdict are nowhere the program can look, and it passes only on the checker's
+verdict (:attr:`~rlblocks.sandbox.SandboxResult.checks_passed`): a program that exits early, returns an object
+equal to everything, shadows a builtin, or prints a verdict scores 0 for that test, with the reason recorded.
 
-- stdin/stdout (APPS, CodeContests, LiveCodeBench style): the program reads ``stdin``; it passes when it exits with
-  status 0 and its stdout equals ``stdout`` under the chosen comparison; or
-- an assertion (HumanEval, MBPP style): ``assertion`` (e.g. ``"assert add(2, 3) == 5"``) runs after the program,
-  as the sandbox's ``checks``: in a checker process of the same sandbox that the program's process never shares,
-  with the program's top-level names reached through a narrow channel (calls, attributes, items, iteration; results
-  come back as plain built-in values, so the comparison is the checker's own). The assertion, its constants and the
-  verdict are nowhere the program can look: frame walks, tracebacks, generator frames, other threads, the garbage
-  collector or ``inspect`` find none of them, and there is no code of the checks to re-run. It passes only on the
-  checker's verdict (:attr:`~rlblocks.sandbox.SandboxResult.checks_passed`). A program that ends its process first
-  (``os._exit(0)``, ``sys.exit(0)``, ``atexit.register(os._exit, 0)``, ``SystemExit`` raised inside the test),
-  returns an object equal to everything (an object of the program's own class is equal only to itself; a subclass
-  of a built-in type arrives as its base type), shadows a builtin the assertion uses (the checks keep their own),
-  patches ``print`` or ``sys.stdout``, prints or writes a verdict, or kills the checker scores 0 for that test,
-  with the reason recorded; or both (the program's stdout must also match).
-
-The program is the last fenced code block of the response (```` ```python ````, ```` ```py ```` or a bare
-```` ``` ````), or the whole response when it has none.
-
-Per-test outcomes (``details["tests"]``, in test order): ``status`` is one of ``passed``, ``wrong_answer``,
-``runtime_error``, ``early_exit`` (exit status 0 before every assertion had run), ``timeout`` (wall clock: never a
-wrong answer), ``cpu_limit``, ``memory_limit``, ``file_size_limit``, ``disk_limit``, ``output_limit`` (stdout
-longer than the sandbox keeps: cannot be checked, counts as failed); with ``seconds``, ``returncode``, and for
-failures a ``reason`` and the tail of ``stderr``. ``score = passed / total``; ``components``: ``pass_rate`` and
-``all_passed`` (1.0 or 0.0). A test that the sandbox could not run (no isolation here, an interpreter that would
-not start) makes the whole result an error (the infrastructure failed, not the program), as does a reference that
-is not a list of tests.
-
-Limits of the channel: the checks cannot pass the program their own functions or objects of their own classes
-(only built-in values and the program's objects travel); a list, dict, set or bytearray passed to a call is a copy,
-updated in place from the program's copy when the call returns (a later change by the program is not seen); an
-object of the program's own class supports calls, attributes, items, ``len``, ``bool``, iteration and ``str`` in
-the checks, not operators or ``isinstance``.
+Per-test outcomes (``details["tests"]``): ``passed``, ``wrong_answer``, ``runtime_error``, ``early_exit``,
+``timeout`` (never a wrong answer), ``cpu_limit``, ``memory_limit``, ``file_size_limit``, ``disk_limit``,
+``output_limit``. ``score = passed / total``; ``components``: ``pass_rate`` and ``all_passed``. A test the sandbox
+could not run makes the whole result an error (the infrastructure failed, not the program), as does a reference
+that is not a list of tests. The channel's rules and limits in full: ``docs/reward.md`` (Code tests).
 """
 
 from __future__ import annotations

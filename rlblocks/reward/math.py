@@ -1,44 +1,23 @@
 """Math answers: extract the final answer, check it against the reference with ``math-verify``, under a real timeout.
 
-Extraction (:func:`extract_answer`), in this order:
+Extraction (:func:`extract_answer`): the content of the LAST ``\\boxed{...}`` (a response that opens a ``\\boxed{``
+but never closes one has NO answer: a truncated response is not rewarded by a number found elsewhere); otherwise the
+last of a LaTeX math span (taken whole, unless it reads as prose: ``$5 and $6`` is money), a bare LaTeX fraction or
+root, or a plain number. The digits inside a LaTeX expression are never read as a number of their own.
 
-1. the content of the LAST ``\\boxed{...}`` (or ``\\fbox{...}``, or the brace-less ``\\boxed 5``), braces
-   balanced; a response that opens a ``\\boxed{`` but never closes one has NO answer (it is not rescued by a
-   number found elsewhere, which would reward a truncated response by accident);
-2. otherwise the LAST of these in the text (the one that ends last):
+Checking (:func:`check_math`): the reference (a ``\\boxed{}`` or a GSM8K-style ``#### 72`` tail in it is extracted
+the same way) and the answer are each parsed by ``math-verify`` and compared by ``math_verify.verify(gold,
+answer)`` (symbolic and numeric equality, sets, intervals, equations, percentages, units dropped). ``score = 1.0``
+if equal, else ``0.0`` (also when no answer was found: a wrong response, not a failure); a reference that does not
+parse is a failure (``error`` set). ``details``: ``answer``, ``answer_source`` and ``reason``.
 
-   - a LaTeX math span, ``$...$``, ``$$...$$``, ``\\(...\\)`` or ``\\[...\\]``, taken whole (``$x = \\frac12$``
-     gives ``x = \\frac12``, which math-verify compares as the equation's right-hand side); a span whose text
-     reads as prose once ``\\text{}`` and commands are removed (two letters in a row: ``$5 and $6`` is money,
-     not math) is not one, and a span that is a plain number is read as a number;
-   - a bare LaTeX fraction or root outside such spans (``\\frac12``, ``\\dfrac{3}{4}``, ``-\\tfrac{1}{2}``,
-     ``2\\sqrt{3}``);
-   - a number outside both: an integer or decimal, with optional thousands separators (``1,234.5``), an optional
-     leading minus (only where it cannot be a subtraction: ``5-3`` ends in ``3``), or a plain fraction ``a/b``.
-
-   The digits inside a LaTeX expression are never read as a number of their own (``\\frac12`` is one half, not
-   12).
-
-Checking (:func:`check_math`): the reference (a string or a number; a ``\\boxed{}`` in it, or a GSM8K-style
-``#### 72`` tail, is extracted the same way) and the answer are each parsed by ``math-verify`` (HF's parser:
-LaTeX and plain expressions to sympy) and compared by ``math_verify.verify(gold, answer)``: exact symbolic
-equality, numeric equality after rounding to ``float_rounding`` decimals, sets, intervals, equations
-(``x=2`` ≡ ``2``), percentages (``50\\%`` ≡ ``0.5``), and LaTeX forms such as ``\\dfrac{1}{2}``, ``\\frac12``,
-``\\$18``, ``5\\text{ cm}`` or ``30^\\circ`` (units, currency and degree marks are dropped by its normaliser).
-A reference that ``math-verify`` cannot turn into a sympy object is refused (an error result).
-
-Outcome: ``score = 1.0`` if equal, else ``0.0`` (also when no answer was found or the answer did not parse:
-that is a wrong response, not a failure). A reference that does not parse is a failure (``error`` set): the
-data is broken, not the response. ``details``: ``answer`` (extracted text or None), ``answer_source``
-(``"boxed"``, ``"latex"``, ``"last_number"`` or None) and ``reason`` when the score is 0 without a comparison.
-
-Timeout: ``math-verify`` can run for minutes on pathological input (``\\boxed{10^{10^{10}}}`` makes sympy
-build a ten-billion-digit integer inside C code, where no signal reaches). :class:`MathReward` therefore runs
-:func:`check_math` in killable worker processes (:class:`~rlblocks.reward.workers.ProcessWorkers`) and kills the
-worker at the timeout, returning an error result. ``math-verify``'s own ``signal.alarm`` timeouts are switched
-off: they only work in a main thread and they turn a timeout into ``False`` (a silent 0), not an error.
+Timeout: ``math-verify`` can run for minutes inside C code on pathological input, where no signal reaches, so
+:class:`MathReward` runs :func:`check_math` in killable worker processes
+(:class:`~rlblocks.reward.workers.ProcessWorkers`) and kills the worker at the timeout (an error result).
+``math-verify``'s own ``signal.alarm`` timeouts are switched off (they turn a timeout into a silent 0).
 
 ``math_verify`` is imported only inside :func:`check_math` (an optional extra: ``pip install rlblocks[reward]``).
+Every rule with its examples: ``docs/reward.md`` (Math answers).
 """
 
 from __future__ import annotations

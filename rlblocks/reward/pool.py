@@ -1,7 +1,7 @@
 """Run a reward over many samples concurrently, bounded, in input order, and account for every sample.
 
-As AReaL's reward service and OpenRLHF's asynchronous verifier pools do, rewards are computed off the training
-loop's critical path and with a bound on the work in flight. :class:`RewardPool` takes either
+Rewards are computed off the training loop's critical path with a bound on the work in flight (as AReaL's reward
+service and OpenRLHF's asynchronous verifier pools do). :class:`RewardPool` takes either
 
 - an ``async`` reward (:class:`~rlblocks.reward.RewardFn`: I/O-bound, a remote reward model, the sandboxed
   ``code_reward``, ``math_reward`` which has its own worker processes): run as asyncio tasks on the caller's loop;
@@ -24,12 +24,9 @@ Guarantees:
 - :meth:`RewardPool.ascore_groups` scores groups (the responses to one prompt) and fails a group whole when any
   of its samples failed (:class:`~rlblocks.reward.GroupResult`), so a group baseline is never computed over a
   partial group nor with a failed sample read as 0.
-- ``stats()`` counts everything: ``submitted == completed + cancelled + pending``, ``completed == ok + failed``;
-  ``groups``, ``groups_failed``, ``samples_in_failed_groups``.
+- ``stats()`` counts everything: ``submitted == completed + cancelled + pending``, ``completed == ok + failed``.
 
-``seconds`` of each result is the pool's wall time for that sample: from its first attempt's start to its result,
-retries and retry delays included, waiting for a free slot excluded. ``details["attempts"]`` is the number of
-attempts.
+``seconds``: the pool's wall time for the sample (retries included, waiting for a slot excluded).
 """
 
 from __future__ import annotations

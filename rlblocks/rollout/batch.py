@@ -116,6 +116,41 @@ def own_loss_mask(name: str, generation: Generation) -> list[bool] | None:
     return [bool(x) for x in own]
 
 
+def padded_rows(rows: Sequence[tuple[Sequence[int], int, Sequence[bool] | None, Sequence[float], Sequence[int]]],
+                pad_id: int) -> dict[str, Tensor]:
+    """The right-padded tensors of :class:`RolloutBatch` from rows ``(token ids, prompt length, loss mask of the
+    response or None for all true, response log-probs, response versions)``, one row each: ``input_ids``,
+    ``attention_mask``, ``prompt_lens``, ``response_ids``, ``response_mask``, ``loss_mask``, ``rollout_logp``
+    (fp32, 0 on padding) and ``versions`` (-1 on padding); ``T`` is at least 1. The one padding rule of
+    :func:`build_batch` and of the trajectories' ``to_tensors``."""
+    b = len(rows)
+    l_max = max(len(ids) for ids, *_ in rows)
+    t_max = max(max(len(ids) - p for ids, p, *_ in rows), 1)
+    input_ids = torch.full((b, l_max), pad_id, dtype=torch.long)
+    attention = torch.zeros((b, l_max), dtype=torch.bool)
+    response_ids = torch.full((b, t_max), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((b, t_max), dtype=torch.bool)
+    loss_mask = torch.zeros((b, t_max), dtype=torch.bool)
+    rollout_logp = torch.zeros((b, t_max), dtype=torch.float32)
+    versions = torch.full((b, t_max), -1, dtype=torch.long)
+    for r, (ids, p, own, logps, vers) in enumerate(rows):
+        n = len(ids)
+        input_ids[r, :n] = torch.tensor(list(ids), dtype=torch.long)
+        attention[r, :n] = True
+        k = n - p
+        if k == 0:
+            continue
+        response_ids[r, :k] = torch.tensor(list(ids[p:]), dtype=torch.long)
+        response_mask[r, :k] = True
+        loss_mask[r, :k] = True if own is None else torch.tensor(list(own), dtype=torch.bool)
+        rollout_logp[r, :k] = torch.tensor(list(logps), dtype=torch.float32)
+        versions[r, :k] = torch.tensor(list(vers), dtype=torch.long)
+    return {"input_ids": input_ids, "attention_mask": attention,
+            "prompt_lens": torch.tensor([p for _, p, *_ in rows], dtype=torch.long), "response_ids": response_ids,
+            "response_mask": response_mask, "loss_mask": loss_mask, "rollout_logp": rollout_logp,
+            "versions": versions}
+
+
 def build_batch(
     generations: Sequence[Generation],
     *,
@@ -175,29 +210,10 @@ def build_batch(
                     k = j + 1
                     break
         lengths.append(k)
-    t_max = max(max(lengths), 1)
-    l_max = max(len(g.prompt_ids) + k for g, k in zip(generations, lengths))
-
-    input_ids = torch.full((n, l_max), pad_id, dtype=torch.long)
-    attention = torch.zeros((n, l_max), dtype=torch.bool)
-    response_ids = torch.full((n, t_max), pad_id, dtype=torch.long)
-    response_mask = torch.zeros((n, t_max), dtype=torch.bool)
-    loss_mask = torch.zeros((n, t_max), dtype=torch.bool)
-    rollout_logp = torch.zeros((n, t_max), dtype=torch.float32)
-    versions = torch.full((n, t_max), -1, dtype=torch.long)
-    for i, (g, k) in enumerate(zip(generations, lengths)):
-        p = len(g.prompt_ids)
-        out = g.output_ids[:k]
-        input_ids[i, : p + k] = torch.tensor(list(g.prompt_ids) + list(out), dtype=torch.long)
-        attention[i, : p + k] = True
-        if k == 0:
-            continue
-        response_ids[i, :k] = torch.tensor(out, dtype=torch.long)
-        response_mask[i, :k] = True
-        own = masks[i]
-        loss_mask[i, :k] = True if own is None else torch.tensor(own[:k], dtype=torch.bool)
-        rollout_logp[i, :k] = torch.tensor(g.output_logprobs[:k], dtype=torch.float32)
-        versions[i, :k] = torch.tensor(g.output_versions[:k], dtype=torch.long)
+    fields = padded_rows([(list(g.prompt_ids) + list(g.output_ids[:k]), len(g.prompt_ids),
+                           None if own is None else own[:k], g.output_logprobs[:k], g.output_versions[:k])
+                          for g, k, own in zip(generations, lengths, masks)], pad_id)
+    l_max = fields["input_ids"].shape[1]
 
     records = [getattr(g, "routed_experts", None) for g in generations]
     routed = None
@@ -205,14 +221,7 @@ def build_batch(
         kept = [None if r is None else r[: len(g.prompt_ids) + k] for r, g, k in zip(records, generations, lengths)]
         routed = pad_routing(kept, seq_len=l_max)
     batch = RolloutBatch(
-        input_ids=input_ids,
-        attention_mask=attention,
-        prompt_lens=torch.tensor([len(g.prompt_ids) for g in generations], dtype=torch.long),
-        response_ids=response_ids,
-        response_mask=response_mask,
-        loss_mask=loss_mask,
-        rollout_logp=rollout_logp,
-        versions=versions,
+        **fields,
         group_ids=torch.tensor(gids if gids is not None else [0] * n, dtype=torch.long),
         rewards=None if rews is None else torch.tensor(rews, dtype=torch.float32),
         routed_experts=routed,

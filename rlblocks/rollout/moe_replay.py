@@ -8,20 +8,17 @@ experts the engine used and makes the training forward use the same ones. Only t
 replayed: the gate weights are recomputed from the live router over the recorded experts, with the model's own
 normalisation, so the router keeps getting gradients.
 
-Record layout (one generation)
-------------------------------
-``routed_experts``: an unsigned integer tensor ``[n, layers, top_k]``, ``uint8`` when the model has at most 256
-experts, else ``uint16`` (:func:`routing_dtype`; the same rule as vLLM's). Row ``j`` is the routing of sequence
-position ``j`` of ``prompt_ids + output_ids`` (prompt positions included: every later token attends to them, so
-they must be replayed too). An engine feeds every token except the last sampled one, so a finished generation has
-``n = len(prompt_ids) + len(output_ids) - 1`` rows, vLLM's convention. Within a row, the experts are in the order
-the router ranked them. The ``layers`` axis holds the model's MoE layers in model order (dense layers have no
-router and no entry); :func:`replay_routing` also accepts one entry per decoder layer (vLLM's layout, whose rows
-for dense layers are ignored).
+**Record layout** (one generation): ``routed_experts``: an unsigned integer tensor ``[n, layers, top_k]``, ``uint8``
+when the model has at most 256 experts, else ``uint16`` (:func:`routing_dtype`; the same rule as vLLM's). Row ``j``
+is the routing of sequence position ``j`` of ``prompt_ids + output_ids`` (prompt positions included: every later
+token attends to them, so they must be replayed too). An engine feeds every token except the last sampled one, so a
+finished generation has ``n = len(prompt_ids) + len(output_ids) - 1`` rows, vLLM's convention. Within a row, the
+experts are in the order the router ranked them. The ``layers`` axis holds the model's MoE layers in model order
+(dense layers have no router and no entry); :func:`replay_routing` also accepts one entry per decoder layer (vLLM's
+layout, whose rows for dense layers are ignored).
 
 Records of one sequence are merged by :func:`concat_routing` and right-padded into ``[B, L, layers, top_k]`` by
 :func:`pad_routing` (``-1``: no record), which is what :func:`replay_routing` takes.
-
 Supported routers: the Hugging Face transformers (5.x) MoE routers of Qwen2/3-MoE, Qwen3-Next, Qwen3.5-MoE,
 Qwen3-VL-MoE, OLMoE, FlexOlmo, Mixtral, MiniMax, GPT-OSS, DeepSeek-V3 and GLM-4-MoE, each replayed with its own
 gate-weight rule, and megatron-core's ``TopKRouter`` (through its ``router_replay`` hook). A router class not in

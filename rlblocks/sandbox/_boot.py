@@ -7,28 +7,17 @@ itself is not visible inside the sandbox). In order it
    size-limited scratch directory, no capabilities) and reports what it found on the status pipe; a missing
    required layer stops it here, before the program is even read;
 2. sets the rlimits;
-3. with checks, forks: the parent becomes the **checker**, the child the **program's process** (below);
+3. with checks, forks: the parent becomes the **checker**, the child the **program's process**;
 4. installs the audit hooks (PEP 578, they cannot be removed from Python) and runs the program.
 
-**Checks run where the program is not.** With checks (assertion tests), what the program's process can see holds
-no secret, so there is nothing for it to find by walking frames, tracebacks, generators, threads or the garbage
-collector, or by reading its own memory: the checker reads the checks and a per-run marker from an inherited
-in-memory file only after the fork (the child closes its copy first, and never had the contents), makes itself
-non-dumpable (another process of the same user cannot read its memory or descriptors through ptrace or /proc),
-and only then lets the program start. The checks run in the checker against proxies of the program's top-level
-names; each use of a proxy (a call, an attribute, an item, ``len``, ``bool``, iteration, ``str``) is one request
-over a pipe to the program's process, which answers with the result as plain data: JSON with type tags for
-tuples, sets, dicts, dict views, bytes, big ints, complex numbers, slices, ranges, fractions, decimals and numpy
-arrays, subclasses converted to their base type, anything else a reference to an object that stays in the
-program's process. The checker
-builds only built-in values from a reply, so no ``__eq__`` of the program ever runs there; a reference compares
-equal only to itself. Lists, dicts, sets and bytearrays passed to a call are updated in place from the program's
-copies afterwards, so tests of in-place functions keep working. The verdict is written by the checker, with the
-marker, on the status pipe, which the program's process closed at the fork; nothing the program prints or writes
-to its own descriptors can make a check pass. A program that ends (or kills) its process before the checks have
-finished, or that kills the checker, fails; the checker then exits the way the program's process did. The
-checker runs without the policy hook: the checks are the caller's code, and all that reaches them from the program
-is built-in values.
+**Checks run where the program is not.** The checker reads the checks only after the fork and makes itself
+non-dumpable; it runs them against proxies of the program's top-level names, each use of a proxy one request over a
+pipe answered with plain data, so no ``__eq__`` of the program runs there; the verdict goes on a status pipe the
+program's process closed at the fork. The protocol in full: ``docs/sandbox.md`` (Checks).
+
+One file: the host passes this file's text to ``python -c`` inside the sandbox, where rlblocks cannot be imported,
+so everything that runs there before and around the program (layer checks, rlimits, the checker and its proxies,
+the audit hooks) must be this one self-contained source.
 """
 
 

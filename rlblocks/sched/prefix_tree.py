@@ -7,28 +7,14 @@ hidden state exactly as one row per sequence would (same tokens before it, same 
 token forwarded once. Sharing is found from the ids alone: no group ids are needed, and samples that happen to
 begin with the same response tokens share those too.
 
-Layout of a :class:`PrefixTree` with ``R`` packed rows of ``N`` slots:
-
-- ``input_ids [R, N]``: the token of each node (``pad_id`` on padding slots);
-- ``position_ids [R, N]``: the depth of the node, i.e. the position of its token in every sequence through it
-  (so RoPE sees each token where the unshared row has it); 0 on padding;
-- ``subtree_end [R, N]``: nodes are in depth-first preorder (a node's descendants follow it contiguously), so
-  node ``j`` attends to node ``k`` of the same row iff ``k <= j < subtree_end[r, k]`` (``k`` is ``j`` or an
-  ancestor of ``j``): the ancestor mask, in ``O(N)`` memory. A padding slot sees only itself;
-- ``index [S, L_max]``: for position ``p`` of sequence ``s``, its node as a flat slot index ``r * N + j``
-  (``-1`` past the sequence's end); ``row_of [S]`` its row;
-- ``edges [E, 3]``: the compressed trie edges, ``(row, start, stop)``: nodes ``start..stop-1`` are a chain
-  (each the only child of the one before), and the descendants of ``stop - 1`` are ``stop ..
-  subtree_end[row, stop - 1] - 1``; every ancestor pair lies in exactly one edge's triangle (a query and a key
-  of the same edge) or rectangle (a query below the edge, a key in it);
-- ``logit_index [B, T]`` (from :func:`response_prefix_tree` and a ``RolloutBatch``-layout batch): the flat slot of
-  the hidden state that predicts response token ``t`` of row ``b`` (``-1`` where ``response_mask`` is false).
-
-Rows: a token budget ``max_tokens`` bounds each row's nodes. Subtrees that share nothing (different prompts) are
-units of their own; a unit over the budget is cut at its shallowest branching into runs of children that fit
-(the prefix above the cut is repeated in each part). Units then go into rows by first-fit-decreasing,
-:func:`~rlblocks.sched.pack_sequences` (the same packer the token-budget micro-batches use). Every sequence lies
-whole in one row, so each (row, response position) has exactly one logit slot: none is lost or duplicated.
+A :class:`PrefixTree` holds ``R`` packed rows of ``N`` slots: per slot the token (``input_ids``), its depth as the
+position id (``position_ids``: RoPE sees each token where the unshared row has it) and the ancestor mask in
+``O(N)`` memory (``subtree_end``: nodes in depth-first preorder, node ``j`` attends to ``k`` iff
+``k <= j < subtree_end[r, k]``); per sequence position its slot (``index``); the compressed trie edges
+(``edges``); and, for a ``RolloutBatch``, the slot predicting each response token (``logit_index``). Rows hold at
+most ``max_tokens`` nodes, a unit over the budget cut at its shallowest branching, units packed
+first-fit-decreasing (:func:`~rlblocks.sched.pack_sequences`); every sequence lies whole in one row, so each
+response position has exactly one logit slot. Every field and the packing rule: ``docs/sched.md`` (Prefix trees).
 
 All of it runs on the host (Python and small torch ops, ``O(total tokens + S log S)``); ``PrefixTree.to(device)``
 moves the tensors. It lives beside :mod:`.packing` because it is a packing: the rollout side builds trees and the

@@ -1,36 +1,19 @@
 """Bit-level kernels of delta sync, written to run at memory speed: CRC-32, changed-element search, parallel chunks.
 
-CRC-32
-------
-The checksum is zlib's CRC-32 (polynomial 0xEDB88320 reflected, init and final xor 0xFFFFFFFF), so packets stay
-readable by anything that speaks zlib. The stdlib ``zlib.crc32`` computes it at ~2.5 GB/s on one core; ISA-L's
-(``isal`` package, ``isal_zlib.crc32``, PCLMUL-folded) gives the same values at ~9 GB/s and is used when
-installed. Large buffers are split into chunks whose CRCs are computed in parallel threads (both release the GIL)
-and joined with :func:`crc32_combine`, which is zlib's ``crc32_combine`` algorithm (multiplying by ``x^(8 * len2)``
-modulo the polynomial, by squaring a GF(2) operator), written here because the stdlib does not expose it.
+- **CRC-32** is zlib's (polynomial 0xEDB88320 reflected, init and final xor 0xFFFFFFFF), so packets stay readable by
+  anything that speaks zlib; ISA-L's ``isal_zlib.crc32`` computes the same values faster and is used when
+  installed. Large buffers are split into chunks whose CRCs are computed in parallel threads (both release the GIL)
+  and joined with :func:`crc32_combine`, zlib's ``crc32_combine`` algorithm, written here because the stdlib does
+  not expose it.
+- **Changed elements** (:func:`changed_indices`): both tensors are viewed as int64 words, the words compared in one
+  vectorised pass, only the changed words gathered and their lanes compared in a second, small pass; no
+  per-element pass in Python and no full-length boolean mask per element. Chunks run on a thread pool, each also
+  computing the CRC of its part of the new tensor while it is still in cache.
+- **Native delta** (:func:`native_delta`, CPU, with ``numba``; ``RLBLOCKS_SYNC_NATIVE=0`` turns it off, with
+  identical packets): the whole encoder pass of :mod:`rlblocks.sync.delta` in one compiled loop per chunk, about
+  the memory traffic of a memcpy instead of the torch path's five passes.
 
-Changed elements
-----------------
-:func:`changed_indices` finds the elements whose bit patterns differ in two tensors of the same dtype without a
-per-element pass in Python and without a full-length boolean mask per element: both tensors are viewed as int64
-words (4 bf16 or 2 fp32 elements per word), the words are compared (one vectorised pass reading both tensors),
-only the changed words are gathered, and their lanes are compared in a second, small pass. The work is split into
-chunks run on a thread pool (torch kernels release the GIL), each chunk also computing the CRC of its part of the
-new tensor while it is still in cache.
-
-Native delta (CPU)
-------------------
-:func:`native_delta` does the whole encoder pass of :mod:`rlblocks.sync.delta` in one compiled loop per chunk when
-``numba`` is installed (``RLBLOCKS_SYNC_NATIVE=0`` turns it off; the torch path above is then used, with identical
-packets): for each int64 word of the snapshot and the new tensor it compares the two, and only for a changed word
-looks at its lanes, writing each changed lane's uint16 gap to the previous change (the ``gap16`` positions, escapes
-counted and their true values listed), its new bit pattern, and the new word into the snapshot. That is one read of
-each tensor and writes of ~``density * (2 + itemsize)`` bytes per element, about the memory traffic of a memcpy of
-the same bytes, instead of the torch path's five passes and two random-access gathers. Lanes are handled without
-branches (a changed word's lanes are all written, the output cursor advances by whether each changed), so the cost
-does not depend on where in a word the changes fall. Chunks run on the thread pool (the loop releases the GIL);
-the first gap of each chunk is fixed up afterwards from the previous chunk's last change. Compiled on first use (a
-few seconds; numba caches it on disk for later processes).
+How each kernel works and what it costs: ``docs/sync.md`` (Delta packets, Kernels).
 """
 
 from __future__ import annotations

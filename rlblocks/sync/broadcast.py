@@ -23,6 +23,8 @@ Handshake (``WeightSender.send`` / ``WeightReceiver.receive``)
 
 Every collective runs with the group timeout: a dead peer or a receiver that stops consuming makes the others raise
 :class:`SyncError` within it instead of hanging.
+
+One file: the sender and the receiver run the two halves of one handshake and derive the same bucket layout.
 """
 
 from __future__ import annotations

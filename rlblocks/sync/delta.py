@@ -2,42 +2,23 @@
 
 Comparison is dtype-blind: each tensor is viewed as the integer type of its element size (uint8 / int16 / int32 /
 int64) and compared bit for bit, so NaN payloads, -0.0 vs +0.0 and subnormals are all seen as changes and carried
-exactly. Round trips are bit-exact for every dtype.
-
-Per tensor, positions of the ``k`` changed elements (of ``n``) use whichever encoding is smallest:
-
-==========  =================================================  =============================================
-encoding    positions                                          bytes
-==========  =================================================  =============================================
-``none``    nothing changed                                    0
-``gap16``   uint16 gaps ``idx[i] - idx[i-1]`` (``idx[-1] = -1``),  ``2k + 8w`` (``w`` gaps >= 0xFFFF)
-            0xFFFF escapes to the next entry of an int64 list
-``idx32``   int32 (int64 when ``n > 2**31 - 1``) indices       ``4k`` (``8k``)
-``bitmap``  one bit per element, LSB first                     ``ceil(n / 8)``
-``dense``   none: the whole tensor travels                     ``(n - k) * itemsize`` extra values
-==========  =================================================  =============================================
-
-plus ``k * itemsize`` value bytes (the new bit patterns, in index order). At density ``d`` random updates cost
-about ``d * (itemsize + 2)`` bytes per element with gaps (3 % of a bf16 model: 6 % of the full bytes) and never
-more than the full tensor. Each tensor record carries ``crc`` (CRC-32 of the whole new tensor's bytes) and
-``base_crc`` (the same of the state the delta applies to); the packet carries ``version`` and ``base_version``
-(``None`` for a full packet, which resets the chain). :meth:`DeltaPacket.to_bytes` appends a CRC-32 of every
-preceding byte, so a flipped byte anywhere is refused (CRC-32 detects every error burst up to 32 bits).
-Payload compression with zstd is optional (``zstandard`` package); everything works without it.
+exactly. Round trips are bit-exact for every dtype. Per tensor, the positions of the changed elements use whichever
+encoding is smallest (``none``, ``gap16``, ``idx32``, ``bitmap``, ``dense``), followed by the new bit patterns; each
+tensor record carries the CRC-32 of the new tensor and of the state the delta applies to, the packet its
+``version`` and ``base_version`` (``None`` for a full packet, which resets the chain), and
+:meth:`DeltaPacket.to_bytes` ends with a CRC-32 of every preceding byte. zstd payload compression is optional.
 
 :meth:`DeltaDecoder.apply` validates the whole packet (chain position, names, shapes, dtypes, encodings, index
 ranges, value sizes, base checksums) before it writes anything, then writes in place and checks every touched
 tensor's new CRC; on a mismatch it restores the old values, so a refused packet leaves the weights unchanged.
 Byte order is the host's (little-endian on every supported platform).
 
-Speed: encoding and verified apply make a few passes over the model bytes and none per element in Python (see
-:mod:`rlblocks.sync._bits`): int64-word comparison with only the changed words examined lane by lane, CRC-32 by
-ISA-L when installed (the same checksum as zlib's), all in chunks on a thread pool (``RLBLOCKS_SYNC_THREADS``,
-default ``torch.get_num_threads()``). On the CPU with ``numba`` installed the encoder's comparison, its gap16
-positions, values and snapshot update are one compiled pass per chunk (``_bits.native_delta``); without it (or with
-``RLBLOCKS_SYNC_NATIVE=0``) torch calls do the same in about five passes, with byte-identical packets. With an
-encoder snapshot on a GPU (``DeltaEncoder(..., device="cuda")``) the comparison runs there and only positions and
-values cross to the host; the CRCs are computed on the host from a chunked copy.
+Speed: a few passes over the model bytes and none per element in Python (the kernels are in
+:mod:`rlblocks.sync._bits`; a GPU snapshot compares on the GPU). The packet format byte by byte and the cost of
+each encoding: ``docs/sync.md`` (Delta packets).
+
+One file: the packet (:class:`DeltaPacket`), its encoder and its decoder share the encodings and the chain rule,
+and each side is tested against the other; splitting them would put one format's reading and writing in two places.
 """
 
 from __future__ import annotations

@@ -1,52 +1,27 @@
 """Blockwise FP8 weights for the rollout side: quantise on the way to the engine, dequantise (or load as FP8) there.
 
-Format (the Hugging Face layout of DeepSeek-V3 and Qwen3-FP8 checkpoints, which vLLM's block-FP8 loader reads)
----------------------------------------------------------------------------------------------------------------
-A quantised weight ``W`` of shape ``[..., M, N]`` (``[out, in]`` for a linear layer; leading dimensions, e.g. the
-experts of a stacked MoE tensor, are independent matrices) travels as two tensors:
+Format: the Hugging Face layout of DeepSeek-V3 and Qwen3-FP8 checkpoints, which vLLM's block-FP8 loader reads. A
+quantised weight ``W`` of shape ``[..., M, N]`` (leading dimensions, e.g. the experts of a stacked MoE tensor, are
+independent matrices) travels as two tensors:
 
 * ``<name>``: ``torch.float8_e4m3fn`` of the same shape (finite range +-448, 3 mantissa bits, no infinities);
-* ``<name>_scale_inv`` (``model.layers.0.mlp.down_proj.weight_scale_inv``): ``float32`` of shape
-  ``[..., ceil(M / 128), ceil(N / 128)]``, one value per 128 x 128 block, the *dequantisation multiplier*:
-  ``W[i, j] ~= float32(q[i, j]) * scale_inv[i // 128, j // 128]``.
+* ``<name>_scale_inv``: ``float32`` of shape ``[..., ceil(M / 128), ceil(N / 128)]``, one value per 128 x 128
+  block, the *dequantisation multiplier*: ``W[i, j] ~= float32(q[i, j]) * scale_inv[i // 128, j // 128]``.
 
-Quantisation of one block ``B`` (:func:`quantize_fp8`): ``s = float32(amax(|B|) / 448)`` (computed in float32 from
-the values cast to float32, exact for bf16/fp16 inputs), ``q = e4m3(clamp(B / s, -448, 448))``: division by the
-stored scale, saturating (a value that the rounding of ``B / s`` puts above 448 becomes 448; nothing becomes NaN),
-then round-to-nearest-even onto the e4m3 grid. The reconstruction error of each element is therefore at most half
-an e4m3 step of ``B / s`` times ``s``: ``s * 2**(e - 4)`` for ``|B / s|`` in ``[2**e, 2**(e + 1))``, ``e >= -6``,
-and ``s * 2**-10`` below ``2**-6`` (the subnormals), i.e. at most ``16 s = amax / 28``, and relatively at most
-1/16 of the element in the normal range. A block that is all zeros (or whose ``amax / 448`` underflows float32)
-gets ``s = 1.0`` and quantises to zeros. A NaN or an infinity anywhere in a weight is refused with the weight's name
-(:class:`~rlblocks.errors.ArgumentError`): a diverged trainer must not reach the engine as saturated numbers.
+Quantisation of one block ``B`` (:func:`quantize_fp8`): ``s = float32(amax(|B|) / 448)``,
+``q = e4m3(clamp(B / s, -448, 448))`` (saturating, round-to-nearest-even): the error of each element is at most
+``amax / 28``, and relatively at most 1/16 of the element in e4m3's normal range. An all-zero block gets
+``s = 1.0``; a NaN or an infinity anywhere in a weight is refused with its name
+(:class:`~rlblocks.errors.ArgumentError`). A partial last block's scale is the amax of its real elements (what
+zero-padding would give); nothing is padded on the wire. Dequantisation (:func:`dequantize_fp8`):
+``float32(q) * scale_inv`` in float32, rounded once to the output dtype: bit-identical to vLLM's ``block_dequant``.
 
-Shapes not divisible by 128: the last block row / column covers the remaining ``M mod 128`` rows / ``N mod 128``
-columns (the scale grid is rounded up, as in DeepSeek-V3 checkpoints and vLLM's ``BlockQuantScaleParameter``); its
-scale is the amax of the real elements only, which is what zero-padding the weight to a multiple of 128 would give
-(zeros never raise an amax). Nothing is padded on the wire: the FP8 tensor keeps the weight's shape.
-
-Dequantisation (:func:`dequantize_fp8`): ``float32(q) * scale_inv`` element by element in float32, then one
-rounding to the output dtype: the same arithmetic as vLLM's ``block_dequant`` and ``scaled_dequantize``
-(``vllm.model_executor.layers.quantization.utils``), so the results are bit-identical.
-
-What stays in bf16 (:class:`FP8Rules`)
---------------------------------------
-Only floating tensors with at least 2 dimensions whose name matches ``FP8Rules.include`` (default: ends in
-``.weight``) are quantised. Kept as they are (``FP8Rules.keep``, regular expressions searched in the name, and the
-exact module names ``FP8Rules.modules``): embeddings (``embed``, ``wte``, ``wpe``), the LM head (``lm_head``,
-``embed_out``, a top-level ``output.weight``), norms (``norm``, ``ln_``), MoE routers and gates
-(``mlp.gate.weight``, ``router``, ``shared_expert_gate``; ``gate_proj`` *is* quantised), and biases (1-D, like
-every norm weight). Both tuples are the user's to override.
-
-On the wire
------------
-:func:`quantize_named` turns a stream of ``(name, tensor)`` into the FP8 stream (each quantised weight followed by
-its scale, everything else unchanged), so any transport of :mod:`rlblocks.sync` carries it bit-exactly:
-``WeightSender.send(quantize_named(...), manifest=quantized_specs(...))``, ``DeltaEncoder.encode(dict(...))``,
-``HandoffSender.prepare(...)``. Receivers: ``TorchEngine.update_weights`` dequantises FP8 pairs into its weights
-(:func:`dequantize_named`); ``VLLMEngine`` loads FP8 + scales as they are into an engine started from a block-FP8
-checkpoint (:func:`save_fp8_checkpoint` writes one, with the ``quantization_config`` of :meth:`FP8Rules.hf_config`).
-A bf16 weight costs ``2 M N`` bytes, its FP8 form ``M N + 4 ceil(M / 128) ceil(N / 128)``: 50.05 % of it.
+What stays in bf16 (:class:`FP8Rules`): embeddings, the LM head, norms, MoE routers and gates, biases; only floating
+tensors with at least 2 dimensions named ``*.weight`` are candidates. :func:`quantize_named` turns a stream of
+``(name, tensor)`` into the FP8 stream that every transport of :mod:`rlblocks.sync` carries bit-exactly;
+``TorchEngine`` dequantises it, ``VLLMEngine`` loads it as FP8 into an engine started from
+:func:`save_fp8_checkpoint`'s checkpoint. A bf16 weight costs ``2 M N`` bytes, its FP8 form
+``M N + 4 ceil(M / 128) ceil(N / 128)``. Every rule, with the error bound derived: ``docs/sync.md`` (FP8).
 """
 
 from __future__ import annotations

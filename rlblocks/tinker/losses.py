@@ -3,56 +3,25 @@
 Conventions of the Tinker API (its loss docs and ``tinker.types``), kept here exactly:
 
 - Each datum is one sequence of ``N = model_input.length`` positions; every ``loss_fn_inputs`` tensor has ``N``
-  rows; position ``i`` scores ``target_tokens[i]`` given ``model_input[: i + 1]``. ``target_logprobs`` below is the
-  learner's ``log p_θ(target_tokens[i] | prefix)`` (untempered), computed by ``rlblocks.kernels``;
-  ``sampling_logprobs`` is the datum's ``logprobs`` input (the sampler's, ``q``); ``A`` its ``advantages``.
-- **Reduction: a sum.** The loss of a request is the sum of the per-token losses over every position of every
-  datum (no mean, no length normalisation; Tinker's docs: "for all objectives we sum the token-level losses"), and
+  rows; position ``i`` scores ``target_tokens[i]`` given ``model_input[: i + 1]``. ``target_logprobs`` is the
+  learner's ``log p_θ(target_tokens[i] | prefix)`` (untempered, from ``rlblocks.kernels``); ``sampling_logprobs``
+  is the datum's ``logprobs`` input (the sampler's); ``A`` its ``advantages``.
+- **Reduction: a sum** over every position of every datum (no mean, no length normalisation), and
   ``forward_backward`` calls before an ``optim_step`` add their gradients. ``loss:sum`` reports that sum.
 - **Sign**: the loss is minimised; every RL objective enters as its negative.
-- **Clip thresholds** are Tinker's absolute ratio bounds ``clip_low_threshold`` / ``clip_high_threshold``
-  (``loss_fn_config``, defaults 0.8 / 1.2: ε = 0.2 each way); ``rlblocks.losses`` takes offsets from 1, so
-  ``eps_low = 1 − clip_low_threshold`` and ``eps_high = clip_high_threshold − 1``.
+- **Clip thresholds** are Tinker's absolute ratio bounds (``loss_fn_config``, defaults 0.8 / 1.2);
+  ``rlblocks.losses`` takes offsets from 1: ``eps_low = 1 − clip_low_threshold``, ``eps_high = clip_high_threshold
+  − 1``.
 
-The mapping (``r = exp(target_logprobs − sampling_logprobs)``, log-ratio clamped to ±20 by ``rlblocks.losses``
-before ``exp``, which Tinker does not do: beyond e^±20 the ratio saturates and its gradient is 0):
+Mapping (``r = exp(target_logprobs − sampling_logprobs)``): ``cross_entropy`` → ``pg_loss`` with the weights as
+advantages (``[N, K]`` targets flattened); ``importance_sampling`` → ``ppo_clip_loss`` with bounds that never bind;
+``ppo`` → ``ppo_clip_loss``; ``cispo`` → ``cispo_loss``; ``dro`` → ``pg_loss`` + ``β·kl_estimate(kind="k2")``;
+``gspo`` → ``gspo_loss`` over ``sequence_ratio_mask``. ``stable_reinforce`` is refused unless the operator maps it
+(:func:`resolve_loss_fn`); ``custom`` is refused (the SDK runs ``forward_backward_custom`` client-side). Numerics:
+``rlblocks.losses`` in float32 (float64 for float64 inputs), the sum in that dtype.
 
-=====================  ==========================================  ============================================
-``loss_fn``            Tinker's per-token loss                      rlblocks
-=====================  ==========================================  ============================================
-``cross_entropy``      ``−weights·target_logprobs``                  ``pg_loss(logp, None, weights, mask)``
-                       (``target_tokens``/``weights`` may be          (``weights`` act as the advantages); an
-                       ``[N, K]``: top-K distillation)                 ``[N, K]`` datum is flattened to ``N·K``
-``importance_sampling``  ``−r·A``                                    ``ppo_clip_loss`` with bounds that never
-                                                                     bind (``eps_low = 1 − 2⁻⁴⁰`` < 1 − e⁻²⁰,
-                                                                     ``eps_high = ∞``): ``max(−rA, −rA) = −rA``
-``ppo``                ``−min(r·A, clip(r, lo, hi)·A)``              ``ppo_clip_loss(eps_low=1 − lo,
-                                                                     eps_high=hi − 1)``
-``cispo``              ``−sg(clip(r, lo, hi))·target_logprobs·A``     ``cispo_loss(eps_low=1 − lo,
-                                                                     eps_high=hi − 1)``
-``dro``                ``−(target_logprobs·A −                       ``pg_loss(logp, None, A, mask)`` +
-                       ½β·(target_logprobs − sampling_logprobs)²)``   ``β·kl_estimate(logp, q, kind="k2")``
-                                                                     (k2 = ½·(logp − q)²); β default 0.05
-``gspo``               GSPO-token: ``s = exp(mean_{t∈M} log r_t)``,   ``gspo_loss(eps_low=1 − lo, eps_high=hi −
-                       ``s_t = sg(s)·p_t/sg(p_t)``,                   1, mask=M)``: the same sequence ratio over
-                       ``−min(s_t·A_t, clip(s_t, lo, hi)·A_t)``,      ``M``, the same token form and clip
-                       ``M`` = ``sequence_ratio_mask != 0``
-=====================  ==========================================  ============================================
-
-GSPO: the rlblocks loss is taken over ``M`` only, which equals Tinker's sum over all positions when the advantages
-are 0 outside ``M`` (as every Tinker recipe builds them); a datum with a nonzero advantage outside ``M`` is refused
-rather than silently dropped. The docs do not state GSPO's default thresholds; PPO's (0.8 / 1.2) are used.
-
-Not served by default, with a clear error: ``stable_reinforce`` (its objective depends on stability information the
-hosted sampler records and the docs do not define, so it cannot be stated from the SDK's documentation; the
-server's operator may map it to one of :data:`STABLE_REINFORCE_TARGETS` with ``--stable-reinforce-as``, see
-:func:`resolve_loss_fn`, so that recipes defaulting to it run unchanged on a named objective) and ``custom``
-(server-side traced losses; the SDK runs ``forward_backward_custom`` client-side against this server, as a
-``forward`` plus a ``cross_entropy`` backward with ``weights = −∂C/∂logprobs``). Per-token clip thresholds in
-``loss_fn_inputs`` are refused (``loss_fn_config`` holds the scalar thresholds).
-
-Numerics: the per-token losses are computed by ``rlblocks.losses`` in float32 (float64 for float64 inputs), and the
-sum in that dtype.
+Each formula next to Tinker's, and the edge cases (log-ratio clamp, GSPO's mask, per-token thresholds):
+``docs/tinker.md`` (Losses).
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ sends the requests of a training client one after the other (each waits for the 
 acknowledged), so arrival order is submission order: a ``forward_backward`` submitted before an ``optim_step`` runs
 before it, and ``forward_backward`` calls add their gradients until the step. The compute runs in a worker thread,
 so sampling (which has its own engine and weights) and HTTP keep going while a training request runs.
+
+One file: :class:`TinkerService` is the one object that holds the service's state (sessions, models, samplers,
+futures, checkpoints) and checks each request against it; the HTTP layer (``server.py``), training
+(``training.py``), sampling (``sampling.py``) and storage (``store.py``) are already modules of their own.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from typing import Any
 
 from torch import Tensor
 
+from rlblocks.checkpoint import replace_dir
 from rlblocks.errors import RequestError
 
 _KIND_DIR = {"training": "weights", "sampler": "sampler_weights"}
@@ -134,24 +135,17 @@ class CheckpointStore:
             raise RequestError(f"path: checkpoint {p.checkpoint_id!r} of {p.run!r} already exists (pass "
                                "overwrite=True to replace it)", status=409)
         now = time.time()
-        tmp = target.parent / f".tmp-{p.name}-{now:.6f}"
-        tmp.mkdir(parents=True)
-        save_file({k: v.contiguous() for k, v in adapter["tensors"].items()}, str(tmp / "adapter_model.safetensors"))
-        (tmp / "adapter_config.json").write_text(json.dumps(adapter["config"], default=str, sort_keys=True))
-        if optimizer is not None:
-            save_file({k: v.contiguous() for k, v in optimizer.items()}, str(tmp / "optimizer.safetensors"))
-        size = sum(f.stat().st_size for f in tmp.iterdir())
-        meta = {"time": now, "size_bytes": size, "user_metadata": user_metadata or None,
-                "expires_at": None if ttl_seconds is None else now + ttl_seconds,
-                "has_optimizer": optimizer is not None}
-        (tmp / "meta.json").write_text(json.dumps(meta, sort_keys=True))
-        if target.exists():
-            old = target.parent / f".old-{p.name}-{now:.6f}"
-            target.rename(old)
-            tmp.rename(target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(target)
+        with replace_dir(target) as tmp:
+            save_file({k: v.contiguous() for k, v in adapter["tensors"].items()},
+                      str(tmp / "adapter_model.safetensors"))
+            (tmp / "adapter_config.json").write_text(json.dumps(adapter["config"], default=str, sort_keys=True))
+            if optimizer is not None:
+                save_file({k: v.contiguous() for k, v in optimizer.items()}, str(tmp / "optimizer.safetensors"))
+            size = sum(f.stat().st_size for f in tmp.iterdir())
+            meta = {"time": now, "size_bytes": size, "user_metadata": user_metadata or None,
+                    "expires_at": None if ttl_seconds is None else now + ttl_seconds,
+                    "has_optimizer": optimizer is not None}
+            (tmp / "meta.json").write_text(json.dumps(meta, sort_keys=True))
         return size
 
     def load(self, p: TinkerPath, *, optimizer: bool) -> tuple[dict[str, Any], dict[str, Tensor] | None]:

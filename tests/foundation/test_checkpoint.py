@@ -214,3 +214,33 @@ def test_rng_state_with_other_generators_is_refused_before_anything_is_restored(
     assert random.random() == expected  # the global generator was not touched
     with pytest.raises(ArgumentError, match=r"generators\['x'\]"):
         rng_state({"x": 3})
+
+
+# ------------------------------------------------------------------------------------------------ replace_dir
+def test_replace_dir_writes_replaces_and_leaves_the_old_directory_on_failure(tmp_path):
+    from rlblocks.checkpoint import replace_dir
+
+    out = tmp_path / "sub" / "policy"
+    with replace_dir(out) as d:
+        assert d.is_dir() and d.parent == out.parent and d != out and not out.exists()
+        (d / "a.txt").write_text("one")
+    assert sorted(p.name for p in out.parent.iterdir()) == ["policy"]  # no temporary left beside it
+    assert (out / "a.txt").read_text() == "one"
+
+    with replace_dir(out) as d:  # an existing directory is replaced whole (its other files go too)
+        (d / "b.txt").write_text("two")
+    assert sorted(p.name for p in out.iterdir()) == ["b.txt"]
+
+    with pytest.raises(RuntimeError, match="killed"):
+        with replace_dir(out) as d:
+            (d / "c.txt").write_text("half")
+            raise RuntimeError("killed mid-write")
+    assert sorted(p.name for p in out.iterdir()) == ["b.txt"]  # untouched
+    assert sorted(p.name for p in out.parent.iterdir()) == ["policy"]  # the half-written temporary is gone
+
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ArgumentError, match="path: expected a directory to write, got the file"):
+        with replace_dir(f):
+            pass
+    assert f.read_text() == "x"

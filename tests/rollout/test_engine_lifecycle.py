@@ -11,7 +11,15 @@ import torch
 
 from rlblocks.errors import ArgumentError, EngineError, SGLangError, WeightUpdateError
 from rlblocks.rollout import GenerationRequest, SamplingParams
-from rlblocks.rollout.engines.lifecycle import EngineBase, InFlight, Lifecycle, RequestState, versions_from_spans
+from rlblocks.rollout.engines.lifecycle import (
+    EngineBase,
+    InFlight,
+    Lifecycle,
+    RequestState,
+    hold,
+    versions_from_spans,
+    wait_returned,
+)
 from rlblocks.rollout.engines.torch_memory import PrefixCache
 
 
@@ -103,7 +111,61 @@ def test_engine_base_answers_state_queries():
         eng._inflight.add("r", object())
         eng._state.user_paused = True
         assert eng.num_in_flight == 1 and eng.is_paused
+        eng._inflight.add("q", object())
+        assert eng.in_flight_ids() == ["r", "q"]  # submission order
     assert eng.closed == 1
+
+
+def test_hold_waits_at_the_gate_until_it_opens_or_the_request_is_aborted():
+    async def main():
+        life = Lifecycle("E")
+        gate = asyncio.Event()
+        gate.set()
+        st = RequestState(GenerationRequest("r", [1], SamplingParams(max_new_tokens=1)))
+        assert await hold(gate, st, life) is False  # an open gate: straight through
+
+        gate.clear()
+        waiting = asyncio.ensure_future(hold(gate, st, life))
+        await asyncio.sleep(0)
+        assert not waiting.done()  # held while the gate is clear
+        gate.set()
+        assert await waiting is False  # released, not aborted
+
+        gate.clear()
+        waiting = asyncio.ensure_future(hold(gate, st, life))
+        await asyncio.sleep(0)
+        st.mark_aborted()
+        assert await waiting is True and not gate.is_set()  # the abort wakes it: it must not be sent
+
+        other = RequestState(GenerationRequest("s", [1], SamplingParams(max_new_tokens=1)))
+        waiting = asyncio.ensure_future(hold(gate, other, life))
+        await asyncio.sleep(0)
+        life.closed = True
+        other.mark_aborted()
+        with pytest.raises(EngineError, match="closed"):
+            await waiting
+
+    asyncio.run(main())
+
+
+def test_wait_returned_waits_for_every_done_event_and_no_longer():
+    async def main():
+        states = [RequestState(GenerationRequest(r, [1], SamplingParams(max_new_tokens=1))) for r in "abc"]
+        states[0].done.set()  # returned already
+
+        async def finish(st):
+            await asyncio.sleep(0)
+            st.done.set()
+
+        tasks = [asyncio.ensure_future(finish(st)) for st in states[1:]]
+        await wait_returned(states, timeout=60.0)
+        assert all(st.done.is_set() for st in states)
+        await asyncio.gather(*tasks)
+        stuck = RequestState(GenerationRequest("d", [1], SamplingParams(max_new_tokens=1)))
+        await wait_returned([stuck], timeout=0.0)  # bounded: returns though the request never does
+        assert not stuck.done.is_set()
+
+    asyncio.run(main())
 
 
 def _kv(n: int, fill: float) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -19,21 +19,14 @@ Per token a trajectory stores:
 ``resumable_generate(..., mask_stale=True)``, only where that mask is true).
 
 Chat templates are applied as a DELTA (:meth:`Trajectory.append_messages`, :meth:`Trajectory.extend_to_text`),
-without ever re-tokenising a model turn. A sampled sequence is often not the tokenizer's canonical encoding of its
-own text (a model may emit ``"a" "b"`` where BPE merges ``"ab"``), so the extended conversation is compared as
-TEXT: the whole conversation is rendered with the chat template and, when that rendering starts with the text the
-trajectory's ids decode to, only the rest (the new messages, the template's glue between turns, the generation
-prompt) is tokenised on its own and appended after the engine's ids. The glue therefore comes from the template
-itself. The rest is tokenised after the trajectory's last token when that is an added token (e.g. the end-of-turn
-token), as it is in the full rendering, and the delta is kept only if it is stable: the trajectory's ids followed
-by the delta must decode to exactly the rendering. Otherwise (a template that rewrites history: strips earlier
-reasoning, trims whitespace the model produced, re-serialises a tool call; or a tokenizer whose decoding does not
-give back the text) the rendering is tokenised whole and must start with exactly the trajectory's ids, the check
-done at token level. Failing that, a :class:`PrefixMismatchError` names the first differing position, or, with
-``on_mismatch="branch"``, the trajectory starts a new *branch* whose prompt is the new rendering; the finished
-segment is kept in ``branches`` (nothing is dropped) and the mismatch is counted in ``prefix_mismatches``. Every
-segment becomes its own row in :func:`to_tensors`. For a tokenizer whose every id sequence is canonical (e.g. a
-character-level one) both ways give the same ids.
+without ever re-tokenising a model turn: the whole conversation is rendered with the chat template and, when the
+rendering starts with the text the trajectory's ids decode to, only the rest (new messages, the template's glue,
+the generation prompt) is tokenised and appended after the engine's ids, kept only if it decodes back exactly.
+Otherwise (a template that rewrites history) the rendering is tokenised whole and must start with exactly the
+trajectory's ids; failing that, a :class:`PrefixMismatchError` names the first differing position, or, with
+``on_mismatch="branch"``, a new *branch* starts (the finished segment is kept in ``branches`` and counted in
+``prefix_mismatches``; every segment is its own row in :func:`to_tensors`). The rules in full:
+``docs/rollout/agents.md`` (Token-faithful chat deltas).
 """
 
 from __future__ import annotations
@@ -48,7 +41,7 @@ from torch import Tensor
 from rlblocks._checks import check_int, check_int_list, check_real_list
 from rlblocks.errors import ArgumentError, PrefixMismatchError
 
-from ..batch import RolloutBatch, own_loss_mask, per_row
+from ..batch import RolloutBatch, own_loss_mask, padded_rows, per_row
 from ..types import Generation
 
 __all__ = [
@@ -546,39 +539,14 @@ def to_tensors(
         rews = _own("reward", [t.reward for t in trajectories], kind="real", none=None)
 
     rows = [(i, s) for i, t in enumerate(trajectories) for s in t.segments()]
-    b = len(rows)
-    l_max = max(len(s) for _, s in rows)
-    t_max = max(max(len(s) - s.prompt_len for _, s in rows), 1)
-    input_ids = torch.full((b, l_max), pad_id, dtype=torch.long)
-    attention = torch.zeros((b, l_max), dtype=torch.bool)
-    response_ids = torch.full((b, t_max), pad_id, dtype=torch.long)
-    response_mask = torch.zeros((b, t_max), dtype=torch.bool)
-    loss_mask = torch.zeros((b, t_max), dtype=torch.bool)
-    rollout_logp = torch.zeros((b, t_max), dtype=torch.float32)
-    versions = torch.full((b, t_max), -1, dtype=torch.long)
-    turn_ids = torch.full((b, t_max), -1, dtype=torch.long)
-    for r, (_, s) in enumerate(rows):
-        L, p = len(s), s.prompt_len
-        input_ids[r, :L] = torch.tensor(s.token_ids, dtype=torch.long)
-        attention[r, :L] = True
-        k = L - p
-        if k == 0:
-            continue
-        response_ids[r, :k] = torch.tensor(s.token_ids[p:], dtype=torch.long)
-        response_mask[r, :k] = True
-        loss_mask[r, :k] = torch.tensor(s.loss_mask[p:], dtype=torch.bool)
-        rollout_logp[r, :k] = torch.tensor(s.logprobs[p:], dtype=torch.float32)
-        versions[r, :k] = torch.tensor(s.versions[p:], dtype=torch.long)
-        turn_ids[r, :k] = torch.tensor(s.turn_ids[p:], dtype=torch.long)
+    p = [s.prompt_len for _, s in rows]
+    fields = padded_rows([(s.token_ids, p_, s.loss_mask[p_:], s.logprobs[p_:], s.versions[p_:])
+                          for (_, s), p_ in zip(rows, p)], pad_id)
+    turn_ids = torch.full(fields["versions"].shape, -1, dtype=torch.long)
+    for r, ((_, s), p_) in enumerate(zip(rows, p)):
+        turn_ids[r, : len(s) - p_] = torch.tensor(s.turn_ids[p_:], dtype=torch.long)
     batch = RolloutBatch(
-        input_ids=input_ids,
-        attention_mask=attention,
-        prompt_lens=torch.tensor([s.prompt_len for _, s in rows], dtype=torch.long),
-        response_ids=response_ids,
-        response_mask=response_mask,
-        loss_mask=loss_mask,
-        rollout_logp=rollout_logp,
-        versions=versions,
+        **fields,
         group_ids=torch.tensor([gids[i] for i, _ in rows], dtype=torch.long),
         rewards=None if rews is None else torch.tensor([rews[i] for i, _ in rows], dtype=torch.float32),
         turn_ids=turn_ids,

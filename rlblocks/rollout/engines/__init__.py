@@ -5,8 +5,9 @@ over HTTP).
 Layout: ``lifecycle.py`` (the request lifecycle every engine shares: pause / sleep / wake / close state, requests
 in flight, version spans, state queries), ``_weights.py`` (the weight-update rule every engine and sync receiver
 applies), one module per engine with its helpers by concern beside it (``torch_compute.py``, ``torch_memory.py``,
-``torch_sampling.py``; ``sglang_http.py``, ``sglang_weights.py``). ``VLLMEngine`` and its
-trainer-side NCCL helpers import vllm and load on first use; the rest needs only torch.
+``torch_sampling.py``; ``sglang_http.py``, ``sglang_weights.py``; ``vllm_outputs.py``, ``vllm_weights.py``,
+``vllm_lora.py``). ``VLLMEngine`` and its trainer-side NCCL helpers import vllm and load on first use; the rest
+needs only torch.
 """
 
 from __future__ import annotations

@@ -20,16 +20,11 @@ when it:
   is a valid complete update, and either alias alone covers the tensor;
 - has ``version < engine.version`` while ``allow_rollback=False``.
 
-``version == engine.version`` is accepted: it re-loads the weights of the current version (the first push of a run
-whose engine already starts at that version, or a retry after a broadcast that failed on another engine). Tokens
-keep that version label, so the caller must only re-use a version number for the same weights. A ``version`` that
-is not a genuine integer (numpy ints are fine; a bool or ``3.0`` is not) is bad input:
-:class:`~rlblocks.errors.ArgumentError`.
-
-Every refusal message has one shape::
-
-    TorchEngine.update_weights refused: 'lm_head.weight': expected shape [64, 64], got [5, 5]; nothing was loaded
-    (weights and version unchanged)
+``version == engine.version`` re-loads the weights of the current version (the caller must only re-use a version
+number for the same weights); a ``version`` that is not a genuine integer is an
+:class:`~rlblocks.errors.ArgumentError`. Every refusal message has one shape (:func:`refuse`):
+``<Engine>.update_weights refused: <detail>; nothing was loaded (weights and version unchanged)``.
+The rule with its reasons: ``docs/rollout/engines.md`` (Weight updates).
 """
 
 from __future__ import annotations
@@ -185,6 +180,28 @@ class WeightLayout:
                     f"{len(self.required)} weights, missing {shown} (pass partial=True to update only some weights)",
                 )
         return [(key, t) for key, (_, t) in out.items()]
+
+
+def dequantize_fp8(items: list, layout: WeightLayout, *, engine: str) -> list:
+    """An update in the block-FP8 wire format of :mod:`rlblocks.sync.fp8` (``name`` as ``float8_e4m3fn`` plus
+    ``name + "_scale_inv"``, 128 x 128 blocks) dequantised for an engine that computes in its own dtypes: each pair
+    becomes one tensor of the weight's dtype in ``layout`` (``float32(q) * scale`` rounded once), so the engine
+    computes with exactly the weights an FP8 engine holds. Anything else passes through untouched. A float8 tensor
+    without its scales, or scales without their weight, is refused (:func:`refuse`) like any other bad update."""
+    from rlblocks.sync.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_named
+
+    specs = layout.specs
+    if not any(
+        isinstance(it, tuple | list) and len(it) == 2 and isinstance(it[0], str) and isinstance(it[1], Tensor)
+        and (it[1].dtype == FP8_DTYPE or (it[0].endswith(SCALE_SUFFIX) and it[0] not in specs))
+        for it in items
+    ):
+        return items
+    own = {n: s.dtype or torch.float32 for n, s in specs.items()}
+    try:
+        return dequantize_named(items, dtype=own, own=own)
+    except ArgumentError as e:
+        raise refuse(engine, str(e)) from None
 
 
 def check_tensors(named_tensors: Iterable[tuple[str, Tensor]], *, engine: str) -> list[tuple[str, Tensor]]:

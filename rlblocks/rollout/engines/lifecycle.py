@@ -18,7 +18,16 @@ from rlblocks.errors import ArgumentError, EngineError
 
 from ..types import GenerationRequest
 
-__all__ = ["EngineBase", "InFlight", "Lifecycle", "RequestState", "versions_from_spans", "wait_first"]
+__all__ = [
+    "EngineBase",
+    "InFlight",
+    "Lifecycle",
+    "RequestState",
+    "hold",
+    "versions_from_spans",
+    "wait_first",
+    "wait_returned",
+]
 
 R = TypeVar("R")
 
@@ -148,15 +157,40 @@ class InFlight(dict[str, R]):
 class RequestState:
     """An in-flight entry for engines whose requests may wait in the client (behind a gate) before they reach the
     backend: ``aborted`` wakes such a waiting request; ``abort_requested`` tells a request that has not been sent
-    yet that it must not be. Engines subclass it with their backend's handles."""
+    yet that it must not be; ``done`` is set when its ``generate`` call returns. Engines subclass it with their
+    backend's handles."""
 
     request: GenerationRequest
     abort_requested: bool = False
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def mark_aborted(self) -> None:
         self.abort_requested = True
         self.aborted.set()
+
+
+async def hold(gate: asyncio.Event, state: RequestState, lifecycle: Lifecycle) -> bool:
+    """Hold a request in the client while ``gate`` is clear (the engine keeps new requests from its backend: asleep,
+    waiting for weights, paused), until the gate opens or the request is aborted. Returns True when the request was
+    aborted (it must not be sent: it returns with nothing generated); raises
+    :class:`~rlblocks.errors.EngineError` when the engine was closed meanwhile."""
+    if not gate.is_set():
+        await wait_first(gate, state.aborted)
+        lifecycle.check_open()
+    return state.abort_requested
+
+
+async def wait_returned(states: Iterable[RequestState], timeout: float) -> None:
+    """Wait, at most ``timeout`` seconds, until the ``generate`` call of every one of ``states`` has returned (their
+    ``done`` events); used after aborting them, so that a pause or close returns once their partial outputs have."""
+    waits = [asyncio.ensure_future(s.done.wait()) for s in states if not s.done.is_set()]
+    if waits:
+        try:
+            await asyncio.wait(waits, timeout=timeout)
+        finally:
+            for w in waits:
+                w.cancel()
 
 
 def versions_from_spans(
@@ -204,6 +238,10 @@ class EngineBase:
     def num_in_flight(self) -> int:
         """Requests submitted and not yet returned (running, frozen or waiting)."""
         return len(self._inflight)
+
+    def in_flight_ids(self) -> list[str]:
+        """The request ids submitted and not yet returned, in submission order."""
+        return list(self._inflight)
 
     def stats(self) -> dict:
         """The engine's counters (its stats dataclass) as a dict."""

@@ -1,7 +1,7 @@
 """SGLangEngine: the rollout protocol over a running SGLang server's native HTTP API (standard library only).
 
-Written against SGLang 0.5.23; every rule below comes from its source (paths are inside the ``sglang`` package).
-The server is started by the user::
+Written against SGLang 0.5.23; every rule the client follows comes from that server's source. The server is
+started by the user::
 
     python -m sglang.launch_server --model-path /ckpt --port 30000 \\
         --enable-memory-saver --enable-weights-cpu-backup --enable-deterministic-inference
@@ -12,59 +12,17 @@ The server is started by the user::
 
 HTTP calls are blocking ``urllib`` requests run in two private thread pools: one for ``/generate`` (up to
 ``max_concurrency`` requests in flight) and a small one for control calls, so ``pause``, ``abort`` and weight
-updates never queue behind generations.
+updates never queue behind generations. What the client does so that the result is the protocol's:
 
-Generation
-----------
-``POST /generate {"input_ids", "rid", "sampling_params": {"max_new_tokens", "temperature", "top_p", "top_k",
-"stop_token_ids", "ignore_eos", "no_stop_trim": true[, "sampling_seed"]}, "return_logprob": true,
-"logprob_start_len": -1, "stream": false[, "return_sampling_mask": true]}``; the answer's ``output_ids``,
-``meta_info.output_token_logprobs`` (``[logprob, token_id, text]``), ``finish_reason``, ``weight_version`` and
-``weight_versions`` are read (the request and answer types are ``GenerateRequest`` / ``GenerateResponse`` of
-``sglang/api/v1/api_types.py``).
+- **Stops**: ``ignore_eos`` only without stop ids; a stop on a model EOS that is not a stop id is continued.
+- **Logprobs**: with top-k / top-p, the sampling mask's renormalised logprobs (the processed ones).
+- **Versions**: the server's per-token ``weight_versions`` spans.
+- **Request ids**: a prefix-free wire id per HTTP request (the scheduler aborts by id prefix); requests made while
+  this client keeps the server paused wait in the client, where an abort reaches them.
+- **Sleep**: the scheduler is paused and this client's requests aborted before memory is released.
 
-- **Stops.** The protocol stops on ``stop_token_ids`` only. SGLang's ``ignore_eos`` turns off *every* token-based
-  stop, ``stop_token_ids`` included (``srt/managers/schedule_batch.py``, ``Req._check_token_based_finish``), and
-  without it the model's EOS ids stop too. So a request without stop ids is sent with ``ignore_eos: true``; one
-  with stop ids is sent with ``ignore_eos: false``, and when the server stops on an id that is not one of them (an
-  EOS of the model), the client continues the generation from ``prompt + output`` with the remaining budget: the
-  result is the one ``ignore_eos`` would give (counted in ``stats()["eos_continuations"]``).
-- **Logprobs.** SGLang's ``output_token_logprobs`` are ``log_softmax(logits / T)``: temperature applied, top-k/top-p
-  renormalisation not (``srt/layers/sampler.py``). With top-k or top-p active the client asks for
-  ``return_sampling_mask``, whose ``output_token_sampling_logprobs`` are the logprobs renormalised over the sampling
-  support (``log(p / support mass)``, ``Sampler._build_sampling_mask_output``): the processed logprobs of the
-  protocol. The answer then also carries each token's support ids (larger responses; a support wider than the
-  server's ``--sampling-mask-max-tokens``, 4096 by default, fails the request with HTTP 400).
-  ``allow_unprocessed_logprobs=True`` skips the mask and keeps the unrenormalised values knowingly.
-- **Versions.** 0.5.23 reports per-token ``weight_versions`` spans (``srt/utils/weight_versions.py``): a request
-  that runs across an update keeps the exact version of every token. Version labels are this client's integer
-  versions as strings; a label that is not an integer (the server's initial ``--weight-version``, ``"default"``)
-  is read as the version the client was constructed with. Until the server has shown spans, updates abort this
-  client's requests first, so that a response without spans still has one version throughout.
-- **Request ids.** The scheduler aborts by id *prefix* (``srt/managers/scheduler.py``, ``abort_request``:
-  ``req.rid.startswith(recv_req.rid)``), so aborting ``uid/1`` would also stop ``uid/10``. Each HTTP request gets a
-  wire id ``"<request_id>@<32 hex>"``: two wire ids are never prefixes of each other. Two in-flight requests with
-  the same ``request_id`` are refused here (SGLang refuses duplicate ids, ``TokenizerManager``: "Duplicate request
-  ID detected"). ``abort(ids)`` only knows the requests sent by this client; other ids are a documented no-op.
-  An abort that reaches the server before the request it names is dropped there (``TokenizerManager.abort_request``
-  ignores unknown ids), so the client repeats it for a few seconds while the request has not returned. A request
-  waiting in a paused server's tokenizer manager is registered there but not on the scheduler, so an abort cannot
-  stop it (the tokenizer manager forwards one abort per id and the scheduler drops it); therefore requests made
-  while this client keeps the server paused wait in the client instead, where an abort returns them at once.
-- **Seeds.** ``sampling_seed`` is used only by a server run with ``--enable-deterministic-inference``
-  (``srt/sampling/sampling_batch_info.py``); a seeded request to another server raises ``ArgumentError``.
-
-Weight updates (tensors through CUDA IPC, a checkpoint on disk, or NCCL broadcasts, each inside the server's
-weight-update session) are described in :mod:`rlblocks.rollout.engines.sglang_weights`.
-
-Sleep and wake
---------------
-As the protocol defines them. ``release_memory_occupation`` asserts that the scheduler is idle and a failed assert
-stops the scheduler process (``weight_updater.py``, ``release_memory_occupation``), so a sleep first pauses the
-scheduler (``retract``), aborts this client's requests (they return their partial outputs) and only then releases.
-Level 1 releases the KV cache and CUDA graphs (plus the weights when the server runs with
-``--enable-weights-cpu-backup``, which restores them); level 2 releases everything, and the engine generates again
-after a complete update. Requests of *other* clients of the server wait in its queue across the sleep.
+Each rule with the SGLang source it comes from: ``docs/rollout/sglang.md``. Weight updates (CUDA IPC, a checkpoint
+on disk, NCCL) are in :mod:`rlblocks.rollout.engines.sglang_weights`.
 """
 
 from __future__ import annotations
@@ -74,7 +32,7 @@ import dataclasses
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -83,7 +41,7 @@ from rlblocks.errors import ArgumentError, EngineError, SGLangError
 
 from ..types import Generation, GenerationRequest
 from ._weights import WeightLayout
-from .lifecycle import EngineBase, RequestState, versions_from_spans, wait_first
+from .lifecycle import EngineBase, RequestState, hold, versions_from_spans, wait_returned
 from .sglang_http import _as_int_version, _SGLangHTTP
 from .sglang_weights import _SGLangWeights
 
@@ -115,7 +73,6 @@ class SGLangEngineStats:
 class _InFlight(RequestState):
     wire_rid: str = ""
     sent: bool = False  # an HTTP call of it is in progress (else it waits in this client)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 # How long pause / sleep / update wait for this client's aborted requests to come back. A request that reaches the
@@ -316,10 +273,7 @@ class SGLangEngine(_SGLangHTTP, _SGLangWeights, EngineBase):
                 prompt_ids=list(request.prompt_ids) + ids,
                 sampling=dataclasses.replace(sp, max_new_tokens=sp.max_new_tokens - len(ids)),
             )
-            if not self._gate.is_set():
-                await wait_first(self._gate, state.aborted)  # until the server runs again, or aborted
-                self._state.check_open()
-            if state.abort_requested:  # aborted while it waited here, or between two calls of an EOS continuation
+            if await hold(self._gate, state, self._state):  # aborted while it waited here or between two calls
                 reason = "abort"
                 break
             state.wire_rid = f"{request.request_id}@{uuid.uuid4().hex}"
@@ -401,12 +355,7 @@ class SGLangEngine(_SGLangHTTP, _SGLangWeights, EngineBase):
 
     async def _wait_returned(self, states: list[_InFlight]) -> None:
         """Wait (at most ``_DRAIN_TIMEOUT``) for the ``generate`` calls of ``states`` that are on the server."""
-        pending = [s for s in states if not s.done.is_set() and s.sent]
-        if pending:
-            waits = [asyncio.ensure_future(s.done.wait()) for s in pending]
-            await asyncio.wait(waits, timeout=min(self.timeout, _DRAIN_TIMEOUT))
-            for w in waits:
-                w.cancel()
+        await wait_returned([s for s in states if s.sent], min(self.timeout, _DRAIN_TIMEOUT))
 
     async def _abort_all_of_client(self, states: list[_InFlight]) -> None:
         """Abort ``states`` and wait until their ``generate`` calls have returned."""

@@ -2,68 +2,25 @@
 
 It implements the whole :class:`~rlblocks.rollout.types.RolloutEngine` protocol with plain PyTorch:
 
-- **Continuous batching.** A background asyncio task runs the engine loop. Every engine *step* gives each running
-  sequence exactly one new token: new requests are prefilled together in one left-padded forward whatever their
-  lengths (split only beyond a token budget), the others are decoded together in one forward over a left-padded KV
-  cache (attention mask + explicit position ids) that is preallocated per batch row, grown by doubling and written
-  in place (:mod:`~rlblocks.rollout.engines.torch_memory`); a finished or aborted request leaves it in O(1) (the last
-  row moves into its slot, no scan of the batch).
-  Requests submitted while a step runs join at the next step. The forward runs in a worker thread
-  (``asyncio.to_thread``) so the event loop stays responsive; all state changes (abort, pause, weight update) happen
-  under one lock, i.e. *between* steps.
+- **Continuous batching.** A background asyncio task runs the engine loop; every *step* gives each running sequence
+  one new token: new requests are prefilled together in one left-padded forward, the others decoded together over a
+  left-padded KV cache preallocated per batch row, grown by doubling and written in place
+  (:mod:`~rlblocks.rollout.engines.torch_memory`); a finished or aborted request leaves it in O(1). The forward runs
+  in a worker thread so the event loop stays responsive; abort, pause and weight updates happen under one lock,
+  i.e. *between* steps.
 - **Processed logprobs and seeds** (:mod:`~rlblocks.rollout.engines.torch_sampling`): logprobs of the distribution
   sampled from (temperature, top-k, top-p), in fp32; a counter-based draw per (seed, position), so a seeded request
-  interrupted and re-submitted draws the same numbers. Requests without a seed get a random one.
+  interrupted and re-submitted draws the same numbers.
 - **Versions.** Each token is tagged with the weight version of the step that produced it.
+- **Exact interrupt + resume.** The KV of an aborted request is kept (a prefix cache keyed by its tokens and the
+  weight version), so a resume continues from the exact KV state; ``batch_invariant=True`` makes greedy interrupt +
+  resume bit-identical under any concurrency (one forward per sequence and token).
+- **Updates, sleep, close.** An update is checked whole with the rule every engine shares before anything is
+  copied (block-FP8 updates are dequantised first); a level-2 sleep re-allocates each parameter with the layout it
+  had (alignment included, so BLAS takes the same code path); ``close()`` returns every partial output.
 
-Exactness of interrupt + resume (why a greedy resumed generation is bit-identical)
-----------------------------------------------------------------------------------
-CPU/GPU GEMM kernels do not give a row the same bits for every batch size (measured here on CPU: rows computed with
-M = 1..3, 5..7 and 9..11 differ in the last bits from M = 4, 8 or >= 12), and a prefill of ``prompt + partial`` does
-not give the partial positions the bits of the one-token decode steps that produced them. Two mechanisms make
-interrupt + resume exact anyway:
-
-1. **Prefix cache of aborted requests.** When a request is aborted its KV cache (covering ``prompt + output[:-1]``)
-   is kept, keyed by those token ids and the weight version. A later request whose prompt extends that key (the
-   resume re-submission ``prompt + output``) starts from that exact KV state and feeds the remaining token(s) as a
-   one-token step, i.e. the *same* computation the uninterrupted request would have made (the same forward call with
-   the same shapes and masks). With unchanged weights and the same batch composition (e.g. a lone request) this is
-   bit-identical, and the resume costs zero re-prefill tokens. A weight update clears this cache (the KV belongs to
-   the old policy). Bounded by ``prefix_cache_size`` entries (LRU); ``0`` disables it.
-2. **``batch_invariant=True``**: every sequence runs in its own batch-of-one forward and every position (prompt
-   tokens too) is computed by a one-token step. Token ``t``'s logits then depend only on tokens ``< t`` and the
-   weights — not on other requests, not on where the prompt ended, not on the prefix cache — so greedy
-   interrupt + resume is bit-identical under any concurrency. It costs one forward per sequence per token
-   (about 30x slower than batched for a tiny model with 64 requests); use it for exactness tests and debugging.
-
-With the default (batched) mode and other requests joining or leaving, the logits of a sequence can change in the
-last bits with the batch composition (as in vLLM and SGLang); greedy tokens then only differ on near-ties.
-
-Weight updates, pause, sleep and close
---------------------------------------
-``update_weights`` materialises the iterable (dequantising weights sent in the block-FP8 format of
-:mod:`rlblocks.sync.fp8`: the engine then computes with exactly an FP8 engine's weights) and checks it with the rule
-every engine shares (see :mod:`rlblocks.rollout.engines._weights`: names, shapes, dtypes, finite values,
-completeness unless ``partial=True``, tied aliases, versions only forward unless ``allow_rollback=True``) *before*
-touching anything (:class:`~rlblocks.errors.WeightUpdateError`; weights and version unchanged). It then waits for
-the current step to end, copies the tensors (``copy_`` with dtype cast), clears the prefix cache, drops the KV of
-requests frozen by ``pause("keep")`` (they are re-prefilled under the new weights when resumed; their earlier tokens
-keep their old version) and only then sets ``version``.
-``sleep(level)`` follows the protocol (:class:`~rlblocks.rollout.types.RolloutEngine`): every request in flight
-returns its partial output, every KV cache is dropped; level 1 moves the weights to CPU on CUDA (on CPU they are
-already in host memory, so only the KV caches are freed) and ``wake()`` moves them back; level 2 frees the
-parameters' storage on any device, and after ``wake()`` the engine generates again only once a complete update has
-loaded weights (the re-allocated parameters hold NaN until then, so a leak would be visible). Each parameter is
-re-allocated with the layout it had before the sleep: shape, strides, dtype, device and the alignment of its address
-modulo 64 bytes. The alignment matters because BLAS kernels choose their code path, and with it the order in which
-they add, by the operands' addresses: measured on a 2-core x86 CPU, MKL's SSE4.2 GEMV (a one-token decode step) gives
-other last bits for a weight 8 bytes past a 16-byte boundary (where ``from_pretrained`` of a safetensors checkpoint
-put every tensor) than for the same weight on a 64-byte boundary (where a fresh allocation lands). With the layout
-kept, an engine given back the weights it had computes the same bits as before the sleep.
-``close()`` returns the partial output of every request in flight (``finish_reason="abort"``) and frees the KV
-caches; later calls raise :class:`~rlblocks.errors.EngineError`.
-An engine is bound to one event loop at a time; using it from a new loop (a second ``asyncio.run``) abandons the
-requests of the previous one.
+Why each mechanism is exact, with the measurements behind it: ``docs/rollout/engines.md`` (``TorchEngine``).
+An engine is bound to one event loop at a time; using it from a new loop abandons the requests of the previous one.
 """
 
 from __future__ import annotations
@@ -83,7 +40,7 @@ from rlblocks.errors import ArgumentError, EngineError
 
 from ..moe_replay import RoutingRecorder
 from ..types import Generation, GenerationRequest
-from ._weights import WeightLayout, check_update_version, refuse
+from ._weights import WeightLayout, check_update_version, dequantize_fp8
 from .lifecycle import EngineBase
 from .torch_compute import _Compute
 from .torch_memory import KV, PrefixCache, _Placement
@@ -278,13 +235,15 @@ class TorchEngine(_Compute, EngineBase):
         :class:`~rlblocks.errors.WeightUpdateError` with weights, caches and version unchanged). Pauses itself
         (keep) if not paused and resumes afterwards. After a level-2 sleep, a complete update is what lets the
         engine generate again. Weights may come in the block-FP8 wire format (``rlblocks.sync.quantize_named``):
-        they are dequantised into the engine's dtype first (see :meth:`_dequantize_fp8`)."""
+        they are dequantised into the engine's dtypes first (``_weights.dequantize_fp8``)."""
         self._state.check_open()
         self._bind_loop()
         version = check_update_version("TorchEngine", version, self._version, allow_rollback=allow_rollback)
         self._state.check_update(partial)
-        items = self._layout.validate(self._dequantize_fp8(list(named_tensors)), engine="TorchEngine", partial=partial)
-        targets = self._targets()
+        items = self._layout.validate(dequantize_fp8(list(named_tensors), self._layout, engine="TorchEngine"),
+                                     engine="TorchEngine", partial=partial)
+        # every tensor an update may write, by state_dict() name (buffers included)
+        targets = {**self.model.state_dict(keep_vars=True), **dict(self.model.named_buffers())}
         self._state.updating += 1
         try:
             async with self._lock:
@@ -301,33 +260,6 @@ class TorchEngine(_Compute, EngineBase):
         finally:
             self._state.updating -= 1
             self._wake.set()
-
-    def _dequantize_fp8(self, items: list) -> list:
-        """FP8 hook of :meth:`update_weights`: an update in the block-FP8 wire format of :mod:`rlblocks.sync.fp8`
-        (``name`` as ``float8_e4m3fn`` plus ``name + "_scale_inv"``, 128 x 128 blocks) is dequantised here, each pair
-        into one tensor of the weight's own dtype (``float32(q) * scale`` rounded once), so the engine computes with
-        exactly the weights an FP8 engine holds. Anything else passes through untouched. A float8 tensor without its
-        scales, or scales without their weight, is refused like any other bad update."""
-        from rlblocks.sync.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_named
-
-        specs = self._layout.specs
-        if not any(
-            isinstance(it, tuple | list) and len(it) == 2 and isinstance(it[0], str) and isinstance(it[1], Tensor)
-            and (it[1].dtype == FP8_DTYPE or (it[0].endswith(SCALE_SUFFIX) and it[0] not in specs))
-            for it in items
-        ):
-            return items
-        own = {n: s.dtype or torch.float32 for n, s in specs.items()}
-        try:
-            return dequantize_named(items, dtype=own, own=own)
-        except ArgumentError as e:
-            raise refuse("TorchEngine", str(e)) from None
-
-    def _targets(self) -> dict[str, Tensor]:
-        """Every tensor an update may write, by ``state_dict()`` name (buffers included)."""
-        targets = dict(self.model.state_dict(keep_vars=True))
-        targets.update(dict(self.model.named_buffers()))
-        return targets
 
     async def sleep(self, level: int = 1) -> None:
         """Sleep as the protocol defines it: every request in flight returns its partial output

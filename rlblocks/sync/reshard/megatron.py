@@ -25,11 +25,8 @@ heads, ``q = nq // ng`` query heads per group, ``d`` head dim, ``h`` hidden, ``f
   :class:`~rlblocks.errors.ArgumentError` (a ``ValueError``) is raised; nothing is dropped silently (HF tensors
   belonging to other pipeline stages are read and skipped, which is the point of a stage).
 
-Rotary embeddings need no permutation: HF Llama/Qwen2 and megatron-core (``rotary_interleaved=False``) both rotate
-halves. ``hf_config`` is a ``transformers`` config or a dict with ``model_type`` (``llama`` / ``qwen2``),
-``vocab_size``, ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads`` and optionally
-``num_key_value_heads``, ``head_dim``, ``tie_word_embeddings``, ``attention_bias``, ``mlp_bias``.
-Values are never cast; outputs are contiguous and may share storage with the inputs (clone before editing in place).
+Rotary embeddings need no permutation (both rotate halves). ``hf_config``: what :func:`gpt_dims` reads. Values are
+never cast; outputs are contiguous and may share storage with the inputs (clone before editing in place).
 """
 
 from __future__ import annotations
@@ -110,7 +107,9 @@ def _field(cfg: Any, key: str, default: Any = None) -> Any:
 
 
 def gpt_dims(hf_config: Any) -> GPTDims:
-    """Read the sizes from an HF Llama/Qwen2 config object or dict (see the module docstring for the fields)."""
+    """Read the sizes from an HF Llama/Qwen2 config object or dict: ``model_type`` (``llama`` / ``qwen2``),
+    ``vocab_size``, ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads`` and
+    optionally ``num_key_value_heads``, ``head_dim``, ``tie_word_embeddings``, ``attention_bias``, ``mlp_bias``."""
     model_type = _field(hf_config, "model_type")
     if model_type not in ("llama", "qwen2"):
         raise ArgumentError(f"hf_config: expected model_type 'llama' or 'qwen2', got {model_type!r}")
