@@ -5,8 +5,8 @@ served by ``python -m rlblocks.tinker`` in a subprocess; this script then trains
 SDK on a reasoning-gym task (``basic_arithmetic``: two terms of 1-2 digits, ``+``/``-``, the answer asked for in
 ``<answer></answer>`` tags) with the cookbook's own loop (``rl.train.main``: sampling clients, group-centred
 advantages, ``forward_backward``, ``optim_step``, checkpoints). What is written here is only what a cookbook user
-writes for a new task: an ``Env`` (the rendered chat prompt; the reward is the dataset's own ``score_answer`` on the
-text inside the tags), its group builder and dataset, and an evaluator.
+writes for a new task: an ``Env`` (the rendered chat prompt; the reward is 1 when the dataset's own ``score_answer``
+accepts the text inside the tags in full, else 0), its group builder and dataset, and an evaluator.
 
 - **Tokenizer and renderer.** The tokenizer is registered from the model's directory
   (``tokenizer_utils.register_tokenizer``). The prompt is rendered by the cookbook's ``qwen3_instruct`` renderer,
@@ -121,7 +121,8 @@ def check_renderer(renderer, tokenizer) -> None:
 
 # ---------------------------------------------------------------------------------------- the task, as a cookbook Env
 class ArithmeticEnv(Env):
-    """One question; reward = the dataset's ``score_answer`` on the tagged answer."""
+    """One question; reward = 1 when the dataset's ``score_answer`` on the tagged answer is 1, else 0 (its partial
+    credit for an answer that contains the right one is gamed by padding answers with digits)."""
 
     def __init__(self, renderer, dataset, entry: dict) -> None:
         self.renderer, self.dataset, self.entry = renderer, dataset, entry
@@ -133,10 +134,10 @@ class ArithmeticEnv(Env):
     async def step(self, action, *, extra=None) -> StepResult:
         msg, _ = self.renderer.parse_response(list(action))
         text = renderers.get_text_content(msg)
-        r = score(self.dataset, self.entry, text)
+        r = float(score(self.dataset, self.entry, text) == 1.0)
         return StepResult(reward=r, episode_done=True, next_observation=tinker.ModelInput.empty(),
                           next_stop_condition=self.renderer.get_stop_sequences(),
-                          metrics={"correct": float(r == 1.0), "tagged": float(bool(_TAG.search(text)))})
+                          metrics={"correct": r, "tagged": float(bool(_TAG.search(text)))})
 
 
 class ArithmeticGroup(EnvGroupBuilder):
