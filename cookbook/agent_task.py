@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -306,11 +307,12 @@ def grpo_backward(model, batch_trajs: list[Trajectory], pad_id: int, *, eps_low:
     (``plumbing.trajectory_tensors``: one row per segment, only the model's own tokens trained, the advantage
     computed once per trajectory and broadcast to its rows, the engine's log-probs as π_old): PPO-clip
     (``--loss ppo`` with ``eps_low``/``eps_high``), no correction, no reference penalty, token-mean over the
-    batch. Rows are sorted by length and cut into micro-batches of at most ``max_tokens`` padded tokens; the
-    trainer's log-probs come from ``PolicyLogprobs`` (``linear_token_logprobs`` on the last hidden states, no
-    ``[N, V]`` logits). ``prefix_share``: each micro-batch's decoder forward runs over the prefix tree of its rows
-    (the episodes of a group share their task prompt, a turn's row repeats the history of the turn before); the
-    loss and gradients are the same up to float rounding.
+    batch, on this rank alone (:func:`this_rank_alone`). Rows are sorted by length and cut into micro-batches of
+    at most ``max_tokens`` padded tokens; the trainer's log-probs come from ``PolicyLogprobs``
+    (``linear_token_logprobs`` on the last hidden states, no ``[N, V]`` logits). ``prefix_share``: each
+    micro-batch's decoder forward runs over the prefix tree of its rows (the episodes of a group share their task
+    prompt, a turn's row repeats the history of the turn before); the loss and gradients are the same up to float
+    rounding.
     """
     from types import SimpleNamespace
 
@@ -320,5 +322,18 @@ def grpo_backward(model, batch_trajs: list[Trajectory], pad_id: int, *, eps_low:
     bt = trajectory_tensors(batch_trajs, pad_id, model.get_output_embeddings().weight.device)
     cfg = SimpleNamespace(loss="ppo", eps_low=eps_low, eps_high=eps_high, rollout_weight_cap=None, correction="none",
                           correction_cap=None, kl_coef=0.0, agg="token-mean", ppo_epochs=1, mini_batches=1, seed=0)
-    m = grpo_step(cfg, PolicyLogprobs(model, prefix_share=prefix_share), None, bt, max_tokens=max_tokens)
+    m = grpo_step(cfg, PolicyLogprobs(model, prefix_share=prefix_share), None, bt, group=this_rank_alone(),
+                  max_tokens=max_tokens)
     return {**m, "tokens_trained": float(bt["mask"].sum())}
+
+
+@functools.cache
+def this_rank_alone():
+    """The process group of this rank alone when torch.distributed runs with more than one rank (else ``None``):
+    the agent loops train on one rank while the others roll out, so ``grpo_step``'s normalisers are this rank's own
+    (collectives over a one-rank group are skipped). Created by this rank only (``use_local_synchronization``)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist.new_group([dist.get_rank()], use_local_synchronization=True)

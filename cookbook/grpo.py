@@ -58,11 +58,13 @@ TokenLoss = Callable[[dict[str, Tensor]], tuple[Tensor, Tensor, dict[str, Tensor
 
 def grpo_step(cfg: Any, policy: torch.nn.Module, optim: torch.optim.Optimizer | None, bt: dict[str, Tensor], *,
               ref_policy: torch.nn.Module | None = None, group=None, grad_scale: float = 1.0,
-              step: int = 0, max_staleness: int | None = None, max_tokens: int | None = None) -> dict[str, float]:
+              step: int | None = None, max_staleness: int | None = None,
+              max_tokens: int | None = None) -> dict[str, float]:
     """One GRPO update (the module docstring's steps) on this rank's share of a batch (``batch_tensors`` or
     ``trajectory_tensors``; the optional ``advantages`` ``[B]`` and ``old_logp`` ``[B, L-1]`` are used as given);
     ``policy``/``ref_policy`` map ``(input_ids, attention_mask, labels)`` to per-token log-probs (``PolicyLogprobs``).
-    ``max_staleness`` (η, where ``step`` is the trained policy version): the mismatch metrics also per token age
+    ``step``: the trained policy version (``None``: unknown, taken as 0 for the mini-batch shuffle; the
+    zero-variance announcement then names no step). ``max_staleness`` (η): the mismatch metrics also per token age
     ``0..η`` (``mismatch_staleness{s}_kl_k3``, ``..._ratio_in_band_frac``, ``..._token_frac``). ``max_tokens``: the
     micro-batch budget in padded tokens (``None``: each mini-batch in one forward). ``optim=None``: backward only
     (one update; ``cfg.grad_clip`` is not applied). Returns the metrics, averaged over the optimizer updates."""
@@ -114,11 +116,12 @@ def grpo_step(cfg: Any, policy: torch.nn.Module, optim: torch.optim.Optimizer | 
         return per_tok, keep, m
 
     # 3d. aggregation with the global normalisers, 3e. backward, and the optimizer updates
-    per_update = run_updates(cfg, policy, optim, work, token_loss, group=group, grad_scale=grad_scale, step=step,
+    version = 0 if step is None else step
+    per_update = run_updates(cfg, policy, optim, work, token_loss, group=group, grad_scale=grad_scale, step=version,
                              max_tokens=max_tokens)
     # 4. metrics; the train/rollout mismatch of π_old (the weights that should have produced the samples)
     metrics = mean_metrics(per_update)
-    by_age = {} if max_staleness is None else {"versions": bt["versions"], "current_version": step,
+    by_age = {} if max_staleness is None else {"versions": bt["versions"], "current_version": version,
                                                 "max_staleness": max_staleness}
     mm = mismatch_metrics(work.get("old_logp", seen["old"]), rollout_logp, mask, **by_age)
     metrics.update({f"mismatch_{k}": float(v) for k, v in mm.items()})
@@ -127,7 +130,8 @@ def grpo_step(cfg: Any, policy: torch.nn.Module, optim: torch.optim.Optimizer | 
     metrics["zero_variance_step"] = int(n_groups > 0 and zero == n_groups)
     if metrics["zero_variance_step"] and _is_rank0():  # the counts are global: one line per job
         # the loops log this update as step + 1 (the version it produces)
-        print(f"step {step + 1}: all {n_groups} groups have zero reward variance (every sample of a prompt scored the "
+        at = "" if step is None else f"step {step + 1}: "
+        print(f"{at}all {n_groups} groups have zero reward variance (every sample of a prompt scored the "
               "same), so the policy-gradient term is exactly 0; likely cause: the task is too hard or too easy for "
               "the policy at this --temperature, or the reward is constant (check --reward)",
               file=sys.stderr, flush=True)
