@@ -238,11 +238,6 @@ def make_experience(cfg: Config, actor: nn.Module, critic: nn.Module, ref: nn.Mo
     return Experience(batch, old_logp, ref_logp, old_values, rewards, advantages, returns, scores)
 
 
-def global_tokens(mask: Bool[Tensor, "B T"]) -> Tensor:
-    """Valid tokens of a mini-batch over all ranks (the aggregation normaliser: the ranks' losses add up)."""
-    return all_reduce(mask.sum().to(torch.float64)).to(torch.float32)  # float64: counts stay exact
-
-
 def ppo_update(cfg: Config, actor: nn.Module, critic: nn.Module, actor_opt: torch.optim.Optimizer,
                critic_opt: torch.optim.Optimizer, exp: Experience, *, grad_scale: float = 1.0,
                step: int = 0) -> dict[str, float]:
@@ -262,7 +257,8 @@ def ppo_update(cfg: Config, actor: nn.Module, critic: nn.Module, actor_opt: torc
         order = torch.randperm(mask.shape[0], generator=shuffle).to(mask.device)
         for rows in order.tensor_split(cfg.mini_batches):
             m_mask = mask[rows]
-            n_tokens = global_tokens(m_mask)
+            # the mini-batch's tokens over all ranks (float64: exact): the ranks' losses add up to the mini-batch's
+            n_tokens = all_reduce(m_mask.sum().to(torch.float64)).to(torch.float32)
             args = (b.input_ids[rows], b.prompt_lens[rows], b.response_mask[rows])
             # ---- actor
             logp = actor(*args)
