@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -33,9 +34,6 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from rlblocks.kernels import linear_token_logprobs
-from rlblocks.kernels.prefix_share import prefix_shared_hidden_states
-from rlblocks.losses import aggregate, grpo_advantages, ppo_clip_loss
 from rlblocks.rollout import SamplingParams
 from rlblocks.rollout.agents import (
     EpisodeStats,
@@ -43,11 +41,8 @@ from rlblocks.rollout.agents import (
     Trajectory,
     calculator_tool,
     run_episode,
-    to_tensors,
-    trajectory_rows,
 )
 from rlblocks.rollout.engines import TorchEngine
-from rlblocks.sched import response_prefix_tree, token_budget_microbatches
 
 LO, HI = 100, 1000
 HELDOUT = 300
@@ -305,58 +300,40 @@ def warm_start(root: str | os.PathLike = "runs/warmstart-agent", cfg: WarmStart 
 def grpo_backward(model, batch_trajs: list[Trajectory], pad_id: int, *, eps_low: float = 0.2, eps_high: float = 0.2,
                   max_tokens: int = 4096, prefix_share: bool = False) -> dict[str, float]:
     """GRPO loss over trajectories (one reward per trajectory, its ``group_id`` the prompt group), back-propagated
-    into ``model``'s gradients; returns the metrics (``loss`` is the batch loss).
+    into ``model``'s gradients (no optimizer step: the caller clips and steps); returns the metrics (``loss`` is the
+    batch loss, ``tokens_trained`` the model tokens it covers).
 
-    Rows are trajectory segments (:func:`to_tensors`); the advantage is computed once per trajectory with
-    ``grpo_advantages`` and broadcast to its rows, so a branched episode does not count twice in its group. The
-    trainer's log-probs come from ``linear_token_logprobs`` on the last hidden states (no ``[N, V]`` logits);
-    the policy loss is PPO-clip with the engine's log-probs (the behaviour policy) as ``old_logp``, on
-    ``loss_mask`` (model tokens only: tool results and chat markers get no gradient). Rows are sorted by length and
-    cut into micro-batches of at most ``max_tokens`` padded tokens (``token_budget_microbatches``), each trimmed to
-    its own longest row; ``aggregate`` gets the whole batch's token count, so the micro-batch losses add up to the
-    token-mean over the batch.
-
-    ``prefix_share``: the rows go into one prefix tree instead (``rlblocks.rollout.response_prefix_tree``: the
-    episodes of a group share their task prompt, a turn's row repeats the history of the turn before), cut into
-    packed rows of at most ``max_tokens`` tree nodes; each packed row's members are one micro-batch, whose decoder
-    forward runs over their tree (``prefix_shared_hidden_states``). A micro-batch then holds at most as many token
-    slots as an unshared one; the loss and gradients are the same up to float rounding.
+    The update is ``grpo.grpo_step`` (the GRPO loops' own) with ``optim=None``, on the trajectories' batch tensors
+    (``plumbing.trajectory_tensors``: one row per segment, only the model's own tokens trained, the advantage
+    computed once per trajectory and broadcast to its rows, the engine's log-probs as π_old): PPO-clip
+    (``--loss ppo`` with ``eps_low``/``eps_high``), no correction, no reference penalty, token-mean over the
+    batch, on this rank alone (:func:`this_rank_alone`). Rows are sorted by length and cut into micro-batches of
+    at most ``max_tokens`` padded tokens; the trainer's log-probs come from ``PolicyLogprobs``
+    (``linear_token_logprobs`` on the last hidden states, no ``[N, V]`` logits). ``prefix_share``: each
+    micro-batch's decoder forward runs over the prefix tree of its rows (the episodes of a group share their task
+    prompt, a turn's row repeats the history of the turn before); the loss and gradients are the same up to float
+    rounding.
     """
-    batch = to_tensors(batch_trajs, pad_id=pad_id)
-    rewards = torch.tensor([t.reward for t in batch_trajs], dtype=torch.float32)
-    groups = torch.tensor([t.group_id for t in batch_trajs], dtype=torch.long)
-    adv = grpo_advantages(rewards, groups)[trajectory_rows(batch_trajs)]
-    n_tokens = batch.loss_mask.sum()
-    lengths = batch.attention_mask.sum(-1)
-    order = torch.argsort(lengths, descending=True)
-    head = model.get_output_embeddings().weight
-    if prefix_share:
-        tree = response_prefix_tree(batch.input_ids, batch.prompt_lens, batch.loss_mask, max_tokens=max_tokens)
-        micro = [torch.tensor(m) for m in tree.members]
-    else:
-        micro = [order[mb] for mb in token_budget_microbatches(lengths[order].tolist(), max_tokens=max_tokens,
-                                                               padded=True)]
-    total, sums = 0.0, {}
-    for rows in micro:
-        L = int(lengths[rows].max())
-        resp = batch.response_mask[rows]
-        T = max(int(resp.sum(-1).max()), 1)
-        ids, att = batch.input_ids[rows, :L], batch.attention_mask[rows, :L]
-        mask, p = batch.loss_mask[rows, :T], batch.prompt_lens[rows]
-        if prefix_share:
-            h = prefix_shared_hidden_states(model.model, ids, p, mask, attention_mask=att, max_tokens=max_tokens)
-        else:
-            hidden = model.model(input_ids=ids, attention_mask=att.long()).last_hidden_state
-            pos = (p[:, None] - 1 + torch.arange(T)[None, :]).clamp(max=L - 1)  # the state predicting token t
-            h = hidden.gather(1, pos[..., None].expand(len(rows), T, hidden.shape[-1]))
-        labels = torch.where(mask, batch.response_ids[rows, :T], -100)
-        logp = linear_token_logprobs(h, head, labels)
-        per_tok, m = ppo_clip_loss(logp, batch.rollout_logp[rows, :T], adv[rows], mask, eps_low=eps_low,
-                                   eps_high=eps_high)
-        loss = aggregate(per_tok, mask, mode="token-mean", num_tokens=n_tokens)
-        loss.backward()
-        total += float(loss.detach())
-        w = float(mask.sum()) / max(float(n_tokens), 1.0)
-        for k, v in m.items():
-            sums[k] = sums.get(k, 0.0) + w * float(v)
-    return {"loss": total, **sums, "tokens_trained": float(n_tokens)}
+    from types import SimpleNamespace
+
+    from grpo import grpo_step
+    from plumbing import PolicyLogprobs, trajectory_tensors
+
+    bt = trajectory_tensors(batch_trajs, pad_id, model.get_output_embeddings().weight.device)
+    cfg = SimpleNamespace(loss="ppo", eps_low=eps_low, eps_high=eps_high, rollout_weight_cap=None, correction="none",
+                          correction_cap=None, kl_coef=0.0, agg="token-mean", ppo_epochs=1, mini_batches=1, seed=0)
+    m = grpo_step(cfg, PolicyLogprobs(model, prefix_share=prefix_share), None, bt, group=this_rank_alone(),
+                  max_tokens=max_tokens)
+    return {**m, "tokens_trained": float(bt["mask"].sum())}
+
+
+@functools.cache
+def this_rank_alone():
+    """The process group of this rank alone when torch.distributed runs with more than one rank (else ``None``):
+    the agent loops train on one rank while the others roll out, so ``grpo_step``'s normalisers are this rank's own
+    (collectives over a one-rank group are skipped). Created by this rank only (``use_local_synchronization``)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist.new_group([dist.get_rank()], use_local_synchronization=True)

@@ -35,15 +35,15 @@ import os
 from typing import Any
 
 import torch
-from grpo import minibatches, optimizer_update
+from grpo import run_updates
 from jaxtyping import Float
-from plumbing import global_counts, load_hf, mean_metrics, policy_loss
+from plumbing import load_hf, mean_metrics, policy_loss
 from torch import Tensor, nn
 
 from rlblocks.checkpoint import MAGIC, load_checkpoint
 from rlblocks.errors import ArgumentError, CheckpointError
 from rlblocks.kernels import linear_token_logprobs, linear_vocab_kl
-from rlblocks.losses import aggregate, distill_advantages, grpo_advantages
+from rlblocks.losses import distill_advantages, grpo_advantages
 
 MODES = ("sampled", "dense")
 
@@ -155,69 +155,69 @@ def teacher_logprobs(teacher: nn.Module, bt: dict[str, Tensor], temperature: flo
 # ================================================================================================ the update
 def distill_step(cfg: Any, policy: nn.Module, optim: torch.optim.Optimizer, bt: dict[str, Tensor],
                  teacher: nn.Module, *, group=None, grad_scale: float = 1.0, step: int = 0) -> dict[str, float]:
-    """One distillation update of the student ``policy`` (a ``PolicyLogprobs``) on this rank's share of a batch.
+    """One distillation update of the student ``policy`` (a ``PolicyLogprobs``) on this rank's share of a batch:
+    ``grpo_step``'s numbered steps with the teacher in place of the GRPO advantage.
 
-    1. Teacher log-probs of the sampled tokens (and, in dense mode, its hidden states), once, without grad.
-    2. ``sampled``: ``A_t = teacher_logp_t − rollout_logp_t`` (``distill_advantages``, discount
-       ``cfg.distill_discount``) ``+ w · A^GRPO_i`` (``w = cfg.distill_reward_weight``), into ``policy_loss``
-       with ratios against π_old (computed once when there is more than one update, as in ``grpo_step``).
+    1. **Teacher** log-probs of the sampled tokens (and, in dense mode, its hidden states), once, without grad.
+    2. **π_old** for the policy loss's ratios, computed once when there is more than one update (as in
+       ``grpo_step``); the dense KL alone has none.
+    3. **Epochs × mini-batches** (``grpo.run_updates``: ``aggregate`` with the mini-batch's global token and
+       sequence counts, backward scaled by ``grad_scale``, grad-norm clip, optimizer step), with the per-token loss
+       ``sampled``: ``A_t = teacher_logp_t − rollout_logp_t`` (``distill_advantages``, discount
+       ``cfg.distill_discount``) ``+ w · A^GRPO_i`` (``w = cfg.distill_reward_weight``), into ``policy_loss``;
        ``dense``: per token ``KL(π_θ ‖ π_teacher)`` over the vocabulary (``linear_vocab_kl(kind="reverse")``)
        ``+ w ·`` the policy loss with the GRPO advantages.
-    3. ``cfg.ppo_epochs`` × ``cfg.mini_batches`` updates: ``aggregate`` with the mini-batch's global token and
-       sequence counts, backward scaled by ``grad_scale``, grad-norm clip, optimizer step.
-
-    Metrics: ``distill_kl_k1`` (mean over sampled tokens of ``rollout_logp − teacher_logp``, the single-sample
-    estimate of the reverse KL, measured before the update), ``distill_kl_dense`` (dense mode: the exact per-token
-    reverse KL of the first update), the policy loss's own, ``loss``, ``grad_norm``.
+    4. **Metrics**: ``distill_kl_k1`` (mean over sampled tokens of ``rollout_logp − teacher_logp``, the
+       single-sample estimate of the reverse KL, measured before the update), ``distill_kl_dense`` (dense mode: the
+       exact per-token reverse KL of the first update), the policy loss's own, ``loss``, ``grad_norm``.
     """
     mask, rollout_logp, labels = bt["mask"], bt["rollout_logp"], bt["labels"]
     temperature = cfg.temperature
     w = cfg.distill_reward_weight
     dense = cfg.distill_mode == "dense"
     n_updates = cfg.ppo_epochs * cfg.mini_batches
+    work = dict(bt)
+    # 1. the teacher, 2. π_old
     with torch.no_grad():
         if dense:
             t_hidden, t_weight = hidden_states(teacher, bt)
             t_weight = t_weight.detach()  # a Parameter keeps requires_grad under no_grad; the teacher is a constant
             t_logp = linear_token_logprobs(t_hidden, t_weight, labels, temperature=temperature)
+            work["t_hidden"] = t_hidden
         else:
             t_logp = teacher_logprobs(teacher, bt, temperature)
-        # π_old for the policy loss's ratios (the dense KL alone has none)
-        needs_old = n_updates > 1 and (not dense or w)
-        old_logp = policy(bt["input_ids"], bt["attention_mask"], labels) if needs_old else None
+        if n_updates > 1 and (not dense or w):
+            work["old_logp"] = policy(bt["input_ids"], bt["attention_mask"], labels)
     n_all = mask.sum().clamp(min=1)
     kl_k1 = torch.where(mask, rollout_logp - t_logp, 0.0).sum() / n_all
-    task_adv = grpo_advantages(bt["rewards"], bt["group_ids"]) if w else None  # [B], one per sample
-    adv = None
+    if w:
+        work["task_adv"] = grpo_advantages(bt["rewards"], bt["group_ids"])  # [B], one per sample
     if not dense:
         adv = distill_advantages(rollout_logp, t_logp, mask, discount=cfg.distill_discount or None)
-        if task_adv is not None:
-            adv = adv + w * task_adv[:, None]
-    per_update: list[dict[str, Tensor]] = []
-    for rows in minibatches(cfg, mask.shape[0], step):
-        mb_mask, mb_rollout = mask[rows], rollout_logp[rows]
-        mb = {k: bt[k][rows] for k in ("input_ids", "attention_mask")}
-        if dense:
-            hidden, weight = hidden_states(policy.lm, mb)
-            per_tok = linear_vocab_kl(hidden, weight, t_hidden[rows], t_weight, kind="reverse",
-                                      temperature=temperature, mask=mb_mask)
-            m: dict[str, Tensor] = {"distill_kl_dense": per_tok.sum() / mb_mask.sum().clamp(min=1)}
-            if task_adv is not None:
-                logp = linear_token_logprobs(hidden, weight, labels[rows], temperature=temperature)
-                old = logp.detach() if old_logp is None else old_logp[rows]
-                pg, pm = policy_loss(cfg, logp, old, task_adv[rows], mb_mask, rollout_logp=mb_rollout)
-                per_tok = per_tok + w * pg
-                m.update(pm)
-        else:
-            logp = policy(mb["input_ids"], mb["attention_mask"], labels[rows])
-            old = logp.detach() if old_logp is None else old_logp[rows]
-            per_tok, m = policy_loss(cfg, logp, old, adv[rows], mb_mask, rollout_logp=mb_rollout)
-        n = global_counts(mb_mask, group, rows=bt["trained"][rows] if "trained" in bt else None)
-        loss = aggregate(per_tok, mb_mask, mode=cfg.agg, num_tokens=n["tokens"], num_seqs=n["seqs"],
-                         max_len=n["max_len"])
-        m["grad_norm"] = optimizer_update(policy, optim, loss, grad_scale=grad_scale, grad_clip=cfg.grad_clip)
-        m["loss"] = loss.detach()
-        per_update.append({k: v.detach() for k, v in m.items()})
+        work["adv"] = adv + w * work["task_adv"][:, None] if w else adv
+
+    # 3. the per-token loss of each mini-batch
+    def token_loss(mb: dict[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        mb_mask, mb_rollout = mb["mask"], mb["rollout_logp"]
+        if not dense:
+            logp = policy(mb["input_ids"], mb["attention_mask"], mb["labels"])
+            old = mb.get("old_logp", logp.detach())
+            per_tok, m = policy_loss(cfg, logp, old, mb["adv"], mb_mask, rollout_logp=mb_rollout)
+            return per_tok, mb_mask, m
+        hidden, weight = hidden_states(policy.lm, mb)
+        per_tok = linear_vocab_kl(hidden, weight, mb["t_hidden"], t_weight, kind="reverse", temperature=temperature,
+                                  mask=mb_mask)
+        m = {"distill_kl_dense": per_tok.sum() / mb_mask.sum().clamp(min=1)}
+        if w:
+            logp = linear_token_logprobs(hidden, weight, mb["labels"], temperature=temperature)
+            old = mb.get("old_logp", logp.detach())
+            pg, pm = policy_loss(cfg, logp, old, mb["task_adv"], mb_mask, rollout_logp=mb_rollout)
+            per_tok = per_tok + w * pg
+            m.update(pm)
+        return per_tok, mb_mask, m
+
+    per_update = run_updates(cfg, policy, optim, work, token_loss, group=group, grad_scale=grad_scale, step=step)
+    # 4. metrics
     metrics = mean_metrics(per_update)
     if dense:  # the KL before this step's first update, comparable from step to step
         metrics["distill_kl_dense"] = float(per_update[0]["distill_kl_dense"])

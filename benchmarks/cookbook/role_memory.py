@@ -3,11 +3,11 @@ GRPO loops, measured on the demo model after one real update of each.
 
     .venv/bin/python benchmarks/cookbook/role_memory.py [--model DIR] [--reward-model DIR] [--json OUT]
 
-Each role is built as the loop builds it (``cookbook/ppo.py``'s loaders; the GRPO loops' actor is the same HF
+Each role is built as the loop builds it (``cookbook/ppo_roles.py``'s loaders; the GRPO loops' actor is the same HF
 causal LM under the same AdamW, and their engine the same ``TorchEngine``), one rollout of 16 prompts × 4 samples
 is generated, and one update runs: PPO's ``make_experience`` + ``ppo_update`` (2 epochs × 2 mini-batches, actor and
 critic), GRPO's advantages + ``ppo_clip_loss`` + ``aggregate`` on the actor. Then the tensors each role holds are
-counted (``ppo.role_bytes``): parameters, gradients (as held after the update) and optimiser states (AdamW's two
+counted (``ppo_roles.role_bytes``): parameters, gradients (as held after the update) and optimiser states (AdamW's two
 moments and its step counters). The GRPO loops keep a reference only with ``--kl-coef > 0`` (their default is 0),
 so both GRPO figures are printed. Activations and KV caches are not counted (they depend on batch and length, not
 on the roles). Single process, fp32 (the CPU demo's dtype).
@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cookbook"))
 import ppo
 import toy
 from plumbing import Reward
+from ppo_roles import load_actor, load_critic, role_bytes
 
 from rlblocks.losses import aggregate, grpo_advantages, ppo_clip_loss
 from rlblocks.rollout.engines import TorchEngine
@@ -49,9 +50,9 @@ def rollout(path: str, tok, loop) -> tuple:
 def ppo_roles(path: str, rm_path: str, loop) -> dict[str, dict[str, int]]:
     from rlblocks.reward import RewardModel
 
-    tok, actor = ppo.load_actor(path, torch.device("cpu"), 1.0)
-    critic = ppo.load_critic(path, torch.device("cpu"))
-    ref = ppo.load_actor(path, torch.device("cpu"), 1.0)[1].eval().requires_grad_(False)
+    tok, actor = load_actor(path, torch.device("cpu"), 1.0)
+    critic = load_critic(path, torch.device("cpu"))
+    ref = load_actor(path, torch.device("cpu"), 1.0)[1].eval().requires_grad_(False)
     rm = RewardModel.from_pretrained(rm_path).model.requires_grad_(False)
     engine, batch, scores = rollout(path, tok, loop)
     cfg = SimpleNamespace(gamma=1.0, lam=0.95, whiten_advantages=True, kl_coef=0.3, kl_in="reward", eps_low=0.2,
@@ -61,14 +62,14 @@ def ppo_roles(path: str, rm_path: str, loop) -> dict[str, dict[str, int]]:
     c_opt = torch.optim.AdamW(critic.parameters(), lr=1e-3, weight_decay=0.0)
     exp = ppo.make_experience(cfg, actor, critic, ref, batch, scores)
     ppo.ppo_update(cfg, actor, critic, a_opt, c_opt, exp)
-    out = {"actor": ppo.role_bytes(actor, a_opt), "critic": ppo.role_bytes(critic, c_opt),
-           "reference": ppo.role_bytes(ref), "reward model": ppo.role_bytes(rm), "engine": ppo.role_bytes(engine.model)}
+    out = {"actor": role_bytes(actor, a_opt), "critic": role_bytes(critic, c_opt),
+           "reference": role_bytes(ref), "reward model": role_bytes(rm), "engine": role_bytes(engine.model)}
     loop.run_until_complete(engine.aclose())
     return out
 
 
 def grpo_roles(path: str, loop) -> dict[str, dict[str, int]]:
-    tok, actor = ppo.load_actor(path, torch.device("cpu"), 1.0)
+    tok, actor = load_actor(path, torch.device("cpu"), 1.0)
     engine, batch, scores = rollout(path, tok, loop)
     opt = torch.optim.AdamW(actor.parameters(), lr=1.5e-4, weight_decay=0.0)
     adv = grpo_advantages(scores, batch.group_ids)
@@ -82,9 +83,9 @@ def grpo_roles(path: str, loop) -> dict[str, dict[str, int]]:
             opt.zero_grad(set_to_none=True)
             aggregate(loss, mask[rows]).backward()
             opt.step()
-    ref = ppo.load_actor(path, torch.device("cpu"), 1.0)[1].eval().requires_grad_(False)
-    out = {"actor": ppo.role_bytes(actor, opt), "engine": ppo.role_bytes(engine.model),
-           "reference (--kl-coef > 0 only)": ppo.role_bytes(ref)}
+    ref = load_actor(path, torch.device("cpu"), 1.0)[1].eval().requires_grad_(False)
+    out = {"actor": role_bytes(actor, opt), "engine": role_bytes(engine.model),
+           "reference (--kl-coef > 0 only)": role_bytes(ref)}
     loop.run_until_complete(engine.aclose())
     return out
 

@@ -17,7 +17,8 @@ A loop imports it as ``from plumbing import ...``: a script's own folder (``cook
 - :mod:`.export`: ``--save-hf`` (the trained policy as an HF directory; LoRA merged or as an adapter).
 - :mod:`.engines`: ``make_engine`` (``--engine``), ``--max-model-len``, ``EngineFlags`` (``--engine-dtype``,
   ``--kv-cache-mb``; ``--correction auto``), response budgets.
-- :mod:`.batches`: ``group_record`` (what travels from rollout to trainer), ``batch_tensors`` (what a step reads).
+- :mod:`.batches`: ``group_record`` (what travels from rollout to trainer), ``batch_tensors`` (what a step reads;
+  ``trajectory_tensors`` for agent trajectories).
 - :mod:`.messages`: the typed control messages ``Weights``/``Stale``/``Stop``, ``RolloutEnd``, ``Outbox``/``Inbox``.
 - :mod:`.losses`: the policy-loss flags (``--loss``, clip offsets, ``--correction``) and ``policy_loss``.
 - :mod:`.data`: ``TaskFlags`` (every loop's data, reward, evaluation and tracking flags), ``--prompts`` files
@@ -31,7 +32,7 @@ A loop imports it as ``from plumbing import ...``: a script's own folder (``cook
 Lines a user changes for a real model or task are marked ``REAL MODEL:`` in place.
 """
 
-from .batches import batch_tensors, group_record
+from .batches import batch_tensors, group_record, trajectory_tensors
 from .checkpoints import (
     FREE_FLAGS,
     Journal,
@@ -182,5 +183,6 @@ __all__ = [
     "setup_dist",
     "shard",
     "trainer_groups",
+    "trajectory_tensors",
     "until_eos",
 ]

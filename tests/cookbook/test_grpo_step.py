@@ -119,6 +119,33 @@ def test_grpo_step_matches_float64_reference(kw):
         assert m["clipfrac_low"] + m["clipfrac_high"] > 0.0
 
 
+@pytest.mark.parametrize("kw", [dict(ppo_epochs=2, mini_batches=2, correction="tis", correction_cap=1.5),
+                                dict(kl_coef=0.5, agg="seq-mean-token-mean")])
+def test_micro_batches_match_the_whole_mini_batch(kw):
+    # max_tokens 21 cuts each mini-batch into micro-batches of at most 3 rows (each row L = 7 padded tokens): their
+    # losses, each over the mini-batch's global normalisers, add up to the mini-batch's, so the update is unchanged
+    cfg, bt, lr, step = cfg_of(**kw), make_batch(), 2.0, 5
+    ref = TablePolicy(7).requires_grad_(False) if cfg.kl_coef else None
+    out = {}
+    for max_tokens in (None, 21):
+        policy = TablePolicy(0)
+        m = grpo.grpo_step(cfg, policy, torch.optim.SGD(policy.parameters(), lr=lr), bt, ref_policy=ref, step=step,
+                           max_tokens=max_tokens)
+        out[max_tokens] = (policy.w.detach(), m)
+    torch.testing.assert_close(out[21][0], out[None][0], rtol=1e-12, atol=1e-14)
+    assert out[21][1]["loss"] == pytest.approx(out[None][1]["loss"], rel=1e-12)
+    if cfg.agg == "token-mean":  # and the float64 reference of the whole update
+        expect = reference_update(cfg, TablePolicy(0).w.detach(), None, bt, lr, step)
+        torch.testing.assert_close(out[21][0], expect, rtol=1e-10, atol=1e-12)
+
+
+def test_backward_only_needs_a_single_update():
+    from rlblocks.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match="optim"):
+        grpo.grpo_step(cfg_of(ppo_epochs=2), TablePolicy(0), None, make_batch())
+
+
 def test_both_loops_run_the_one_update():
     # one grpo_step, in cookbook/grpo.py: both loops call that function, not a copy of it
     assert grpo_sync.grpo_step is grpo.grpo_step and grpo_async.grpo_step is grpo.grpo_step

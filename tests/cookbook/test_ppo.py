@@ -12,7 +12,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import ppo
+import ppo_roles
 import pytest
+import reward_model
 import torch
 import toy
 from plumbing import Reward, parse_flags
@@ -202,8 +204,8 @@ def demo_roles(demo_model_dir):
     import random
 
     torch.manual_seed(0)
-    tok, actor = ppo.load_actor(demo_model_dir, torch.device("cpu"), 1.0)
-    critic = ppo.load_critic(demo_model_dir, torch.device("cpu"))
+    tok, actor = ppo_roles.load_actor(demo_model_dir, torch.device("cpu"), 1.0)
+    critic = ppo_roles.load_critic(demo_model_dir, torch.device("cpu"))
     engine = ppo.TorchEngine.from_pretrained(demo_model_dir, device="cpu")
     task = toy.task(tok)
     loop = asyncio.new_event_loop()
@@ -238,7 +240,7 @@ def test_critic_loss_falls_on_a_fixed_batch(demo_roles):
 
 def test_clip_fractions_are_above_zero_after_the_first_update(demo_roles):
     actor, critic, batch, _ = demo_roles
-    actor = ppo.Actor(type(actor.lm)(actor.lm.config), 1.0)
+    actor = ppo_roles.Actor(type(actor.lm)(actor.lm.config), 1.0)
     actor.lm.load_state_dict(demo_roles[0].lm.state_dict())
     scores = torch.randn(batch.batch_size, generator=torch.Generator().manual_seed(1))
     cfg = cfg_of(kl_coef=0.0, ppo_epochs=2, mini_batches=2)
@@ -257,7 +259,7 @@ def test_critic_values_match_a_forward_of_each_unpadded_row(demo_model_dir, demo
     """V[b, t] = head(h[P_b + t − 1]) of the row's own, unpadded sequence; 0 on padding (the zero head is replaced
     by a random one so that the values differ per position)."""
     _, _, batch, _ = demo_roles
-    critic = ppo.load_critic(demo_model_dir, torch.device("cpu"))
+    critic = ppo_roles.load_critic(demo_model_dir, torch.device("cpu"))
     with torch.no_grad():
         critic.head.weight.normal_(generator=torch.Generator().manual_seed(0))
         critic.head.bias.fill_(0.3)
@@ -274,12 +276,13 @@ def test_critic_values_match_a_forward_of_each_unpadded_row(demo_model_dir, demo
 # ------------------------------------------------------------------------------------------------ reward-model stage
 @pytest.fixture(scope="module")
 def small_rm(demo_model_dir, tmp_path_factory):
-    stage = ppo.RewardModelStage(steps=400, batch=32, samples=2, train_prompts=1500, test_prompts=300)
+    stage = reward_model.RewardModelStage(steps=400, batch=32, samples=2, train_prompts=1500, test_prompts=300)
     root = tmp_path_factory.mktemp("rm")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        path = ppo.reward_model_stage(stage, demo_model_dir, str(root), torch.device("cpu"), log=lambda s: None)
+        path = reward_model.reward_model_stage(stage, demo_model_dir, str(root), torch.device("cpu"),
+                                               log=lambda s: None)
     finally:
         torch.set_num_threads(threads)
     return path, stage, root
@@ -303,7 +306,7 @@ def test_reward_model_stage_learns_and_is_cached(small_rm, demo_model_dir):
     ids = torch.tensor([right])
     assert rm.score_ids(ids, torch.ones_like(ids)).shape == (1,)
     # a second call finds the cache (same settings, same initial actor) and trains nothing
-    assert ppo.reward_model_stage(stage, demo_model_dir, str(root), torch.device("cpu"), log=None) == path
+    assert reward_model.reward_model_stage(stage, demo_model_dir, str(root), torch.device("cpu"), log=None) == path
 
 
 # ------------------------------------------------------------------------------------------------ runs
@@ -361,7 +364,7 @@ def test_one_process_with_the_learned_reward_model(small_rm, demo_model_dir, tmp
     assert summary["reward_model"]["pairwise_accuracy"] > 0.5
     assert max(r["clipfrac"] for r in rows) > 0.0  # 2 epochs × 2 mini-batches: the ratio moves and clips
     mem = summary["memory_bytes_per_rank"]
-    critic = list(ppo.load_critic(demo_model_dir, torch.device("cpu")).parameters())
+    critic = list(ppo_roles.load_critic(demo_model_dir, torch.device("cpu")).parameters())
     n = sum(p.numel() for p in critic)
     assert mem["critic"]["weights"] == mem["critic"]["grads"] == 4 * n  # fp32
     # AdamW: exp_avg and exp_avg_sq per element, and a float32 step counter per tensor
@@ -384,7 +387,7 @@ def test_two_ranks_fsdp2(demo_model_dir, tmp_path):
     _check_run(rows, summary, 3, 32)
     assert summary["world_size"] == 2
     assert all("kl_loss" in r for r in rows)
-    full = 4 * sum(p.numel() for p in ppo.load_actor(demo_model_dir, torch.device("cpu"), 1.0)[1].parameters())
+    full = 4 * sum(p.numel() for p in ppo_roles.load_actor(demo_model_dir, torch.device("cpu"), 1.0)[1].parameters())
     actor = summary["memory_bytes_per_rank"]["actor"]
     assert actor["weights"] < 0.6 * full  # FSDP2: rank 0 holds about half of the actor
     assert summary["memory_bytes_per_rank"]["engine"]["weights"] == full  # the engine's copy is whole

@@ -68,7 +68,7 @@ def test_policy_logprobs_prefix_share(toy_lm):
 
 
 def test_ppo_actor_and_critic_prefix_share(toy_lm):
-    import ppo
+    import ppo_roles
 
     tok, lm = toy_lm
     rows = [(g["prompt_ids"], s["output_ids"]) for g in _groups(tok, 2, 4) for s in g["samples"]]
@@ -81,11 +81,12 @@ def test_ppo_actor_and_critic_prefix_share(toy_lm):
         mask[i, : len(r)] = True
     plens = torch.tensor([len(p) for p, _ in rows])
     coef = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
-    for make in (lambda m, s: ppo.Actor(m, 1.0, s), lambda m, s: ppo.Critic(m.model, m.config.hidden_size, s)):
+    for make in (lambda m, s: ppo_roles.Actor(m, 1.0, s),
+                 lambda m, s: ppo_roles.Critic(m.model, m.config.hidden_size, s)):
         out = {}
         for share in (False, True):
             role = make(copy.deepcopy(lm), share)
-            if isinstance(role, ppo.Critic):
+            if isinstance(role, ppo_roles.Critic):
                 torch.nn.init.normal_(role.head.weight, generator=torch.Generator().manual_seed(2))
             y = role(ids, plens, mask)
             (y * coef).sum().backward()
