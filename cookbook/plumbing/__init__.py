@@ -18,6 +18,9 @@ A loop imports it as ``from plumbing import ...``: a script's own folder (``cook
 - :mod:`.engines`: ``make_engine`` (``--engine``), ``--max-model-len``, ``EngineFlags`` (``--engine-dtype``,
   ``--kv-cache-mb``; ``--correction auto``), response budgets.
 - :mod:`.batches`: ``group_record`` (what travels from rollout to trainer), ``batch_tensors`` (what a step reads).
+- :mod:`.bounded_async`: the bounded-async protocol of the async loops as one pair: ``RolloutAdmission`` (a rollout
+  rank's admission, stale reports, weight commits) and ``TrainerLedger`` (the trainer's queue of groups, stale
+  reports, the weight announcement, lost-in-crash accounting and the conservation identity).
 - :mod:`.messages`: the typed control messages ``Weights``/``Stale``/``Stop``, ``RolloutEnd``, ``Outbox``/``Inbox``.
 - :mod:`.losses`: the policy-loss flags (``--loss``, clip offsets, ``--correction``) and ``policy_loss``.
 - :mod:`.data`: ``TaskFlags`` (every loop's data, reward, evaluation and tracking flags), ``--prompts`` files
@@ -32,6 +35,7 @@ Lines a user changes for a real model or task are marked ``REAL MODEL:`` in plac
 """
 
 from .batches import batch_tensors, group_record
+from .bounded_async import RolloutAdmission, TrainerLedger
 from .checkpoints import (
     FREE_FLAGS,
     Journal,
@@ -111,6 +115,7 @@ __all__ = [
     "Recovery",
     "Reward",
     "RewardFlags",
+    "RolloutAdmission",
     "RolloutClock",
     "RolloutEnd",
     "RolloutTimes",
@@ -121,6 +126,7 @@ __all__ = [
     "TaskFlags",
     "TimedEngine",
     "TrainerGroups",
+    "TrainerLedger",
     "Weights",
     "all_reduce",
     "apply_lora",
