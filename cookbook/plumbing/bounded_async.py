@@ -31,12 +31,24 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from rlblocks.sched import DynamicSampler, StalenessController, StalenessQueue
 
 from .checkpoints import Recovery
+from .flags import opt
 from .messages import Inbox, RolloutEnd, Stale, Stop, Weights, recv_control, send_control
+
+
+@dataclass
+class DynamicSamplingFlags:
+    """Dynamic sampling (DAPO/SLIME) at admission (a loop's ``Config`` inherits them; :class:`RolloutAdmission`)."""
+
+    dynamic_sampling: bool = opt(False, "reject zero-variance groups (DAPO/SLIME) and generate more")
+    dynamic_max_rounds: int = opt(4, "--dynamic-sampling bound: once rounds × (per-rank B) groups were filtered "
+                                  "while filling one batch, further groups are shipped as they come, filtered or "
+                                  "not (counted: groups_filled_unfiltered), so a step never waits forever")
 
 
 class RolloutAdmission:
@@ -54,6 +66,7 @@ class RolloutAdmission:
         dynamic_sampling, dynamic_max_rounds: reject zero-variance groups (their slot is freed and another group
             admitted); once ``rounds ×`` this rank's share of ``B`` were rejected in one batch window, further
             groups are shipped as they come, marked ``zero_variance_fill`` and counted ``groups_filled_unfiltered``.
+        sync_group: the weight-sync group the control messages arrive on (:meth:`run`).
 
     Every method runs on the rank's event loop (the control thread schedules them there). ``counters``: what this
     rank did (``groups_dropped_stale``, ``groups_failed_reward``, ``samples_failed_reward``, ``groups_filtered``,
@@ -62,8 +75,9 @@ class RolloutAdmission:
     """
 
     def __init__(self, rank: int, *, batch_size: int, max_staleness: int, max_concurrent: int, dp_size: int,
-                 outbox, seed: int = 0, dynamic_sampling: bool = False, dynamic_max_rounds: int = 4) -> None:
-        self.rank, self.outbox, self.seed = rank, outbox, seed
+                 outbox, seed: int = 0, dynamic_sampling: bool = False, dynamic_max_rounds: int = 4,
+                 sync_group=None) -> None:
+        self.rank, self.outbox, self.seed, self.sync_group = rank, outbox, seed, sync_group
         self.ctrl = StalenessController(batch_size=batch_size, max_staleness=max_staleness,
                                         max_concurrent=max_concurrent, dp_size=dp_size)
         self.sampler = (DynamicSampler(target_groups=self.ctrl.batch_size, keep_when_insufficient=True,
@@ -179,13 +193,13 @@ class RolloutAdmission:
         return RolloutEnd(self.rank, dict(self.counters))
 
     # ---------------------------------------------------------------- the rank's two loops
-    async def run(self, sync_group) -> None:
+    async def run(self) -> None:
         """The generation loop: after the first weights, start every group admission allows at the engine's
         version, wait for a group to finish or admission to change, repeat until ``Stop``; then cancel what is in
         flight (counted ``groups_cancelled_at_stop``) and send the :meth:`end` message. A group that raises, or the
         control thread's failure, ends the rank with that error (nothing is left waiting or lost silently)."""
         loop = asyncio.get_running_loop()
-        control = threading.Thread(target=self._control, args=(sync_group, loop), daemon=True)
+        control = threading.Thread(target=self._control, args=(self.sync_group, loop), daemon=True)
         control.start()
         self.outbox.start()
         await self.first_weights.wait()
