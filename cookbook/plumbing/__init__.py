@@ -21,6 +21,7 @@ A loop imports it as ``from plumbing import ...``: a script's own folder (``cook
 - :mod:`.bounded_async`: the bounded-async protocol of the async loops as one pair: ``RolloutAdmission`` (a rollout
   rank's admission, stale reports, weight commits) and ``TrainerLedger`` (the trainer's queue of groups, stale
   reports, the weight announcement, lost-in-crash accounting and the conservation identity).
+- :mod:`.weight_sync`: ``grpo_async.py``'s weight channel (``--sync full|delta|lora``, ``--rollout-dtype fp8``).
 - :mod:`.messages`: the typed control messages ``Weights``/``Stale``/``Stop``, ``RolloutEnd``, ``Outbox``/``Inbox``.
 - :mod:`.losses`: the policy-loss flags (``--loss``, clip offsets, ``--correction``) and ``policy_loss``.
 - :mod:`.data`: ``TaskFlags`` (every loop's data, reward, evaluation and tracking flags), ``--prompts`` files
