@@ -163,6 +163,7 @@ class Rollout(RolloutAdmission):
             self.finished(uid, rec)
 
     def receive(self, msg) -> tuple[list, int]:
+        """The full weights announced by ``msg``, received on the control thread."""
         if self.receiver is None:
             self.receiver = WeightReceiver(self.sync_group, 0)
         version, it = self.receiver.receive()
@@ -176,6 +177,7 @@ class Rollout(RolloutAdmission):
         await self.engine.resume()
 
     def end(self) -> RolloutEnd:
+        """The rank's counters and its episodes' statistics."""
         return RolloutEnd(self.rank, dict(self.counters), episodes=self.stats.stats())
 
 

@@ -101,6 +101,7 @@ class Trainer:
         return result
 
     def count_episodes(self, batch: list[dict]) -> None:
+        """Add the batch's episodes (finish reasons, turns, tool calls) to the trained episodes' counts."""
         for rec in batch:
             for reason, turns, calls, _r in rec["episodes"]:
                 self.episodes.update({"episodes": 1, "turns": turns, "tool_calls": calls, f"finish_{reason}": 1})

@@ -205,6 +205,7 @@ class Rollout(RolloutAdmission):
             self.failed(rec, len(gens))
 
     def receive(self, msg) -> tuple[list, int]:
+        """The payload announced by ``msg`` (``WeightPuller``: full, delta or LoRA, FP8 or not)."""
         return self.weights.receive(msg)
 
     async def load(self, tensors: list, version: int) -> None:

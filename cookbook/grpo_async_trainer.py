@@ -100,6 +100,7 @@ class Trainer:
             self.pusher = WeightPusher(cfg, sync_group)
 
     def wall_seconds(self) -> float:
+        """Seconds of RL over every start of the run."""
         return self.wall_before + time.time() - self.t_rl
 
     def push(self, first: bool = False) -> list:

@@ -162,6 +162,7 @@ class RolloutAdmission:
         self.wake.set()
 
     def stop(self) -> None:
+        """``Stop`` arrived: admit nothing more; :meth:`run` cancels what is in flight and ends."""
         self.stopping = True
         self.wake.set()
 
