@@ -19,6 +19,10 @@ A loop imports it as ``from plumbing import ...``: a script's own folder (``cook
   ``--kv-cache-mb``; ``--correction auto``), response budgets.
 - :mod:`.batches`: ``group_record`` (what travels from rollout to trainer), ``batch_tensors`` (what a step reads;
   ``trajectory_tensors`` for agent trajectories).
+- :mod:`.bounded_async`: the bounded-async protocol of the async loops as one pair: ``RolloutAdmission`` (a rollout
+  rank's admission, stale reports, weight commits) and ``TrainerLedger`` (the trainer's queue of groups, stale
+  reports, the weight announcement, lost-in-crash accounting and the conservation identity).
+- :mod:`.weight_sync`: ``grpo_async.py``'s weight channel (``--sync full|delta|lora``, ``--rollout-dtype fp8``).
 - :mod:`.messages`: the typed control messages ``Weights``/``Stale``/``Stop``, ``RolloutEnd``, ``Outbox``/``Inbox``.
 - :mod:`.losses`: the policy-loss flags (``--loss``, clip offsets, ``--correction``) and ``policy_loss``.
 - :mod:`.data`: ``TaskFlags`` (every loop's data, reward, evaluation and tracking flags), ``--prompts`` files
@@ -33,6 +37,7 @@ Lines a user changes for a real model or task are marked ``REAL MODEL:`` in plac
 """
 
 from .batches import batch_tensors, group_record, trajectory_tensors
+from .bounded_async import RolloutAdmission, TrainerLedger
 from .checkpoints import (
     FREE_FLAGS,
     Journal,
@@ -112,6 +117,7 @@ __all__ = [
     "Recovery",
     "Reward",
     "RewardFlags",
+    "RolloutAdmission",
     "RolloutClock",
     "RolloutEnd",
     "RolloutTimes",
@@ -122,6 +128,7 @@ __all__ = [
     "TaskFlags",
     "TimedEngine",
     "TrainerGroups",
+    "TrainerLedger",
     "Weights",
     "all_reduce",
     "apply_lora",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from jaxtyping import Bool, Float
@@ -13,7 +14,7 @@ from torch import Tensor
 from rlblocks.errors import ArgumentError
 from rlblocks.losses import cispo_loss, decoupled_ppo_loss, gspo_loss, ppo_clip_loss
 
-from .flags import check_at_least
+from .flags import check_at_least, opt
 
 POLICY_LOSSES: dict[str, Callable] = {
     "ppo": ppo_clip_loss,
@@ -28,6 +29,24 @@ def loss_defaults(arg: str) -> str:
     """``"ppo 0.2, gspo 0.0003, ..."``: the library's own default of ``arg`` for each policy loss (read from the
     signatures, so the flags' help texts cannot drift from the code)."""
     return ", ".join(f"{name} {inspect.signature(fn).parameters[arg].default:g}" for name, fn in POLICY_LOSSES.items())
+
+
+@dataclass
+class LossFlags:
+    """The policy-loss flags (a loop's ``Config`` inherits them; checked by :func:`check_loss_flags`)."""
+
+    loss: str = opt("ppo", "policy loss", tuple(POLICY_LOSSES))
+    eps_low: float | None = opt(None, "clip offset below 1 (ratio ≥ 1 − eps_low; cispo: IS-weight floor); "
+                                      f"default: the loss's own ({loss_defaults('eps_low')})", type=float)
+    eps_high: float | None = opt(None, "clip offset above 1 (ratio ≤ 1 + eps_high); default: the loss's own "
+                                       f"({loss_defaults('eps_high')})", type=float)
+    rollout_weight_cap: float | None = opt(None, "--loss decoupled only: drop tokens whose π_old/π_rollout "
+                                                 "exceeds this (AReaL); default: no cap", type=float)
+    correction: str = opt("auto", "train/rollout mismatch correction on ρ = π_old/π_rollout; auto: tis when the "
+                                  "engine samples in another dtype (--engine-dtype, --rollout-dtype fp8), else none",
+                          ("auto", "tis", "mis", "none"))
+    correction_cap: float | None = opt(None, f"--correction tis|mis only: tis truncates ρ at this, mis masks tokens "
+                                             f"with ρ outside [1/cap, cap]; default {CORRECTION_CAP}", type=float)
 
 
 def check_loss_flags(cfg: Any) -> None:

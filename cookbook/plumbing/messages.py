@@ -110,7 +110,8 @@ class Inbox:
     process's), and ``ended`` holds each finished rank's :class:`RolloutEnd`. The put, the count and the
     ``journal`` line of a record (``{"event": "recv", "uid", "samples"}``, when a journal is given) happen together
     under ``lock``: a checkpoint that reads the queue and ``generated`` under it sees them agree. Other messages (a
-    rank's :class:`~plumbing.timing.RolloutTimes`) are kept in arrival order until :meth:`take_reports`."""
+    rank's :class:`~plumbing.timing.RolloutTimes`) are kept in arrival order until :meth:`take_reports`. :meth:`receive`
+    files one message as the threads do (no ``sources``: no threads, the records are given to it directly)."""
 
     def __init__(self, sources: Iterable[int], group, q, *, generated: int = 0, failed: int = 0,
                  samples: Callable[[dict], int] = lambda rec: len(rec["samples"]), journal=None) -> None:
@@ -127,25 +128,30 @@ class Inbox:
         while True:
             box = [None]
             dist.recv_object_list(box, src=src, group=group)
-            rec = box[0]
-            if isinstance(rec, RolloutEnd):
-                with self.lock:
-                    self.ended[src] = rec
+            self.receive(src, box[0])
+            if isinstance(box[0], RolloutEnd):
                 return
-            if not isinstance(rec, dict):  # a report, not a group record
-                with self.lock:
-                    self.reports.append(rec)
-                continue
+
+    def receive(self, src: int, rec: Any) -> None:
+        """File one message from rollout rank ``src`` (what each receiving thread does with what arrives)."""
+        if isinstance(rec, RolloutEnd):
             with self.lock:
-                n = self.samples(rec)
-                if rec.get("reward_failed"):
-                    self.failed += n
-                    self.failed_calls += int(rec.get("reward_failures", 0))
-                else:
-                    self.q.put(rec, rec["version"])  # an unbounded queue: never blocks under the lock
-                self.generated += n
-                if self.journal is not None:
-                    self.journal.append({"event": "recv", "uid": rec["uid"], "samples": n})
+                self.ended[src] = rec
+            return
+        if not isinstance(rec, dict):  # a report, not a group record
+            with self.lock:
+                self.reports.append(rec)
+            return
+        with self.lock:
+            n = self.samples(rec)
+            if rec.get("reward_failed"):
+                self.failed += n
+                self.failed_calls += int(rec.get("reward_failures", 0))
+            else:
+                self.q.put(rec, rec["version"])  # an unbounded queue: never blocks under the lock
+            self.generated += n
+            if self.journal is not None:
+                self.journal.append({"event": "recv", "uid": rec["uid"], "samples": n})
 
     def take_reports(self) -> list[Any]:
         """The reports received since the last call, oldest first."""

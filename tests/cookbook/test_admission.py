@@ -13,6 +13,7 @@ from collections import Counter
 
 import grpo_async
 import pytest
+from plumbing import Weights
 
 from rlblocks.sched import StalenessQueue
 
@@ -51,7 +52,7 @@ def simulate(rollouts: list[grpo_async.Rollout], *, steps: int, ticks: int, slow
         for item in [g for g in running if g[0] == tick]:
             running.remove(item)
             _, rank, uid, v, rew = item
-            by_rank[rank]._finished(uid, {"uid": uid, "version": v, "rank": rank}, rew)
+            by_rank[rank].finished(uid, {"uid": uid, "version": v, "rank": rank}, rew)
         for r in rollouts:  # what each rank's send thread ships to the trainer's queue
             while not r.outbox.empty():
                 rec = r.outbox.get()
@@ -59,7 +60,7 @@ def simulate(rollouts: list[grpo_async.Rollout], *, steps: int, ticks: int, slow
         batch += q.get_batch(B - len(batch), current_version=version, timeout=0)
         for rank, n in stale_by_rank.items():  # the trainer's Stale message; each rank applies it on its loop
             dropped[rank] += n
-            by_rank[rank]._discard(n)
+            by_rank[rank].discard(n)
         stale_by_rank.clear()
         if len(batch) == B:
             trained += B
@@ -95,7 +96,7 @@ def test_resume_counts_queued_groups_as_accepted():
     # a restart at version v with q of this rank's groups still queued at the trainer: accepted = v·B + q, so the
     # rank admits (η+1)·B − q more, not (η+1)·B
     r = make_rollout()
-    r._weights_committed(grpo_async.Weights(version=5, kind="full", first=True, queued={1: 3, 2: 7}), 5)
+    r.committed(Weights(version=5, kind="full", first=True, queued={1: 3, 2: 7}), 5)
     assert r.ctrl.stats()["accepted"] == 5 * B + 3
     assert r.admit(5) == (ETA + 1) * B - 3
 

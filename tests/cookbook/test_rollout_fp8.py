@@ -140,11 +140,11 @@ def _quantised(name: str, t: torch.Tensor) -> bool:
 
 def _evaluated_model(monkeypatch, trainer) -> torch.nn.Module:
     """The model ``evaluate_rollout_form`` evaluates (its ``on_model`` call intercepted)."""
-    import grpo_async
+    import grpo_async_trainer
 
     seen = []
-    monkeypatch.setattr(grpo_async, "on_model", lambda lm, run: seen.append(lm) or "result")
-    assert grpo_async.evaluate_rollout_form(trainer, list(trainer.eval_lm.named_parameters())) == "result"
+    monkeypatch.setattr(grpo_async_trainer, "on_model", lambda lm, run: seen.append(lm) or "result")
+    assert grpo_async_trainer.evaluate_rollout_form(trainer, list(trainer.eval_lm.named_parameters())) == "result"
     assert len(seen) == 1
     return seen[0]
 
@@ -221,7 +221,7 @@ def test_weights_the_engine_refuses_end_the_rollout_rank_with_the_error(monkeypa
     import asyncio
 
     import grpo_async
-    from plumbing import RolloutEnd, Weights
+    from plumbing import RolloutEnd, Weights, bounded_async, weight_sync
 
     from rlblocks.errors import ArgumentError
 
@@ -260,9 +260,9 @@ def test_weights_the_engine_refuses_end_the_rollout_rank_with_the_error(monkeypa
             self.append(end)
 
     messages = iter([Weights(version=0, kind="full", first=True)])
-    monkeypatch.setattr(grpo_async, "recv_control", lambda g: next(messages))  # a 2nd call: StopIteration, a bug
-    monkeypatch.setattr(grpo_async, "WeightReceiver", Receiver)
-    monkeypatch.setattr(grpo_async, "GroupDeltaTransport", lambda g, src: None)
+    monkeypatch.setattr(bounded_async, "recv_control", lambda g: next(messages))  # a 2nd call: StopIteration, a bug
+    monkeypatch.setattr(weight_sync, "WeightReceiver", Receiver)
+    monkeypatch.setattr(weight_sync, "GroupDeltaTransport", lambda g, src: None)
     monkeypatch.setattr(grpo_async, "Outbox", Outbox)
     cfg = grpo_async.Config(rollout_dtype="fp8")
     ro = grpo_async.Rollout(cfg, 1, 1, None, None, None, Engine(), 64, task=None, reward=None)

@@ -38,7 +38,7 @@ async def _update_mid_flight(path: str, partial: bool):
     while not all(3 <= (engine.num_output_tokens(f"g/{k}") or 0) for k in range(N)):
         await asyncio.sleep(0.001)
     tensors = [(n, t.detach().clone()) for n, t in engine.model.state_dict().items()]
-    await r._update(tensors, 1, grpo_async.Weights(version=1, kind="full"))
+    await r.load(tensors, 1)
     gens = await asyncio.gather(*tasks)
     r.outbox.put(r.clock.report(r.rank, 2))  # the interval after the update: the re-prefill ran in it
     await engine.aclose()
