@@ -42,7 +42,29 @@ PRESETS = {
     # the shape of Qwen3-0.6B (random weights)
     "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+    # the shape of SmolLM2-135M (Llama, random weights, tied embeddings; 4 of its 30 layers unless --layers)
+    "smollm2-135m": dict(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                         rope_theta=100000.0, tie_word_embeddings=True),
 }
+
+
+def _model(cfg: dict):
+    """A randomly initialised causal LM of a preset's shape (sdpa attention)."""
+    import transformers
+
+    cfg = dict(cfg)
+    arch = cfg.pop("arch", "qwen3")
+    tied = cfg.pop("tie_word_embeddings", False)
+    if arch == "llama":
+        theta = cfg.pop("rope_theta")
+        config = transformers.LlamaConfig(**cfg, max_position_embeddings=8192, attn_implementation="sdpa",
+                                          tie_word_embeddings=tied,
+                                          rope_parameters={"rope_type": "default", "rope_theta": theta})
+        return transformers.LlamaForCausalLM(config)
+    config = transformers.Qwen3Config(**cfg, max_position_embeddings=8192, attn_implementation="sdpa",
+                                      tie_word_embeddings=tied)
+    return transformers.Qwen3ForCausalLM(config)
 
 
 def _lognormal_lengths(g: torch.Generator, n: int, lo: int, hi: int) -> list[int]:
@@ -116,7 +138,7 @@ def _sync(device: torch.device) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", default="group16,group8_4k,agent3", help="comma-separated subset")
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+    p.add_argument("--preset", "--model", dest="preset", choices=sorted(PRESETS), default=None,
                    help="model shape (default: tiny on CPU, qwen3-0.6b on CUDA)")
     p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
     p.add_argument("--samples", type=int, default=5, help="interleaved fwd+bwd samples per way")
@@ -126,7 +148,6 @@ def main(argv=None) -> None:
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = p.parse_args(argv)
 
-    import transformers
     from bench import _cpu_peak_bytes  # benchmarks/kernels/bench.py: this script's folder is first on sys.path
 
     from rlblocks.sched import response_prefix_tree
@@ -138,9 +159,7 @@ def main(argv=None) -> None:
     if args.layers is not None:
         cfg["num_hidden_layers"] = args.layers
     torch.manual_seed(0)
-    config = transformers.Qwen3Config(**cfg, max_position_embeddings=8192, attn_implementation="sdpa",
-                                      tie_word_embeddings=False)
-    model = transformers.Qwen3ForCausalLM(config).to(device, dtype)
+    model = _model(cfg).to(device, dtype)
     ways = [w for w in args.ways.split(",") if w]
     for w in ways:
         if w not in ("padded", "packed", "shared"):

@@ -111,8 +111,16 @@ def prefix_shared_hidden_states(
     implementation or backend that cannot run here (``"segments"`` on CUDA, ``"flex"`` on CPU), or a body whose
     output is not ``[R, N, H]``.
     """
+    return _select(*_shared_rows(body, input_ids, prompt_lens, response_mask, attention_mask=attention_mask,
+                                 max_tokens=max_tokens, attention=attention, share=share, model_kwargs=model_kwargs))
+
+
+def _shared_rows(body: nn.Module, input_ids: Tensor, prompt_lens: Tensor, response_mask: Tensor, *,
+                 attention_mask: Tensor | None, max_tokens: int | None, attention: str | None, share: bool,
+                 model_kwargs: Mapping[str, Any] | None) -> tuple[Float[Tensor, "M H"], Int[Tensor, "B T"]]:
+    """:func:`prefix_shared_hidden_states`'s checks and forward; its result before the ``[B, T]`` gather."""
     check_ndim("input_ids", input_ids, 2, "[B, L]")
-    b, seq_len = input_ids.shape
+    seq_len = input_ids.shape[1]
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ArgumentError(f"attention_mask: expected the shape of input_ids {shape_str(input_ids)}, "
                             f"got {shape_str(attention_mask)}")
@@ -145,9 +153,18 @@ def prefix_shared_hidden_states(
         raise ArgumentError(
             f"body: config.sliding_window={window} is shorter than the longest row ({longest} tokens); a "
             f"prefix-shared forward gives every token all of its ancestors (full attention), so it would differ")
-    if tree.num_rows * tree.row_len >= b * seq_len:
-        return _unshared(body, input_ids, attention_mask, tree, device, extra)  # nothing shared: no gain
+    return _tree_forward(body, input_ids, attention_mask, tree, kind, impl, extra)
 
+
+def _tree_forward(body: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, tree: PrefixTree, kind: str,
+                  impl: str, extra: dict) -> tuple[Float[Tensor, "M H"], Int[Tensor, "B T"]]:
+    """The body's hidden states as flat rows and, for each ``(b, t)``, the row that predicts response token ``t``
+    of row ``b`` (``-1`` where it is not scored): one forward over the tree, or one row per sample when the
+    packed rows would hold as many slots as the padded batch (nothing shared: no gain)."""
+    b, seq_len = input_ids.shape
+    device = input_ids.device
+    if tree.num_rows * tree.row_len >= b * seq_len:
+        return _unshared(body, input_ids, attention_mask, tree, device, extra)
     tree = tree.to(device)
     dtype = _param_dtype(body)
     if impl == "flex_attention":
@@ -162,7 +179,7 @@ def prefix_shared_hidden_states(
     if hidden.dim() != 3 or hidden.shape[:2] != tree.input_ids.shape:
         raise ArgumentError(f"body: expected hidden states [{tree.num_rows}, {tree.row_len}, H] for the packed "
                             f"rows, got {shape_str(hidden)}")
-    return _select(hidden.reshape(-1, hidden.shape[-1]), tree.logit_index)
+    return hidden.reshape(-1, hidden.shape[-1]), tree.logit_index
 
 
 def prefix_shared_logprobs(
@@ -184,18 +201,44 @@ def prefix_shared_logprobs(
     backend: str | None,
 ) -> Float[Tensor, "B T"] | tuple[Tensor, ...]:
     """``causal_lm_logprobs(..., prefix_share=True)`` once its arguments are checked: the LM head ``weight``
-    (``linear_token_logprobs``, the same call as the unshared path) on :func:`prefix_shared_hidden_states`.
+    (``linear_token_logprobs``, the same call as the unshared path) on the hidden states of
+    :func:`prefix_shared_hidden_states`, at the scored positions only (gathered ``[M, H]``, ``M`` = the true
+    entries of ``response_mask``; the outputs scattered back to ``[B, T]``, 0 / false elsewhere).
     ``temperature`` is the head's effective one. Response positions past ``L`` count as masked, as there."""
     seq_len, t_len = input_ids.shape[1], response_mask.shape[1]
     pos = prompt_lens.to(input_ids.device, torch.long)[:, None] + torch.arange(t_len, device=input_ids.device)
     keep = response_mask & (pos < seq_len)
-    h = prefix_shared_hidden_states(body, input_ids, prompt_lens, keep, attention_mask=attention_mask,
-                                    max_tokens=max_tokens, attention=attention, model_kwargs=model_kwargs)
+    flat, index = _shared_rows(body, input_ids, prompt_lens, keep, attention_mask=attention_mask,
+                               max_tokens=max_tokens, attention=attention, share=True, model_kwargs=model_kwargs)
     labels = input_ids.gather(1, pos.clamp(0, seq_len - 1))
+    # the head runs on the scored positions only (``index >= 0``: ``keep``), not on all B·T: with a large
+    # vocabulary it costs as much per token as several decoder layers, and the padding of T is often half of B·T
+    scored = index >= 0
+    h = flat.index_select(0, index[scored])
     if weight.dtype != h.dtype:
         h = h.to(weight.dtype)
-    return linear_token_logprobs(h, weight, labels, mask=keep, temperature=temperature, top_k=top_k, top_p=top_p,
+    outs = linear_token_logprobs(h, weight, labels[scored], temperature=temperature,
+                                 top_k=_scored_only("top_k", top_k, scored),
+                                 top_p=_scored_only("top_p", top_p, scored),
                                  return_entropy=return_entropy, return_outside=return_outside, backend=backend)
+    if isinstance(outs, Tensor):
+        return _scatter_scored(outs, scored)
+    return tuple(_scatter_scored(o, scored) for o in outs)
+
+
+def _scored_only(name: str, param: Any, scored: Bool[Tensor, "B T"]) -> Any:
+    """A per-token sampling parameter (``top_k`` / ``top_p``) at the scored positions; scalars as they are."""
+    if isinstance(param, Tensor) and param.dim() > 0:
+        if param.shape != scored.shape:
+            raise ArgumentError(f"{name}: expected a scalar or a tensor of shape {shape_str(scored)} (that of "
+                                f"response_mask), got {shape_str(param)}")
+        return param[scored.to(param.device)]
+    return param
+
+
+def _scatter_scored(x: Float[Tensor, " M"], scored: Bool[Tensor, "B T"]) -> Float[Tensor, "B T"]:
+    """``[B, T]``: ``x`` at the scored positions (row-major order), 0 (false for bool) elsewhere; differentiable."""
+    return x.new_zeros(scored.shape).masked_scatter(scored, x)
 
 
 def _select(flat: Float[Tensor, "M H"], index: Int[Tensor, "B T"]) -> Float[Tensor, "B T H"]:
@@ -204,9 +247,9 @@ def _select(flat: Float[Tensor, "M H"], index: Int[Tensor, "B T"]) -> Float[Tens
 
 
 def _unshared(body: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, tree: PrefixTree,
-              device: torch.device, extra: dict) -> Tensor:
-    """One row per sample, the same positions gathered: a node's position id is its depth, i.e. the sequence
-    position ``P_b + t − 1`` it stands for."""
+              device: torch.device, extra: dict) -> tuple[Tensor, Tensor]:
+    """One row per sample, flat, and the rows of the positions the tree's ``logit_index`` names: a node's position
+    id is its depth, i.e. the sequence position ``P_b + t − 1`` it stands for."""
     out = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     b, seq_len = input_ids.shape
@@ -215,7 +258,7 @@ def _unshared(body: nn.Module, input_ids: Tensor, attention_mask: Tensor | None,
     li = tree.logit_index
     pos = tree.position_ids.reshape(-1)[li.clamp(min=0)]
     src = torch.where(li >= 0, torch.arange(b)[:, None] * seq_len + pos, -1)
-    return _select(hidden.reshape(-1, hidden.shape[-1]), src.to(device))
+    return hidden.reshape(-1, hidden.shape[-1]), src.to(device)
 
 
 def _resolve_attention(attention: str | None, impl: str, device: torch.device) -> str:
