@@ -554,7 +554,10 @@ class _SegmentAttention(torch.autograd.Function):
         r, h, n, d = q.shape
         acc = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [R, N, H, D]; a view of HF's own layout
-        qf, kf, vf = (x.reshape(r * n, h, d) for x in (qt, kt, vt))
+        # flat token-major copies, for the gathered pieces only (big pieces read views: a tree of long edges,
+        # e.g. a group's prompt and responses, needs no copy)
+        if any(isinstance(p, _Batch) for p in _all_pieces(pieces)):
+            qf, kf, vf = (x.reshape(r * n, h, d) for x in (qt, kt, vt))
         out = pieces.empty((r, n, h, d), acc, q.device)
         lse = pieces.empty((r, n, h), acc, q.device)
         out_f, lse_f = out.view(r * n, h, d), lse.view(r * n, h)
@@ -589,12 +592,13 @@ class _SegmentAttention(torch.autograd.Function):
         acc = out.dtype
         qt, kt, vt, gt = (x.transpose(1, 2) for x in (q, k, v, grad.to(q.dtype)))
         ot = out.to(q.dtype)
-        flat = [x.reshape(r * n, *x.shape[2:]) for x in (gt, qt, kt, vt, ot, lse)]  # the kernel's order
+        if any(isinstance(p, _Batch) for p in _all_pieces(ctx.pieces)):  # the gathered pieces read flat copies
+            flat = [x.reshape(r * n, *x.shape[2:]) for x in (gt, qt, kt, vt, ot, lse)]  # the kernel's order
         dq, dk, dv = (ctx.pieces.empty((r, n, h, d), acc, q.device) for _ in range(3))
         dq_f, dk_f, dv_f = (x.view(r * n, h, d) for x in (dq, dk, dv))
         n_tri = len(ctx.pieces.triangles)
         # triangles first, written (each slot is in exactly one, as a query and as a key); rectangles added
-        for i, p in enumerate([*ctx.pieces.triangles, *(p for stage in ctx.pieces.rectangles for p in stage)]):
+        for i, p in enumerate(_all_pieces(ctx.pieces)):
             if isinstance(p, _Solo):
                 qs, ks = slice(p.qs, p.qe), slice(p.ks, p.ke)
                 args = [x[p.r, sl, None].permute(1, 2, 0, 3)
@@ -627,6 +631,11 @@ class _SegmentAttention(torch.autograd.Function):
                 dk_f.index_add_(0, p.k_dst, gk.reshape(-1, h, d).index_select(0, p.k_pos).to(acc))
                 dv_f.index_add_(0, p.k_dst, gv.reshape(-1, h, d).index_select(0, p.k_pos).to(acc))
         return (*(x.to(q.dtype).transpose(1, 2) for x in (dq, dk, dv)), None, None)
+
+
+def _all_pieces(pieces: _Pieces) -> list[_Solo | _Batch]:
+    """The triangles, then the rectangles stage by stage."""
+    return [*pieces.triangles, *(p for stage in pieces.rectangles for p in stage)]
 
 
 def _merge(o: Tensor, lse: Tensor, o_p: Tensor, lse_p: Tensor) -> None:
