@@ -101,8 +101,16 @@ def prefix_shared_hidden_states(
     implementation or backend that cannot run here (``"segments"`` on CUDA, ``"flex"`` on CPU), or a body whose
     output is not ``[R, N, H]``.
     """
+    return _select(*_shared_rows(body, input_ids, prompt_lens, response_mask, attention_mask=attention_mask,
+                                 max_tokens=max_tokens, attention=attention, share=share, model_kwargs=model_kwargs))
+
+
+def _shared_rows(body: nn.Module, input_ids: Tensor, prompt_lens: Tensor, response_mask: Tensor, *,
+                 attention_mask: Tensor | None, max_tokens: int | None, attention: str | None, share: bool,
+                 model_kwargs: Mapping[str, Any] | None) -> tuple[Float[Tensor, "M H"], Int[Tensor, "B T"]]:
+    """:func:`prefix_shared_hidden_states`'s checks and forward; its result before the ``[B, T]`` gather."""
     check_ndim("input_ids", input_ids, 2, "[B, L]")
-    b, seq_len = input_ids.shape
+    seq_len = input_ids.shape[1]
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ArgumentError(f"attention_mask: expected the shape of input_ids {shape_str(input_ids)}, "
                             f"got {shape_str(attention_mask)}")
@@ -135,9 +143,18 @@ def prefix_shared_hidden_states(
         raise ArgumentError(
             f"body: config.sliding_window={window} is shorter than the longest row ({longest} tokens); a "
             f"prefix-shared forward gives every token all of its ancestors (full attention), so it would differ")
-    if tree.num_rows * tree.row_len >= b * seq_len:
-        return _unshared(body, input_ids, attention_mask, tree, device, extra)  # nothing shared: no gain
+    return _tree_forward(body, input_ids, attention_mask, tree, kind, impl, extra)
 
+
+def _tree_forward(body: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, tree: PrefixTree, kind: str,
+                  impl: str, extra: dict) -> tuple[Float[Tensor, "M H"], Int[Tensor, "B T"]]:
+    """The body's hidden states as flat rows and, for each ``(b, t)``, the row that predicts response token ``t``
+    of row ``b`` (``-1`` where it is not scored): one forward over the tree, or one row per sample when the
+    packed rows would hold as many slots as the padded batch (nothing shared: no gain)."""
+    b, seq_len = input_ids.shape
+    device = input_ids.device
+    if tree.num_rows * tree.row_len >= b * seq_len:
+        return _unshared(body, input_ids, attention_mask, tree, device, extra)
     tree = tree.to(device)
     dtype = _param_dtype(body)
     if impl == "flex_attention":
@@ -152,7 +169,7 @@ def prefix_shared_hidden_states(
     if hidden.dim() != 3 or hidden.shape[:2] != tree.input_ids.shape:
         raise ArgumentError(f"body: expected hidden states [{tree.num_rows}, {tree.row_len}, H] for the packed "
                             f"rows, got {shape_str(hidden)}")
-    return _select(hidden.reshape(-1, hidden.shape[-1]), tree.logit_index)
+    return hidden.reshape(-1, hidden.shape[-1]), tree.logit_index
 
 
 def prefix_shared_logprobs(
@@ -174,18 +191,44 @@ def prefix_shared_logprobs(
     backend: str | None,
 ) -> Float[Tensor, "B T"] | tuple[Tensor, ...]:
     """``causal_lm_logprobs(..., prefix_share=True)`` once its arguments are checked: the LM head ``weight``
-    (``linear_token_logprobs``, the same call as the unshared path) on :func:`prefix_shared_hidden_states`.
+    (``linear_token_logprobs``, the same call as the unshared path) on the hidden states of
+    :func:`prefix_shared_hidden_states`, at the scored positions only (gathered ``[M, H]``, ``M`` = the true
+    entries of ``response_mask``; the outputs scattered back to ``[B, T]``, 0 / false elsewhere).
     ``temperature`` is the head's effective one. Response positions past ``L`` count as masked, as there."""
     seq_len, t_len = input_ids.shape[1], response_mask.shape[1]
     pos = prompt_lens.to(input_ids.device, torch.long)[:, None] + torch.arange(t_len, device=input_ids.device)
     keep = response_mask & (pos < seq_len)
-    h = prefix_shared_hidden_states(body, input_ids, prompt_lens, keep, attention_mask=attention_mask,
-                                    max_tokens=max_tokens, attention=attention, model_kwargs=model_kwargs)
+    flat, index = _shared_rows(body, input_ids, prompt_lens, keep, attention_mask=attention_mask,
+                               max_tokens=max_tokens, attention=attention, share=True, model_kwargs=model_kwargs)
     labels = input_ids.gather(1, pos.clamp(0, seq_len - 1))
+    # the head runs on the scored positions only (``index >= 0``: ``keep``), not on all B·T: with a large
+    # vocabulary it costs as much per token as several decoder layers, and the padding of T is often half of B·T
+    scored = index >= 0
+    h = flat.index_select(0, index[scored])
     if weight.dtype != h.dtype:
         h = h.to(weight.dtype)
-    return linear_token_logprobs(h, weight, labels, mask=keep, temperature=temperature, top_k=top_k, top_p=top_p,
+    outs = linear_token_logprobs(h, weight, labels[scored], temperature=temperature,
+                                 top_k=_scored_only("top_k", top_k, scored),
+                                 top_p=_scored_only("top_p", top_p, scored),
                                  return_entropy=return_entropy, return_outside=return_outside, backend=backend)
+    if isinstance(outs, Tensor):
+        return _scatter_scored(outs, scored)
+    return tuple(_scatter_scored(o, scored) for o in outs)
+
+
+def _scored_only(name: str, param: Any, scored: Bool[Tensor, "B T"]) -> Any:
+    """A per-token sampling parameter (``top_k`` / ``top_p``) at the scored positions; scalars as they are."""
+    if isinstance(param, Tensor) and param.dim() > 0:
+        if param.shape != scored.shape:
+            raise ArgumentError(f"{name}: expected a scalar or a tensor of shape {shape_str(scored)} (that of "
+                                f"response_mask), got {shape_str(param)}")
+        return param[scored.to(param.device)]
+    return param
+
+
+def _scatter_scored(x: Float[Tensor, " M"], scored: Bool[Tensor, "B T"]) -> Float[Tensor, "B T"]:
+    """``[B, T]``: ``x`` at the scored positions (row-major order), 0 (false for bool) elsewhere; differentiable."""
+    return x.new_zeros(scored.shape).masked_scatter(scored, x)
 
 
 def _select(flat: Float[Tensor, "M H"], index: Int[Tensor, "B T"]) -> Float[Tensor, "B T H"]:
@@ -194,9 +237,9 @@ def _select(flat: Float[Tensor, "M H"], index: Int[Tensor, "B T"]) -> Float[Tens
 
 
 def _unshared(body: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, tree: PrefixTree,
-              device: torch.device, extra: dict) -> Tensor:
-    """One row per sample, the same positions gathered: a node's position id is its depth, i.e. the sequence
-    position ``P_b + t − 1`` it stands for."""
+              device: torch.device, extra: dict) -> tuple[Tensor, Tensor]:
+    """One row per sample, flat, and the rows of the positions the tree's ``logit_index`` names: a node's position
+    id is its depth, i.e. the sequence position ``P_b + t − 1`` it stands for."""
     out = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     b, seq_len = input_ids.shape
@@ -205,7 +248,7 @@ def _unshared(body: nn.Module, input_ids: Tensor, attention_mask: Tensor | None,
     li = tree.logit_index
     pos = tree.position_ids.reshape(-1)[li.clamp(min=0)]
     src = torch.where(li >= 0, torch.arange(b)[:, None] * seq_len + pos, -1)
-    return _select(hidden.reshape(-1, hidden.shape[-1]), src.to(device))
+    return hidden.reshape(-1, hidden.shape[-1]), src.to(device)
 
 
 def _resolve_attention(attention: str | None, impl: str, device: torch.device) -> str:
@@ -501,7 +544,10 @@ class _SegmentAttention(torch.autograd.Function):
         r, h, n, d = q.shape
         acc = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [R, N, H, D]; a view of HF's own layout
-        qf, kf, vf = (x.reshape(r * n, h, d) for x in (qt, kt, vt))
+        # flat token-major copies, for the gathered pieces only (big pieces read views: a tree of long edges,
+        # e.g. a group's prompt and responses, needs no copy)
+        if any(isinstance(p, _Batch) for p in _all_pieces(pieces)):
+            qf, kf, vf = (x.reshape(r * n, h, d) for x in (qt, kt, vt))
         out = pieces.empty((r, n, h, d), acc, q.device)
         lse = pieces.empty((r, n, h), acc, q.device)
         out_f, lse_f = out.view(r * n, h, d), lse.view(r * n, h)
@@ -536,12 +582,13 @@ class _SegmentAttention(torch.autograd.Function):
         acc = out.dtype
         qt, kt, vt, gt = (x.transpose(1, 2) for x in (q, k, v, grad.to(q.dtype)))
         ot = out.to(q.dtype)
-        flat = [x.reshape(r * n, *x.shape[2:]) for x in (gt, qt, kt, vt, ot, lse)]  # the kernel's order
+        if any(isinstance(p, _Batch) for p in _all_pieces(ctx.pieces)):  # the gathered pieces read flat copies
+            flat = [x.reshape(r * n, *x.shape[2:]) for x in (gt, qt, kt, vt, ot, lse)]  # the kernel's order
         dq, dk, dv = (ctx.pieces.empty((r, n, h, d), acc, q.device) for _ in range(3))
         dq_f, dk_f, dv_f = (x.view(r * n, h, d) for x in (dq, dk, dv))
         n_tri = len(ctx.pieces.triangles)
         # triangles first, written (each slot is in exactly one, as a query and as a key); rectangles added
-        for i, p in enumerate([*ctx.pieces.triangles, *(p for stage in ctx.pieces.rectangles for p in stage)]):
+        for i, p in enumerate(_all_pieces(ctx.pieces)):
             if isinstance(p, _Solo):
                 qs, ks = slice(p.qs, p.qe), slice(p.ks, p.ke)
                 args = [x[p.r, sl, None].permute(1, 2, 0, 3)
@@ -574,6 +621,11 @@ class _SegmentAttention(torch.autograd.Function):
                 dk_f.index_add_(0, p.k_dst, gk.reshape(-1, h, d).index_select(0, p.k_pos).to(acc))
                 dv_f.index_add_(0, p.k_dst, gv.reshape(-1, h, d).index_select(0, p.k_pos).to(acc))
         return (*(x.to(q.dtype).transpose(1, 2) for x in (dq, dk, dv)), None, None)
+
+
+def _all_pieces(pieces: _Pieces) -> list[_Solo | _Batch]:
+    """The triangles, then the rectangles stage by stage."""
+    return [*pieces.triangles, *(p for stage in pieces.rectangles for p in stage)]
 
 
 def _merge(o: Tensor, lse: Tensor, o_p: Tensor, lse_p: Tensor) -> None:

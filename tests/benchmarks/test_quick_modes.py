@@ -1,5 +1,6 @@
 """Benchmarks' ``--quick`` modes: each still runs and its own checks of agreement pass (equal generations for a seed,
-finite log-probs, applied weights equal to the sent ones); never their speed."""
+finite log-probs, applied weights equal to the sent ones, prefix-shared log-probs and gradients equal to one row per
+sample); never their speed."""
 
 import os
 import subprocess
@@ -11,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 QUICK = {
+    "kernels/prefix_share.py": "quick: ok",
     "rollout/bench_engines.py": "quick: ok",
     "sync/bench_delta.py": "quick: ok",
 }

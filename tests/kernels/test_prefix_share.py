@@ -92,7 +92,25 @@ def _episode():
     return [(system, t1), (h2, t2), (h3, [25, 26, 27]), (h3, [25, 28]), (system, [20, 29, 40])]
 
 
-CASES = {"group": _group, "episode": _episode}
+def _uneven():
+    """A shape the segment pieces treat in every way: two task prompts (no common prefix), one with a long
+    history that branches at two levels (a turn-2 history shared by three replies, one of which continues to
+    turn 3), and a group whose responses range from 1 to 90 tokens; edges of more and fewer than 64 tokens (run
+    alone on views, or gathered into padded batches) and rectangles nested three deep."""
+    g = torch.Generator().manual_seed(5)
+
+    def toks(n):
+        return torch.randint(1, VOCAB, (n,), generator=g).tolist()
+
+    task, other = toks(70), toks(12)
+    h2 = task + toks(5) + toks(66)
+    r2 = [toks(80), toks(3), toks(20)]
+    h3 = h2 + r2[0] + toks(9)
+    return [(task, toks(5)), (h2, r2[0]), (h2, r2[1]), (h2, r2[2]), (h3, toks(90)), (h3, toks(1)),
+            (other, toks(90)), (other, toks(1)), (other, toks(64)), (other, toks(7))]
+
+
+CASES = {"group": _group, "episode": _episode, "uneven": _uneven}
 
 
 def _unshared_hidden(model, ids, plens, mask):
@@ -179,6 +197,24 @@ def test_causal_lm_logprobs_prefix_share_float32(kind):
     for name, g in g0.items():
         scale = max(1.0, g.abs().max().item())
         assert (g1[name] - g).abs().max().item() <= 2e-5 * scale, name
+
+
+def test_causal_lm_logprobs_prefix_share_per_token_sampling():
+    """Per-token ``top_k`` / ``top_p`` tensors (``[B, T]``, the engine's per-request settings) reach the head at
+    the scored positions only; equal to the unshared call, and a tensor of another shape is refused."""
+    model = _model("qwen3", dtype=torch.float32)
+    ids, plens, mask = _pad(_uneven())
+    g = torch.Generator().manual_seed(6)
+    top_k = torch.randint(0, 30, mask.shape, generator=g)
+    top_p = torch.rand(mask.shape, generator=g) * 0.5 + 0.5
+    want = causal_lm_logprobs(model, ids, plens, mask, top_k=top_k, top_p=top_p, return_outside=True)
+    got = causal_lm_logprobs(model, ids, plens, mask, top_k=top_k, top_p=top_p, return_outside=True,
+                             prefix_share=True)
+    assert torch.equal(got[1], want[1]) and torch.equal(torch.isfinite(got[0]), torch.isfinite(want[0]))
+    torch.testing.assert_close(got[0], want[0], atol=2e-5, rtol=0)
+    assert bool((got[0][~mask] == 0).all())
+    with pytest.raises(ArgumentError, match="top_k"):
+        causal_lm_logprobs(model, ids, plens, mask, top_k=top_k[:, :3], prefix_share=True)
 
 
 def test_eager_model_takes_the_dense_mask():
