@@ -1,8 +1,16 @@
 """Benchmark sweep of the fused linear log-prob (+ entropy) op: ``python benchmarks/kernels/bench.py --suite cpu``.
 
-Suites: ``cpu`` (a scaled-down CPU set, a few minutes), ``cpu-large`` (one large CPU case: T=4096 H=512 V=32768
-fp32, forward+backward), ``gpu-large``, ``gpu-more`` and ``gpu-full`` (one CUDA device; see ``gpu_check.sh``),
-``validate`` (seconds: every provider and mode once, to check that the script runs).
+Suites: ``cpu`` (a scaled-down CPU set, a few minutes), ``cpu-large`` (one large CPU case: T=4096 H=512 V=32768 fp32,
+forward+backward), ``cpu-real`` (a real small model's LM head, SmolLM2-135M's H=576 V=49152, at T=2048 and 8192, fp32
+forward+backward, with and without entropy), ``gpu-large``, ``gpu-more`` and ``gpu-full`` (one CUDA device; see
+``gpu_check.sh``), ``validate`` (seconds: every provider and mode once, to check that the script runs). ``--quick`` runs
+``validate`` with 2 samples and fails unless every provider that ran agrees with the float64 reference (max abs error ≤
+1e-4 in fp32) and the naive and rlblocks rows are there; it prints ``quick: ok``.
+
+The CPU figures of ``results/kernels_cpu-real.*`` come from (the 1-minute load average is printed and stored)::
+
+    PYTHONPATH=$PWD python benchmarks/kernels/bench.py --suite cpu-real --samples 5 --err-rows 512 \
+        --out benchmarks/kernels/results
 
 Providers (all compute per-token ``logp`` and optionally the entropy of ``softmax(hidden @ weightᵀ / T)``):
 
@@ -92,6 +100,9 @@ SUITES: dict[str, list[Case]] = {
     # one large CPU case: fwd+bwd, fp32
     "cpu-large": [Case(4096, 512, 32768, modes=("full",), entropy=(False,), providers=("naive", "rlblocks",
                                                                                    "rlblocks_fused"))],
+    # a real small model's LM head (SmolLM2-135M: H=576, V=49152) at two batch sizes, fwd+bwd, fp32
+    "cpu-real": [Case(t, 576, 49152, modes=("full",), entropy=(False, True),
+                      providers=("naive", "compiled_chunked", "rlblocks", "rlblocks_fused")) for t in (2048, 8192)],
     # one large GPU case (an 8B model's LM head over a 128k vocabulary), run first by gpu_check.sh: forward and full
     "gpu-large": [Case(8192, 4096, 131072, "bfloat16", modes=("fwd", "full"), entropy=(False,), providers=_GPU_P)],
     # the rest of the one-H200 check: no-grad and entropy at the gpu-large shape, then other real vocabularies
@@ -647,6 +658,8 @@ def main(argv=None):
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="start no new measurement after this many seconds (rows already written stay)")
     p.add_argument("--out", default="runs/bench_kernels")
+    p.add_argument("--quick", action="store_true",
+                   help="the validate suite with 2 samples; fail unless outputs agree with float64 ('quick: ok')")
     p.add_argument("--table-from", nargs="+", default=None, metavar="CSV",
                    help="only print the summary table of result CSVs and exit")
     args = p.parse_args(argv)
@@ -657,6 +670,8 @@ def main(argv=None):
         for line in table_from_csv(args.table_from, peak):
             log(line)
         return []
+    if args.quick:
+        args.suite, args.samples = "validate", 2
     cases = SUITES[args.suite]
     if args.providers:
         keep = tuple(args.providers.split(","))
@@ -685,9 +700,11 @@ def main(argv=None):
         "providers with rotating order, after 2 warm-up runs",
         "errors": f"max abs error vs float64 on the first {err_rows} rows (a sub-batch through the same provider)",
         "labels": f"20% ignored (-100), temperature {args.temperature:.2f}",
+        "load_average_1min_start": os.getloadavg()[0],
     }
     log(json.dumps(meta["machine"]))
     log(f"peak: {peak_src}")
+    log(f"load average (1 min) at start: {meta['load_average_1min_start']:.2f}")
     deadline = None if args.time_budget_s is None else time.monotonic() + args.time_budget_s
     sweep = Sweep(args.suite, args.out, device, args.samples, args.temperature, peak, err_rows, deadline, log)
     for case in cases:
@@ -698,13 +715,30 @@ def main(argv=None):
             sweep.emit([Row(args.suite, "all", case.T, case.H, case.V, case.dtype, "all", False, args.temperature,
                             status=f"failed: {type(e).__name__}: {str(e)[:120]}")])  # fmt: skip
             _free(device)
+    meta["load_average_1min_end"] = os.getloadavg()[0]
+    log(f"load average (1 min) at end: {meta['load_average_1min_end']:.2f}")
     json_path = os.path.join(args.out, f"kernels_{args.suite}.json")
     with open(json_path, "w") as f:
         json.dump({**meta, "rows": [_flat(r) for r in sweep.rows]}, f, indent=1, default=str)
     log(f"wrote {sweep.csv_path} and {json_path}")
     for line in summary_table([_flat(r) for r in sweep.rows], peak):
         log(line)
+    if args.quick:
+        _quick_check(sweep.rows)
+        log("quick: ok")
     return sweep.rows
+
+
+def _quick_check(rows: list[Row], tol: float = 1e-4) -> None:
+    """``--quick``: every provider that ran agrees with float64; naive and rlblocks ran (skips elsewhere are fine)."""
+    ok = [r for r in rows if r.status == "ok"]
+    ran = {r.provider for r in ok}
+    if not {"naive", "rlblocks"} <= ran:
+        raise SystemExit(f"quick: naive and rlblocks must run, ran {sorted(ran)}")
+    for r in ok:
+        errs = [v for v in r.errors.values() if v == v]
+        if not errs or max(errs) > tol:
+            raise SystemExit(f"quick: {r.provider} {r.mode} entropy={r.entropy} disagrees with float64: {r.errors}")
 
 
 if __name__ == "__main__":

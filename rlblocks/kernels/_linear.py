@@ -212,9 +212,10 @@ _LOWEST = torch.finfo(torch.float32).min
 
 
 def _torch_rows(n: int, v: int) -> int:
-    """Rows per chunk of the torch path: the chunk budget, and at most half the rows, so the extra memory stays
-    below half of the fp32 logits even for small problems."""
-    return max(1, min(rows_per_chunk(v), max(8, -(-n // 2))))
+    """Rows per chunk of the torch path: the chunk budget (``TORCH_CHUNK_BYTES`` of fp32 logits), at most 1/16 of
+    the rows but 64 (enough rows per pass of the GEMMs over the weight), and at most half the rows, so the chunk
+    stays a small fraction of the ``[N, V]`` logits that plain autograd holds (1/16 from N = 1024 on)."""
+    return max(1, min(rows_per_chunk(v), max(64, -(-n // 16)), max(8, -(-n // 2))))
 
 
 def _fwd_stats_torch(h, w, idx, owns, inv_temp, has_ent, sm=None, group=None):
@@ -303,15 +304,17 @@ def _grad_chunk_torch(lp, pbuf, hc, w32, idx_c, owns_c, g_c, k_c, ent_c, inv_tem
     chunk; writes ``grad_hidden`` rows into ``gh_out`` and accumulates ``grad_weight`` into ``gw``."""
     g_own = torch.where(owns_c, g_c, 0.0).unsqueeze(1)  # label term: only the rank owning the label
     if k_c is None:
-        # ∂/∂z = g·(onehot − p): keep p unscaled and move g onto the small [c, H] operands, so the [c, V] block
-        # is touched only by the GEMMs and one exp.
+        # ∂/∂z = g·(onehot − p) = −g·(p − r·onehot), r = 1 where the row owns its label and g ≠ 0 (else the label
+        # term is 0 anyway): the label enters the [c, V] block as one scattered −1 per row and g moves onto the
+        # small [c, H] operands, so the block is touched only by one exp, the scatter and the two GEMMs (an
+        # index_add_ of the label rows into grad_weight costs as much as a GEMM on a CPU).
         p = lp.exp_()
+        p.scatter_add_(1, idx_c.unsqueeze(1), -(owns_c & (g_c != 0)).to(p.dtype).unsqueeze(1))
         gc = g_c.unsqueeze(1)
         if need_h:
-            torch.sub(g_own * w32[idx_c], gc * torch.mm(p, w32), out=gh_out).mul_(inv_temp)
+            torch.mm(p, w32, out=gh_out).mul_(gc * -inv_temp)
         if need_w:
             gw.addmm_(p.t(), hc * -gc)
-            gw.index_add_(0, idx_c, hc * g_own)
         return
     p = torch.exp(lp, out=pbuf)
     if masked:  # −inf entries (outside a sampling mask): p = 0 there, and a finite log p avoids 0·(−inf) below

@@ -159,13 +159,13 @@ def linear_token_logprobs(
     settle), so the replay path is not meant for ``torch.compile(fullgraph=True)``; without ``top_k`` / ``top_p``
     nothing changes.
 
-    Masked positions (``mask`` false, or ``labels == ignore_index``) give 0 for both outputs and no gradient;
-    their hidden rows are replaced by 0 before any product (NaN/inf there cannot leak). Differentiable w.r.t.
-    ``hidden`` and ``weight`` (also through the entropy); the backward recomputes the logits blockwise. Extra
-    memory is one chunk of logits (torch path: ≤ ~64 MiB of fp32 rows and at most half the rows, plus an fp32 copy
-    of ``weight`` when it is bf16/fp16; Triton: a ``[N, vocab-chunk]`` gradient block of ≤ 256 MiB, and an fp32
-    ``[N, H]`` grad-hidden accumulator) and O(N) fp32 stats, never ``[N, V]``. Without grad (``torch.no_grad``
-    or inputs that do not require grad) nothing is kept for a backward.
+    Masked positions (``mask`` false, or ``labels == ignore_index``) give 0 for both outputs and no gradient; their
+    hidden rows are replaced by 0 before any product (NaN/inf there cannot leak). Differentiable w.r.t. ``hidden`` and
+    ``weight`` (also through the entropy); the backward recomputes the logits blockwise. Extra memory is one chunk of
+    logits (torch path: ≤ ~64 MiB of fp32 rows, at most half the rows and from 1024 rows on at most 1/16 of them, plus
+    an fp32 copy of ``weight`` when it is bf16/fp16; Triton: a ``[N, vocab-chunk]`` gradient block of ≤ 256 MiB, and an
+    fp32 ``[N, H]`` grad-hidden accumulator) and O(N) fp32 stats, never ``[N, V]``. Without grad (``torch.no_grad`` or
+    inputs that do not require grad) nothing is kept for a backward.
 
     Args:
         hidden: ``[..., H]`` hidden states (fp32/bf16/fp16).

@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 QUICK = {
+    "kernels/bench.py": "quick: ok",
     "rollout/bench_engines.py": "quick: ok",
     "sync/bench_delta.py": "quick: ok",
 }
