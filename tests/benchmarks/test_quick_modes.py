@@ -14,6 +14,7 @@ QUICK = {
     "kernels/bench.py": "quick: ok",
     "rollout/bench_engines.py": "quick: ok",
     "sync/bench_delta.py": "quick: ok",
+    "tinker/bench_service.py": "quick: ok",
 }
 
 
