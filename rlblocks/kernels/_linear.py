@@ -304,12 +304,12 @@ def _grad_chunk_torch(lp, pbuf, hc, w32, idx_c, owns_c, g_c, k_c, ent_c, inv_tem
     chunk; writes ``grad_hidden`` rows into ``gh_out`` and accumulates ``grad_weight`` into ``gw``."""
     g_own = torch.where(owns_c, g_c, 0.0).unsqueeze(1)  # label term: only the rank owning the label
     if k_c is None:
-        # ∂/∂z = g·(onehot − p) = −g·(p − r·onehot), r = 1 where the row owns its label and g ≠ 0 (else the label
-        # term is 0 anyway): the label enters the [c, V] block as one scattered −1 per row and g moves onto the
-        # small [c, H] operands, so the block is touched only by one exp, the scatter and the two GEMMs (an
-        # index_add_ of the label rows into grad_weight costs as much as a GEMM on a CPU).
+        # ∂/∂z = g·(onehot − p) = −g·(p − onehot) on the rank owning the label (−g·p elsewhere): the label enters
+        # the [c, V] block as one scattered −1 per row and g moves onto the small [c, H] operands, so the block is
+        # touched only by one exp, the scatter and the two GEMMs (an index_add_ of the label rows into grad_weight
+        # costs as much as a GEMM on a CPU).
         p = lp.exp_()
-        p.scatter_add_(1, idx_c.unsqueeze(1), -(owns_c & (g_c != 0)).to(p.dtype).unsqueeze(1))
+        p.scatter_add_(1, idx_c.unsqueeze(1), -owns_c.to(p.dtype).unsqueeze(1))
         gc = g_c.unsqueeze(1)
         if need_h:
             torch.mm(p, w32, out=gh_out).mul_(gc * -inv_temp)
