@@ -347,7 +347,56 @@ def _sparse_grad_rows(rep, sl, hc, w32, idx, owns, lse, ent, g, k, inv_temp, gh_
             gw.index_add_(0, idx[sl][q], hc[q] * g_own[q])
 
 
+def _torch_cols(n: int, v: int) -> int:
+    """Vocabulary rows per block of the dense torch backward: an fp32 ``[N, cols]`` block within the chunk budget
+    (``TORCH_CHUNK_BYTES``), at most 1/16 of the vocabulary (but 64), at most ``V``."""
+    return max(1, min(v, cols_per_block(n, _common.TORCH_CHUNK_BYTES, multiple=8), max(64, -(-v // 16))))
+
+
+def _bwd_torch_vocab(h, w, idx, owns, lse, ent, g, k, inv_temp, need_h, need_w):
+    """The dense torch backward over vocabulary blocks: per block of ``cols`` weight rows, the logits of all N rows
+    are recomputed (one GEMM), turned into ``∂L/∂z`` in place and contracted. The block's ``grad_weight`` rows are
+    written once by a GEMM over all N rows, and ``grad_hidden`` accumulates in an fp32 ``[N, H]``; row chunks
+    instead read and rewrite the whole ``[V, H]`` ``grad_weight`` once per chunk, which on a CPU costs as much
+    memory traffic as the GEMM that feeds it."""
+    n, hdim = h.shape
+    v = w.shape[0]
+    w32 = w.float()
+    hc = h.float() * inv_temp
+    cols = _torch_cols(n, v)
+    buf = torch.empty(n * cols, dtype=torch.float32, device=h.device)
+    pbuf = torch.empty_like(buf) if k is not None else None
+    gh = torch.zeros(n, hdim, dtype=torch.float32, device=h.device) if need_h else None
+    gw = torch.empty(v, hdim, dtype=torch.float32, device=h.device) if need_w else None
+    # no entropy: ∂/∂z = −g·(p − onehot) with the label's −1 scattered into p, and g on the [N, H] operands
+    hg = hc * -g.unsqueeze(1) if (k is None and need_w) else None
+    for j0 in range(0, v, cols):
+        cb = min(cols, v - j0)
+        wb = w32[j0 : j0 + cb]
+        lp = torch.mm(hc, wb.t(), out=buf[: n * cb].view(n, cb)).sub_(lse.unsqueeze(1))  # log p
+        inb = owns & (idx >= j0) & (idx < j0 + cb)  # the label lies in this block (on this rank)
+        loc = torch.where(inb, idx - j0, 0).unsqueeze(1)
+        if k is None:
+            gz = lp.exp_()
+            gz.scatter_add_(1, loc, -inb.to(gz.dtype).unsqueeze(1))
+            hw = hg
+        else:
+            p = torch.exp(lp, out=pbuf[: n * cb].view(n, cb))
+            gz = lp.add_(ent.unsqueeze(1)).mul_(-k.unsqueeze(1)).sub_(g.unsqueeze(1)).mul_(p)
+            gz.scatter_add_(1, loc, torch.where(inb, g, 0.0).unsqueeze(1))
+            hw = hc
+        if need_h:
+            gh.addmm_(gz, wb)
+        if need_w:
+            torch.mm(gz.t(), hw, out=gw[j0 : j0 + cb])
+    if need_h:
+        gh.mul_((-g * inv_temp).unsqueeze(1) if k is None else inv_temp)
+    return gh, gw
+
+
 def _bwd_torch(h, w, idx, owns, lse, ent, g, k, inv_temp, need_h, need_w, rep=None, rows_all_sparse=False):
+    if rep is None:  # no sampling-mask replay: every row dense
+        return _bwd_torch_vocab(h, w, idx, owns, lse, ent, g, k, inv_temp, need_h, need_w)
     n, hdim = h.shape
     v = w.shape[0]
     w32 = w.float()
