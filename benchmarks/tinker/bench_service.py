@@ -26,7 +26,10 @@ and one short timing round on a tiny random model and prints ``quick: ok``.
 
 Every process runs torch with one intra-op thread (the server too: ``--threads 1``). The client (SDK) runs in this
 process, so on a 2-core machine the client's and the server's CPU time compete; the 1-minute load average at the
-start and the end is printed with the figures.
+start and the end is printed with the figures. Next to the wall-clock figures, the CPU seconds of this process plus
+the server's (``/proc``) per training step and the sampled tokens per CPU second are reported: on a loaded machine
+the wall-clock ratios carry tens of percent of noise, the CPU-time ratios much less (the in-process path's CPU
+includes the idle SDK client's background thread, so its figures lean slightly toward the service).
 """
 
 from __future__ import annotations
@@ -73,6 +76,16 @@ def start_server(name: str, model_dir: str, state_dir: str):
             raise SystemExit(f"the server exited with {proc.returncode} before serving")
         if line.startswith("rlblocks.tinker: serving"):
             return proc, line.split(" at ")[1].split()[0]
+
+
+def server_cpu(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used (Linux ``/proc``; 0 elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 class Workload:
@@ -229,10 +242,18 @@ def main() -> None:
                          for p in prompts[: args.samples // per_call]]
                 return sum(len(s.tokens) for f in calls for s in f.result().sequences)
 
-            def timed(fn, *a):
+            cpu: dict[str, list[float]] = {}
+
+            def timed(fn, *a, key=None):
+                """Wall seconds and result of ``fn(*a)``; with ``key``, also the CPU seconds this process and the
+                server spent meanwhile (a load-robust measure of the work each path does)."""
+                c0, s0 = time.process_time(), server_cpu(proc.pid)
                 t = time.perf_counter()
                 r = fn(*a)
-                return time.perf_counter() - t, r
+                dt = time.perf_counter() - t
+                if key is not None:
+                    cpu.setdefault(key, []).append(time.process_time() - c0 + server_cpu(proc.pid) - s0)
+                return dt, r
 
             # the checks: a fresh adapter (B = 0) gives the same loss and log-probs both ways; after one optim_step
             # each, so does the next forward_backward (the same update applied); a greedy sample is the engine's
@@ -255,14 +276,18 @@ def main() -> None:
             res: dict[str, list[float]] = {k: [] for k in ("train_local", "train_service", "sample_direct",
                                                            "sample_service_1", "sample_service_16")}
             for rep in range(args.reps):
-                res["train_local"].append(timed(lambda: [local_train() for _ in range(args.iters)])[0] / args.iters)
-                res["train_service"].append(timed(lambda: [service_train() for _ in range(args.iters)])[0]
-                                            / args.iters)
-                dt, gens = timed(loop.run_until_complete, direct(rep))
-                res["sample_direct"].append(sum(len(g.output_ids) for g in gens) / dt)
+                res["train_local"].append(timed(lambda: [local_train() for _ in range(args.iters)],
+                                                key="train_local")[0] / args.iters)
+                res["train_service"].append(timed(lambda: [service_train() for _ in range(args.iters)],
+                                                  key="train_service")[0] / args.iters)
+                dt, gens = timed(loop.run_until_complete, direct(rep), key="sample_direct")
+                n = sum(len(g.output_ids) for g in gens)
+                res["sample_direct"].append(n / dt)
+                cpu["sample_direct"][-1] = n / cpu["sample_direct"][-1]
                 for per in (1, 16):
-                    dt, n = timed(service_sample, per)
+                    dt, n = timed(service_sample, per, key=f"sample_service_{per}")
                     res[f"sample_service_{per}"].append(n / dt)
+                    cpu[f"sample_service_{per}"][-1] = n / cpu[f"sample_service_{per}"][-1]
             sc.close("success").result()
         finally:
             proc.terminate()
@@ -272,6 +297,7 @@ def main() -> None:
         loop.close()
         tmp.cleanup()
     med = {k: statistics.median(v) for k, v in res.items()}
+    mc = {k: statistics.median(v) for k, v in cpu.items()}
     summary = {
         "model": args.model or ("tiny random (quick)" if args.quick else "demo warm start"),
         "datums": args.datums, "samples": args.samples, "max_tokens": args.max_tokens,
@@ -284,7 +310,17 @@ def main() -> None:
         "sampled_tokens_per_s_service_16_per_call": med["sample_service_16"],
         "sampling_ratio_1_per_call": med["sample_service_1"] / med["sample_direct"],
         "sampling_ratio_16_per_call": med["sample_service_16"] / med["sample_direct"],
-        "reps": args.reps, "iters": args.iters, "per_round": res,
+        # CPU seconds (this process + the server) per step, sampled tokens per CPU second: what each path costs,
+        # whatever share of the cores the processes got
+        "train_cpu_seconds_per_step_in_process": mc["train_local"] / args.iters,
+        "train_cpu_seconds_per_step_service": mc["train_service"] / args.iters,
+        "train_cpu_overhead": mc["train_service"] / mc["train_local"] - 1,
+        "sampled_tokens_per_cpu_s_direct": mc["sample_direct"],
+        "sampled_tokens_per_cpu_s_service_1_per_call": mc["sample_service_1"],
+        "sampled_tokens_per_cpu_s_service_16_per_call": mc["sample_service_16"],
+        "sampling_cpu_ratio_1_per_call": mc["sample_service_1"] / mc["sample_direct"],
+        "sampling_cpu_ratio_16_per_call": mc["sample_service_16"] / mc["sample_direct"],
+        "reps": args.reps, "iters": args.iters, "per_round": res, "per_round_cpu": cpu,
         "load_average_1min_start": load_start, "load_average_1min_end": os.getloadavg()[0],
     }
     print(json.dumps(summary, indent=2))
