@@ -12,6 +12,10 @@ The CPU figures of ``results/kernels_cpu-real.*`` come from (the 1-minute load a
     PYTHONPATH=$PWD python benchmarks/kernels/bench.py --suite cpu-real --samples 5 --err-rows 512 \
         --out benchmarks/kernels/results
 
+On a loaded CPU, ``--clock cpu --threads 1`` times each sample by the process's CPU seconds on one thread: the work
+each provider does, whatever share of the cores the run gets (the wall-clock ratios there carry tens of percent of
+noise, and 2-thread runs also wait on descheduled threads at every parallel op).
+
 Providers (all compute per-token ``logp`` and optionally the entropy of ``softmax(hidden @ weightᵀ / T)``):
 
 - ``naive``: materialised fp32 logits, ``log_softmax``, gather, entropy ``−Σ p·log p`` (what most RL code does).
@@ -79,6 +83,8 @@ EXECUTED_FLOPS = {
 PROVIDER_MODES = {"liger_sum": ("full",), "rlblocks_fused": ("full", "nograd")}
 IGNORE = -100
 PEAK_BF16 = 989.4
+# the clock of the timed samples (``--clock``): wall time, or the CPU seconds of this process (all its threads)
+CLOCK = [time.perf_counter]
 
 
 @dataclass
@@ -250,31 +256,31 @@ def _loss(name, out, ent, c1, c2):
 
 
 def _once(name, fn, mode, h, w, y, c1, c2) -> float:
-    """Run one sample of ``mode``; return its wall time in seconds (only the timed part)."""
+    """Run one sample of ``mode``; return its time in seconds by ``CLOCK`` (only the timed part)."""
     device = h.device
     h.grad = None
     w.grad = None
     if mode == "nograd":
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = CLOCK[0]()
         with torch.no_grad():
             fn(h, w, y, c1, c2)
         _sync(device)
-        return time.perf_counter() - t0
+        return CLOCK[0]() - t0
     if mode == "bwd":
         loss = _loss(name, *fn(h, w, y, c1, c2), c1, c2)
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = CLOCK[0]()
         loss.backward()
         _sync(device)
-        return time.perf_counter() - t0
+        return CLOCK[0]() - t0
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = CLOCK[0]()
     out = fn(h, w, y, c1, c2)
     if mode == "full":
         _loss(name, *out, c1, c2).backward()
     _sync(device)
-    return time.perf_counter() - t0
+    return CLOCK[0]() - t0
 
 
 @contextlib.contextmanager
@@ -657,6 +663,10 @@ def main(argv=None):
     p.add_argument("--providers", default=None, help="comma list to restrict providers")
     p.add_argument("--modes", default=None, help="comma list to restrict modes")
     p.add_argument("--tokens", default=None, help="comma list of T to restrict the suite's cases")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time samples by wall clock, or by this process's CPU seconds (with --threads 1 on a loaded "
+                        "CPU: the work done, whatever share of the cores the run gets)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up runs per provider and mode before timing")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak used for %% of peak")
     p.add_argument("--err-rows", type=int, default=None,
@@ -678,6 +688,9 @@ def main(argv=None):
         return []
     if args.quick:
         args.suite, args.samples = "validate", 2
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    CLOCK[0] = time.process_time if args.clock == "cpu" else time.perf_counter
     cases = SUITES[args.suite]
     if args.providers:
         keep = tuple(args.providers.split(","))
@@ -705,8 +718,9 @@ def main(argv=None):
         "peak_source": peak_src,
         "memory_method": "CUDA: max_memory_allocated - allocated before; CPU: peak running sum of torch.profiler "
         "allocator events (profile_memory=True); both above the live inputs; mem_vs_bf16_logits = peak / (N*V*2 B)",
-        "timing": f"wall clock (perf_counter, CUDA-synchronised), {args.samples} samples interleaved across "
-        "providers with rotating order, after 2 warm-up runs",
+        "timing": f"{'CPU seconds of the process (process_time)' if args.clock == 'cpu' else 'wall clock'} "
+        f"(perf_counter, CUDA-synchronised), torch threads {torch.get_num_threads()}, {args.samples} samples "
+        f"interleaved across providers with rotating order, after {args.warmup} warm-up runs",
         "errors": f"max abs error vs float64 on the first {err_rows} rows (a sub-batch through the same provider)",
         "labels": f"20% ignored (-100), temperature {args.temperature:.2f}",
         "load_average_1min_start": os.getloadavg()[0],
