@@ -349,8 +349,9 @@ def _sparse_grad_rows(rep, sl, hc, w32, idx, owns, lse, ent, g, k, inv_temp, gh_
 
 def _torch_cols(n: int, v: int) -> int:
     """Vocabulary rows per block of the dense torch backward: an fp32 ``[N, cols]`` block within the chunk budget
-    (``TORCH_CHUNK_BYTES``), at most 1/16 of the vocabulary (but 64), at most ``V``."""
-    return max(1, min(v, cols_per_block(n, _common.TORCH_CHUNK_BYTES, multiple=8), max(64, -(-v // 16))))
+    (``TORCH_CHUNK_BYTES``), at most 1/32 of the vocabulary (but 64; the block GEMMs stay large: all N rows), at
+    most ``V``."""
+    return max(1, min(v, cols_per_block(n, _common.TORCH_CHUNK_BYTES, multiple=8), max(64, -(-v // 32))))
 
 
 def _bwd_torch_vocab(h, w, idx, owns, lse, ent, g, k, inv_temp, need_h, need_w):
