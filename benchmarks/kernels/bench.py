@@ -7,8 +7,10 @@ forward+backward, with and without entropy at 2048), ``gpu-large``, ``gpu-more``
 ``validate`` with 2 samples and fails unless every provider that ran agrees with the float64 reference (max abs error ≤
 1e-4 in fp32) and the naive and rlblocks rows are there; it prints ``quick: ok``.
 
-The CPU figures of ``results/kernels_cpu-real.*`` come from (the 1-minute load average is printed and stored)::
+The CPU figures of ``results/kernels_cpu-real*`` come from (the 1-minute load average is printed and stored)::
 
+    PYTHONPATH=$PWD python benchmarks/kernels/bench.py --suite cpu-real --clock cpu --threads 1 --samples 3 \
+        --warmup 1 --err-rows 256 --providers naive,rlblocks,rlblocks_fused --out benchmarks/kernels/results
     PYTHONPATH=$PWD python benchmarks/kernels/bench.py --suite cpu-real --samples 5 --err-rows 512 \
         --out benchmarks/kernels/results
 
