@@ -1,8 +1,22 @@
 """Benchmark sweep of the fused linear log-prob (+ entropy) op: ``python benchmarks/kernels/bench.py --suite cpu``.
 
-Suites: ``cpu`` (a scaled-down CPU set, a few minutes), ``cpu-large`` (one large CPU case: T=4096 H=512 V=32768
-fp32, forward+backward), ``gpu-large``, ``gpu-more`` and ``gpu-full`` (one CUDA device; see ``gpu_check.sh``),
-``validate`` (seconds: every provider and mode once, to check that the script runs).
+Suites: ``cpu`` (a scaled-down CPU set, a few minutes), ``cpu-large`` (one large CPU case: T=4096 H=512 V=32768 fp32,
+forward+backward), ``cpu-real`` (a real small model's LM head, SmolLM2-135M's H=576 V=49152, at T=2048 and 8192, fp32
+forward+backward, with and without entropy at 2048), ``gpu-large``, ``gpu-more`` and ``gpu-full`` (one CUDA device; see
+``gpu_check.sh``), ``validate`` (seconds: every provider and mode once, to check that the script runs). ``--quick`` runs
+``validate`` with 2 samples and fails unless every provider that ran agrees with the float64 reference (max abs error ≤
+1e-4 in fp32) and the naive and rlblocks rows are there; it prints ``quick: ok``.
+
+The CPU figures of ``results/kernels_cpu-real*`` come from (the 1-minute load average is printed and stored)::
+
+    PYTHONPATH=$PWD python benchmarks/kernels/bench.py --suite cpu-real --clock cpu --threads 1 --samples 3 \
+        --warmup 1 --err-rows 256 --providers naive,rlblocks,rlblocks_fused --out benchmarks/kernels/results
+    PYTHONPATH=$PWD python benchmarks/kernels/bench.py --suite cpu-real --samples 5 --err-rows 512 \
+        --out benchmarks/kernels/results
+
+On a loaded CPU, ``--clock cpu --threads 1`` times each sample by the process's CPU seconds on one thread: the work
+each provider does, whatever share of the cores the run gets (the wall-clock ratios there carry tens of percent of
+noise, and 2-thread runs also wait on descheduled threads at every parallel op).
 
 Providers (all compute per-token ``logp`` and optionally the entropy of ``softmax(hidden @ weightᵀ / T)``):
 
@@ -71,6 +85,8 @@ EXECUTED_FLOPS = {
 PROVIDER_MODES = {"liger_sum": ("full",), "rlblocks_fused": ("full", "nograd")}
 IGNORE = -100
 PEAK_BF16 = 989.4
+# the clock of the timed samples (``--clock``): wall time, or the CPU seconds of this process (all its threads)
+CLOCK = [time.perf_counter]
 
 
 @dataclass
@@ -92,6 +108,10 @@ SUITES: dict[str, list[Case]] = {
     # one large CPU case: fwd+bwd, fp32
     "cpu-large": [Case(4096, 512, 32768, modes=("full",), entropy=(False,), providers=("naive", "rlblocks",
                                                                                    "rlblocks_fused"))],
+    # a real small model's LM head (SmolLM2-135M: H=576, V=49152) at two batch sizes, fwd+bwd, fp32
+    "cpu-real": [Case(t, 576, 49152, modes=("full",), entropy=ent,
+                      providers=("naive", "compiled_chunked", "rlblocks", "rlblocks_fused"))
+                 for t, ent in ((2048, (False, True)), (8192, (False,)))],
     # one large GPU case (an 8B model's LM head over a 128k vocabulary), run first by gpu_check.sh: forward and full
     "gpu-large": [Case(8192, 4096, 131072, "bfloat16", modes=("fwd", "full"), entropy=(False,), providers=_GPU_P)],
     # the rest of the one-H200 check: no-grad and entropy at the gpu-large shape, then other real vocabularies
@@ -238,31 +258,31 @@ def _loss(name, out, ent, c1, c2):
 
 
 def _once(name, fn, mode, h, w, y, c1, c2) -> float:
-    """Run one sample of ``mode``; return its wall time in seconds (only the timed part)."""
+    """Run one sample of ``mode``; return its time in seconds by ``CLOCK`` (only the timed part)."""
     device = h.device
     h.grad = None
     w.grad = None
     if mode == "nograd":
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = CLOCK[0]()
         with torch.no_grad():
             fn(h, w, y, c1, c2)
         _sync(device)
-        return time.perf_counter() - t0
+        return CLOCK[0]() - t0
     if mode == "bwd":
         loss = _loss(name, *fn(h, w, y, c1, c2), c1, c2)
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = CLOCK[0]()
         loss.backward()
         _sync(device)
-        return time.perf_counter() - t0
+        return CLOCK[0]() - t0
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = CLOCK[0]()
     out = fn(h, w, y, c1, c2)
     if mode == "full":
         _loss(name, *out, c1, c2).backward()
     _sync(device)
-    return time.perf_counter() - t0
+    return CLOCK[0]() - t0
 
 
 @contextlib.contextmanager
@@ -466,8 +486,9 @@ def _pct(xs, q):
 class Sweep:
     """Runs cases; every finished row is appended to the CSV at once (a later crash or timeout loses nothing)."""
 
-    def __init__(self, suite, out_dir, device, samples, temperature, peak, err_rows, deadline, log):
+    def __init__(self, suite, out_dir, device, samples, temperature, peak, err_rows, deadline, log, warmup=2):
         self.suite, self.device, self.samples, self.temperature = suite, device, samples, temperature
+        self.warmup = warmup
         self.peak, self.err_rows, self.deadline, self.log = peak, err_rows, deadline, log
         os.makedirs(out_dir, exist_ok=True)
         self.csv_path = os.path.join(out_dir, f"kernels_{suite}.csv")
@@ -520,9 +541,11 @@ class Sweep:
                 if self.out_of_time():
                     break
                 try:
-                    for _ in range(2):  # warm-up (compilation, autotuning)
+                    # warm-up (compilation, autotuning) of the graphs the case's modes run
+                    warm = {"nograd" if m == "nograd" else "full" for m in case.modes}
+                    for _ in range(self.warmup):
                         for mode in ("full", "nograd"):
-                            if mode in PROVIDER_MODES.get(name, MODES):
+                            if mode in warm and mode in PROVIDER_MODES.get(name, MODES):
                                 _once(name, fn, mode, h, w, y, c1, c2)
                     errs[name] = _errors(name, fn, h[:n_err], w, y[:n_err], c1[:n_err], c2[:n_err],
                                          self.temperature, entropy)  # fmt: skip
@@ -641,12 +664,20 @@ def main(argv=None):
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--providers", default=None, help="comma list to restrict providers")
     p.add_argument("--modes", default=None, help="comma list to restrict modes")
+    p.add_argument("--tokens", default=None, help="comma list of T to restrict the suite's cases")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time samples by wall clock, or by this process's CPU seconds (with --threads 1 on a loaded "
+                        "CPU: the work done, whatever share of the cores the run gets)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up runs per provider and mode before timing")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak used for %% of peak")
     p.add_argument("--err-rows", type=int, default=None,
                    help="rows of the float64 error check (default: all on CPU, 64 on CUDA)")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="start no new measurement after this many seconds (rows already written stay)")
     p.add_argument("--out", default="runs/bench_kernels")
+    p.add_argument("--quick", action="store_true",
+                   help="the validate suite with 2 samples; fail unless outputs agree with float64 ('quick: ok')")
     p.add_argument("--table-from", nargs="+", default=None, metavar="CSV",
                    help="only print the summary table of result CSVs and exit")
     args = p.parse_args(argv)
@@ -657,6 +688,11 @@ def main(argv=None):
         for line in table_from_csv(args.table_from, peak):
             log(line)
         return []
+    if args.quick:
+        args.suite, args.samples = "validate", 2
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    CLOCK[0] = time.process_time if args.clock == "cpu" else time.perf_counter
     cases = SUITES[args.suite]
     if args.providers:
         keep = tuple(args.providers.split(","))
@@ -664,6 +700,9 @@ def main(argv=None):
     if args.modes:
         keep = tuple(args.modes.split(","))
         cases = [Case(**{**c.__dict__, "modes": tuple(x for x in c.modes if x in keep)}) for c in cases]
+    if args.tokens:
+        keep_t = {int(x) for x in args.tokens.split(",")}
+        cases = [c for c in cases if c.T in keep_t]
     if args.peak_tflops is not None:
         peak, peak_src = args.peak_tflops, "--peak-tflops"
     elif device.type == "cuda":
@@ -681,15 +720,19 @@ def main(argv=None):
         "peak_source": peak_src,
         "memory_method": "CUDA: max_memory_allocated - allocated before; CPU: peak running sum of torch.profiler "
         "allocator events (profile_memory=True); both above the live inputs; mem_vs_bf16_logits = peak / (N*V*2 B)",
-        "timing": f"wall clock (perf_counter, CUDA-synchronised), {args.samples} samples interleaved across "
-        "providers with rotating order, after 2 warm-up runs",
+        "timing": f"{'CPU seconds of the process (process_time)' if args.clock == 'cpu' else 'wall clock'} "
+        f"(perf_counter, CUDA-synchronised), torch threads {torch.get_num_threads()}, {args.samples} samples "
+        f"interleaved across providers with rotating order, after {args.warmup} warm-up runs",
         "errors": f"max abs error vs float64 on the first {err_rows} rows (a sub-batch through the same provider)",
         "labels": f"20% ignored (-100), temperature {args.temperature:.2f}",
+        "load_average_1min_start": os.getloadavg()[0],
     }
     log(json.dumps(meta["machine"]))
     log(f"peak: {peak_src}")
+    log(f"load average (1 min) at start: {meta['load_average_1min_start']:.2f}")
     deadline = None if args.time_budget_s is None else time.monotonic() + args.time_budget_s
-    sweep = Sweep(args.suite, args.out, device, args.samples, args.temperature, peak, err_rows, deadline, log)
+    sweep = Sweep(args.suite, args.out, device, args.samples, args.temperature, peak, err_rows, deadline, log,
+                  args.warmup)
     for case in cases:
         try:
             sweep.run_case(case)
@@ -698,13 +741,30 @@ def main(argv=None):
             sweep.emit([Row(args.suite, "all", case.T, case.H, case.V, case.dtype, "all", False, args.temperature,
                             status=f"failed: {type(e).__name__}: {str(e)[:120]}")])  # fmt: skip
             _free(device)
+    meta["load_average_1min_end"] = os.getloadavg()[0]
+    log(f"load average (1 min) at end: {meta['load_average_1min_end']:.2f}")
     json_path = os.path.join(args.out, f"kernels_{args.suite}.json")
     with open(json_path, "w") as f:
         json.dump({**meta, "rows": [_flat(r) for r in sweep.rows]}, f, indent=1, default=str)
     log(f"wrote {sweep.csv_path} and {json_path}")
     for line in summary_table([_flat(r) for r in sweep.rows], peak):
         log(line)
+    if args.quick:
+        _quick_check(sweep.rows)
+        log("quick: ok")
     return sweep.rows
+
+
+def _quick_check(rows: list[Row], tol: float = 1e-4) -> None:
+    """``--quick``: every provider that ran agrees with float64; naive and rlblocks ran (skips elsewhere are fine)."""
+    ok = [r for r in rows if r.status == "ok"]
+    ran = {r.provider for r in ok}
+    if not {"naive", "rlblocks"} <= ran:
+        raise SystemExit(f"quick: naive and rlblocks must run, ran {sorted(ran)}")
+    for r in ok:
+        errs = [v for v in r.errors.values() if v == v]
+        if not errs or max(errs) > tol:
+            raise SystemExit(f"quick: {r.provider} {r.mode} entropy={r.entropy} disagrees with float64: {r.errors}")
 
 
 if __name__ == "__main__":

@@ -212,9 +212,10 @@ _LOWEST = torch.finfo(torch.float32).min
 
 
 def _torch_rows(n: int, v: int) -> int:
-    """Rows per chunk of the torch path: the chunk budget, and at most half the rows, so the extra memory stays
-    below half of the fp32 logits even for small problems."""
-    return max(1, min(rows_per_chunk(v), max(8, -(-n // 2))))
+    """Rows per chunk of the torch path: the chunk budget (``TORCH_CHUNK_BYTES`` of fp32 logits), at most 1/16 of
+    the rows but 64 (enough rows per pass of the GEMMs over the weight), and at most half the rows, so the chunk
+    stays a small fraction of the ``[N, V]`` logits that plain autograd holds (1/16 from N = 1024 on)."""
+    return max(1, min(rows_per_chunk(v), max(64, -(-n // 16)), max(8, -(-n // 2))))
 
 
 def _fwd_stats_torch(h, w, idx, owns, inv_temp, has_ent, sm=None, group=None):
@@ -303,15 +304,17 @@ def _grad_chunk_torch(lp, pbuf, hc, w32, idx_c, owns_c, g_c, k_c, ent_c, inv_tem
     chunk; writes ``grad_hidden`` rows into ``gh_out`` and accumulates ``grad_weight`` into ``gw``."""
     g_own = torch.where(owns_c, g_c, 0.0).unsqueeze(1)  # label term: only the rank owning the label
     if k_c is None:
-        # ∂/∂z = g·(onehot − p): keep p unscaled and move g onto the small [c, H] operands, so the [c, V] block
-        # is touched only by the GEMMs and one exp.
+        # ∂/∂z = g·(onehot − p) = −g·(p − onehot) on the rank owning the label (−g·p elsewhere): the label enters
+        # the [c, V] block as one scattered −1 per row and g moves onto the small [c, H] operands, so the block is
+        # touched only by one exp, the scatter and the two GEMMs (an index_add_ of the label rows into grad_weight
+        # costs as much as a GEMM on a CPU).
         p = lp.exp_()
+        p.scatter_add_(1, idx_c.unsqueeze(1), -owns_c.to(p.dtype).unsqueeze(1))
         gc = g_c.unsqueeze(1)
         if need_h:
-            torch.sub(g_own * w32[idx_c], gc * torch.mm(p, w32), out=gh_out).mul_(inv_temp)
+            torch.mm(p, w32, out=gh_out).mul_(gc * -inv_temp)
         if need_w:
             gw.addmm_(p.t(), hc * -gc)
-            gw.index_add_(0, idx_c, hc * g_own)
         return
     p = torch.exp(lp, out=pbuf)
     if masked:  # −inf entries (outside a sampling mask): p = 0 there, and a finite log p avoids 0·(−inf) below
@@ -344,7 +347,57 @@ def _sparse_grad_rows(rep, sl, hc, w32, idx, owns, lse, ent, g, k, inv_temp, gh_
             gw.index_add_(0, idx[sl][q], hc[q] * g_own[q])
 
 
+def _torch_cols(n: int, v: int) -> int:
+    """Vocabulary rows per block of the dense torch backward: an fp32 ``[N, cols]`` block within the chunk budget
+    (``TORCH_CHUNK_BYTES``), at most 1/32 of the vocabulary (but 64; the block GEMMs stay large: all N rows), at
+    most ``V``."""
+    return max(1, min(v, cols_per_block(n, _common.TORCH_CHUNK_BYTES, multiple=8), max(64, -(-v // 32))))
+
+
+def _bwd_torch_vocab(h, w, idx, owns, lse, ent, g, k, inv_temp, need_h, need_w):
+    """The dense torch backward over vocabulary blocks: per block of ``cols`` weight rows, the logits of all N rows
+    are recomputed (one GEMM), turned into ``∂L/∂z`` in place and contracted. The block's ``grad_weight`` rows are
+    written once by a GEMM over all N rows, and ``grad_hidden`` accumulates in an fp32 ``[N, H]``; row chunks
+    instead read and rewrite the whole ``[V, H]`` ``grad_weight`` once per chunk, which on a CPU costs as much
+    memory traffic as the GEMM that feeds it."""
+    n, hdim = h.shape
+    v = w.shape[0]
+    w32 = w.float()
+    hc = h.float() * inv_temp
+    cols = _torch_cols(n, v)
+    buf = torch.empty(n * cols, dtype=torch.float32, device=h.device)
+    pbuf = torch.empty_like(buf) if k is not None else None
+    gh = torch.zeros(n, hdim, dtype=torch.float32, device=h.device) if need_h else None
+    gw = torch.empty(v, hdim, dtype=torch.float32, device=h.device) if need_w else None
+    # no entropy: ∂/∂z = −g·(p − onehot) with the label's −1 scattered into p, and g on the [N, H] operands
+    hg = hc * -g.unsqueeze(1) if (k is None and need_w) else None
+    for j0 in range(0, v, cols):
+        cb = min(cols, v - j0)
+        wb = w32[j0 : j0 + cb]
+        lp = torch.mm(hc, wb.t(), out=buf[: n * cb].view(n, cb)).sub_(lse.unsqueeze(1))  # log p
+        inb = owns & (idx >= j0) & (idx < j0 + cb)  # the label lies in this block (on this rank)
+        loc = torch.where(inb, idx - j0, 0).unsqueeze(1)
+        if k is None:
+            gz = lp.exp_()
+            gz.scatter_add_(1, loc, -inb.to(gz.dtype).unsqueeze(1))
+            hw = hg
+        else:
+            p = torch.exp(lp, out=pbuf[: n * cb].view(n, cb))
+            gz = lp.add_(ent.unsqueeze(1)).mul_(-k.unsqueeze(1)).sub_(g.unsqueeze(1)).mul_(p)
+            gz.scatter_add_(1, loc, torch.where(inb, g, 0.0).unsqueeze(1))
+            hw = hc
+        if need_h:
+            gh.addmm_(gz, wb)
+        if need_w:
+            torch.mm(gz.t(), hw, out=gw[j0 : j0 + cb])
+    if need_h:
+        gh.mul_((-g * inv_temp).unsqueeze(1) if k is None else inv_temp)
+    return gh, gw
+
+
 def _bwd_torch(h, w, idx, owns, lse, ent, g, k, inv_temp, need_h, need_w, rep=None, rows_all_sparse=False):
+    if rep is None:  # no sampling-mask replay: every row dense
+        return _bwd_torch_vocab(h, w, idx, owns, lse, ent, g, k, inv_temp, need_h, need_w)
     n, hdim = h.shape
     v = w.shape[0]
     w32 = w.float()

@@ -20,7 +20,8 @@ backward, each rank's ``grad_hidden`` contribution is all-reduced (SUM); ``grad_
 Backends: Triton on CUDA (GPU design: ``tl.dot`` tiles of hidden @ Wᵀ with fp32 accumulators, the vocabulary split
 across programs and merged exactly; the backward kernel recomputes a ``[N, vocab-chunk]`` block of ``∂/∂z`` that
 cuBLAS contracts into both gradients, so bf16 GEMMs run on tensor cores and ``grad_weight`` rows are written once),
-and a chunked torch path (rows in chunks of ~64 MiB of fp32 logits; fp32 matmuls).
+and a chunked torch path (forward: row chunks of fp32 logits; backward: vocabulary blocks over all rows,
+each block's ``grad_weight`` rows written once; fp32 matmuls).
 """
 
 from __future__ import annotations
@@ -159,13 +160,15 @@ def linear_token_logprobs(
     settle), so the replay path is not meant for ``torch.compile(fullgraph=True)``; without ``top_k`` / ``top_p``
     nothing changes.
 
-    Masked positions (``mask`` false, or ``labels == ignore_index``) give 0 for both outputs and no gradient;
-    their hidden rows are replaced by 0 before any product (NaN/inf there cannot leak). Differentiable w.r.t.
-    ``hidden`` and ``weight`` (also through the entropy); the backward recomputes the logits blockwise. Extra
-    memory is one chunk of logits (torch path: ≤ ~64 MiB of fp32 rows and at most half the rows, plus an fp32 copy
-    of ``weight`` when it is bf16/fp16; Triton: a ``[N, vocab-chunk]`` gradient block of ≤ 256 MiB, and an fp32
-    ``[N, H]`` grad-hidden accumulator) and O(N) fp32 stats, never ``[N, V]``. Without grad (``torch.no_grad``
-    or inputs that do not require grad) nothing is kept for a backward.
+    Masked positions (``mask`` false, or ``labels == ignore_index``) give 0 for both outputs and no gradient; their
+    hidden rows are replaced by 0 before any product (NaN/inf there cannot leak). Differentiable w.r.t. ``hidden`` and
+    ``weight`` (also through the entropy); the backward recomputes the logits blockwise. Extra memory is one chunk of
+    logits (torch path: forward row chunks of ≤ ~64 MiB of fp32 logits, at most half the rows and from 1024 rows on at
+    most 1/16 of them; backward blocks of ≤ ~64 MiB over all rows and at most 1/32 of the vocabulary, with two fp32
+    ``[N, H]`` operands and the ``[N, H]`` grad-hidden accumulator; plus an fp32 copy of ``weight`` when it is
+    bf16/fp16; Triton: a ``[N, vocab-chunk]`` gradient block of ≤ 256 MiB, and an fp32 ``[N, H]`` grad-hidden
+    accumulator) and O(N) fp32 stats, never ``[N, V]``. Without grad (``torch.no_grad`` or inputs that do not require
+    grad) nothing is kept for a backward.
 
     Args:
         hidden: ``[..., H]`` hidden states (fp32/bf16/fp16).

@@ -13,8 +13,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 QUICK = {
     "kernels/prefix_share.py": "quick: ok",
+    "kernels/bench.py": "quick: ok",
     "rollout/bench_engines.py": "quick: ok",
     "sync/bench_delta.py": "quick: ok",
+    "tinker/bench_service.py": "quick: ok",
 }
 
 

@@ -182,3 +182,33 @@ def test_token_logprobs_mask(ref):
     ref.assert_close(lp, want_lp, 1e-5, "logp")
     ref.assert_close(ent, want_ent, 1e-5, "entropy")
     assert torch.isfinite(x.grad).all() and (x.grad[~mask] == 0).all()
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_torch_chunks_at_uneven_rows_and_vocab(ref, entropy):
+    """The default chunking (no shrunk budget): 1027 rows in forward chunks of 65 (1/16 of them, the last one 52
+    rows), 1031 vocabulary rows in backward blocks of 65 (the last one 56), against float64; rows with a zero
+    upstream gradient and ignored rows included."""
+    n, hdim, vocab = 1027, 24, 1031
+    hidden, weight, labels = _case(ref, (n,), hdim, vocab, seed=3)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    g = torch.Generator().manual_seed(5)
+    c1, c2 = torch.randn(n, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
+    c1[::7] = 0.0
+    mode = _LargestTensor()
+    with mode:
+        out = linear_token_logprobs(h, w, labels, temperature=0.8, return_entropy=entropy, backend="torch")
+        lp = out[0] if entropy else out
+        loss = (lp.double() * c1).sum() + ((out[1].double() * c2).sum() if entropy else 0)
+        loss.backward()
+    want_lp, want_ent = ref.linear(hr, wr, labels, 0.8)
+    ((want_lp * c1).sum() + ((want_ent * c2).sum() if entropy else 0)).backward()
+    ref.assert_close(lp, want_lp, 1e-5, "logp")
+    if entropy:
+        ref.assert_close(out[1], want_ent, 1e-5, "entropy")
+    ref.assert_close(h.grad, hr.grad, 1e-5, "grad hidden")
+    ref.assert_close(w.grad, wr.grad, 1e-5, "grad weight")
+    assert (h.grad[labels == ref.IGNORE] == 0).all()
+    # forward row chunks of ceil(N/16) rows, backward vocabulary blocks of ceil(V/16) columns
+    assert mode.largest <= max(vocab * hdim, -(-n // 16) * vocab, n * -(-vocab // 16)), mode.largest
