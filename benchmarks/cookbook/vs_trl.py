@@ -5,7 +5,8 @@
 
 The job: SmolLM2-135M-Instruct (``--model``: a name ``cookbook/plumbing/models.py`` knows, or an HF directory;
 default: the real-model demo's cached format warm start, ``cookbook/real.py``), the demo's reasoning-gym task
-(``basic_arithmetic``, ``<answer>`` tags) and reward (the dataset's own verifier on the tagged answer), ``B`` prompts
+(``basic_arithmetic``, ``<answer>`` tags) and reward (1 when the dataset's own verifier accepts the tagged answer in
+full, ``--reward rg-exact``), full fine-tuning or LoRA on both sides (``--lora-rank``), ``B`` prompts
 x ``K`` samples per step, one optimizer update per step (AdamW, constant ``--lr``, no weight decay, grad-norm clip 1,
 no KL term, clip ε 0.2, token-level loss normalisation: TRL's ``loss_type="dapo"``, rlblocks' ``token-mean``),
 ``--max-new-tokens`` per response at ``--temperature``, ``--steps`` steps.
@@ -50,9 +51,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompts-per-step", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=2e-5)
-    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--lr", type=float, default=5e-5)
+    ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--heldout", type=int, default=255, help="held-out items evaluated after training")
+    ap.add_argument("--lora-rank", type=int, default=16, help="LoRA of this rank on both sides (alpha 2·rank, every "
+                    "linear layer of the decoder, as plumbing.apply_lora); 0: full fine-tuning")
     ap.add_argument("--engine", default="vllm", choices=("vllm", "torch"), help="rlblocks' rollout engine")
     ap.add_argument("--sides", nargs="+", default=["rlblocks", "trl"], choices=("rlblocks", "trl"))
     ap.add_argument("--seed", type=int, default=0)
@@ -159,7 +162,8 @@ def run_rlblocks(args, model: str, work: Path) -> dict:
                     "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
                     "--max-new-tokens", str(args.max_new_tokens), "--lr", str(args.lr),
                     "--temperature", str(args.temperature), "--mini-batches", "1", "--eval-every", "0",
-                    "--save-every", "0", "--seed", str(args.seed), "--quiet", "--save-hf", str(work / "hf")])
+                    "--save-every", "0", "--seed", str(args.seed), "--quiet", "--save-hf", str(work / "hf"),
+                    "--lora-rank", str(args.lora_rank)])
     rows = [json.loads(line) for line in (work / "rlblocks/metrics.jsonl").read_text().splitlines() if line.strip()]
     tok = AutoTokenizer.from_pretrained(model)
     lm = AutoModelForCausalLM.from_pretrained(work / "hf", dtype=torch.float32)  # the trained policy
@@ -201,7 +205,15 @@ def run_trl(args, model: str, work: Path) -> dict:
                      disable_tqdm=True)
     tok = AutoTokenizer.from_pretrained(model)
     lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    trainer = GRPOTrainer(model=lm, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok)
+    peft_config = None
+    if args.lora_rank:  # the adapters rlblocks' --lora-rank puts on the model
+        from peft import LoraConfig
+        from plumbing.policy import LORA_TARGETS
+
+        peft_config = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, lora_dropout=0.0,
+                                 target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model=lm, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok,
+                          peft_config=peft_config)
     gen_s, step_s, rewards = [], [], []
     inner = trainer._generate_and_score_completions
 
@@ -229,7 +241,8 @@ def run_trl(args, model: str, work: Path) -> dict:
     return {"steps": len(step_s), "step_seconds": median_after_first(step_s),
             "generate_seconds": median_after_first(gen_s),
             "train_seconds": median_after_first([s - g for s, g in zip(step_s, gen_s)]),
-            "heldout_acc": heldout_accuracy(trainer.model, tok, held, args.max_new_tokens), "heldout_n": len(held),
+            "heldout_acc": heldout_accuracy(trainer.model.merge_and_unload() if args.lora_rank else trainer.model,
+                                            tok, held, args.max_new_tokens), "heldout_n": len(held),
             "mean_reward": statistics.fmean(rewards) if rewards else float("nan"),
             "generation": "transformers generate (TRL use_vllm=False)"}
 
@@ -280,7 +293,8 @@ def main(argv: list[str] | None = None) -> dict:
               "hardware": f"{os.cpu_count()}-core {platform.machine()} CPU", "load_before": load_before,
               "load_after": os.getloadavg(), "quick": args.quick,
               "job": {k: getattr(args, k) for k in ("steps", "prompts_per_step", "group_size", "max_new_tokens",
-                                                      "lr", "temperature", "heldout", "engine", "seed")},
+                                                      "lr", "temperature", "heldout", "engine", "seed",
+                                                      "lora_rank")},
               "results": results}
     if "rlblocks" in results and "trl" in results:
         report["speedup_steps_per_second"] = results["trl"]["step_seconds"] / results["rlblocks"]["step_seconds"]
