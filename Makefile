@@ -1,9 +1,11 @@
 # Two commands on a fresh clone:
-#   make demo   creates .venv, installs, and runs the CPU cookbook demo (bounded-async GRPO, 2 processes)
+#   make demo   creates .venv, installs, and runs the main job: GRPO (LoRA) teaches SmolLM2-135M-Instruct two-digit
+#               addition on a CPU, held-out accuracy by reasoning-gym's exact verifier (one seed of demo-real)
 #   make test   creates .venv, installs, runs ruff, the docs build (mkdocs --strict) and the test suite
 #   make demo-agent  the multi-turn tool-use demo (bounded-async GRPO learns to call a calculator, 2 processes)
 #   make demo-ppo    PPO with actor, critic, frozen reference and a learned reward model (one process)
-#   make demo-distill  on-policy distillation: make demo's checkpoint teaches a fresh student (one process)
+#   make demo-toy    the tiny-model demo (bounded-async GRPO on 2 processes, two-digit addition, ~8 min)
+#   make demo-distill  on-policy distillation: make demo-toy's checkpoint teaches a fresh student (one process)
 #   make demo-tinker   tinker-cookbook's RL recipe on SmolLM2-135M against rlblocks.tinker (the Tinker API, local)
 #   make demo-real     GRPO (LoRA) teaches SmolLM2-135M-Instruct reasoning-gym addition, exact verifier (2 seeds)
 # Everything is installed into .venv; nothing is assumed to be on the machine but python3 (>= 3.10).
@@ -38,7 +40,7 @@ export TOKENIZERS_PARALLELISM := false
 # mkdocs-material prints a banner about its successor on every build
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: test demo demo-agent demo-ppo demo-distill demo-tinker demo-real install lint bench clean
+.PHONY: test demo demo-toy demo-agent demo-ppo demo-distill demo-tinker demo-real install lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,6 +66,10 @@ test: $(STAMP)
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --durations=40 tests
 
 demo: $(STAMP)
+	$(PY) cookbook/real.py --name demo-real --seeds 0
+	$(PY) cookbook/plot.py runs/demo-real-s0
+
+demo-toy: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 cookbook/grpo_async.py --name demo
 	$(PY) cookbook/plot.py runs/demo
 
@@ -75,10 +81,10 @@ demo-ppo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) cookbook/ppo.py --name demo-ppo
 	$(PY) cookbook/plot.py runs/demo-ppo
 
-# The teacher is make demo's final checkpoint (runs/demo/ckpt.pt; made first if it is not there); the student starts
+# The teacher is make demo-toy's final checkpoint (runs/demo/ckpt.pt; made first if it is not there); the student starts
 # from the same cached warm start and learns from the exact reverse KL to the teacher on its own samples.
 demo-distill: $(STAMP)
-	test -f runs/demo/ckpt.pt || $(MAKE) demo
+	test -f runs/demo/ckpt.pt || $(MAKE) demo-toy
 	$(PY) cookbook/grpo_sync.py --name demo-distill --distill-from runs/demo/ckpt.pt --distill-mode dense \
 		--prompts-per-step 64 --group-size 4 --lr 3e-4 --steps 350 --time-limit 0 --eval-every 25
 	$(PY) cookbook/plot.py runs/demo-distill

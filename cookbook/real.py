@@ -1,4 +1,5 @@
-"""The real-model demo (``make demo-real``): GRPO teaches SmolLM2-135M-Instruct a reasoning-gym task, checked strictly.
+"""The main demo (``make demo``: seed 0; ``make demo-real``: seeds 0 and 1): GRPO teaches SmolLM2-135M-Instruct a
+reasoning-gym task, checked strictly.
 
     python cookbook/real.py --name demo-real --seeds 0 1             # warm start (cached), then one RL run per seed
     python cookbook/real.py --name demo-real --seeds 0 -- --steps 5   # flags after -- go to grpo_sync.py

@@ -5,7 +5,8 @@ forward+backward), ``cpu-real`` (a real small model's LM head, SmolLM2-135M's H=
 forward+backward, with and without entropy at 2048), ``gpu-large``, ``gpu-more`` and ``gpu-full`` (one CUDA device; see
 ``gpu_check.sh``), ``validate`` (seconds: every provider and mode once, to check that the script runs). ``--quick`` runs
 ``validate`` with 2 samples and fails unless every provider that ran agrees with the float64 reference (max abs error ≤
-1e-4 in fp32) and the naive and rlblocks rows are there; it prints ``quick: ok``.
+1e-4 in fp32) and the naive and rlblocks rows are there; it prints ``quick: ok``. One file: the providers, the suites
+and the timing/memory harness share one row format, which the results files and ``gpu_check.sh`` read.
 
 The CPU figures of ``results/kernels_cpu-real*`` come from (the 1-minute load average is printed and stored)::
 

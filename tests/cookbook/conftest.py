@@ -21,7 +21,7 @@ if str(COOKBOOK) not in sys.path:
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory) -> str:
     """``toy.warm_start`` with the demo's settings but stopped at 20 % greedy accuracy on SFT pairs (~900 steps,
-    ~30 s once per session): the same architecture, tokenizer and positions as ``make demo``'s model. It samples
+    ~30 s once per session): the same architecture, tokenizer and positions as ``make demo-toy``'s model. It samples
     ~12 % right answers at temperature 1, so a group of 4 has reward variance with probability ~0.4 and a test's
     12 groups all lack it with probability ~0.3 % (300 steps gave ~3 %: a run of 12 groups then often had none,
     and a test that needs non-zero advantages failed at random)."""

@@ -252,7 +252,7 @@ def test_distill_flags_that_would_be_ignored_are_refused(argv, flag, capsys):
 
 def test_make_demo_distill_flags_parse():
     """The Makefile's demo-distill recipe passes flags grpo_sync.py accepts (the teacher path aside, which the
-    recipe makes with make demo)."""
+    recipe makes with make demo-toy)."""
     text = (Path(__file__).resolve().parents[2] / "Makefile").read_text().replace("\\\n", " ")
     recipe = text[text.index("\ndemo-distill:"):]
     line = next(ln for ln in recipe.splitlines() if "grpo_sync.py" in ln)

@@ -16,7 +16,7 @@ from .torch_memory import KV, _Batch, _make_cache
 from .torch_sampling import sample_tokens
 
 if TYPE_CHECKING:
-    from .torch_engine import _Seq
+    from .torch_memory import _Seq
 
 # Most padded tokens (rows x longest prompt) one prefill forward takes: bounds its activations; newcomers beyond it
 # (sorted by length, so that rows of similar length share a forward and padding stays small) go in further forwards.

@@ -30,7 +30,7 @@ import contextlib
 import inspect
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -43,7 +43,7 @@ from ..types import Generation, GenerationRequest
 from ._weights import WeightLayout, check_update_version, dequantize_fp8
 from .lifecycle import EngineBase
 from .torch_compute import _Compute
-from .torch_memory import KV, PrefixCache, _Placement
+from .torch_memory import KV, PrefixCache, _Placement, _Seq
 
 __all__ = ["EngineStats", "TorchEngine"]
 
@@ -61,26 +61,6 @@ class EngineStats:
     steps: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_reused_tokens: int = 0
-
-
-@dataclass(eq=False)
-class _Seq:
-    request: GenerationRequest
-    future: asyncio.Future
-    seed: int
-    tokens: list[int]  # prompt + output so far
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_versions: list[int] = field(default_factory=list)
-    kv: KV | None = None  # own KV of tokens[:n_cached] when not a row of the decode batch; [1, H, n_cached, D]
-    n_cached: int = 0
-    routed: list[Tensor] = field(default_factory=list)  # record_routing: rows of the positions fed, in order
-    done: bool = False
-
-    @property
-    def rid(self) -> str:
-        return self.request.request_id
-
 
 
 class TorchEngine(_Compute, EngineBase):

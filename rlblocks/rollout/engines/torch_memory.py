@@ -5,18 +5,42 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from .torch_engine import _Seq
+    import asyncio
+
+    from rlblocks.rollout.types import GenerationRequest
 
 __all__ = ["KV", "PrefixCache"]
 
 KV = list[tuple[Tensor, Tensor]]  # per layer: keys, values, each [B, H_kv, T, D]
+
+
+@dataclass(eq=False)
+class _Seq:
+    """One request's state in the TorchEngine: its tokens so far, outputs, and the KV it owns while outside the
+    decode batch."""
+
+    request: GenerationRequest
+    future: asyncio.Future
+    seed: int
+    tokens: list[int]  # prompt + output so far
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[int] = field(default_factory=list)
+    kv: KV | None = None  # own KV of tokens[:n_cached] when not a row of the decode batch; [1, H, n_cached, D]
+    n_cached: int = 0
+    routed: list[Tensor] = field(default_factory=list)  # record_routing: rows of the positions fed, in order
+    done: bool = False
+
+    @property
+    def rid(self) -> str:
+        return self.request.request_id
 
 
 class _Batch:

@@ -21,7 +21,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from .torch_engine import _Seq
+    from .torch_memory import _Seq
 
 __all__ = ["processed_logprobs", "sample_tokens"]
 
