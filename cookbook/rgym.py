@@ -26,13 +26,7 @@ Reward (``--reward rg``, :func:`score`): the answer extracted in the requested f
 ``score_answer(answer, entry)`` (reasoning-gym's scores are in [0, 1]; some give partial credit, e.g.
 ``basic_arithmetic`` scores an answer that contains the right one by the length ratio); 0.0 when the format is
 missing. The held-out accuracy counts a sample correct at score 1 (``heldout_pass_at_k``); ``heldout_acc`` is the
-mean score.
-
-Partial credit can be gamed: under ``basic_arithmetic``'s length ratio, ``<answer>560</answer>`` for 56 earns 2/3
-where a wrong two-digit guess earns 0, so a policy trained on it learns to pad its answers with digits (on
-SmolLM2-135M-Instruct, two-digit sums: strict held-out accuracy 0.133 → 0.035 in 5 GRPO steps while the sampled
-reward rose). ``--reward rg-exact`` (:func:`score_exact`) pays 1.0 only for an answer the verifier scores 1, else
-0.0: the same criterion as the held-out accuracy.
+mean score. ``--reward rg-exact`` (:func:`score_exact`): 1.0 only when that score is 1 (partial credit can be gamed).
 """
 
 from __future__ import annotations
@@ -187,7 +181,9 @@ def score(sample) -> Any:
 
 def score_exact(sample) -> Any:
     """``--reward rg-exact``: 1.0 when :func:`score` is 1.0 (the dataset's verifier accepts the answer in the
-    requested format in full), else 0.0 — no partial credit to game; a failed call stays failed."""
+    requested format in full), else 0.0; a failed call stays failed. Partial credit can be gamed: under
+    ``basic_arithmetic``'s length ratio ``<answer>560</answer>`` for 56 earns 2/3 where a wrong two-digit guess
+    earns 0, and a policy trained on it learns to pad its answers with digits."""
     result = score(sample)
     if result.score is None:
         return result

@@ -1,45 +1,28 @@
-"""Rewards for every loop: ``--reward verifier|math|code|rm|module:function``, and the agent loops' ``--tools``.
+"""Rewards for every loop: ``--reward verifier|math|code|rm|rg|rg-exact|module:function``, and ``--tools``.
 
 ``--reward``:
 
-- ``verifier``: exact match. 1.0 iff the response was not cut by the length budget (it ends with EOS; in an agent
-  episode, the final answer) and its text (special tokens removed, spaces removed, stripped) equals the
-  reference's; else 0.0. On the toy tasks this is their own reward.
-- ``math``: ``rlblocks.reward.math_reward`` (the last ``\\boxed{}``, else the last LaTeX expression or number,
-  checked with math-verify in killable worker processes).
-- ``code``: ``rlblocks.reward.code_reward``: the response's last code block against the reference's tests in the
-  sandbox; score = fraction passed.
-- ``rg``: the reasoning-gym dataset's own ``score_answer`` on the answer in the ``--answer-format`` the prompt
-  asked for (``<answer>`` tags or ``\\boxed{}``; 0.0 when it is missing), for ``--prompts rg:...``
-  (``cookbook/rgym.py``), in killable worker processes. ``rg-exact``: 1.0 iff that score is 1.0, else 0.0 (some
-  datasets' partial credit can be gamed, e.g. ``basic_arithmetic`` pays an answer padded with digits that contain
-  the right one).
-- ``rm``: ``rlblocks.reward.RewardModel`` on ``--reward-model`` (an HF sequence-classification checkpoint),
-  scoring prompt + response.
-- ``module:function`` (an importable module, e.g. ``my_rewards:score`` or ``rlblocks.reward:math_reward``) or
-  ``path/to/file.py:function`` (its directory goes first on ``sys.path``, so worker processes import it too): your
-  reward, ``fn(sample: rlblocks.reward.Sample) -> float | RewardResult``. ``sample.response`` is the decoded
-  response, ``sample.reference`` the ``--answer-field`` value, ``sample.prompt`` the prompt's text,
-  ``sample.response_len`` its tokens, ``sample.metadata`` the row's other fields plus ``finish_reason``. An
-  ``async def`` reward runs on the loop's event loop; a plain function runs in killable worker processes.
+- ``verifier``: exact match. 1.0 iff the response ended with EOS (in an agent episode: the final answer) and its text
+  (special tokens and spaces removed) equals the reference's; else 0.0. On the toy tasks this is their own reward.
+- ``math``: ``rlblocks.reward.math_reward``; ``code``: ``rlblocks.reward.code_reward`` (tests in the sandbox).
+- ``rg``: the reasoning-gym dataset's own ``score_answer`` on the answer in the ``--answer-format`` the prompt asked
+  for (0.0 when it is missing), for ``--prompts rg:...`` (``cookbook/rgym.py``). ``rg-exact``: 1.0 iff that score
+  is 1.0 (some datasets' partial credit can be gamed, e.g. ``basic_arithmetic`` pays an answer padded with digits).
+- ``rm``: ``rlblocks.reward.RewardModel`` on ``--reward-model`` (an HF sequence-classification checkpoint).
+- ``module:function`` or ``path/to/file.py:function``: your ``fn(sample: rlblocks.reward.Sample) -> float |
+  RewardResult``; ``async def`` runs on the loop's event loop, a plain function in killable worker processes.
 
-Every reward runs through a :class:`~rlblocks.reward.RewardPool` (bounded concurrency, input order, a timeout that
-never stalls the loop, one retry on a fresh worker: a crashed or hung worker is replaced). A call that still fails
-(timeout, crash, a reference that does not parse, an exception) is counted (``failures``, logged as
-``reward_failures``), never dropped. Every training loop fails its whole group (:meth:`Reward.group_scores`; the
-agent loops read :meth:`Reward.score_answer`'s ``counts``): a group baseline computed without it, or with it read as
-0, would be biased. The group is not trained, counted in ``groups_failed``, and the loops count its samples in
-``samples_failed_reward`` (metrics and summary) and the groups in ``groups_failed_reward`` (summary).
-:meth:`Reward.scores` (a failed call scores 0.0) is for measures that are no baseline, such as a held-out
-accuracy.
+Every reward runs through a :class:`~rlblocks.reward.RewardPool` (bounded concurrency, input order, a timeout, one
+retry on a fresh worker). A call that still fails is counted (``reward_failures``), never dropped: every training
+loop fails its whole group (:meth:`Reward.group_scores`), which is not trained and is counted in
+``samples_failed_reward`` / ``groups_failed_reward``, since a group baseline computed without it, or with it read
+as 0, would be biased. :meth:`Reward.scores` (a failed call scores 0.0) is for measures that are no baseline, such
+as a held-out accuracy. ``--eval-reward`` scores the held-out evaluation (default ``--reward``; ``rm`` is evaluated
+with ``verifier`` on a toy task and ``math`` on a file).
 
-``--eval-reward`` scores the held-out evaluation; empty: the same as ``--reward``, except that a learned reward
-model is no measure of accuracy, so ``rm`` is evaluated with ``verifier`` on a toy task and ``math`` on a file.
-
-``--tools module:function,...`` (agent loops): each is a ``rlblocks.rollout.agents.Tool``, a function annotated
-``-> Tool`` (called with no arguments: ``rlblocks.rollout.agents:calculator_tool``,
-``rlblocks.rollout.agents:python_tool``),
-or a plain function, wrapped by ``Tool.from_function`` (name, docstring and typed parameters become the schema).
+``--tools module:function,...`` (agent loops): each a ``rlblocks.rollout.agents.Tool``, a function returning one
+(``rlblocks.rollout.agents:calculator_tool``), or a plain function wrapped by ``Tool.from_function``. The flags'
+reference with examples: ``docs/cookbook/index.md``.
 """
 
 from __future__ import annotations
