@@ -47,6 +47,7 @@ from plumbing import (
     Reward,
     RolloutAdmission,
     RolloutEnd,
+    StepLaps,
     TaskFlags,
     check_at_least,
     check_task_flags,
@@ -216,10 +217,9 @@ def trainer_main(cfg: Config, world: int, sample_group, path: str, port: int) ->
     model, optim = t.model, t.optim
     while t.step < cfg.steps:
         # ---- 1. take B groups whose oldest token is at most η versions old
-        timings = {"start": time.perf_counter()}
+        laps = StepLaps()
         batch = t.ledger.take(cfg.prompts_per_step, t.step)
-        timings["wait"] = time.perf_counter() - timings["start"]
-        t1 = time.perf_counter()
+        laps.lap("wait")
         trajs = [tr for rec in batch for tr in rec["trajectories"] if tr is not None]
         t.count_episodes(batch)
         # ---- 2. GRPO over the trajectories: advantages per episode, PPO-clip against the engine's logprobs
@@ -234,15 +234,16 @@ def trainer_main(cfg: Config, world: int, sample_group, path: str, port: int) ->
         optim.step()
         ages = Counter(t.step - v for tr in trajs for s in tr.segments() for v, r in zip(s.versions, s.roles)
                        if r == "model")
-        timings["train"] = time.perf_counter() - t1
+        laps.lap("train")
         t.step += 1
         t.ledger.trained(len(trajs), max(ages) if ages else 0,
                          without_trajectory=sum(tr is None for rec in batch for tr in rec["trajectories"]))
         # ---- 3. the new weights to every rollout rank (version = step)
-        timings["sync"] = t.push()
-        # ---- 4. evaluation, logging, checkpoint
+        t.push()
         done = t.step >= cfg.steps or (cfg.time_limit > 0 and time.time() - t.t_rl > cfg.time_limit)
-        t.log_step(batch, trajs, m, gnorm, ages, timings, done)
+        laps.lap("sync")
+        # ---- 4. evaluation, logging, checkpoint
+        t.log_step(batch, trajs, m, gnorm, ages, laps, done)
         if every(t.step, cfg.save_every) or done:
             t.save_checkpoint()
         if done:

@@ -14,6 +14,7 @@ import torch
 from plumbing import (
     Reward,
     RunFiles,
+    StepLaps,
     TrainerLedger,
     eval_metrics,
     eval_reward_spec,
@@ -81,13 +82,11 @@ class Trainer:
         if ck is not None:
             self.t_start -= ck["wall_seconds"]
 
-    def push(self, first: bool = False) -> float:
+    def push(self, first: bool = False) -> None:
         """The weights as version ``step`` to every rollout rank (announced by the ledger: the run's first push
-        carries each rank's groups still queued and the run's start number). Returns the seconds it took."""
-        t0 = time.perf_counter()
+        carries each rank's groups still queued and the run's start number)."""
         self.ledger.announce(self.step, "full", first=first)
         self.sender.send([(n, p.detach()) for n, p in self.model.state_dict().items()], version=self.step)
-        return time.perf_counter() - t0
 
     def evaluate(self):
         """``--eval-k`` episodes per held-out prompt on a TorchEngine over a copy of the current weights."""
@@ -106,26 +105,28 @@ class Trainer:
             for reason, turns, calls, _r in rec["episodes"]:
                 self.episodes.update({"episodes": 1, "turns": turns, "tool_calls": calls, f"finish_{reason}": 1})
 
-    def log_step(self, batch: list[dict], trajs: list, m: dict, gnorm: float, ages: Counter, timings: dict,
+    def log_step(self, batch: list[dict], trajs: list, m: dict, gnorm: float, ages: Counter, laps: StepLaps,
                  done: bool) -> None:
         """Held-out accuracy (every ``--eval-every`` steps and at the end) and one line of metrics.jsonl."""
         cfg, inbox = self.cfg, self.ledger.inbox
         result = self.evaluate() if (every(self.step, cfg.eval_every) or done) else None
+        laps.lap("eval")
+        timings, step_s = laps.seconds, laps.step_seconds
         if result is not None:
             self.last_acc, self.heldout_after = result.mean_at_k, heldout_figures(result)
         rewards = [t.reward for t in trajs]
         # the failed reward calls received since the last step (their groups were failed whole, never in a batch)
         calls, self.failed_calls_logged = inbox.failed_calls - self.failed_calls_logged, inbox.failed_calls
-        t0 = timings["start"]
         row = {
             "step": self.step, "version": self.step, "reward": sum(rewards) / len(rewards),
             "reward_failures": calls, **eval_metrics(result),
             "loss": m["loss"], "approx_kl": m.get("approx_kl"),
             "clipfrac_low": m.get("clipfrac_low"), "clipfrac_high": m.get("clipfrac_high"), "grad_norm": float(gnorm),
             "staleness_hist": {str(k): v for k, v in sorted(ages.items())}, "tokens_trained": m["tokens_trained"],
-            "tokens_per_s": m["tokens_trained"] / (time.perf_counter() - t0), "queue_wait_seconds": timings["wait"],
+            "tokens_per_s": m["tokens_trained"] / step_s, "queue_wait_seconds": timings["wait"],
             "train_seconds": timings["train"], "sync_seconds": timings["sync"], "queue_len": len(self.ledger.queue),
-            "step_seconds": time.perf_counter() - t0, "generate_seconds": None,  # the rollout ranks generate
+            "eval_seconds": timings["eval"], "step_seconds": step_s,
+            "generate_seconds": None,  # the rollout ranks generate
             "samples_generated": inbox.generated, "samples_trained": self.ledger.counters["samples_trained"],
             "samples_failed_reward": inbox.failed,
             "tool_calls_per_episode": sum(c for r in batch for _, _, c, _ in r["episodes"]) / len(trajs),

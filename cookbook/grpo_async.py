@@ -41,6 +41,7 @@ from plumbing import (
     Reward,
     RolloutAdmission,
     RolloutClock,
+    StepLaps,
     TaskFlags,
     TimedEngine,
     batch_tensors,
@@ -259,30 +260,28 @@ def trainer_main(cfg: Config, rank: int, world: int, n_train: int, device, group
     bar = Progress(cfg.steps, t.step, enabled=t.is0 and not cfg.quiet)
     t.t_rl = time.time()
     while t.step < cfg.steps:
-        timings = {"start": time.perf_counter()}
+        laps = StepLaps()
         # ---- 1. B groups whose oldest token is at most η versions old, scattered over the trainer ranks
         groups_here, batch = t.take_batch()
-        timings["wait"] = time.perf_counter() - timings["start"]
+        laps.lap("wait")
         # ---- 2. the GRPO update (cookbook/grpo.py) on this rank's share
-        t1 = time.perf_counter()
         bt = batch_tensors(groups_here, t.tok.pad_token_id, device)
         t.set_lr()
         m = grpo_step(cfg, t.policy, t.optim, bt, ref_policy=t.ref, group=t.tg.dp, grad_scale=float(n_train),
                       step=t.step, max_staleness=cfg.max_staleness)
         stats = t.batch_stats(bt, version=t.step)  # token ages against the version that was trained
-        timings["train"] = time.perf_counter() - t1
+        laps.lap("train")
         t.step += 1  # one new policy version per batch
-        # ---- 3. the new weights to every rollout rank (version = step)
-        t1 = time.perf_counter()
+        # ---- 3. the new weights to every rollout rank (version = step); accounting
         tensors = t.push()
-        timings["sync"] = time.perf_counter() - t1
-        # ---- 4. accounting, evaluation, logging, checkpoint
         if t.is0:
             t.ledger.trained(stats["samples"], stats["max_age"])
         done = t.step >= cfg.steps or (cfg.time_limit > 0 and time.time() - t.t_rl > cfg.time_limit)
         done = broadcast_flag(done, group=t.group, device=device)  # rank 0's clock decides for every trainer rank
+        laps.lap("sync")
+        # ---- 4. evaluation, logging, checkpoint
         if t.is0:
-            t.log_step(tensors, stats, m, batch, timings, done)
+            t.log_step(tensors, stats, m, batch, laps, done)
             bar.update({"reward": stats["reward"], "acc": t.last_acc, "stale": stats["max_age"]})
         if cfg.save_every and (every(t.step, cfg.save_every) or done):
             t.save_checkpoint()

@@ -16,6 +16,7 @@ from plumbing import (
     PolicyLogprobs,
     Reward,
     RunFiles,
+    StepLaps,
     TrainerLedger,
     all_reduce,
     apply_lora,
@@ -170,15 +171,15 @@ class Trainer:
             self.last_acc = self.accuracy_before
             print(f"held-out accuracy before RL: {self.accuracy_before:.3f} (version {self.step})", flush=True)
 
-    def log_step(self, tensors, stats: dict, m: dict, batch: list[dict], timings: dict, done: bool) -> None:
+    def log_step(self, tensors, stats: dict, m: dict, batch: list[dict], laps: StepLaps, done: bool) -> None:
         """Held-out accuracy (every ``--eval-every`` steps and at the end) and one line of metrics.jsonl."""
-        t_eval = time.perf_counter()
         result = self.evaluate(tensors) if (every(self.step, self.cfg.eval_every) or done) else None
-        timings["eval"] = time.perf_counter() - t_eval
+        laps.lap("eval")
+        timings = laps.seconds
         inbox = self.ledger.inbox  # the failed reward calls since the last step (their groups never in a batch)
         calls, self.failed_calls_logged = inbox.failed_calls - self.failed_calls_logged, inbox.failed_calls
         self.last_acc = result.mean_at_k if result is not None else self.last_acc
-        step_s = time.perf_counter() - timings["start"]
+        step_s = laps.step_seconds
         self.files.log({
             "step": self.step, "version": self.step, "reward": stats["reward"], "reward_failures": calls,
             **eval_metrics(result), "loss": m["loss"],

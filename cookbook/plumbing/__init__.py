@@ -30,7 +30,8 @@ A loop imports it as ``from plumbing import ...``: a script's own folder (``cook
 - :mod:`.rewards`: ``Reward`` (``--reward verifier|math|code|rm|module:function``), ``load_tools`` (``--tools``).
 - :mod:`.evaluation`: the held-out evaluation (``rlblocks.reward.evaluate``: pass@k, mean@k, per-prompt files).
 - :mod:`.timing`: ``RolloutClock`` / ``TimedEngine`` (where a rollout rank's time goes between weight commits),
-  ``RolloutTimes`` (its report), ``rollout_columns`` (the metrics.jsonl columns of a step).
+  ``RolloutTimes`` (its report), ``rollout_columns`` (the metrics.jsonl columns of a step), ``StepLaps`` (a trainer
+  step's parts).
 - :mod:`.tracking`: ``MetricsSink`` (``--log-to jsonl,tensorboard,wandb``), the keys every loop logs.
 
 Lines a user changes for a real model or task are marked ``REAL MODEL:`` in place.
@@ -95,7 +96,7 @@ from .messages import Inbox, Outbox, RolloutEnd, Stale, Stop, Weights, recv_cont
 from .policy import PolicyLogprobs, apply_lora, decoder_layers, load_hf, load_tokenizer, merged_tensors, shard
 from .rewards import Reward, RewardFlags, eval_reward_spec, load_tools, needs_reference
 from .runs import Progress, RunFiles, mean_metrics
-from .timing import RolloutClock, RolloutTimes, TimedEngine, rollout_columns
+from .timing import RolloutClock, RolloutTimes, StepLaps, TimedEngine, rollout_columns
 from .tracking import COMMON_KEYS, LogFlags, MetricsSink, parse_log_flag
 
 __all__ = [
@@ -123,6 +124,7 @@ __all__ = [
     "RolloutTimes",
     "RunFiles",
     "Stale",
+    "StepLaps",
     "Stop",
     "Task",
     "TaskFlags",

@@ -17,9 +17,10 @@ new version) every second is in exactly one phase, from timestamps taken on the 
 forwards). The rank ships one :class:`RolloutTimes` per interval with its groups; the trainer adds up what arrived
 during a step (:func:`rollout_columns`).
 
-Trainer rank 0 (timed in the loop itself): ``queue_wait_seconds`` (waiting for B fresh groups), ``train_seconds``
-(batch tensors, the update, its statistics), ``sync_seconds`` (the weight push), ``eval_seconds`` (held-out
-evaluation, when it runs); they add up to ``step_seconds`` up to the few collectives between them.
+Trainer rank 0 (:class:`StepLaps`, consecutive laps, so every second of a step is in exactly one part):
+``queue_wait_seconds`` (waiting for B fresh groups), ``train_seconds`` (batch tensors, the update, its statistics),
+``sync_seconds`` (the weight push, then the step's accounting and the run-end decision), ``eval_seconds`` (held-out
+evaluation, when it runs); they add up to ``step_seconds``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,28 @@ from typing import Any
 import torch
 
 PARTS = ("decode", "prefill", "reprefill", "engine_other", "weight_load", "idle")
+
+
+class StepLaps:
+    """One trainer step as consecutive laps: :meth:`lap` gives the seconds since the previous lap (or the start) to
+    ``name``, so no instant between two laps goes unattributed (a garbage collection or a wait for the GIL counts in
+    the part it interrupts) and the parts add up to :attr:`step_seconds`."""
+
+    def __init__(self) -> None:
+        self.start = self._last = time.perf_counter()
+        self.seconds: Counter = Counter()
+
+    def lap(self, name: str) -> float:
+        """Ends part ``name`` now (adding to it if it already ran); returns the seconds of this lap."""
+        now = time.perf_counter()
+        lap, self._last = now - self._last, now
+        self.seconds[name] += lap
+        return lap
+
+    @property
+    def step_seconds(self) -> float:
+        """Seconds from the start to the last lap."""
+        return self._last - self.start
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import asyncio
 import grpo_async
 import pytest
 import torch
-from plumbing import RolloutClock, RolloutTimes, TimedEngine, rollout_columns
+from plumbing import RolloutClock, RolloutTimes, StepLaps, TimedEngine, rollout_columns
 
 from rlblocks.rollout import GenerationRequest, SamplingParams
 from rlblocks.rollout.engines import TorchEngine
@@ -143,3 +143,18 @@ def test_forward_hooks_split_decode_from_prefill():
     assert rep.counts["decode_forwards"] == 2 and rep.counts["decode_batch_max"] == 3
     # 5 of the 15 prefilled tokens were re-sent by a resume: a third of the prefill time is re-prefill
     assert rep.seconds["reprefill"] == pytest.approx(rep.seconds["prefill"] / 2)
+
+
+def test_step_laps_attribute_every_instant_to_one_part(monkeypatch):
+    # a fake clock: the gaps between the loop's statements (here 0.5 s before "sync") land in the next lap, so the
+    # parts add up to the step exactly; a part that runs twice adds up
+    ticks = iter([10.0, 11.0, 13.0, 13.5, 14.0, 17.0])
+    monkeypatch.setattr("plumbing.timing.time.perf_counter", lambda: next(ticks))
+    laps = StepLaps()
+    assert laps.lap("wait") == 1.0
+    assert laps.lap("train") == 2.0
+    laps.lap("sync")
+    laps.lap("sync")
+    assert laps.lap("eval") == 3.0
+    assert dict(laps.seconds) == {"wait": 1.0, "train": 2.0, "sync": 1.0, "eval": 3.0}
+    assert laps.step_seconds == 7.0 == sum(laps.seconds.values())
