@@ -45,7 +45,6 @@ import torch
 import toy
 from grpo import grpo_step
 from plumbing import (
-    CORRECTION_CAP,
     EngineFlags,
     PolicyLogprobs,
     Progress,
@@ -76,7 +75,6 @@ from plumbing import (
     load_model_state,
     load_optim_state,
     load_task,
-    loss_defaults,
     make_engine,
     merged_tensors,
     model_state,
@@ -100,6 +98,7 @@ from plumbing import (
     trainer_groups,
     until_eos,
 )
+from plumbing.losses import LossFlags
 
 from rlblocks.errors import ArgumentError
 from rlblocks.rollout import GenerationRequest, SamplingParams, resumable_generate
@@ -107,9 +106,9 @@ from rlblocks.sync import full_tensors
 
 
 @dataclass
-class Config(TaskFlags, EngineFlags):
+class Config(TaskFlags, EngineFlags, LossFlags):
     """Synchronous colocated GRPO (flags are generated from these fields; the data, reward, evaluation and --log-to
-    flags every loop shares come from plumbing's TaskFlags)."""
+    flags every loop shares come from plumbing's TaskFlags, the policy-loss flags from LossFlags)."""
 
     name: str = opt("sync", "run name: files go to <runs-dir>/<name>/")
     runs_dir: str = opt("runs", "where run directories live")
@@ -124,18 +123,6 @@ class Config(TaskFlags, EngineFlags):
     time_limit: float = opt(0.0, "also stop after this many seconds of RL (0: no limit)")
     prompts_per_step: int = opt(64, "B: prompt groups per step (global)")
     group_size: int = opt(8, "K: samples per prompt")
-    loss: str = opt("ppo", "policy loss", ("ppo", "gspo", "cispo", "decoupled"))
-    eps_low: float | None = opt(None, "clip offset below 1 (ratio ≥ 1 − eps_low; cispo: IS-weight floor); "
-                                      f"default: the loss's own ({loss_defaults('eps_low')})", type=float)
-    eps_high: float | None = opt(None, "clip offset above 1 (ratio ≤ 1 + eps_high); default: the loss's own "
-                                       f"({loss_defaults('eps_high')})", type=float)
-    rollout_weight_cap: float | None = opt(None, "--loss decoupled only: drop tokens whose π_old/π_rollout "
-                                                 "exceeds this (AReaL); default: no cap", type=float)
-    correction: str = opt("auto", "train/rollout mismatch correction on ρ = π_old/π_rollout; auto: tis when the "
-                                  "engine samples in another dtype (--engine-dtype), else none",
-                          ("auto", "tis", "mis", "none"))
-    correction_cap: float | None = opt(None, f"--correction tis|mis only: tis truncates ρ at this, mis masks tokens "
-                                             f"with ρ outside [1/cap, cap]; default {CORRECTION_CAP}", type=float)
     ppo_epochs: int = opt(1, "passes over each batch (π_old fixed at the first; > 1 makes ratios move and clip)")
     mini_batches: int = opt(1, "optimizer updates per pass, each on a random 1/mini_batches of the batch's samples")
     agg: str = opt("token-mean", "loss aggregation mode (global normalisers)")

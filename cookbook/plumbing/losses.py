@@ -43,7 +43,8 @@ class LossFlags:
     rollout_weight_cap: float | None = opt(None, "--loss decoupled only: drop tokens whose π_old/π_rollout "
                                                  "exceeds this (AReaL); default: no cap", type=float)
     correction: str = opt("auto", "train/rollout mismatch correction on ρ = π_old/π_rollout; auto: tis when the "
-                                  "engine samples in another dtype (--engine-dtype, --rollout-dtype fp8), else none",
+                                  "engine samples in another dtype than the trainer computes in (--engine-dtype; "
+                                  "grpo_async: --rollout-dtype fp8), else none",
                           ("auto", "tis", "mis", "none"))
     correction_cap: float | None = opt(None, f"--correction tis|mis only: tis truncates ρ at this, mis masks tokens "
                                              f"with ρ outside [1/cap, cap]; default {CORRECTION_CAP}", type=float)

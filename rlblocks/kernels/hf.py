@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from rlblocks._checks import as_bool_mask, check_ndim, check_tensor, shape_str
 from rlblocks.errors import ArgumentError
 from rlblocks.kernels._common import check_flags, check_temperature
-from rlblocks.kernels.linear_logprobs import linear_token_logprobs
+from rlblocks.kernels._scored_head import scored_head_logprobs
 
 
 def _decoder_body(model: nn.Module) -> nn.Module:
@@ -248,17 +248,15 @@ def causal_lm_logprobs(
     if hidden.dim() != 3 or hidden.shape[:2] != (b, seq_len):
         raise ArgumentError(f"model: expected the decoder body to return hidden states [{b}, {seq_len}, H], "
                             f"got {shape_str(hidden)}")
-    # Clamped gathers: positions outside the sequence belong to masked-out slots, which give 0 and no gradient.
-    src = (pos - 1).clamp(0, seq_len - 1)
-    tgt = pos.clamp(0, seq_len - 1)
-    h_sel = hidden.gather(1, src.unsqueeze(-1).expand(b, t_len, hidden.shape[-1]))
-    labels = input_ids.gather(1, tgt)
+    # The head runs on the scored positions only (scored_head_logprobs): position pos − 1 of row b predicts the
+    # token at pos; clamped gathers, since positions outside the sequence belong to masked-out slots.
     keep = keep & (pos < seq_len)
-    if weight.dtype != h_sel.dtype:
-        h_sel = h_sel.to(weight.dtype)
-    return linear_token_logprobs(h_sel, weight, labels, mask=keep, temperature=temp_eff, top_k=top_k, top_p=top_p,
-                                 return_entropy=return_entropy, return_outside=return_outside,
-                                 backend=backend)  # fmt: skip
+    rows = torch.arange(b, device=device).unsqueeze(1) * seq_len + (pos - 1).clamp(0, seq_len - 1)
+    index = torch.where(keep, rows, -1)
+    labels = input_ids.gather(1, pos.clamp(0, seq_len - 1))
+    return scored_head_logprobs(hidden.reshape(b * seq_len, -1), index, weight, labels, temperature=temp_eff,
+                                top_k=top_k, top_p=top_p, return_entropy=return_entropy,
+                                return_outside=return_outside, backend=backend)
 
 
 _KEYWORDS = ("attention_mask", "temperature", "top_k", "top_p", "return_entropy", "return_outside", "backend",

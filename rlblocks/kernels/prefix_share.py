@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_map_only
 
 from rlblocks._checks import check_ndim, check_optional_int, shape_str
 from rlblocks.errors import ArgumentError
-from rlblocks.kernels.linear_logprobs import linear_token_logprobs
+from rlblocks.kernels._scored_head import scored_head_logprobs
 from rlblocks.sched.prefix_tree import PrefixTree, response_prefix_tree
 
 __all__ = ["ATTENTION_BACKENDS", "TreeAttentionMask", "prefix_shared_hidden_states"]
@@ -191,9 +191,9 @@ def prefix_shared_logprobs(
     backend: str | None,
 ) -> Float[Tensor, "B T"] | tuple[Tensor, ...]:
     """``causal_lm_logprobs(..., prefix_share=True)`` once its arguments are checked: the LM head ``weight``
-    (``linear_token_logprobs``, the same call as the unshared path) on the hidden states of
-    :func:`prefix_shared_hidden_states`, at the scored positions only (gathered ``[M, H]``, ``M`` = the true
-    entries of ``response_mask``; the outputs scattered back to ``[B, T]``, 0 / false elsewhere).
+    (``scored_head_logprobs``, the same call as the unshared path) on the hidden states of
+    :func:`prefix_shared_hidden_states`, at the scored positions only (the true entries of ``response_mask``;
+    the outputs scattered back to ``[B, T]``, 0 / false elsewhere).
     ``temperature`` is the head's effective one. Response positions past ``L`` count as masked, as there."""
     seq_len, t_len = input_ids.shape[1], response_mask.shape[1]
     pos = prompt_lens.to(input_ids.device, torch.long)[:, None] + torch.arange(t_len, device=input_ids.device)
@@ -201,34 +201,8 @@ def prefix_shared_logprobs(
     flat, index = _shared_rows(body, input_ids, prompt_lens, keep, attention_mask=attention_mask,
                                max_tokens=max_tokens, attention=attention, share=True, model_kwargs=model_kwargs)
     labels = input_ids.gather(1, pos.clamp(0, seq_len - 1))
-    # the head runs on the scored positions only (``index >= 0``: ``keep``), not on all B·T: with a large
-    # vocabulary it costs as much per token as several decoder layers, and the padding of T is often half of B·T
-    scored = index >= 0
-    h = flat.index_select(0, index[scored])
-    if weight.dtype != h.dtype:
-        h = h.to(weight.dtype)
-    outs = linear_token_logprobs(h, weight, labels[scored], temperature=temperature,
-                                 top_k=_scored_only("top_k", top_k, scored),
-                                 top_p=_scored_only("top_p", top_p, scored),
-                                 return_entropy=return_entropy, return_outside=return_outside, backend=backend)
-    if isinstance(outs, Tensor):
-        return _scatter_scored(outs, scored)
-    return tuple(_scatter_scored(o, scored) for o in outs)
-
-
-def _scored_only(name: str, param: Any, scored: Bool[Tensor, "B T"]) -> Any:
-    """A per-token sampling parameter (``top_k`` / ``top_p``) at the scored positions; scalars as they are."""
-    if isinstance(param, Tensor) and param.dim() > 0:
-        if param.shape != scored.shape:
-            raise ArgumentError(f"{name}: expected a scalar or a tensor of shape {shape_str(scored)} (that of "
-                                f"response_mask), got {shape_str(param)}")
-        return param[scored.to(param.device)]
-    return param
-
-
-def _scatter_scored(x: Float[Tensor, " M"], scored: Bool[Tensor, "B T"]) -> Float[Tensor, "B T"]:
-    """``[B, T]``: ``x`` at the scored positions (row-major order), 0 (false for bool) elsewhere; differentiable."""
-    return x.new_zeros(scored.shape).masked_scatter(scored, x)
+    return scored_head_logprobs(flat, index, weight, labels, temperature=temperature, top_k=top_k, top_p=top_p,
+                                return_entropy=return_entropy, return_outside=return_outside, backend=backend)
 
 
 def _select(flat: Float[Tensor, "M H"], index: Int[Tensor, "B T"]) -> Float[Tensor, "B T H"]:

@@ -211,3 +211,30 @@ def test_peft_lora_on_the_lm_head_counts_fp64(models):
         base = causal_lm_logprobs(m32, ids, plens, mask, temperature=TEMP)
         plain = causal_lm_logprobs(model, ids, plens, mask, temperature=TEMP)
     torch.testing.assert_close(base, plain, atol=1e-6, rtol=0)
+
+
+def test_head_runs_on_scored_positions_only(models, monkeypatch):
+    """The LM head sees one row per true entry of response_mask (not B·T: the response padding and a position the
+    mask drops inside a response cost nothing), and the outputs equal the float64 reference there, 0 elsewhere."""
+    import rlblocks.kernels._scored_head as scored_head
+
+    model, model64 = models
+    seen = []
+    real = scored_head.linear_token_logprobs
+
+    def spy(hidden, *args, **kwargs):
+        seen.append(hidden.shape[0])
+        return real(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(scored_head, "linear_token_logprobs", spy)
+    ids, plens, mask = _batch(ROWS)
+    mask[2, 1] = False  # a token inside a response that is not scored (e.g. a tool output)
+    with torch.no_grad():
+        for share in (False, True):
+            lp = causal_lm_logprobs(model, ids, plens, mask, temperature=TEMP, prefix_share=share)
+            for i, (w_lp, _) in enumerate(_reference(model64, ROWS, TEMP)):
+                n = len(ROWS[i][1])
+                keep = mask[i, :n]
+                torch.testing.assert_close(lp[i, :n][keep].double(), w_lp[keep], atol=2e-5, rtol=0)
+            assert (lp[~mask] == 0).all()
+    assert seen == [int(mask.sum())] * 2 and seen[0] < mask.numel()
