@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import queue
 import re
@@ -306,6 +307,9 @@ def model_dir(value: str) -> str:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_flags(Config, argv, check=check_flags)
     torch.set_num_threads(1)
+    # the SDK warns on every `try_again`, the long poll's normal answer while a request runs (each pending sample
+    # future gets one every 20 s): not a problem, so not printed
+    logging.getLogger("tinker.lib.api_future_impl").setLevel(logging.ERROR)
     out = Path(args.runs_dir) / args.name
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

@@ -11,8 +11,10 @@
    rounds of ``--iters`` iterations, the two interleaved) and the service's added time as a fraction of (a).
 2. **Sampling**: ``--samples`` samples (T = 1, seeded, up to ``--max-tokens`` tokens, EOS stops) of the prompts,
    (a) from a ``TorchEngine`` called directly in-process and (b) through the SDK: one ``sample`` call per sample
-   (what ``tinker_cookbook.rl.train`` sends: one per environment) and calls of 16 samples (``recipes/rl_loop.py``'s
-   pattern). Reported: sampled tokens/s and the ratio to (a).
+   (what ``tinker_cookbook.rl.train`` sends: one per environment) and calls of 16 samples of one prompt
+   (``recipes/rl_loop.py``'s pattern). (a) runs the same requests as each (b), all at once: ``--samples``
+   distinct prompts, or ``--samples / 16`` prompts 16 times each (whose identical prefills the engine computes
+   once, through the service or not). Reported: sampled tokens/s and the ratio to the matching (a).
 
 Before timing, the run checks that both paths agree: the first ``forward_backward`` of a fresh adapter gives the
 same loss and per-token log-probs in-process and through the service, so does the one after an ``optim_step`` (the
@@ -230,11 +232,14 @@ def main() -> None:
                 fb.result()
                 op.result()
 
-            async def direct(rep, n=None, temperature=1.0):
+            async def direct(rep, n=None, temperature=1.0, per_prompt=1):
+                # the requests of service_sample(per_prompt): n // per_prompt prompts, each per_prompt times
+                n = n or args.samples
+                reqs = [p for p in prompts[: n // per_prompt] for _ in range(per_prompt)]
                 gens = await asyncio.gather(*(engine.generate(GenerationRequest(
-                    f"d{rep}-{i}", p, SamplingParams(max_new_tokens=args.max_tokens, seed=i, temperature=temperature,
-                                                     stop_token_ids=(eos,))))
-                    for i, p in enumerate(prompts[:n])))
+                    f"d{rep}-{per_prompt}-{i}", p, SamplingParams(max_new_tokens=args.max_tokens, seed=i,
+                                                                 temperature=temperature, stop_token_ids=(eos,))))
+                    for i, p in enumerate(reqs)))
                 return gens
 
             def service_sample(per_call: int) -> int:
@@ -273,18 +278,19 @@ def main() -> None:
                   "tokens); greedy samples equal", flush=True)
 
             local_train(), service_train(), loop.run_until_complete(direct(-1)), service_sample(1)  # warm up
-            res: dict[str, list[float]] = {k: [] for k in ("train_local", "train_service", "sample_direct",
-                                                           "sample_service_1", "sample_service_16")}
+            res: dict[str, list[float]] = {k: [] for k in ("train_local", "train_service", "sample_direct_1",
+                                                           "sample_service_1", "sample_direct_16",
+                                                           "sample_service_16")}
             for rep in range(args.reps):
                 res["train_local"].append(timed(lambda: [local_train() for _ in range(args.iters)],
                                                 key="train_local")[0] / args.iters)
                 res["train_service"].append(timed(lambda: [service_train() for _ in range(args.iters)],
                                                   key="train_service")[0] / args.iters)
-                dt, gens = timed(loop.run_until_complete, direct(rep), key="sample_direct")
-                n = sum(len(g.output_ids) for g in gens)
-                res["sample_direct"].append(n / dt)
-                cpu["sample_direct"][-1] = n / cpu["sample_direct"][-1]
                 for per in (1, 16):
+                    dt, gens = timed(loop.run_until_complete, direct(rep, per_prompt=per), key=f"sample_direct_{per}")
+                    n = sum(len(g.output_ids) for g in gens)
+                    res[f"sample_direct_{per}"].append(n / dt)
+                    cpu[f"sample_direct_{per}"][-1] = n / cpu[f"sample_direct_{per}"][-1]
                     dt, n = timed(service_sample, per, key=f"sample_service_{per}")
                     res[f"sample_service_{per}"].append(n / dt)
                     cpu[f"sample_service_{per}"][-1] = n / cpu[f"sample_service_{per}"][-1]
@@ -305,21 +311,23 @@ def main() -> None:
         "train_seconds_per_step_in_process": med["train_local"],
         "train_seconds_per_step_service": med["train_service"],
         "train_service_overhead": med["train_service"] / med["train_local"] - 1,
-        "sampled_tokens_per_s_direct": med["sample_direct"],
+        "sampled_tokens_per_s_direct_1_per_prompt": med["sample_direct_1"],
         "sampled_tokens_per_s_service_1_per_call": med["sample_service_1"],
+        "sampled_tokens_per_s_direct_16_per_prompt": med["sample_direct_16"],
         "sampled_tokens_per_s_service_16_per_call": med["sample_service_16"],
-        "sampling_ratio_1_per_call": med["sample_service_1"] / med["sample_direct"],
-        "sampling_ratio_16_per_call": med["sample_service_16"] / med["sample_direct"],
+        "sampling_ratio_1_per_call": med["sample_service_1"] / med["sample_direct_1"],
+        "sampling_ratio_16_per_call": med["sample_service_16"] / med["sample_direct_16"],
         # CPU seconds (this process + the server) per step, sampled tokens per CPU second: what each path costs,
         # whatever share of the cores the processes got
         "train_cpu_seconds_per_step_in_process": mc["train_local"] / args.iters,
         "train_cpu_seconds_per_step_service": mc["train_service"] / args.iters,
         "train_cpu_overhead": mc["train_service"] / mc["train_local"] - 1,
-        "sampled_tokens_per_cpu_s_direct": mc["sample_direct"],
+        "sampled_tokens_per_cpu_s_direct_1_per_prompt": mc["sample_direct_1"],
         "sampled_tokens_per_cpu_s_service_1_per_call": mc["sample_service_1"],
+        "sampled_tokens_per_cpu_s_direct_16_per_prompt": mc["sample_direct_16"],
         "sampled_tokens_per_cpu_s_service_16_per_call": mc["sample_service_16"],
-        "sampling_cpu_ratio_1_per_call": mc["sample_service_1"] / mc["sample_direct"],
-        "sampling_cpu_ratio_16_per_call": mc["sample_service_16"] / mc["sample_direct"],
+        "sampling_cpu_ratio_1_per_call": mc["sample_service_1"] / mc["sample_direct_1"],
+        "sampling_cpu_ratio_16_per_call": mc["sample_service_16"] / mc["sample_direct_16"],
         "reps": args.reps, "iters": args.iters, "per_round": res, "per_round_cpu": cpu,
         "load_average_1min_start": load_start, "load_average_1min_end": os.getloadavg()[0],
     }

@@ -192,8 +192,11 @@ class SamplerHost:
     def _load_model(self) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
+        from rlblocks.rollout.engines.torch_attention import use_gqa_sdpa
+
         model = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype).to(self.device).eval()
         model.requires_grad_(False)
+        use_gqa_sdpa(model)  # the engine owns this copy: grouped-query SDPA, no per-step KV repeat
         head, emb = model.get_output_embeddings(), model.get_input_embeddings()
         if head is not None and emb is not None and head.weight is emb.weight:
             head.weight = nn.Parameter(emb.weight.detach().clone(), requires_grad=False)

@@ -126,12 +126,17 @@ class TorchEngine(_Compute, EngineBase):
         cls, path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None, **options: Any
     ) -> TorchEngine:
         """Load ``AutoModelForCausalLM`` from a checkpoint directory (``dtype``, ``device``: default CUDA if
-        available, else CPU) and wrap it; ``options`` go to :class:`TorchEngine`."""
+        available, else CPU) and wrap it; ``options`` go to :class:`TorchEngine`. A model on HF's ``sdpa``
+        attention is switched to its grouped-query form (``torch_attention.py``: the KV heads are not repeated per
+        step), which the engine owns here."""
         from transformers import AutoModelForCausalLM
+
+        from .torch_attention import use_gqa_sdpa
 
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        use_gqa_sdpa(model)
         return cls(model, **options)
 
     # ------------------------------------------------------------------ protocol
