@@ -19,12 +19,15 @@ futures, checkpoints) and checks each request against it; the HTTP layer (``serv
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import time
 import traceback
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -97,6 +100,41 @@ class _Host:
     sampler: SamplerHost
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     worker: asyncio.Task | None = None
+    # one thread runs every training request: the allocator keeps one heap for their activations (a pool thread per
+    # request would grow one heap per thread, each holding a forward's peak)
+    executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tinker-train"))
+
+
+def _return_free_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere): a forward_backward's
+    activations are freed when it ends, but glibc keeps the pages, and the sampler then grows its own."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _trimmed(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn``, then :func:`_return_free_memory` (in the same thread, whatever ``fn`` raised)."""
+
+    def run() -> Any:
+        try:
+            return fn()
+        finally:
+            _return_free_memory()
+
+    return run
+
+
+def _load_libc():
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _load_libc()
 
 
 class TinkerService:
@@ -171,6 +209,7 @@ class TinkerService:
         for host in self.hosts.values():
             if host.worker is not None:
                 host.worker.cancel()
+            host.executor.shutdown(wait=False, cancel_futures=True)
             await host.sampler.close()
         for t in list(self._tasks):
             t.cancel()
@@ -182,7 +221,7 @@ class TinkerService:
             if not rec.pending:  # cancelled while queued
                 continue
             try:
-                result = await asyncio.to_thread(fn)
+                result = await asyncio.get_running_loop().run_in_executor(host.executor, _trimmed(fn))
             except RequestError as e:
                 self.futures.fail(rec, str(e), category="user")
             except Exception as e:  # a server-side failure: the request fails, the server keeps serving

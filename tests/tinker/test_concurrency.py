@@ -136,3 +136,25 @@ def test_a_failed_request_raises_request_failed_and_the_server_keeps_serving(ser
     assert info.value.category == tinker.types.RequestErrorCategory.Server
     monkeypatch.setattr(training, "forward_backward", original)
     assert tc.forward_backward(DATA, "cross_entropy").result(TIMEOUT).metrics["loss:sum"] > 0
+
+
+def test_training_requests_run_on_one_thread_and_return_their_memory(server, service_client, monkeypatch):
+    """Every training request of a model runs on the same worker thread (one allocator heap for the activations,
+    not one per pool thread), and after each one the heap's free pages go back to the OS (``malloc_trim``)."""
+    import rlblocks.tinker.service as service_mod
+
+    training = server.service.hosts[MODEL].training
+    threads, trims = [], []
+    original = training.forward_backward
+
+    def forward_backward(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(training, "forward_backward", forward_backward)
+    monkeypatch.setattr(service_mod, "_return_free_memory", lambda: trims.append(threading.current_thread().name))
+    tc = service_client.create_lora_training_client(base_model=MODEL, rank=4, seed=0).result(TIMEOUT)
+    for _ in range(3):
+        tc.forward_backward(DATA, "cross_entropy").result(TIMEOUT)
+    assert len(threads) == 3 and len(set(threads)) == 1 and threads[0].startswith("tinker-train")
+    assert len(trims) >= 3 and set(trims) == set(threads)  # create_model and each request, on that thread
