@@ -14,6 +14,7 @@ from typing import Any
 import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor, nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # imported with the engine's model only
 
 NAME = "rlblocks_gqa_sdpa"
 _registered = False
@@ -33,8 +34,6 @@ def gqa_sdpa_attention(
     """``softmax(q kᵀ · scaling + mask) v`` per query head, query head ``h`` reading key/value head
     ``h // (Hq / Hkv)`` (HF's ``repeat_kv`` layout), with the additive or boolean ``attention_mask`` ``[B, 1, Q, S]``;
     returns ``[B, Q, Hq, D]`` (HF's attention-function contract). Without a mask or without GQA: HF's ``sdpa``."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     groups = getattr(module, "num_key_value_groups", 1)
     if groups == 1 or attention_mask is None or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
