@@ -46,7 +46,7 @@ from rlblocks.errors import ArgumentError
 from rlblocks.kernels._scored_head import scored_head_logprobs
 from rlblocks.sched.prefix_tree import PrefixTree, response_prefix_tree
 
-__all__ = ["ATTENTION_BACKENDS", "TreeAttentionMask", "prefix_shared_hidden_states"]
+__all__ = ["ATTENTION_BACKENDS", "TreeAttentionMask", "prefix_shared_hidden_states", "prefix_shared_rows"]
 
 ATTENTION_BACKENDS = ("segments", "flex", "dense")
 """The values of ``attention`` (``None`` picks ``"flex"`` on CUDA, ``"segments"`` elsewhere; ``"dense"`` for a
@@ -101,14 +101,29 @@ def prefix_shared_hidden_states(
     implementation or backend that cannot run here (``"segments"`` on CUDA, ``"flex"`` on CPU), or a body whose
     output is not ``[R, N, H]``.
     """
-    return _select(*_shared_rows(body, input_ids, prompt_lens, response_mask, attention_mask=attention_mask,
-                                 max_tokens=max_tokens, attention=attention, share=share, model_kwargs=model_kwargs))
+    return _select(*prefix_shared_rows(body, input_ids, prompt_lens, response_mask, attention_mask=attention_mask,
+                                       max_tokens=max_tokens, attention=attention, share=share,
+                                       model_kwargs=model_kwargs))
 
 
-def _shared_rows(body: nn.Module, input_ids: Tensor, prompt_lens: Tensor, response_mask: Tensor, *,
-                 attention_mask: Tensor | None, max_tokens: int | None, attention: str | None, share: bool,
-                 model_kwargs: Mapping[str, Any] | None) -> tuple[Float[Tensor, "M H"], Int[Tensor, "B T"]]:
-    """:func:`prefix_shared_hidden_states`'s checks and forward; its result before the ``[B, T]`` gather."""
+def prefix_shared_rows(
+    body: nn.Module,
+    input_ids: Int[Tensor, "B L"],
+    prompt_lens: Int[Tensor, " B"],
+    response_mask: Bool[Tensor, "B T"],
+    *,
+    attention_mask: Bool[Tensor, "B L"] | None = None,
+    max_tokens: int | None = None,
+    attention: str | None = None,
+    share: bool = True,
+    model_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[Float[Tensor, "M H"], Int[Tensor, "B T"]]:
+    """:func:`prefix_shared_hidden_states` before its ``[B, T]`` gather: the hidden states of the forward as flat
+    rows ``flat [M, H]`` (one per trie node and packing slot) and ``index [B, T]``, the row of ``flat`` that predicts
+    response token ``t`` of row ``b`` (``-1`` where ``response_mask`` is false). Positions that the trie shares
+    name the same row, so a caller can put the LM head once on each distinct ``(row, label)`` pair. The arguments,
+    checks and errors are :func:`prefix_shared_hidden_states`'.
+    """
     check_ndim("input_ids", input_ids, 2, "[B, L]")
     seq_len = input_ids.shape[1]
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
@@ -198,7 +213,7 @@ def prefix_shared_logprobs(
     seq_len, t_len = input_ids.shape[1], response_mask.shape[1]
     pos = prompt_lens.to(input_ids.device, torch.long)[:, None] + torch.arange(t_len, device=input_ids.device)
     keep = response_mask & (pos < seq_len)
-    flat, index = _shared_rows(body, input_ids, prompt_lens, keep, attention_mask=attention_mask,
+    flat, index = prefix_shared_rows(body, input_ids, prompt_lens, keep, attention_mask=attention_mask,
                                max_tokens=max_tokens, attention=attention, share=True, model_kwargs=model_kwargs)
     labels = input_ids.gather(1, pos.clamp(0, seq_len - 1))
     return scored_head_logprobs(flat, index, weight, labels, temperature=temperature, top_k=top_k, top_p=top_p,

@@ -41,6 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run loss_fn='stable_reinforce' (tinker-cookbook's default, whose objective Tinker does not "
                         "publish) as this documented objective, announced in get_server_capabilities and in every "
                         "forward_backward / optim_step answer's metrics; default: refuse it")
+    p.add_argument("--max-batch-tokens", type=int, default=16384,
+                   help="padded tokens per training micro-batch (a request's datums run in micro-batches of at most "
+                        "this many; fewer lowers the peak memory of a step, not its gradient; default 16384)")
+    p.add_argument("--no-prefix-share", dest="prefix_share", action="store_false",
+                   help="train one padded row per datum instead of forwarding the token prefixes that a request's "
+                        "datums share once (a GRPO group's prompt); the log-probs and gradients are the same")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     args = p.parse_args(argv)
     models = {}
@@ -53,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if name in models:
             p.error(f"--model: {name!r} given twice")
         models[name] = path
-    for flag in ("max_num_samples", "max_request_tokens"):
+    for flag in ("max_num_samples", "max_request_tokens", "max_batch_tokens"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')}: expected an integer >= 1, got {getattr(args, flag)}")
     args.models = models
@@ -72,7 +78,8 @@ async def _serve(args: argparse.Namespace) -> None:
     service = TinkerService(args.models, state_dir=args.state_dir, engine=args.engine, device=args.device,
                             dtype=dtype, keep_snapshots=args.keep_snapshots, max_num_samples=args.max_num_samples,
                             max_request_tokens=args.max_request_tokens,
-                            stable_reinforce_as=args.stable_reinforce_as)
+                            stable_reinforce_as=args.stable_reinforce_as, max_batch_tokens=args.max_batch_tokens,
+                            prefix_share=args.prefix_share)
     sock = bind(args.host, args.port)
     port = sock.getsockname()[1]
 

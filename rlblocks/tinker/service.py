@@ -149,6 +149,8 @@ class TinkerService:
         keep_snapshots: unnamed sampler snapshots kept per training model (older ones expire: their sampling
             sessions answer 404); named ones live on disk.
         max_batch_tokens: padded tokens per training micro-batch.
+        prefix_share: forward the token prefixes that a request's datums share once (a GRPO group's prompt;
+            :class:`~rlblocks.tinker.training.TrainingHost`); ``False``: one padded row per datum.
         engine_args: extra arguments of the sampling engine (``VLLMEngine.from_pretrained`` keywords).
         max_num_samples: most ``num_samples`` of one sample request (more answers 400).
         max_request_tokens: most tokens one sample request may ask for, ``num_samples × (prompt length +
@@ -162,7 +164,8 @@ class TinkerService:
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  keep_snapshots: int = 16, max_batch_tokens: int = 16384,
                  engine_args: dict[str, Any] | None = None, max_num_samples: int = 1024,
-                 max_request_tokens: int = 1 << 22, stable_reinforce_as: str | None = None) -> None:
+                 max_request_tokens: int = 1 << 22, stable_reinforce_as: str | None = None,
+                 prefix_share: bool = True) -> None:
         if not models:
             raise RequestError("--model: expected at least one NAME=HF_DIR")
         for flag, v in (("--max-num-samples", max_num_samples), ("--max-request-tokens", max_request_tokens)):
@@ -179,6 +182,9 @@ class TinkerService:
         self.engine_kind = engine
         self.keep_snapshots = int(keep_snapshots)
         self.max_batch_tokens = int(max_batch_tokens)
+        if self.max_batch_tokens < 1:
+            raise ArgumentError(f"--max-batch-tokens: expected an integer >= 1, got {max_batch_tokens!r}")
+        self.prefix_share = bool(prefix_share)
         self.engine_args = dict(engine_args or {})
         self.store = CheckpointStore(state_dir)
         self.futures = FutureStore()
@@ -196,7 +202,8 @@ class TinkerService:
     async def start(self) -> None:
         for name, path in self.model_dirs.items():
             training = await asyncio.to_thread(TrainingHost, name, path, device=self.device, dtype=self.dtype,
-                                               max_batch_tokens=self.max_batch_tokens)
+                                               max_batch_tokens=self.max_batch_tokens,
+                                               prefix_share=self.prefix_share)
             sampler = SamplerHost(name, path, engine=self.engine_kind, device=self.device, dtype=self.dtype,
                                   engine_args=self.engine_args)
             await sampler.start()

@@ -12,6 +12,11 @@ client, with its own AdamW.
   without the ``[B, L, V]`` logits, with ``W`` the LM head — merged with its adapter (``rlblocks.sync.merge_lora``,
   differentiable in A and B) when the head is trained. Targets are arbitrary ids per position (Tinker's
   ``target_tokens``), ``[N, K]`` targets score K candidates per position.
+- **Prefix sharing** (``prefix_share=True``, the default): the datums of a micro-batch go into one prefix trie of
+  their token ids (``rlblocks.kernels.prefix_share``): a prompt that a group's samples share is forwarded once, and
+  the LM head runs once per distinct (trie position, target token) pair; every datum's log-probs and the gradient
+  are those of one forward per datum, up to the order of floating-point sums. Datums without a common prefix run
+  one per row as before; ``[N, K]`` targets always do.
 - **Batching**: datums are right-padded into micro-batches of at most ``max_batch_tokens`` padded tokens; the loss
   is a sum (see :mod:`rlblocks.tinker.losses`), so per-micro-batch backward passes add up to the request's gradient,
   and gradients of every ``forward_backward`` add up until ``optim_step``.
@@ -38,6 +43,7 @@ from torch import Tensor, nn
 
 from rlblocks.errors import ArgumentError, RequestError
 from rlblocks.kernels import linear_token_logprobs
+from rlblocks.kernels.prefix_share import prefix_shared_rows
 from rlblocks.sync import lora_state, merge_lora
 from rlblocks.tinker.losses import tinker_loss
 from rlblocks.tinker.wire import OutputRun, WireDatum
@@ -123,10 +129,11 @@ class TrainingHost:
         device: where the model runs.
         dtype: the base weights' dtype (adapters are float32).
         max_batch_tokens: padded tokens per micro-batch.
+        prefix_share: forward the prefixes that datums share once (module docstring).
     """
 
     def __init__(self, name: str, path: str, *, device: torch.device, dtype: torch.dtype,
-                 max_batch_tokens: int = 16384) -> None:
+                 max_batch_tokens: int = 16384, prefix_share: bool = True) -> None:
         from transformers import AutoModelForCausalLM
 
         self.name, self.path, self.device = name, path, device
@@ -138,6 +145,7 @@ class TrainingHost:
         self.arch = type(base).__name__
         self._groups = linear_groups(base)
         self.max_batch_tokens = int(max_batch_tokens)
+        self.prefix_share = bool(prefix_share)
         self._base = base
         self._peft: Any = None
         self._adapters: dict[str, _Adapter] = {}
@@ -222,12 +230,15 @@ class TrainingHost:
             with torch.set_grad_enabled(not forward_only):
                 w = self._head_weight(ad)
                 ids, targets, inputs, mask = self._pad([data[i] for i in idx])
-                hidden = body(input_ids=ids, use_cache=False).last_hidden_state
-                if targets.dim() == 3:
+                if self.prefix_share and targets.dim() == 2 and len(idx) > 1:
+                    logp = self._shared_logprobs(body, w, ids, targets, mask)
+                elif targets.dim() == 3:
+                    hidden = body(input_ids=ids, use_cache=False).last_hidden_state
                     k = targets.shape[-1]
                     h = hidden.unsqueeze(2).expand(*hidden.shape[:2], k, hidden.shape[-1])
                     logp = linear_token_logprobs(h.to(w.dtype), w, targets, mask=mask[..., None].expand_as(targets))
                 else:
+                    hidden = body(input_ids=ids, use_cache=False).last_hidden_state
                     logp = linear_token_logprobs(hidden.to(w.dtype), w, targets, mask=mask)
                 loss, _ = tinker_loss(loss_fn, config, logp, inputs, mask)
                 if not forward_only:
@@ -239,6 +250,25 @@ class TrainingHost:
         if not forward_only:
             ad.pending = True
         return outputs, {"loss:sum": total}
+
+    def _shared_logprobs(self, body: nn.Module, w: Tensor, ids: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
+        """``log softmax(h_t · wᵀ)[targets[b, t]]`` at every real position ``(b, t)`` (0 at padding) from one
+        prefix-shared forward of the rows ``ids`` (right-padded, ``mask`` true on the real positions).
+
+        The rows enter the trie whole (a prompt length of 1 and every position scored: position ``t`` is read from
+        the hidden state at ``t``), and the head runs on each distinct ``(flat row, target)`` pair once; a
+        position's log-prob is gathered from its pair, so the gradient of a shared pair is the sum over the
+        positions that use it, as with one forward per datum."""
+        b = ids.shape[0]
+        # one more column: the trie scores position P + t = 1 + t, which must lie inside the rows
+        padded = torch.nn.functional.pad(ids, (0, 1))
+        ones = torch.ones(b, dtype=torch.long, device=ids.device)
+        flat, index = prefix_shared_rows(body, padded, ones, mask, max_tokens=max(self.max_batch_tokens, ids.shape[1]))
+        key = index[mask] * self.vocab_size + targets[mask]
+        pairs, where = torch.unique(key, return_inverse=True)
+        rows = torch.div(pairs, self.vocab_size, rounding_mode="floor")
+        logp = linear_token_logprobs(flat.index_select(0, rows).to(w.dtype), w, pairs - rows * self.vocab_size)
+        return logp.new_zeros(mask.shape).masked_scatter(mask, logp[where])
 
     def _micro_batches(self, data: Sequence[WireDatum]) -> list[list[int]]:
         groups: list[list[int]] = []

@@ -148,3 +148,20 @@ def test_every_route_in_the_sdk_is_served_or_refused_with_its_reason(server):
             detail = r.json().get("detail", "") if r.headers.get("content-type", "").startswith("application/json") \
                 and isinstance(r.json(), dict) else ""
             assert "unknown route" not in str(detail), (method, path, detail)
+
+
+def test_server_flags_name_the_bad_value(tmp_path, capsys):
+    from rlblocks.errors import ArgumentError
+    from rlblocks.tinker.__main__ import parse_args
+    from rlblocks.tinker.service import TinkerService
+
+    base = ["--model", f"m={tmp_path}"]
+    for flag in ("--max-batch-tokens", "--max-num-samples"):
+        with pytest.raises(SystemExit):
+            parse_args([*base, flag, "0"])
+        assert f"{flag}: expected an integer >= 1, got 0" in capsys.readouterr().err
+    args = parse_args([*base, "--no-prefix-share", "--max-batch-tokens", "4096"])
+    assert (args.prefix_share, args.max_batch_tokens) == (False, 4096)
+    assert parse_args(base).prefix_share is True
+    with pytest.raises(ArgumentError, match=r"--max-batch-tokens: expected an integer >= 1, got 0"):
+        TinkerService({"m": str(tmp_path)}, state_dir=str(tmp_path / "s"), max_batch_tokens=0)
