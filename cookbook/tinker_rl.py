@@ -2,11 +2,12 @@
 
 ``make demo-tinker``: SmolLM2-135M-Instruct (``--model``: the name ``smollm2-135m`` or any HF directory of it) is
 served by ``python -m rlblocks.tinker`` in a subprocess; this script then trains it through the official ``tinker``
-SDK on a reasoning-gym task (``basic_arithmetic``: two terms of 1-2 digits, ``+``/``-``, the answer asked for in
-``<answer></answer>`` tags) with the cookbook's own loop (``rl.train.main``: sampling clients, group-centred
-advantages, ``forward_backward``, ``optim_step``, checkpoints). What is written here is only what a cookbook user
-writes for a new task: an ``Env`` (the rendered chat prompt; the reward is 1 when the dataset's own ``score_answer``
-accepts the text inside the tags in full, else 0), its group builder and dataset, and an evaluator.
+SDK on a reasoning-gym task (``basic_arithmetic``: by default the sum of two two-digit terms, the answer asked for
+in ``<answer></answer>`` tags; ``--min-digits``, ``--max-digits`` and ``--operators`` change it) with the
+cookbook's own loop (``rl.train.main``: sampling clients, group-centred advantages, ``forward_backward``,
+``optim_step``, checkpoints). What is written here is only what a cookbook user writes for a new task: an
+``Env`` (the rendered chat prompt; the reward is 1 when the dataset's own ``score_answer`` accepts the text inside
+the tags in full, else 0), its group builder and dataset, and an evaluator.
 
 - **Tokenizer and renderer.** The tokenizer is registered from the model's directory
   (``tokenizer_utils.register_tokenizer``). The prompt is rendered by the cookbook's ``qwen3_instruct`` renderer,
@@ -62,15 +63,16 @@ TASK = "basic_arithmetic"
 
 
 # ---------------------------------------------------------------------------------------- the task
-def task_split(seed: int, heldout: int, train_items: int, warm_items: int, max_digits: int) -> dict[str, list]:
+def task_split(seed: int, heldout: int, train_items: int, warm_items: int, min_digits: int, max_digits: int,
+               operators: str) -> dict[str, list]:
     """reasoning-gym items: ``heldout``, ``train`` (RL) and ``warm`` (supervised warm start); the last two never
     hold a question of the held-out set. Also returns the dataset (``"dataset"``), whose ``score_answer`` is the
     verifier."""
     import reasoning_gym
 
     def make(s: int, size: int):
-        return reasoning_gym.create_dataset(TASK, seed=s, size=size, min_terms=2, max_terms=2, min_digits=1,
-                                            max_digits=max_digits, operators=("+", "-"), allow_parentheses=False,
+        return reasoning_gym.create_dataset(TASK, seed=s, size=size, min_terms=2, max_terms=2, min_digits=min_digits,
+                                            max_digits=max_digits, operators=tuple(operators), allow_parentheses=False,
                                             allow_negation=False)
 
     held = make(seed * 1000 + 1, heldout)
@@ -173,10 +175,13 @@ class ArithmeticDatasetBuilder(RLDatasetBuilder):
     seed: int = 0
     heldout: int = 200
     train_items: int = 4000
+    min_digits: int = 2
     max_digits: int = 2
+    operators: str = "+"
 
     async def __call__(self) -> tuple[RLDataset, RLDataset | None]:
-        split = task_split(self.seed, self.heldout, self.train_items, 0, self.max_digits)
+        split = task_split(self.seed, self.heldout, self.train_items, 0, self.min_digits, self.max_digits,
+                           self.operators)
         renderer = renderers.get_renderer(RENDERER, get_tokenizer(MODEL_NAME))
         return ArithmeticDataset(renderer, split["dataset"], split["train"], self.groups_per_batch,
                                  self.group_size), None
@@ -268,16 +273,18 @@ class Config:
     name: str = opt("demo-tinker", "run name: outputs go to <runs-dir>/<name>/")
     runs_dir: str = opt("runs", "directory of run folders")
     model: str = opt("smollm2-135m", "SmolLM2-135M-Instruct: the cookbook's model name or its HF directory")
-    steps: int = opt(40, "RL steps")
+    steps: int = opt(60, "RL steps")
     groups_per_batch: int = opt(8, "groups (questions) per sampled batch")
     group_size: int = opt(8, "samples per question")
-    lr: float = opt(2e-4, "Adam learning rate of the LoRA adapter in RL")
-    lora_rank: int = opt(32, "LoRA rank of the trained adapter")
+    lr: float = opt(5e-5, "Adam learning rate of the LoRA adapter in RL")
+    lora_rank: int = opt(16, "LoRA rank of the trained adapter (alpha 32 on this server)")
     loss_fn: str = opt("ppo", "Tinker loss of forward_backward (stable_reinforce runs as ppo on this server)",
                        choices=("importance_sampling", "ppo", "cispo", "stable_reinforce"))
     temperature: float = opt(1.0, "sampling temperature of RL rollouts")
     max_tokens: int = opt(16, "most new tokens of an answer")
+    min_digits: int = opt(2, "fewest digits of each term")
     max_digits: int = opt(2, "most digits of each term")
+    operators: str = opt("+", "the operators of the questions, as one string (e.g. '+-')")
     warm_steps: int = opt(24, "supervised warm-start steps on the answer format (0: none)")
     warm_batch: int = opt(16, "items per warm-start step")
     warm_lr: float = opt(5e-4, "Adam learning rate of the warm start")
@@ -288,8 +295,12 @@ class Config:
 
 def check_flags(cfg: Config) -> None:
     """Refuse flag values the loop cannot run with (exit status 2, naming the flag)."""
-    check_at_least(cfg, 1, "steps", "groups_per_batch", "group_size", "lora_rank", "max_tokens", "max_digits",
-                   "warm_batch", "heldout", "threads")
+    check_at_least(cfg, 1, "steps", "groups_per_batch", "group_size", "lora_rank", "max_tokens", "min_digits",
+                   "max_digits", "warm_batch", "heldout", "threads")
+    if cfg.max_digits < cfg.min_digits:
+        raise ArgumentError(f"--max-digits: expected >= --min-digits ({cfg.min_digits}), got {cfg.max_digits}")
+    if not cfg.operators or set(cfg.operators) - set("+-*/"):
+        raise ArgumentError(f"--operators: expected a non-empty string of '+', '-', '*', '/', got {cfg.operators!r}")
     check_at_least(cfg, 0, "warm_steps", "seed")
     for flag in ("lr", "warm_lr"):
         if getattr(cfg, flag) <= 0:
@@ -323,7 +334,8 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = get_tokenizer(MODEL_NAME)
     renderer = renderers.get_renderer(RENDERER, tokenizer)
     check_renderer(renderer, tokenizer)
-    split = task_split(args.seed, args.heldout, 4000, args.warm_steps * args.warm_batch, args.max_digits)
+    split = task_split(args.seed, args.heldout, 4000, args.warm_steps * args.warm_batch, args.min_digits,
+                       args.max_digits, args.operators)
     os.environ.setdefault("TINKER_API_KEY", "tml-local")
     state = out / "state"
     server = Server(path, state, out / "server.log", args.threads)
@@ -350,7 +362,8 @@ def main(argv: list[str] | None = None) -> dict:
             max_tokens=args.max_tokens, temperature=args.temperature,
             dataset_builder=ArithmeticDatasetBuilder(groups_per_batch=args.groups_per_batch,
                                                      group_size=args.group_size, seed=args.seed,
-                                                     heldout=args.heldout, max_digits=args.max_digits),
+                                                     heldout=args.heldout, min_digits=args.min_digits,
+                                                     max_digits=args.max_digits, operators=args.operators),
             log_path=str(log_path), base_url=server.base_url, lora_rank=args.lora_rank, loss_fn=args.loss_fn,
             load_checkpoint_path=warm_path, max_steps=args.steps, eval_every=0, save_every=0, num_groups_to_log=0,
             rollout_json_export=False, ttl_seconds=None)
@@ -366,7 +379,8 @@ def main(argv: list[str] | None = None) -> dict:
         server.stop()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     summary = {
-        "task": f"reasoning-gym {TASK}: 2 terms of 1-{args.max_digits} digits, + and -, <answer> tags",
+        "task": f"reasoning-gym {TASK}: 2 terms of {args.min_digits}-{args.max_digits} digits, operators "
+                f"{args.operators!r}, <answer> tags",
         "heldout_items": args.heldout, "base": base, "before": before, "after": after,
         "gain_points": 100 * (after["accuracy"] - before["accuracy"]),
         "steps": args.steps, "groups_per_batch": args.groups_per_batch, "group_size": args.group_size,
