@@ -5,12 +5,12 @@ reasoning-gym task, checked strictly.
     python cookbook/real.py --name demo-real --seeds 0 -- --steps 5   # flags after -- go to grpo_sync.py
 
 Task (:data:`SPEC`, through the loops' ``--prompts rg:...``, ``cookbook/rgym.py``): reasoning-gym's
-``basic_arithmetic``, the sum of two two-digit terms (``Calculate 57 + 83.``), 256 held-out items,
-the answer asked for in ``<answer>...</answer>`` by reasoning-gym's ``direct`` system prompt. Reward:
+``basic_arithmetic``, the sum of two terms at its two-digit level (``num_digits=2``: 0-100; ``Calculate 57 + 83.``), 256
+held-out items, the answer asked for in ``<answer>...</answer>`` by reasoning-gym's ``direct`` system prompt. Reward:
 ``--reward rg-exact``, 1 when the dataset's own ``score_answer`` on the text inside the last ``<answer>`` tags is 1,
 else 0 (its partial credit for an answer that contains the right one is gamed by padding answers with digits); the
-held-out accuracy counts the greedy answers it scores 1. The last-number accuracy (the last number anywhere in
-the response, tags or not) is reported beside it.
+held-out accuracy counts the greedy answers it scores 1. The last-number accuracy (the last number anywhere in the
+response, tags or not) is reported beside it.
 
 Warm start (:func:`warm_start`): SmolLM2-135M-Instruct never writes the tags untaught (0 % strict on this task; 15 %
 when its last number is read). A short supervised run teaches the format on :data:`SFT_SPEC`'s items (another seed,

@@ -2,9 +2,9 @@
 
 ``make demo-tinker``: SmolLM2-135M-Instruct (``--model``: the name ``smollm2-135m`` or any HF directory of it) is
 served by ``python -m rlblocks.tinker`` in a subprocess; this script then trains it through the official ``tinker``
-SDK on a reasoning-gym task (``basic_arithmetic``: by default the sum of two two-digit terms, the answer asked for
-in ``<answer></answer>`` tags; ``--min-digits``, ``--max-digits`` and ``--operators`` change it) with the
-cookbook's own loop (``rl.train.main``: sampling clients, group-centred advantages, ``forward_backward``,
+SDK on a reasoning-gym task (``basic_arithmetic``: by default the sum of two terms at its two-digit level, 0-100,
+the answer asked for in ``<answer></answer>`` tags; ``--min-digits``, ``--max-digits`` and ``--operators`` change
+it) with the cookbook's own loop (``rl.train.main``: sampling clients, group-centred advantages, ``forward_backward``,
 ``optim_step``, checkpoints). What is written here is only what a cookbook user writes for a new task: an
 ``Env`` (the rendered chat prompt; the reward is 1 when the dataset's own ``score_answer`` accepts the text inside
 the tags in full, else 0), its group builder and dataset, and an evaluator.

@@ -145,3 +145,31 @@ def test_agent_gateway(smollm2_dir, tmp_path):
     rows, summary = _summary(runs, "gw")
     assert summary["steps"] == 1 if "steps" in summary else len(rows) == 1
     assert summary["heldout_prompts"] == 2 and set(summary["heldout_after"]) >= {"pass@1", "last_number"}
+
+
+def test_tinker_rl_recipe_through_the_sdk(smollm2_dir, tmp_path):
+    """``make demo-tinker`` in miniature: tinker-cookbook's ``rl.train`` through the SDK against the server on the
+    real model (one warm-start step, one RL step of 2 × 2 samples), and its task split."""
+    pytest.importorskip("tinker_cookbook")
+    import tinker_rl
+
+    split = tinker_rl.task_split(0, 40, 100, 20, 2, 2, "+")
+    held = {e["question"] for e in split["heldout"]}
+    assert len(split["heldout"]) == 40 and len(split["train"]) == 100 and len(split["warm"]) == 20
+    assert held.isdisjoint(e["question"] for e in split["train"] + split["warm"])
+    for e in split["heldout"] + split["train"]:  # reasoning-gym's num_digits=2 draws terms in 0..100
+        a, op, b = e["question"].removeprefix("Calculate ").rstrip(".").split()
+        assert op == "+" and 0 <= int(a) <= 100 and 0 <= int(b) <= 100 and int(e["answer"]) == int(a) + int(b)
+        assert e["metadata"]["num_digits"] == 2
+    runs = tmp_path / "runs"
+    _run([sys.executable, str(COOKBOOK / "tinker_rl.py"), "--runs-dir", str(runs), "--name", "tk", "--steps", "1",
+          "--warm-steps", "1", "--warm-batch", "4", "--heldout", "4", "--groups-per-batch", "2", "--group-size", "2",
+          "--max-tokens", "8", "--threads", "1"])
+    summary = json.loads((runs / "tk" / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["heldout_items"] == 4 and "operators '+'" in summary["task"]
+    for stage in ("base", "before", "after"):
+        assert 0.0 <= summary[stage]["accuracy"] <= summary[stage]["tagged"] + 1e-9 <= 1.0 + 1e-9
+    rows = [json.loads(x) for x in (runs / "tk" / "cookbook" / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in rows if "env/all/total_episodes" in r)
+    assert step["env/all/total_episodes"] == 4 and step["tokens/trained"] > 0
+    assert step["loss_fn_mapped/stable_reinforce->ppo:max"] == 0.0  # ppo was asked for by name, not mapped
