@@ -228,8 +228,8 @@ class Server:
 
     def __init__(self, model_dir: str, state_dir: Path, log: Path, threads: int) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-        # two glibc heaps: a training step's activations (~10 GB at 64 datums) freed in one thread are reused by the
-        # next instead of each thread keeping its own (with the default, one per thread, the server grew past 14 GB)
+        # two glibc heaps: a training step's activations freed in one thread are reused by the next instead of each
+        # thread keeping its own (with the default, one per thread, an unshared 64-datum run grew past 14 GB)
         env.setdefault("MALLOC_ARENA_MAX", "2")
         self.log = log.open("w")
         self.proc = subprocess.Popen([sys.executable, "-m", "rlblocks.tinker", "--model", f"{MODEL_NAME}={model_dir}",

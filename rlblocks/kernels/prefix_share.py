@@ -214,7 +214,7 @@ def prefix_shared_logprobs(
     pos = prompt_lens.to(input_ids.device, torch.long)[:, None] + torch.arange(t_len, device=input_ids.device)
     keep = response_mask & (pos < seq_len)
     flat, index = prefix_shared_rows(body, input_ids, prompt_lens, keep, attention_mask=attention_mask,
-                               max_tokens=max_tokens, attention=attention, share=True, model_kwargs=model_kwargs)
+                                     max_tokens=max_tokens, attention=attention, share=True, model_kwargs=model_kwargs)
     labels = input_ids.gather(1, pos.clamp(0, seq_len - 1))
     return scored_head_logprobs(flat, index, weight, labels, temperature=temperature, top_k=top_k, top_p=top_p,
                                 return_entropy=return_entropy, return_outside=return_outside, backend=backend)

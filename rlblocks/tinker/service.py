@@ -168,7 +168,8 @@ class TinkerService:
                  prefix_share: bool = True) -> None:
         if not models:
             raise RequestError("--model: expected at least one NAME=HF_DIR")
-        for flag, v in (("--max-num-samples", max_num_samples), ("--max-request-tokens", max_request_tokens)):
+        for flag, v in (("--max-num-samples", max_num_samples), ("--max-request-tokens", max_request_tokens),
+                        ("--max-batch-tokens", max_batch_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ArgumentError(f"{flag}: expected an integer >= 1, got {v!r}")
         if stable_reinforce_as is not None and stable_reinforce_as not in STABLE_REINFORCE_TARGETS:
@@ -181,9 +182,7 @@ class TinkerService:
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.engine_kind = engine
         self.keep_snapshots = int(keep_snapshots)
-        self.max_batch_tokens = int(max_batch_tokens)
-        if self.max_batch_tokens < 1:
-            raise ArgumentError(f"--max-batch-tokens: expected an integer >= 1, got {max_batch_tokens!r}")
+        self.max_batch_tokens = max_batch_tokens
         self.prefix_share = bool(prefix_share)
         self.engine_args = dict(engine_args or {})
         self.store = CheckpointStore(state_dir)

@@ -232,14 +232,15 @@ class TrainingHost:
                 ids, targets, inputs, mask = self._pad([data[i] for i in idx])
                 if self.prefix_share and targets.dim() == 2 and len(idx) > 1:
                     logp = self._shared_logprobs(body, w, ids, targets, mask)
-                elif targets.dim() == 3:
-                    hidden = body(input_ids=ids, use_cache=False).last_hidden_state
-                    k = targets.shape[-1]
-                    h = hidden.unsqueeze(2).expand(*hidden.shape[:2], k, hidden.shape[-1])
-                    logp = linear_token_logprobs(h.to(w.dtype), w, targets, mask=mask[..., None].expand_as(targets))
                 else:
                     hidden = body(input_ids=ids, use_cache=False).last_hidden_state
-                    logp = linear_token_logprobs(hidden.to(w.dtype), w, targets, mask=mask)
+                    if targets.dim() == 3:
+                        k = targets.shape[-1]
+                        h = hidden.unsqueeze(2).expand(*hidden.shape[:2], k, hidden.shape[-1])
+                        logp = linear_token_logprobs(h.to(w.dtype), w, targets,
+                                                     mask=mask[..., None].expand_as(targets))
+                    else:
+                        logp = linear_token_logprobs(hidden.to(w.dtype), w, targets, mask=mask)
                 loss, _ = tinker_loss(loss_fn, config, logp, inputs, mask)
                 if not forward_only:
                     loss.backward()
@@ -267,7 +268,7 @@ class TrainingHost:
         key = index[mask] * self.vocab_size + targets[mask]
         pairs, where = torch.unique(key, return_inverse=True)
         rows = torch.div(pairs, self.vocab_size, rounding_mode="floor")
-        logp = linear_token_logprobs(flat.index_select(0, rows).to(w.dtype), w, pairs - rows * self.vocab_size)
+        logp = linear_token_logprobs(flat.index_select(0, rows).to(w.dtype), w, pairs % self.vocab_size)
         return logp.new_zeros(mask.shape).masked_scatter(mask, logp[where])
 
     def _micro_batches(self, data: Sequence[WireDatum]) -> list[list[int]]:

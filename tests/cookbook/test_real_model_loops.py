@@ -173,3 +173,16 @@ def test_tinker_rl_recipe_through_the_sdk(smollm2_dir, tmp_path):
     step = next(r for r in rows if "env/all/total_episodes" in r)
     assert step["env/all/total_episodes"] == 4 and step["tokens/trained"] > 0
     assert step["loss_fn_mapped/stable_reinforce->ppo:max"] == 0.0  # ppo was asked for by name, not mapped
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--operators", "x"], "--operators: expected a non-empty string of '+', '-', '*', '/', got 'x'"),
+    (["--min-digits", "3", "--max-digits", "2"], "--max-digits: expected >= --min-digits (3), got 2"),
+])
+def test_tinker_rl_flags_name_the_bad_value(flags, message, capsys):
+    pytest.importorskip("tinker_cookbook")
+    import tinker_rl
+
+    with pytest.raises(SystemExit) as e:
+        tinker_rl.main(flags)
+    assert e.value.code == 2 and message in capsys.readouterr().err
