@@ -26,8 +26,10 @@ steps after the first two (warm-up) and before the last (whose time includes the
 
 Stability: each variant's spread ``(max − min) / min`` over its repetitions is printed with the ratios; under 10 %
 the variant is stable. 40-step runs (11–26 s) are too short for that on a 2-core CPU (one η = 4 run measured twice
-the tokens/s of the next), hence the default of 160 steps. The 1-minute load average before and after every run is
-printed and stored: a ratio measured while other work shares the cores is not a property of the loops.
+the tokens/s of the next), hence the default of 160 steps. The 1-minute load average before and after every run and the
+cores that other work used during it (the machine's busy CPU seconds from ``/proc/stat`` minus the run's own, per
+wall second) are printed and stored: a ratio measured while other work shares the cores is not a property of the
+loops.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -59,16 +62,39 @@ def variant_command(name: str, common: list[str]) -> tuple[list[str], dict[str, 
             *common], one
 
 
-def run(cmd: list[str], threads: dict[str, str]) -> tuple[float, list[float]]:
-    """Run one loop; returns its wall seconds and the 1-minute load average before and after it."""
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds every core of the machine has been busy since boot (``/proc/stat``: user, nice, system, irq,
+    softirq, steal); None where there is no ``/proc/stat``."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's finished children (and theirs: torchrun waits for its workers)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def run(cmd: list[str], threads: dict[str, str]) -> tuple[float, list[float], float | None]:
+    """Run one loop; returns its wall seconds, the 1-minute load average before and after it, and the cores that
+    OTHER work used meanwhile: (CPU seconds the machine was busy − the loop's own processes') / wall seconds. The
+    load average lags by a minute and counts the previous run's processes; this does not."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **threads)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     before = os.getloadavg()[0]
+    busy0, own0 = busy_cpu_seconds(), children_cpu_seconds()
     t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    busy1, own1 = busy_cpu_seconds(), children_cpu_seconds()
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-4000:]}")
-    return time.perf_counter() - t0, [before, os.getloadavg()[0]]
+    other = None if busy0 is None or busy1 is None else max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
+    return wall, [before, os.getloadavg()[0]], other
 
 
 def measure(run_dir: Path) -> dict:
@@ -131,12 +157,13 @@ def main() -> None:
                       "--runs-dir", args.runs_dir, "--time-limit", "0", "--eval-every", str(args.steps), "--quiet",
                       *(["--model", args.model] if args.model else [])]
             cmd, threads = variant_command(v, common)
-            wall, load = run(cmd, threads)
+            wall, load, other = run(cmd, threads)
             m = measure(Path(args.runs_dir) / name)
-            m["wall_s"], m["threads"], m["loadavg"] = wall, threads["OMP_NUM_THREADS"], load
+            m["wall_s"], m["threads"], m["loadavg"], m["other_cores"] = wall, threads["OMP_NUM_THREADS"], load, other
             results[v].append(m)
             print(f"rep {rep} {v:<12} {m['tokens_per_s']:8.1f} tokens/s  ({wall:.0f} s wall, load average "
-                  f"{load[0]:.1f} before, {load[1]:.1f} after)", flush=True)
+                  f"{load[0]:.1f} before, {load[1]:.1f} after; other work: "
+                  f"{'unknown' if other is None else f'{other:.2f} cores'})", flush=True)
     bases = [b for b in BASELINES if b in results]
     header = f"{'loop':<12}{'procs×thr':>10}{'tokens/s (median [min–max])':>32}{'spread':>8}" + "".join(
         f"{'vs ' + b:>16}" for b in bases) + f"{'held-out acc':>14}"
@@ -158,8 +185,10 @@ def main() -> None:
     worst = max(spread([m["tokens_per_s"] for m in ms]) for ms in results.values())
     loads = [x for ms in results.values() for m in ms for x in m["loadavg"]]
     stable = "one repetition: unknown" if args.reps < 2 else f"{worst:.0%} ({'' if worst < STABLE else 'NOT '}stable)"
+    others = [m["other_cores"] for ms in results.values() for m in ms if m["other_cores"] is not None]
     print(f"largest spread between repetitions of one variant: {stable}, goal < {STABLE:.0%}; load average "
-          f"{min(loads):.1f}–{max(loads):.1f} over the runs")
+          f"{min(loads):.1f}–{max(loads):.1f} over the runs; other work "
+          + (f"{max(others):.2f} cores at most" if others else "unknown"))
     out = Path(args.out or Path(args.runs_dir) / "async_vs_sync.json")
     out.write_text(json.dumps({"config": vars(args), "variants": summary}, indent=2))
     print(out)

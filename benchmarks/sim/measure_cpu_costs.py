@@ -1,6 +1,7 @@
 """Measure the simulator's CPU cost model from the real TorchEngine and the cookbook's trainer step on this machine.
 
     .venv/bin/python benchmarks/sim/measure_cpu_costs.py [--reps 5] [--threads 1,2] [--out runs/sim/cpu_costs.json]
+    .venv/bin/python benchmarks/sim/measure_cpu_costs.py --quick    # CI: a few configurations, the fit, a simulation
 
 What is timed (with the cookbook's tiny warm-start model, the model the async/sync benchmark runs):
 
@@ -11,8 +12,9 @@ What is timed (with the cookbook's tiny warm-start model, the model the async/sy
   CPU is compute/overhead bound).
 - prefill: one-token ``generate`` calls of ``b`` requests whose prompts have ``g`` distinct lengths spread over
   7..57 tokens (what re-prefilling interrupted requests looks like: prompt + output so far), for ``b`` in 8..256
-  and ``g`` in 1..32; fit ``overhead + per_length·g + per_token·Σ n`` (:class:`rlblocks.sched.sim.PrefillCost`:
-  the engine runs one forward per distinct length).
+  and ``g`` in 1..32; fit ``overhead·F + per_token·Σ_f rows_f·max_f`` over the engine's ``F`` left-padded forwards
+  (:class:`rlblocks.sched.sim.PrefillCost` with ``padded=True`` and the engine's token budget: identical prompts
+  once, sorted by length, cut at the budget).
 - trainer: the cookbook's step (``batch_tensors``, then ``grpo_step`` with one optimizer update per batch:
   advantages, log-probs, loss, global normalisers, backward, grad clip, AdamW) on batches of ``G`` groups × 8
   samples of length ``L``; fit ``overhead + per_token·S·W + per_seq·S`` with ``W`` the padded width (the batch is
@@ -25,10 +27,12 @@ What is timed (with the cookbook's tiny warm-start model, the model the async/sy
   busy processes slow each other even with a core each).
 
 Each thread count in ``--threads`` (torch intra-op threads; the cookbook's async loop runs 1 per process) gives one
-:class:`rlblocks.sched.sim.Hardware`. Timings on a small CPU machine are noisy: every configuration is measured
-``--reps`` times, INTERLEAVED (all configurations and thread counts once, in a shuffled order, then again), and the
-median is fitted, so a burst of load from other processes spreads over all configurations instead of biasing one.
-The fit residuals are printed; the JSON holds the raw timings too.
+:class:`rlblocks.sched.sim.Hardware`. The engine's costs and the trainer's are measured in separate processes, one
+per thread count, as the loops run them (a process that only trains, one that only generates). Timings on a small
+CPU machine are noisy: every configuration is measured ``--reps`` times, interleaved (all of a process's
+configurations once, in a shuffled order, then again), and the median is fitted, so a burst of load from other
+processes spreads over all configurations instead of biasing one. The fit residuals are printed; the JSON holds the
+raw timings too.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,6 +62,7 @@ from plumbing import PolicyLogprobs, batch_tensors, group_record, load_hf  # noq
 
 from rlblocks.rollout import Generation, GenerationRequest, SamplingParams  # noqa: E402
 from rlblocks.rollout.engines import TorchEngine  # noqa: E402
+from rlblocks.rollout.engines.torch_compute import PREFILL_TOKEN_BUDGET  # noqa: E402
 from rlblocks.sched.sim import DecodeCost, Hardware, PrefillCost, SyncCost, TrainCost  # noqa: E402
 from rlblocks.sync import full_tensors  # noqa: E402
 
@@ -95,7 +102,9 @@ class Bench:
         self.version = 0
         from grpo_async import Config
 
-        self.cfg = Config(ppo_epochs=1, mini_batches=1)  # one optimizer update per batch: the cost model's unit
+        # one optimizer update per batch (the cost model's unit); the engine samples with the trainer's weights and
+        # dtype, so no train/rollout correction (what ``check_engine_flags`` resolves ``auto`` to here)
+        self.cfg = Config(ppo_epochs=1, mini_batches=1, correction="none")
         self.prompt_lens: list[int] = []
 
     def generate(self, b: int, length: int, rng: random.Random) -> tuple[float, int]:
@@ -112,9 +121,10 @@ class Bench:
         assert all(len(g.output_ids) == length for g in gens), "a generation stopped early"
         return dt, sum(len(p) for p in prompts)
 
-    def prefill(self, b: int, g: int, rng: random.Random) -> tuple[float, int]:
+    def prefill(self, b: int, g: int, rng: random.Random) -> tuple[float, list[tuple[int, int]]]:
         """One-token generation of ``b`` requests whose prompts (a demo prompt, then random token ids) have ``g``
-        distinct lengths in 7..57: the engine's first step prefills them all and samples their only token."""
+        distinct lengths in 7..57: the engine's first step prefills them all and samples their only token. Returns
+        the seconds and ``(rows, longest)`` of each padded forward the engine ran (identical prompts once)."""
         lengths = [7 + (50 * (i % g)) // max(1, g - 1) for i in range(b)]
         prompts = []
         for n in lengths:
@@ -128,7 +138,8 @@ class Bench:
 
         t0 = time.perf_counter()
         self.loop.run_until_complete(go())
-        return time.perf_counter() - t0, sum(lengths)
+        unique = [len(p) for p in {tuple(p): None for p in prompts}]
+        return time.perf_counter() - t0, PrefillCost(padded=True, token_budget=PREFILL_TOKEN_BUDGET).forwards(unique)
 
     def train(self, groups: int, length: int, rng: random.Random) -> tuple[float, int, int]:
         recs = []
@@ -218,10 +229,11 @@ def fit(samples: dict, prompt_len: float) -> dict:
         gen_y.append(statistics.median(ts))
     _p0, _p1, a, c_seq, c_ctx = nnls(gen_rows, gen_y)  # the first two: the prompts' prefill (fitted below)
     pre_rows, pre_y = [], []
-    for (_, g), vals in samples["prefill"].items():
-        pre_rows.append([1.0, g, vals[0][1]])
+    for vals in samples["prefill"].values():  # reps differ only in which prompts repeat (rarely): medians
+        pre_rows.append([statistics.median(len(v[1]) for v in vals),
+                         statistics.median(sum(r * m for r, m in v[1]) for v in vals)])
         pre_y.append(statistics.median(v[0] for v in vals))
-    p0, p_len, p1 = nnls(pre_rows, pre_y)
+    p0, p1 = nnls(pre_rows, pre_y)
     train_rows, train_y = [], []
     for (_, _), vals in samples["train"].items():
         ts = [v[0] for v in vals]
@@ -236,13 +248,51 @@ def fit(samples: dict, prompt_len: float) -> dict:
 
     return {
         "decode": DecodeCost(overhead_s=a, host_per_seq_s=c_seq, compute_per_token_s=c_ctx),
-        "prefill": PrefillCost(overhead_s=p0, per_token_s=p1, per_length_s=p_len),
+        "prefill": PrefillCost(overhead_s=p0, per_token_s=p1, padded=True, token_budget=PREFILL_TOKEN_BUDGET),
         "train": TrainCost(overhead_s=o, per_token_s=c_tok, per_seq_s=c_s, padded=True),
         "sync": SyncCost(latency_s=sync_s),
         "gen_residuals": resid(gen_rows, gen_y, [_p0, _p1, a, c_seq, c_ctx]),
-        "prefill_residuals": resid(pre_rows, pre_y, [p0, p_len, p1]),
+        "prefill_residuals": resid(pre_rows, pre_y, [p0, p1]),
         "train_residuals": resid(train_rows, train_y, [o, c_tok, c_s]),
     }
+
+
+ROLES = ("engine", "train")  # the jobs of a rollout process and of a trainer process
+
+
+def measure(path: str, threads: int, role: str, reps: int, seed: int) -> dict:
+    """Timings of one role's configurations at one thread count, ``reps`` times each in a shuffled order (a load
+    burst spreads over all configurations instead of biasing one)."""
+    torch.set_num_threads(threads)
+    bench = Bench(path)
+    rng = random.Random(seed)
+    samples: dict = {"gen": {}, "prefill": {}, "train": {}, "sync": []}
+    if role == "engine":
+        jobs = [("gen", b, n) for b in GEN_B for n in GEN_L] + [("prefill", b, g) for b in PREFILL_B
+                                                                 for g in PREFILL_G if g <= b] + [("sync", 0, 0)]
+        bench.generate(8, 6, rng)  # warm-up: first calls allocate and build the kernels' dispatch paths
+        bench.sync()
+    else:
+        jobs = [("train", g, n) for g in TRAIN_G for n in TRAIN_L]
+        bench.train(4, 6, rng)
+    torch.manual_seed(seed)
+    t_start = time.perf_counter()
+    for rep in range(reps):
+        order = list(jobs)
+        rng.shuffle(order)
+        for kind, x, n in order:
+            if kind == "gen":
+                samples["gen"].setdefault((x, n), []).append(bench.generate(x, n, rng)[0])
+            elif kind == "prefill":
+                samples["prefill"].setdefault((x, n), []).append(bench.prefill(x, n, rng))
+            elif kind == "train":
+                samples["train"].setdefault((x, n), []).append(bench.train(x, n, rng))
+            else:
+                samples["sync"].append(bench.sync()[0])
+        print(f"{role} ({threads} thread{'s' if threads > 1 else ''}): rep {rep + 1}/{reps} done "
+              f"({time.perf_counter() - t_start:.0f} s)", flush=True)
+    bench.close()
+    return samples
 
 
 def main() -> None:
@@ -254,39 +304,43 @@ def main() -> None:
     ap.add_argument("--out", default="runs/sim/cpu_costs.json")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--contention-reps", type=int, default=8, help="alone/together pairs (0: assume none)")
+    ap.add_argument("--role", choices=ROLES, default=None, help=argparse.SUPPRESS)  # a child process's part
+    ap.add_argument("--quick", action="store_true",
+                    help="CI: one rep of a few configurations, 1 thread, no contention pairs; checks that the fit "
+                         "gives a Hardware the simulator runs, never the costs' values")
     args = ap.parse_args()
+    global GEN_B, GEN_L, PREFILL_B, PREFILL_G, TRAIN_G, TRAIN_L
+    if args.quick:
+        args.reps, args.threads, args.contention_reps = 1, "1", 0
+        GEN_B, GEN_L, PREFILL_B, PREFILL_G, TRAIN_G, TRAIN_L = (1, 8, 32), (6, 12), (8, 32), (1, 8), (2, 4), (6, 12)
     threads = [int(x) for x in args.threads.split(",")]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = toy.warm_start(os.path.join(args.runs_dir, "warmstart"))
+    if args.role:  # a child: one thread count, one role, its timings to --out
+        samples = measure(path, threads[0], args.role, args.reps, args.seed)
+        Path(args.out).write_text(json.dumps({k: [[list(c), v] for c, v in d.items()] if isinstance(d, dict) else d
+                                              for k, d in samples.items()}))
+        return
+    # each (thread count, role) in a process of its own, as the loops run them: a trainer process only trains, a
+    # rollout process only generates, at a fixed thread count (one process timing both, switching its thread count,
+    # measured the trainer step ~20 % slower than a trainer process runs it)
+    samples = {t: {"gen": {}, "prefill": {}, "train": {}, "sync": []} for t in threads}
+    with tempfile.TemporaryDirectory() as tmp:
+        for t in threads:
+            for role in ROLES:
+                part = Path(tmp, f"{role}-{t}.json")
+                env = dict(os.environ, OMP_NUM_THREADS=str(t), MKL_NUM_THREADS=str(t))
+                subprocess.run([sys.executable, __file__, "--role", role, "--threads", str(t), "--reps",
+                                str(args.reps), "--runs-dir", args.runs_dir, "--seed", str(args.seed), "--out",
+                                str(part), *(["--quick"] if args.quick else [])], check=True, env=env)
+                for kind, d in json.loads(part.read_text()).items():
+                    if kind == "sync":
+                        samples[t]["sync"] += d
+                    else:
+                        samples[t][kind].update({tuple(c): v for c, v in d})
     bench = Bench(path)
     rng = random.Random(args.seed)
-    prompt_lens = [len(toy.encode_prompt(bench.tok, *p)) for p in bench.pairs]
-    prompt_len = statistics.mean(prompt_lens)
-    samples = {t: {"gen": {}, "prefill": {}, "train": {}, "sync": []} for t in threads}
-    jobs = [("gen", b, n) for b in GEN_B for n in GEN_L] + [("train", g, n) for g in TRAIN_G for n in TRAIN_L]
-    jobs += [("prefill", b, g) for b in PREFILL_B for g in PREFILL_G if g <= b]
-    jobs += [("sync", 0, 0)]
-    torch.manual_seed(args.seed)
-    for t in threads:  # warm-up (first calls allocate and compile kernels' dispatch paths)
-        torch.set_num_threads(t)
-        bench.generate(8, 6, rng)
-        bench.train(4, 6, rng)
-        bench.sync()
-    t_start = time.perf_counter()
-    for rep in range(args.reps):
-        order = [(t, j) for t in threads for j in jobs]
-        rng.shuffle(order)
-        for t, (kind, x, n) in order:
-            torch.set_num_threads(t)
-            if kind == "gen":
-                samples[t]["gen"].setdefault((x, n), []).append(bench.generate(x, n, rng)[0])
-            elif kind == "prefill":
-                samples[t]["prefill"].setdefault((x, n), []).append(bench.prefill(x, n, rng))
-            elif kind == "train":
-                samples[t]["train"].setdefault((x, n), []).append(bench.train(x, n, rng))
-            else:
-                samples[t]["sync"].append(bench.sync()[0])
-        print(f"rep {rep + 1}/{args.reps} done ({time.perf_counter() - t_start:.0f} s)", flush=True)
+    prompt_len = statistics.mean(len(toy.encode_prompt(bench.tok, *p)) for p in bench.pairs)
     contention, ratios = (measure_contention(bench, path, args.contention_reps, rng) if args.contention_reps
                           else (0.0, []))
     bench.close()
@@ -299,7 +353,7 @@ def main() -> None:
                       decode=f["decode"], prefill=f["prefill"], train=f["train"], sync=f["sync"],
                       sync_colocated=f["sync"], weight_bytes=0.0, kv_capacity_tokens=1 << 30, max_batch=1024,
                       host_contention=contention,
-                      notes=(f"measured by benchmarks/sim/measure_cpu_costs.py, {args.reps} interleaved reps",))
+                      notes=(f"measured by benchmarks/sim/measure_cpu_costs.py, {args.reps} reps",))
         out["hardware"][str(t)] = hw.to_dict()
         out["raw"][str(t)] = {"gen": {f"{b}x{n}": v for (b, n), v in samples[t]["gen"].items()},
                               "train": {f"{g}x{n}": v for (g, n), v in samples[t]["train"].items()},
@@ -309,8 +363,8 @@ def main() -> None:
         print(f"\n{t} thread(s):")
         print(f"  decode step = {d.overhead_s * 1e3:.3f} ms + {d.host_per_seq_s * 1e6:.2f} us·b "
               f"+ {d.compute_per_token_s * 1e9:.2f} ns·context")
-        print(f"  prefill     = {p.overhead_s * 1e3:.3f} ms + {p.per_length_s * 1e3:.3f} ms·distinct length "
-              f"+ {p.per_token_s * 1e6:.2f} us·prompt tokens")
+        print(f"  prefill     = {p.overhead_s * 1e3:.3f} ms·forward + {p.per_token_s * 1e6:.2f} us·padded token "
+              f"(forwards of at most {p.token_budget} padded tokens, identical prompts once)")
         print(f"  train step  = {tr.overhead_s * 1e3:.1f} ms + {tr.per_token_s * 1e6:.2f} us·padded token "
               f"+ {tr.per_seq_s * 1e6:.1f} us·sequence")
         print(f"  weight sync = {f['sync'].latency_s * 1e3:.2f} ms")
@@ -320,6 +374,25 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(args.out)
+    if args.quick:
+        check_round_trip(out)
+        print("quick: ok")
+
+
+def check_round_trip(out: dict) -> None:
+    """The written costs load back as the same :class:`Hardware` and drive a short asynchronous simulation that
+    trains every sample it generates (the pipeline ``calibrate.py`` relies on)."""
+    from rlblocks.sched.sim import Lengths, Schedule, Workload, simulate
+
+    for t, d in out["hardware"].items():
+        hw = Hardware.from_dict(json.loads(json.dumps(d)))
+        if hw.to_dict() != d:
+            raise SystemExit(f"quick: the {t}-thread Hardware does not round-trip through JSON")
+        res = simulate(hw, Workload(lengths=Lengths.cycle([6, 30]), prompt_lengths=Lengths.fixed(7), batch_groups=2,
+                                    group_size=K), Schedule(mode="async", max_staleness=1, steps=4, warmup_steps=1),
+                       rollout_devices=1, train_devices=1)
+        if not res.steady_tokens_per_s > 0:
+            raise SystemExit(f"quick: the simulation with the measured {t}-thread costs trained nothing: {res}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Benchmarks' ``--quick`` modes: each still runs and its own checks of agreement pass (equal generations for a seed,
 finite log-probs, applied weights equal to the sent ones, prefix-shared log-probs and gradients equal to one row per
-sample); never their speed."""
+sample, a cost model the simulator runs); never their speed."""
 
 import os
 import subprocess
@@ -17,6 +17,7 @@ QUICK = {
     "rollout/bench_engines.py": "quick: ok",
     "sync/bench_delta.py": "quick: ok",
     "tinker/bench_service.py": "quick: ok",
+    "sim/calibrate.py": "quick: ok",  # measure_cpu_costs.py --quick, two 6-step loops, the prediction
 }
 
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from rlblocks.errors import ArgumentError
 from rlblocks.sched import sim
 from rlblocks.sched.sim import (
     DecodeCost,
@@ -273,6 +274,60 @@ def test_prefill_pays_one_forward_per_distinct_length():
     contexts = [3, 3, 5, 9, 9, 9]
     assert p.seconds(contexts) == pytest.approx(0.5 + 0.2 * 3 + 0.01 * 38 + 1e-4 * (9 + 9 + 25 + 81 * 3))
     assert PrefillCost(per_length_s=0.2).seconds([]) == 0.0
+
+
+def test_padded_prefill_pays_rows_times_longest_per_forward():
+    """``padded=True``: sorted by length, cut at the token budget, each forward charged rows × its longest (written
+    out by hand); identical keys are computed once."""
+    p = PrefillCost(overhead_s=0.5, per_token_s=0.01, per_token_sq_s=1e-4, padded=True, token_budget=20)
+    contexts = [3, 9, 3, 5, 9, 9]
+    # 3,3,5 -> 3 rows × 5 = 15 ≤ 20; a fourth row of 9 would make 36: new forward; 9,9 = 18; 9,9,9 = 27: new forward
+    assert p.forwards(contexts) == [(3, 5), (2, 9), (1, 9)]
+    assert p.seconds(contexts) == pytest.approx(3 * 0.5 + 0.01 * (15 + 18 + 9) + 1e-4 * (3 * 25 + 2 * 81 + 81))
+    assert replace(p, token_budget=0).forwards(contexts) == [(6, 9)]  # no budget: one forward
+    # the samples of one group before their first token share a key: one row for the three
+    assert p.seconds([7, 7, 7, 12], keys=["g", "g", "g", "s"]) == pytest.approx(
+        p.seconds([7, 12]))
+    assert p.seconds([7, 7, 7, 12], keys=["g", "g", "g", "s"]) < p.seconds([7, 7, 7, 12])
+    assert p.seconds([]) == 0.0
+
+
+def test_padded_prefill_forwards_are_the_engines():
+    """The cost model's forwards are the ones ``TorchEngine`` cuts its newcomers into (a second implementation:
+    the engine's own chunking), for random lengths at the engine's budget."""
+    from types import SimpleNamespace
+
+    from rlblocks.rollout.engines.torch_compute import PREFILL_TOKEN_BUDGET, _Compute
+
+    p = PrefillCost(padded=True, token_budget=PREFILL_TOKEN_BUDGET)
+    rng = random.Random(3)
+    for _ in range(50):
+        lengths = [rng.randint(1, 900) for _ in range(rng.randint(1, 300))]
+        chunks = _Compute._prefill_chunks([SimpleNamespace(tokens=[0] * n) for n in lengths])
+        assert p.forwards(lengths) == [(len(c), max(len(s.tokens) for s in c)) for c in chunks]
+
+
+def test_padded_prefill_bad_input_names_the_field():
+    with pytest.raises(ArgumentError, match="per_length_s"):
+        PrefillCost(per_length_s=0.1, padded=True)
+    with pytest.raises(ArgumentError, match="token_budget"):
+        PrefillCost(padded=True, token_budget=-1)
+    with pytest.raises(ArgumentError, match="keys: expected one per context"):
+        PrefillCost(padded=True).seconds([3, 4], keys=["a"])
+
+
+def test_padded_prefill_computes_a_groups_prompt_once():
+    """A synchronous run of 4 groups × 4 samples against 16 groups × 1, same lengths: with a padded prefill (the
+    engine computes identical prompts once) the first costs 4 prompt rows where the second costs 16."""
+    pre = PrefillCost(overhead_s=0.0, per_token_s=0.05, padded=True)
+    hw = hand_hw(prefill=pre)
+    sched = Schedule(mode="sync-disaggregated", steps=2, warmup_steps=0)
+    runs = {k: simulate(hw, Workload(lengths=Lengths.fixed(3), prompt_lengths=Lengths.fixed(40), batch_groups=16 // k,
+                                     group_size=k), sched, rollout_devices=1, train_devices=1) for k in (1, 4)}
+    assert runs[4].samples["generated"] == runs[1].samples["generated"]
+    assert runs[4].tokens["prefilled"] == runs[1].tokens["prefilled"]  # the same prompt tokens, logically
+    # per step the prefill is one padded forward: 4 rows × 40 tokens vs 16 rows × 40 (the rest is equal)
+    assert runs[1].wall_s - runs[4].wall_s == pytest.approx(2 * 0.05 * 40 * (16 - 4))
 
 
 def test_reprefill_per_length_cost_is_paid_at_every_update():

@@ -90,35 +90,74 @@ class DecodeCost:
 
 @dataclass(frozen=True)
 class PrefillCost:
-    """Seconds to (re-)prefill sequences of context lengths ``n_i`` together (the engine decodes nothing meanwhile)::
+    """Seconds to (re-)prefill sequences of context lengths ``n_i`` together (the engine decodes nothing meanwhile).
+
+    Unpadded (``padded=False``, the default: an engine that packs any mix of lengths into one forward, or that runs
+    one forward per distinct length)::
 
         prefill = overhead_s + per_length_s·|{n_i}| + per_token_s·Σ n_i + per_token_sq_s·Σ n_i²
 
-    the quadratic term being causal attention over each sequence, ``|{n_i}|`` the number of distinct lengths.
+    the quadratic term being causal attention over each sequence, ``|{n_i}|`` the number of distinct lengths, whose
+    ``per_length_s`` is the cost of one more forward for an engine that batches only equal lengths. GPU engines
+    (vLLM, SGLang) prefill any mix of lengths in one variable-length forward: ``gpu_like`` sets ``per_length_s`` to 0
+    and charges the re-prefill of interrupted requests (their KV recomputed under new weights) at prefill speed.
 
-    ``per_length_s`` is the cost of one more forward: an engine that batches only sequences of equal length without
-    padding (the reference ``TorchEngine``) runs one forward per distinct length, so re-prefilling ``n`` interrupted
-    requests after a weight update (prompt + output so far: lengths spread over the whole response range) costs
-    about one forward per length. On a small CPU model that fixed cost is most of a forward: measured on a 2-core
-    x86 CPU with the cookbook's tiny model, one update re-prefilling 640 requests costs about as much as ten decode
-    steps of all 640, which is what makes a larger η slower there (more requests in flight across every update).
-    GPU engines do not pay it: vLLM and SGLang prefill a batch of any lengths in one variable-length forward
-    (``gpu_like`` sets it to 0). They pay the token terms of the re-prefill (every interrupted request's KV is
-    recomputed under the new weights), which on a GPU run at prefill speed, far above decode speed per token.
+    Padded (``padded=True``: the reference ``TorchEngine``): the sequences, sorted by length, go into left-padded
+    forwards of at most ``token_budget`` padded tokens (rows × longest; 0: no limit), and sequences with identical
+    tokens (the samples of one group before their first token) are computed once. Each forward ``f`` costs::
+
+        overhead_s + per_token_s·rows_f·max_f + per_token_sq_s·rows_f·max_f²
+
+    so padding is paid in full: re-prefilling requests of lengths spread over the response range after a weight
+    update (prompt + output so far, up to (η + 1)·B groups in flight) costs every row the longest one's length.
+    ``per_length_s`` must be 0 then.
     """
 
     overhead_s: float = 0.0
     per_token_s: float = 0.0
     per_token_sq_s: float = 0.0
     per_length_s: float = 0.0
+    padded: bool = False
+    token_budget: int = 0
 
     def __post_init__(self) -> None:
         for f in ("overhead_s", "per_token_s", "per_token_sq_s", "per_length_s"):
             check_real(f, getattr(self, f), finite=True, ge=0)
+        check_bool("padded", self.padded)
+        check_int("token_budget", self.token_budget, minimum=0)
+        if self.padded and self.per_length_s:
+            raise ArgumentError(f"per_length_s: a padded prefill pays per forward (overhead_s) and per padded token, "
+                                f"not per distinct length; expected 0, got {self.per_length_s}")
 
-    def seconds(self, contexts: Sequence[int]) -> float:
-        return (self.overhead_s + self.per_length_s * len(set(contexts)) + self.per_token_s * sum(contexts)
-                + self.per_token_sq_s * sum(n * n for n in contexts))
+    def forwards(self, contexts: Sequence[int]) -> list[tuple[int, int]]:
+        """``(rows, longest)`` of each forward of a padded prefill of ``contexts`` (identical sequences already
+        merged by the caller): sorted by length, a new forward whenever one more row would exceed ``token_budget``
+        padded tokens."""
+        out: list[tuple[int, int]] = []
+        rows = longest = 0
+        for n in sorted(contexts):
+            if rows and self.token_budget and (rows + 1) * n > self.token_budget:
+                out.append((rows, longest))
+                rows = 0
+            rows, longest = rows + 1, n
+        if rows:
+            out.append((rows, longest))
+        return out
+
+    def seconds(self, contexts: Sequence[int], keys: Sequence[object] | None = None) -> float:
+        """Seconds of one prefill of ``contexts``. ``keys`` (padded only, one per context): contexts with equal keys
+        hold identical tokens and are computed once (the simulator gives a group's fresh prompts one key)."""
+        if not contexts:
+            return 0.0
+        if not self.padded:
+            return (self.overhead_s + self.per_length_s * len(set(contexts)) + self.per_token_s * sum(contexts)
+                    + self.per_token_sq_s * sum(n * n for n in contexts))
+        if keys is not None:
+            if len(keys) != len(contexts):
+                raise ArgumentError(f"keys: expected one per context ({len(contexts)}), got {len(keys)}")
+            contexts = list({k: n for k, n in zip(keys, contexts)}.values())
+        return sum(self.overhead_s + self.per_token_s * r * m + self.per_token_sq_s * r * m * m
+                   for r, m in self.forwards(contexts))
 
 
 @dataclass(frozen=True)

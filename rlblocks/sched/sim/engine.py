@@ -247,7 +247,10 @@ class _Engine:
             for s in admit:
                 s.state = _PREFILL
             self.prefilling = admit
-            dt = self.pc.seconds(contexts)
+            # a group's samples that have no token yet hold identical tokens (its prompt): one key, which a padded
+            # prefill (TorchEngine) computes once
+            keys = [("group", id(s.group)) if s.gen == 0 else ("sample", id(s)) for s in admit]
+            dt = self.pc.seconds(contexts, keys)
             self.compute += dt
             self.prefill_tokens += sum(contexts)
             self.phase = "prefill"
