@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import sys
 
@@ -47,6 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-prefix-share", dest="prefix_share", action="store_false",
                    help="train one padded row per datum instead of forwarding the token prefixes that a request's "
                         "datums share once (a GRPO group's prompt); the log-probs and gradients are the same")
+    p.add_argument("--trim-idle-s", type=float, default=300.0,
+                   help="once a model's training requests have stopped for this many seconds, hand the memory their "
+                        "steps freed back to the OS (0: after every request, which a training loop pays for by "
+                        "faulting that memory in again at its next step; default 300)")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     args = p.parse_args(argv)
     models = {}
@@ -62,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("max_num_samples", "max_request_tokens", "max_batch_tokens"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')}: expected an integer >= 1, got {getattr(args, flag)}")
+    if not 0 <= args.trim_idle_s < math.inf:
+        p.error(f"--trim-idle-s: expected a finite number of seconds >= 0, got {args.trim_idle_s}")
     args.models = models
     return args
 
@@ -79,7 +86,7 @@ async def _serve(args: argparse.Namespace) -> None:
                             dtype=dtype, keep_snapshots=args.keep_snapshots, max_num_samples=args.max_num_samples,
                             max_request_tokens=args.max_request_tokens,
                             stable_reinforce_as=args.stable_reinforce_as, max_batch_tokens=args.max_batch_tokens,
-                            prefix_share=args.prefix_share)
+                            prefix_share=args.prefix_share, trim_idle_s=args.trim_idle_s)
     sock = bind(args.host, args.port)
     port = sock.getsockname()[1]
 

@@ -165,3 +165,10 @@ def test_server_flags_name_the_bad_value(tmp_path, capsys):
     assert parse_args(base).prefix_share is True
     with pytest.raises(ArgumentError, match=r"--max-batch-tokens: expected an integer >= 1, got 0"):
         TinkerService({"m": str(tmp_path)}, state_dir=str(tmp_path / "s"), max_batch_tokens=0)
+    for bad in (-1.0, float("nan"), float("inf"), "5", True):
+        with pytest.raises(ArgumentError, match=r"--trim-idle-s: expected a finite number of seconds >= 0, got "):
+            TinkerService({"m": str(tmp_path)}, state_dir=str(tmp_path / "s"), trim_idle_s=bad)
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--trim-idle-s", "-1"])
+    assert "--trim-idle-s: expected a finite number of seconds >= 0, got -1.0" in capsys.readouterr().err
+    assert parse_args(base).trim_idle_s == 300.0 and parse_args([*base, "--trim-idle-s", "0"]).trim_idle_s == 0.0

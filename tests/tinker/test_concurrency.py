@@ -138,23 +138,40 @@ def test_a_failed_request_raises_request_failed_and_the_server_keeps_serving(ser
     assert tc.forward_backward(DATA, "cross_entropy").result(TIMEOUT).metrics["loss:sum"] > 0
 
 
-def test_training_requests_run_on_one_thread_and_return_their_memory(server, service_client, monkeypatch):
+def test_training_requests_run_on_one_thread_and_return_their_memory_when_idle(server, service_client, monkeypatch):
     """Every training request of a model runs on the same worker thread (one allocator heap for the activations,
-    not one per pool thread), and after each one the heap's free pages go back to the OS (``malloc_trim``)."""
+    not one per pool thread). The heap's free pages go back to the OS (``malloc_trim``, on that thread) once no
+    request has come for ``trim_idle_s``: not between requests that follow each other within it (each would fault
+    the freed pages in again), after each one with 0."""
     import rlblocks.tinker.service as service_mod
 
-    training = server.service.hosts[MODEL].training
+    service = server.service
+    training = service.hosts[MODEL].training
     threads, trims = [], []
+    trimmed = threading.Semaphore(0)
     original = training.forward_backward
 
     def forward_backward(*args, **kwargs):
         threads.append(threading.current_thread().name)
         return original(*args, **kwargs)
 
+    def trim():
+        trims.append(threading.current_thread().name)
+        trimmed.release()
+
     monkeypatch.setattr(training, "forward_backward", forward_backward)
-    monkeypatch.setattr(service_mod, "_return_free_memory", lambda: trims.append(threading.current_thread().name))
+    monkeypatch.setattr(service_mod, "_return_free_memory", trim)
+    monkeypatch.setattr(service, "trim_idle_s", 0.0)
     tc = service_client.create_lora_training_client(base_model=MODEL, rank=4, seed=0).result(TIMEOUT)
     for _ in range(3):
         tc.forward_backward(DATA, "cross_entropy").result(TIMEOUT)
     assert len(threads) == 3 and len(set(threads)) == 1 and threads[0].startswith("tinker-train")
-    assert len(trims) >= 3 and set(trims) == set(threads)  # create_model and each request, on that thread
+    for _ in range(4):  # create_model and each forward_backward, each followed by an idle queue
+        assert trimmed.acquire(timeout=TIMEOUT)
+    assert set(trims) == set(threads)
+    trims.clear()
+    monkeypatch.setattr(service, "trim_idle_s", 3600.0)
+    for _ in range(3):
+        tc.forward_backward(DATA, "cross_entropy").result(TIMEOUT)
+    assert trims == []  # the requests came within the idle time: the worker kept its pages
+    assert len(threads) == 6 and len(set(threads)) == 1

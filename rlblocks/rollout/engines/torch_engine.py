@@ -30,6 +30,7 @@ import contextlib
 import inspect
 import random
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -118,6 +119,10 @@ class TorchEngine(_Compute, EngineBase):
         self._prefix = PrefixCache(self.prefix_cache_size)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
+        # every step's forward runs on this one thread: one allocator heap (glibc arena) holds its activations and
+        # KV growth, reused from step to step; steps hopping between the event loop's shared pool threads would
+        # each fault fresh pages in (the pool grows when other code uses it, e.g. inside a server)
+        self._executor: ThreadPoolExecutor | None = None
         self._lock: asyncio.Lock | None = None
         self._wake: asyncio.Event | None = None
 
@@ -334,6 +339,9 @@ class TorchEngine(_Compute, EngineBase):
         self._prefix.clear()
         if self._task is not None and not self._task.done():
             self._task.cancel()
+        if self._executor is not None:  # a step still running finishes on it; its result is dropped
+            self._executor.shutdown(wait=False)
+            self._executor = None
 
     # ------------------------------------------------------------------ loop
     def _bind_loop(self) -> None:
@@ -362,7 +370,9 @@ class TorchEngine(_Compute, EngineBase):
                     continue
                 try:
                     plan = self._plan()
-                    result = await asyncio.to_thread(self._compute, plan)
+                    if self._executor is None:
+                        self._executor = ThreadPoolExecutor(1, thread_name_prefix="torch-engine")
+                    result = await asyncio.get_running_loop().run_in_executor(self._executor, self._compute, plan)
                     self._apply(result)
                 except Exception as exc:  # fail every waiting caller rather than hang; the loop lives on
                     err = EngineError(
