@@ -229,7 +229,7 @@ class TinkerService:
                     rec, fn = await asyncio.wait_for(host.queue.get(), self.trim_idle_s)
                 else:
                     rec, fn = await host.queue.get()
-            except TimeoutError:
+            except asyncio.TimeoutError:  # the builtin TimeoutError from Python 3.11 on
                 await loop.run_in_executor(host.executor, _return_free_memory)
                 host.untrimmed = False
                 continue
