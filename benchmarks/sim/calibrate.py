@@ -91,14 +91,20 @@ def run_interleaved(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     out = Path(args.runs_dir)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    model: list[str] = []
+    if args.quick:  # a warm start of a few steps: the pipeline runs, the model's quality does not matter here
+        sys.path.insert(0, str(ROOT / "cookbook"))
+        import toy
+
+        model = ["--model", toy.warm_start(out / "warmstart", toy.WarmStart(max_steps=10), log=lambda s: None)]
     costs, measured = [], []
     for rep in range(args.run):
         c, m = out / f"costs-r{rep}.json", out / f"avs-r{rep}.json"
         subprocess.run([sys.executable, str(ROOT / "benchmarks/sim/measure_cpu_costs.py"), "--reps", "2",
-                        "--contention-reps", "6", "--runs-dir", args.runs_dir, "--out", str(c),
+                        "--contention-reps", "6", "--runs-dir", args.runs_dir, "--out", str(c), *model,
                         *(["--quick"] if args.quick else [])], check=True, env=env, cwd=ROOT)
         subprocess.run([sys.executable, str(ROOT / "benchmarks/cookbook/async_vs_sync.py"), "--reps", "1",
-                        "--steps", str(args.steps), "--runs-dir", args.runs_dir, "--out", str(m),
+                        "--steps", str(args.steps), "--runs-dir", args.runs_dir, "--out", str(m), *model,
                         *(["--variants", args.variants] if args.variants else [])], check=True,
                        env=env, cwd=ROOT)
         costs.append(str(c))
@@ -126,8 +132,8 @@ def main() -> None:
     ap.add_argument("--per-rep-contention", action="store_true",
                     help="use each repetition's own contention estimate instead of the pooled median")
     ap.add_argument("--quick", action="store_true",
-                    help="CI: one repetition of quick costs and 6-step runs of sync-disagg and async1; checks that "
-                         "every variant is measured and simulated, never the error")
+                    help="CI: a 10-step warm start, one repetition of quick costs and 6-step runs of sync-disagg and "
+                         "async1; checks that every variant is measured and simulated, never the error")
     args = ap.parse_args()
     if args.quick:
         args.run, args.steps, args.variants = 1, 6, args.variants or "sync-disagg,async1"

@@ -301,6 +301,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions of every configuration")
     ap.add_argument("--threads", default="1,2", help="torch thread counts to measure (one Hardware each)")
     ap.add_argument("--runs-dir", default="runs/bench", help="where the cookbook's warm start is cached")
+    ap.add_argument("--model", default="", help="HF checkpoint dir to measure (default: the cached warm start)")
     ap.add_argument("--out", default="runs/sim/cpu_costs.json")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--contention-reps", type=int, default=8, help="alone/together pairs (0: assume none)")
@@ -315,7 +316,7 @@ def main() -> None:
         GEN_B, GEN_L, PREFILL_B, PREFILL_G, TRAIN_G, TRAIN_L = (1, 8, 32), (6, 12), (8, 32), (1, 8), (2, 4), (6, 12)
     threads = [int(x) for x in args.threads.split(",")]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    path = toy.warm_start(os.path.join(args.runs_dir, "warmstart"))
+    path = args.model or toy.warm_start(os.path.join(args.runs_dir, "warmstart"))
     if args.role:  # a child: one thread count, one role, its timings to --out
         samples = measure(path, threads[0], args.role, args.reps, args.seed)
         Path(args.out).write_text(json.dumps({k: [[list(c), v] for c, v in d.items()] if isinstance(d, dict) else d
@@ -332,7 +333,8 @@ def main() -> None:
                 env = dict(os.environ, OMP_NUM_THREADS=str(t), MKL_NUM_THREADS=str(t))
                 subprocess.run([sys.executable, __file__, "--role", role, "--threads", str(t), "--reps",
                                 str(args.reps), "--runs-dir", args.runs_dir, "--seed", str(args.seed), "--out",
-                                str(part), *(["--quick"] if args.quick else [])], check=True, env=env)
+                                str(part), "--model", path, *(["--quick"] if args.quick else [])], check=True,
+                               env=env)
                 for kind, d in json.loads(part.read_text()).items():
                     if kind == "sync":
                         samples[t]["sync"] += d
