@@ -80,24 +80,26 @@ def start_server(name: str, model_dir: str, state_dir: str):
             return proc, line.split(" at ")[1].split()[0]
 
 
-def server_cpu(pid: int) -> float:
-    """CPU seconds (user + system) process ``pid`` has used (Linux ``/proc``; 0 elsewhere)."""
+def _proc_stat(pid: int | str) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (Linux; empty elsewhere)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def server_cpu(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used (Linux ``/proc``; 0 elsewhere)."""
+    fields = _proc_stat(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
 
 
 def minor_faults(pid: int | None = None) -> int:
     """Minor page faults (a page mapped in, zeroed, on first touch) of process ``pid`` (this one: None) so far
     (Linux ``/proc``; 0 elsewhere): freshly mapped memory costs about a microsecond per 4 KiB page."""
-    try:
-        with open(f"/proc/{pid or 'self'}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[7])
-    except (OSError, ValueError, IndexError):
-        return 0
+    fields = _proc_stat(pid or "self")
+    return int(fields[7]) if fields else 0
 
 
 class Workload:

@@ -248,8 +248,9 @@ class _Engine:
                 s.state = _PREFILL
             self.prefilling = admit
             # a group's samples that have no token yet hold identical tokens (its prompt): one key, which a padded
-            # prefill (TorchEngine) computes once
-            keys = [("group", id(s.group)) if s.gen == 0 else ("sample", id(s)) for s in admit]
+            # prefill (TorchEngine) computes once; an unpadded cost reads no keys
+            keys = [("group", id(s.group)) if s.gen == 0 else ("sample", id(s)) for s in admit] \
+                if self.pc.padded else None
             dt = self.pc.seconds(contexts, keys)
             self.compute += dt
             self.prefill_tokens += sum(contexts)
