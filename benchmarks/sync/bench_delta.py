@@ -8,6 +8,8 @@ For each (dtype, density): a model of --melems million elements in 8 tensors and
 --model (an HF directory, or a named model such as smollm2-135m when ``cookbook.plumbing.models`` is installed),
 also the checkpoint's own tensors in bf16, with an RL step's changed fraction (--model-densities, default 3 % and
 0.1 %): the chosen values move by one bf16 ulp, as a small optimizer step's changes do once rounded to bf16.
+--model-step-lr LR (default 1e-6) adds a row on the weights before and after one real AdamW step of the model at
+that learning rate, rounded to bf16 (see adamw_step), at whatever fraction that step changed.
 --quick (CI): a 1M-element model, 2 reps, 3 % only; it checks that everything runs and every applied model equals
 the sent one, never a speed. Timed, with the methods interleaved rep by rep (load changes on a shared machine hit all
 of them alike):
@@ -114,22 +116,52 @@ def timed(c: str, base: dict, new: dict, dst: dict, parsed, old, old_parsed) -> 
     return dt
 
 
+def model_dir_of(name: str) -> Path:
+    path = Path(name)
+    if path.is_dir():
+        return path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    try:
+        from cookbook.plumbing.models import model_dir
+    except ImportError:
+        raise SystemExit(f"--model {name}: not a directory, and no named-model helper is installed") from None
+    return Path(model_dir(name))
+
+
 def model_tensors(name: str) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors (an HF directory, or a named model's) in bf16, flattened."""
     from safetensors.torch import load_file
 
-    path = Path(name)
-    if not path.is_dir():
-        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-        try:
-            from cookbook.plumbing.models import model_dir
-        except ImportError:
-            raise SystemExit(f"--model {name}: not a directory, and no named-model helper is installed") from None
-        path = Path(model_dir(name))
+    path = model_dir_of(name)
     out: dict[str, torch.Tensor] = {}
     for f in sorted(path.glob("*.safetensors")):
         out.update({k: v.to(torch.bfloat16).reshape(-1).clone() for k, v in load_file(str(f)).items()})
     return out
+
+
+def adamw_step(name: str, lr: float) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The model's weights in bf16 before and after one real optimizer step: float32 master weights, the loss of
+    a small real batch (next-token NLL of four arithmetic questions and answers) backpropagated through the whole
+    model, one ``torch.optim.AdamW`` step at ``lr``, each weight then rounded to bf16 as a trainer sends it.
+    Adam's first step moves every parameter with a nonzero gradient by ``lr`` (``m / sqrt(v) = sign(g)``), so
+    the changed fraction depends on ``lr`` and the weights' magnitudes, hardly on the loss."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = model_dir_of(name)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    params = dict(model.named_parameters())  # tied weights once
+    before = {k: v.detach().to(torch.bfloat16).reshape(-1).clone() for k, v in params.items()}
+    texts = [f"What is {a} + {b}? <answer>{a + b}</answer>" for a, b in ((12, 34), (57, 21), (90, 88), (43, 16))]
+    tok.padding_side = "right"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    batch = tok(texts, return_tensors="pt", padding=True)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    model(**batch, labels=labels).loss.backward()
+    torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0).step()
+    after = {k: v.detach().to(torch.bfloat16).reshape(-1).clone() for k, v in params.items()}
+    return before, after
 
 
 def ulp_step(base: dict[str, torch.Tensor], density: float, g: torch.Generator) -> dict[str, torch.Tensor]:
@@ -159,6 +191,9 @@ def main() -> None:
     ap.add_argument("--densities", type=float, nargs="+", default=[0.001, 0.03, 0.5])
     ap.add_argument("--model", default=None, help="HF directory (or named model): rows on its weights in bf16")
     ap.add_argument("--model-densities", type=float, nargs="+", default=[0.03, 0.001])
+    ap.add_argument("--model-step-lr", type=float, default=1e-6,
+                    help="with --model, also a row of one real AdamW step at this learning rate (verl's and TRL's "
+                         "GRPO default, 1e-6; 0: no such row)")
     ap.add_argument("--quick", action="store_true", help="CI: 1M elements, 2 reps, 3 %%; checks, never speed")
     a = ap.parse_args()
     if a.quick:
@@ -199,6 +234,15 @@ def main() -> None:
                   "tensors, bf16; changed values move by one ulp")
             for density in a.model_densities:
                 yield "model bf16", density, base, ulp_step(base, density, g)
+            if a.model_step_lr > 0:
+                del base
+                before, after = adamw_step(a.model, a.model_step_lr)
+                changed = sum(int(torch.count_nonzero(before[k].view(torch.int16) != after[k].view(torch.int16)))
+                              for k in before)
+                total = sum(t.numel() for t in before.values())
+                print(f"model one AdamW step at lr {a.model_step_lr:g}: {changed / total:.4%} of the bf16 values "
+                      f"changed ({len(before)} tensors)")
+                yield "model step", changed / total, before, after
 
     for label, density, base, new in cases():
         full = sum(t.numel() * t.element_size() for t in base.values())

@@ -9,9 +9,11 @@
   vectorised pass, only the changed words gathered and their lanes compared in a second, small pass; no
   per-element pass in Python and no full-length boolean mask per element. Chunks run on a thread pool, each also
   computing the CRC of its part of the new tensor while it is still in cache.
-- **Native delta** (:func:`native_delta`, CPU, with ``numba``; ``RLBLOCKS_SYNC_NATIVE=0`` turns it off, with
-  identical packets): the whole encoder pass of :mod:`rlblocks.sync.delta` in one compiled loop per chunk, about
-  the memory traffic of a memcpy instead of the torch path's five passes.
+- **Native delta** (:func:`native_delta`, :func:`native_delta_batch`, :func:`gap16_check`, :func:`gap16_apply`;
+  CPU, with ``numba`` and ISA-L's CRC; ``RLBLOCKS_SYNC_NATIVE=0`` turns them off, with identical packets and
+  weights): the encoder's pass (compare, gap16 positions, values, snapshot update, CRC of the new bytes) and the
+  decoder's (check the positions; CRC before, write, CRC after) as compiled loops in
+  :mod:`rlblocks.sync._native`, many tensors per call, each piece of a tensor checksummed while it is in cache.
 
 How each kernel works and what it costs: ``docs/sync.md`` (Delta packets, Kernels).
 """
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
-from jaxtyping import Int64, Shaped
+from jaxtyping import Int64, Shaped, UInt16
 from torch import Tensor
 
 from rlblocks.errors import ArgumentError
@@ -305,7 +307,7 @@ def changed_indices(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def sampled_density(old: Shaped[Tensor, " N"], new: Shaped[Tensor, " N"], *, samples: int = 4096) -> float:
+def sampled_density(old: Shaped[Tensor, " N"], new: Shaped[Tensor, " N"], *, samples: int = 1024) -> float:
     """Fraction of changed elements among ``samples`` evenly spaced ones: a cheap predictor of the density that
     only chooses between two exact code paths (it never affects what is encoded)."""
     n = old.numel()
@@ -359,81 +361,173 @@ def masked_put(t: Tensor, mask: Tensor, values: Tensor) -> None:
 ESC = 0xFFFF
 """gap16 escape: a gap of at least this travels in the int64 list after the uint16 gaps."""
 
-_HAVE_NUMBA: bool | None = None
-_KERNEL = None
+SUB_BYTES = 256 << 10
+"""The native loops' CRC step: each piece of this many bytes is checksummed right after it was compared or written,
+while it is still in the core's cache (the loops would otherwise read every tensor twice from memory)."""
+
+_HAVE_NATIVE: bool | None = None
+_CRC_FN = 0  # address of ISA-L's crc32_gzip_refl(uint32 crc, const uint8 *buf, uint64 len): zlib's CRC-32, chained
+_KERNELS = None
 _SCRATCH = threading.local()  # per worker thread: the loop's output buffers, reused across chunks and calls
 _NP_INT = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 
+def _find_crc_fn() -> int:
+    """The address of ISA-L's ``crc32_gzip_refl`` in the ``isal`` package's extension (exported there), or 0."""
+    try:
+        import isal.isal_zlib as iz
+
+        fn = ctypes.CDLL(iz.__file__).crc32_gzip_refl
+    except (ImportError, OSError, AttributeError):
+        return 0
+    return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
+
+
 def native_available() -> bool:
-    """Whether :func:`native_delta` runs: ``numba`` and numpy importable, ``RLBLOCKS_SYNC_NATIVE`` not ``0`` (read
-    at each call, so that both paths can be compared in one process)."""
-    global _HAVE_NUMBA
+    """Whether the compiled loops run (:func:`native_delta`, :func:`gap16_apply`): ``numba``, numpy and ISA-L's
+    CRC (``isal``) present, ``RLBLOCKS_SYNC_NATIVE`` not ``0`` (read at each call, so that both paths can be
+    compared in one process). Otherwise the torch path gives the same packets and weights."""
+    global _HAVE_NATIVE, _CRC_FN
     if os.environ.get("RLBLOCKS_SYNC_NATIVE", "1") == "0" or _np is None:
         return False
-    if _HAVE_NUMBA is None:
-        _HAVE_NUMBA = importlib.util.find_spec("numba") is not None
-    return _HAVE_NUMBA
+    if _HAVE_NATIVE is None:
+        _CRC_FN = _find_crc_fn() if importlib.util.find_spec("numba") is not None else 0
+        _HAVE_NATIVE = _CRC_FN != 0
+    return _HAVE_NATIVE
 
 
-def _kernel():
-    global _KERNEL
-    if _KERNEL is None:
-        import numba
+def _kernels():
+    """The compiled loops (:mod:`rlblocks.sync._native`, loaded or compiled on first use):
+    ``(delta_chunk, check, apply, delta_batch, check_batch, apply_batch)``."""
+    global _KERNELS
+    if _KERNELS is None:
+        from rlblocks.sync import _native as nat
 
-        @numba.njit(nogil=True, cache=True)
-        def delta_chunk(ow, nw, ol, nl, lanes, bits, mask, gaps, vals, wide, update):  # pragma: no cover - compiled
-            """Changed lanes of one chunk: returns (count, escapes, last local position); writes ``gaps``
-            (uint16, the first one relative to position -1), ``vals``, ``wide`` (true values of gaps >= ESC, in
-            order) and, with ``update``, the changed words / tail elements into ``ow`` / ``ol``. Within a changed
-            word the lanes take no branch on whether they changed (selects only): ~1 in 4 lanes changing at random
-            would mispredict every other lane."""
-            k = 0
-            w = 0
-            prev = -1
-            for i in range(ow.shape[0]):
-                v = nw[i]
-                x = ow[i] ^ v
-                if x != 0:
-                    base = i * lanes
-                    for j in range(lanes):
-                        c = ((x >> (bits * j)) & mask) != 0
-                        g = base + j - prev
-                        gaps[k] = g if g < 0xFFFF else 0xFFFF
-                        vals[k] = (v >> (bits * j)) & mask
-                        if g >= 0xFFFF and c:  # rare: tested first, so the branch is predictable
-                            wide[w] = g
-                            w += 1
-                        prev = base + j if c else prev
-                        k += c
-                    if update:
-                        ow[i] = v
-            for p in range(ow.shape[0] * lanes, ol.shape[0]):  # the elements after the last whole word
-                if ol[p] != nl[p]:
-                    g = p - prev
-                    gaps[k] = g if g < 0xFFFF else 0xFFFF
-                    vals[k] = nl[p]
-                    if g >= 0xFFFF:
-                        wide[w] = g
-                        w += 1
-                    prev = p
-                    k += 1
-                    if update:
-                        ol[p] = nl[p]
-            return k, w, prev
-
-        _KERNEL = delta_chunk
-    return _KERNEL
+        _KERNELS = (nat.delta_chunk, nat.check, nat.apply, nat.delta_batch, nat.check_batch, nat.apply_batch)
+    return _KERNELS
 
 
-def _scratch(n: int, es: int) -> tuple:
+def gap16_check(gaps: UInt16[_np.ndarray, " K"], wide: Int64[_np.ndarray, " W"], n: int) -> tuple[int, bool, bool]:
+    """Checks a gap16 position list for a tensor of ``n`` elements in one pass: returns ``(escapes, increasing,
+    in_range)``, the number of escaped gaps (0xFFFF) met, whether every gap is >= 1 (positions strictly
+    increasing, the first >= 0) and whether the last position is < ``n``. Gaps are the uint16 list, ``wide`` the
+    true values of the escaped ones in order (a missing one counts as 1)."""
+    esc, bad, over = _kernels()[1](gaps, wide, n)
+    return int(esc), not bad, not over
+
+
+def gap16_apply(
+    target: Shaped[_np.ndarray, " N"],
+    gaps: UInt16[_np.ndarray, " K"],
+    wide: Int64[_np.ndarray, " W"],
+    values: Shaped[_np.ndarray, " K"],
+    saved: Shaped[_np.ndarray, " K"] | None = None,
+    *,
+    with_crc: bool = False,
+) -> tuple[int, int] | None:
+    """``target[p_q] = values[q]`` at the positions ``p_q = sum(gaps[:q + 1]) - 1`` (escaped gaps from ``wide``),
+    in place, in one pass; with ``saved`` the old ``target[p_q]`` are kept there first (to undo: apply them back).
+    With ``with_crc`` returns ``(crc_before, crc_after)``, the CRC-32 of ``target``'s bytes before and after the
+    writes, each piece of :data:`SUB_BYTES` checksummed around its own writes while it is in cache. ``target``,
+    ``values`` and ``saved`` are integer views of one element size. The list must have passed :func:`gap16_check`
+    for ``target``'s length: nothing is checked here. Only where :func:`native_available`."""
+    keep = saved is not None
+    sub = max(1, SUB_BYTES // target.itemsize)
+    crcs = _kernels()[2](target, gaps, wide, values, saved if keep else values, keep, _CRC_FN if with_crc else 0,
+                         sub)
+    return (int(crcs[0]), int(crcs[1])) if with_crc else None
+
+
+def _addr(a) -> int:
+    return a.ctypes.data if a.size else 0
+
+
+def _i64(xs) -> _np.ndarray:
+    return _np.array(list(xs), _np.int64)
+
+
+def gap16_check_many(lists: Sequence[tuple]) -> list[tuple[int, bool, bool]]:
+    """:func:`gap16_check` of many ``(gaps, wide, n)`` in one compiled call (no Python between them). ``wide``
+    must be 8-byte aligned and ``gaps`` 2-byte aligned."""
+    if not lists:
+        return []
+    out = _np.zeros((len(lists), 3), _np.int64)
+    gaps, wide, ns = zip(*lists)
+    _kernels()[4](_i64(map(_addr, gaps)), _i64(g.size for g in gaps), _i64(map(_addr, wide)),
+                  _i64(w.size for w in wide), _i64(ns), out)
+    return [(int(e), not b, not o) for e, b, o in out]
+
+
+def gap16_apply_many(
+    records: Sequence[tuple], *, keep: bool, with_crc: bool
+) -> tuple[list[tuple[int, int] | None], list]:
+    """:func:`gap16_apply` of many ``(target, gaps, wide, values)`` of one element size in one compiled call.
+    Returns the ``(crc_before, crc_after)`` of each (None without ``with_crc``) and, with ``keep``, each one's
+    saved old values (else Nones)."""
+    if not records:
+        return [], []
+    targets, gaps, wide, values = zip(*records)
+    saved = [_np.empty_like(v) for v in values] if keep else list(values)
+    out = _np.zeros((len(records), 2), _np.int64)
+    like = targets[0][:0]
+    _kernels()[5](
+        _i64(map(_addr, targets)), _i64(t.size for t in targets), like, _i64(map(_addr, gaps)),
+        _i64(g.size for g in gaps), _i64(map(_addr, wide)), _i64(w.size for w in wide), _i64(map(_addr, values)),
+        _i64(map(_addr, saved)), keep, _CRC_FN if with_crc else 0, max(1, SUB_BYTES // like.itemsize), out,
+    )
+    crcs = [(int(b), int(a)) if with_crc else None for b, a in out]
+    return crcs, saved if keep else [None] * len(records)
+
+
+def _scratch(n: int, es: int, nwide: int | None = None) -> tuple:
+    """This thread's output buffers for ``n`` elements of size ``es`` (``nwide`` escaped gaps at most): reused
+    across calls, so that only the pages a call writes are ever touched (a sparse delta writes few)."""
+    nwide = n // ESC + 2 if nwide is None else nwide
     bufs = getattr(_SCRATCH, "bufs", None)
     if bufs is None:
         bufs = _SCRATCH.bufs = {}
     cur = bufs.get(es)
-    if cur is None or cur[0].shape[0] < n:
-        cur = bufs[es] = (_np.empty(n, _np.uint16), _np.empty(n, _NP_INT[es]), _np.empty(n // ESC + 2, _np.int64))
+    if cur is None or cur[0].shape[0] < n or cur[2].shape[0] < nwide:
+        n = max(n, 0 if cur is None else cur[0].shape[0])
+        nwide = max(nwide, 0 if cur is None else cur[2].shape[0])
+        cur = bufs[es] = (_np.empty(n, _np.uint16), _np.empty(n, _NP_INT[es]), _np.empty(nwide, _np.int64))
     return cur
+
+
+def native_delta_batch(
+    pairs: Sequence[tuple[Tensor, Tensor]], *, update: bool = False, with_crc: bool = False
+) -> list[NativeDelta | None]:
+    """:func:`native_delta` of many (old, new) pairs of flat, contiguous, 8-byte aligned CPU tensors of one
+    element size, in one compiled call on this thread (no per-tensor Python between them: a model's hundreds
+    of small tensors cost the loop's time, not the interpreter's). A pair whose sampled density says a mask
+    would be smaller gets None and is left unchanged (see ``delta_batch``); the caller encodes it otherwise."""
+    if not pairs:
+        return []
+    es = pairs[0][0].element_size()
+    ns = _np.array([o.numel() for o, _ in pairs], _np.int64)
+    offs = _np.zeros(len(pairs), _np.int64)
+    offs[1:] = _np.cumsum(ns)[:-1]
+    wsz = ns // ESC + 2
+    woffs = _np.zeros(len(pairs), _np.int64)
+    woffs[1:] = _np.cumsum(wsz)[:-1]
+    gaps, vals, wide = _scratch(int(ns.sum()), es, int(wsz.sum()))
+    out = _np.zeros((len(pairs), 5), _np.int64)
+    _kernels()[3](
+        _np.array([o.data_ptr() for o, _ in pairs], _np.int64), _np.array([n.data_ptr() for _, n in pairs], _np.int64),
+        ns, vals[:0], gaps, vals, wide, offs, woffs, update, _CRC_FN if with_crc else 0,
+        max(64, SUB_BYTES // 8 // 64 * 64), out,
+    )
+    res: list[NativeDelta | None] = []
+    for t in range(len(pairs)):
+        k, w, _last, crc, dense = (int(x) for x in out[t])
+        if dense:
+            res.append(None)
+            continue
+        lo, wlo = int(offs[t]), int(woffs[t])
+        res.append(NativeDelta(int(ns[t]), k, torch.from_numpy(gaps[lo : lo + k].copy()),
+                               torch.from_numpy(wide[wlo : wlo + w].copy()), torch.from_numpy(vals[lo : lo + k].copy()),
+                               crc if with_crc else None))
+    return res
 
 
 @dataclass
@@ -488,12 +582,12 @@ def native_delta(
     if old.data_ptr() % 8 or new.data_ptr() % 8 or not (old.is_contiguous() and new.is_contiguous()):
         return None
     es, n = old.element_size(), old.numel()
-    lanes, bits = 8 // es, 8 * es
-    mask = -1 if es == 8 else (1 << bits) - 1
+    lanes = 8 // es
     oi, ni = old.view(INT_VIEW[es]), new.view(INT_VIEW[es])
     chunk = max(lanes, CHUNK_BYTES // es // lanes * lanes)
     n_chunks = max(1, -(-n // chunk))
-    kern = _kernel()
+    kern = _kernels()[0]
+    sub = max(64, SUB_BYTES // 8 // 64 * 64)
 
     def one(c: int) -> tuple:
         lo, hi = c * chunk, min(n, (c + 1) * chunk)
@@ -502,10 +596,10 @@ def native_delta(
         ol, nl = oi[lo:hi].numpy(), ni[lo:hi].numpy()
         nw = (hi - lo) // lanes * lanes
         gaps, vals, wide = _scratch(chunk, es)
-        k, w, last = kern(ol[:nw].view(_np.int64), nl[:nw].view(_np.int64), ol, nl, lanes, bits, mask, gaps, vals,
-                          wide, update)
+        k, w, last, crc = kern(ol[:nw].view(_np.int64), nl[:nw].view(_np.int64), ol, nl, gaps, vals, wide, update,
+                               _CRC_FN if with_crc else 0, sub)
         first = -1 if not k else int(gaps[0]) - 1 if gaps[0] < ESC else int(wide[0]) - 1
-        crc = crc32_bytes(_memview(new[lo:hi])) if with_crc else None
+        crc = int(crc) if with_crc else None
         return k, w, first, last, gaps[:k].copy(), vals[:k].copy(), wide[:w].copy(), crc
 
     res = parallel_map(one, n_chunks, threads=threads)

@@ -44,11 +44,18 @@ from rlblocks.sync._bits import (
     changed_indices,
     crc32_bytes,
     crc32_tensor,
+    gap16_apply,
+    gap16_apply_many,
+    gap16_check_many,
     int_view,
     masked_put,
     masked_take,
+    native_available,
     native_delta,
+    native_delta_batch,
+    num_threads,
     pack_bits,
+    parallel_map,
     sampled_density,
     unpack_bits,
 )
@@ -427,7 +434,7 @@ class DeltaEncoder:
             raise ArgumentError(f"version: expected > {self.version} (the last encoded version), got {version}")
         named = _named(named_tensors, "named_tensors")
         _check_same_layout(self._snap, named, "named_tensors")
-        out = [self._encode_one(n, t) for n, t in named.items()]
+        out = self._encode_all(list(named.items()))
         base, self.version = self.version, version
         delta_bytes = sum(_pad8(t.positions.numel()) + _pad8(t.values.numel()) for t in out)
         full_bytes = sum(_pad8(t.numel * t.dtype.itemsize) for t in out)
@@ -446,28 +453,92 @@ class DeltaEncoder:
         self._stats["deltas"] += 1
         return DeltaPacket(version, base, out, self.compression)
 
-    def _encode_one(self, name: str, t: Tensor) -> DeltaTensor:
+    def _encode_all(self, items: list[tuple[str, Tensor]]) -> list[DeltaTensor]:
+        """Records for ``items``, in order.
+
+        With a CPU snapshot and the compiled loops (:func:`~rlblocks.sync._bits.native_available`), the tensors
+        go in batches, one compiled call per batch and the batches in parallel on the sync pool (2 per thread,
+        balanced by bytes): most of a model's tensors are smaller than one chunk, and one Python call per tensor
+        would cost more than its comparison. A tensor holding more than 1 / (2 * threads) of the bytes (or not
+        8-byte aligned) is encoded on its own, its chunks in parallel. Without the compiled loops, one task per
+        tensor on the pool. On other snapshot devices, one tensor after another."""
+        threads = num_threads()
+        if self.device is not None and self.device.type != "cpu":
+            return [self._encode_one(n, t) for n, t in items]
+        items = [(n, self._staged(n, t)) for n, t in items]
+        sizes = [self._snap[n].numel() * self._snap[n].element_size() for n, _ in items]
+        total = sum(sizes)
+        out: list[DeltaTensor | None] = [None] * len(items)
+        native = native_available()
+        rest = []
+        for i, (name, new) in enumerate(items):
+            snap = self._snap[name]
+            if 2 * threads * sizes[i] > total or (native and (snap.data_ptr() % 8 or new.data_ptr() % 8)):
+                out[i] = self._encode_one(name, new)
+            elif sizes[i]:
+                rest.append(i)
+            else:
+                out[i] = self._encode_one(name, new, threads=1)
+        rest.sort(key=lambda i: -sizes[i])
+        if not native:
+            done = parallel_map(lambda j: self._encode_one(*items[rest[j]], threads=1), len(rest), threads=threads)
+            for i, rec in zip(rest, done):
+                out[i] = rec
+            return out  # type: ignore[return-value]
+        groups: list[list[int]] = []
+        for es in sorted({self._snap[items[i][0]].element_size() for i in rest}):
+            mine = [i for i in rest if self._snap[items[i][0]].element_size() == es]
+            loads = [0] * min(len(mine), 2 * threads)
+            parts: list[list[int]] = [[] for _ in loads]
+            for i in mine:  # largest first, each into the lightest batch
+                j = loads.index(min(loads))
+                parts[j].append(i)
+                loads[j] += sizes[i]
+            groups += parts
+
+        def batch(g: int) -> list[DeltaTensor]:  # the records are built in the task too, beside the other
+            names = [items[i][0] for i in groups[g]]  # tasks' compiled loops
+            nats = native_delta_batch([(_flat(self._snap[n]), _flat(items[i][1])) for n, i in zip(names, groups[g])],
+                                      update=True, with_crc=True)
+            # None: many changes, the mask path (or, where it declines, the index path)
+            return [self._encode_one(n, items[i][1], threads=1) if nat is None else
+                    self._record(n, self._snap[n], self._crc[n], nat.count, nat.nwide, nat.crc, nat)
+                    for n, i, nat in zip(names, groups[g], nats)]
+
+        for part, recs in zip(groups, parallel_map(batch, len(groups), threads=threads)):
+            for i, rec in zip(part, recs):
+                out[i] = rec
+        return out  # type: ignore[return-value]
+
+    def _staged(self, name: str, t: Tensor) -> Tensor:
+        """``t`` contiguous on the snapshot's device (CUDA weights, CPU snapshot: one copy into page-locked
+        memory)."""
         snap = self._snap[name]
         new = t.detach()
-        if new.device != snap.device:  # e.g. CUDA weights, CPU snapshot: one copy into page-locked memory
+        if new.device != snap.device:
             staged = torch.empty_like(snap, pin_memory=snap.is_pinned())
             staged.copy_(new)
             new = staged
-        new = new.contiguous()
+        return new.contiguous()
+
+    def _encode_one(self, name: str, t: Tensor, threads: int | None = None) -> DeltaTensor:
+        """One tensor's record; ``threads`` for its chunked passes (1 inside a task of the sync pool)."""
+        snap = self._snap[name]
+        new = self._staged(name, t)
         n = snap.numel()
         base_crc = self._crc[name]
-        if 16 * sampled_density(_flat(snap), _flat(new)) > 1 and n >= 4096:
-            rec = self._encode_many(name, snap, new, base_crc)
+        if n >= 4096 and 16 * sampled_density(_flat(snap), _flat(new)) > 1:
+            rec = self._encode_many(name, snap, new, base_crc, threads)
             if rec is not None:
                 return rec
         # One compiled pass over old and new where numba is installed (gap16 positions, values, snapshot update
         # and CRC at once: rlblocks.sync._bits.native_delta); else the torch pass (int64 words, threaded chunks):
         # changed indices, their new values, the snapshot brought up to date, and the CRC of the new contents.
         # Both give the same record, byte for byte.
-        nat = native_delta(_flat(snap), _flat(new), update=True, with_crc=True)
+        nat = native_delta(_flat(snap), _flat(new), update=True, with_crc=True, threads=threads)
         if nat is not None:
             return self._record(name, snap, base_crc, nat.count, nat.nwide, nat.crc, nat)
-        idx, vals, crc = changed_indices(_flat(snap), _flat(new), update=True, with_crc=True)
+        idx, vals, crc = changed_indices(_flat(snap), _flat(new), update=True, with_crc=True, threads=threads)
         k = idx.numel()
         gaps = torch.diff(idx, prepend=idx.new_full((1,), -1))
         wide = int(torch.count_nonzero(gaps >= _ESC))
@@ -508,7 +579,9 @@ class DeltaEncoder:
                            wide if enc == "gap16" else 0)
 
 
-    def _encode_many(self, name: str, snap: Tensor, new: Tensor, base_crc: int) -> DeltaTensor | None:
+    def _encode_many(
+        self, name: str, snap: Tensor, new: Tensor, base_crc: int, threads: int | None
+    ) -> DeltaTensor | None:
         """Many changes (a bitmap or dense record will win): one element mask instead of indices. Gives the same
         record as the index path, or None when an index encoding could still win (the caller then takes that)."""
         n, esize = snap.numel(), snap.element_size()
@@ -518,7 +591,7 @@ class DeltaEncoder:
         bitmap_cost = math.ceil(n / 8)
         if 2 * k <= bitmap_cost:  # gap16 (2k + 8w) or idx32 (4k) may tie or win: their costs need the indices
             return None
-        crc = crc32_tensor(new)
+        crc = crc32_tensor(new, threads=threads)
         if (n - k) * esize < bitmap_cost:  # the same choice as min() over the costs (bitmap first on a tie)
             so.copy_(nw)
             self._crc[name] = crc
@@ -542,6 +615,48 @@ def _empty() -> Tensor:
 
 def _pad8(n: int) -> int:
     return n + (-n) % 8
+
+
+class _NotTheBase(DeltaError):
+    """A delta whose base CRC differs from our tensor's: reported before any other failure of the same packet."""
+
+
+@dataclass
+class _Gap16:
+    """A validated gap16 record as numpy views for the compiled scatter: uint16 gaps, int64 escaped gaps, values."""
+
+    gaps: object
+    wide: object
+    values: object
+
+
+def _aligned(a, size: int):
+    return a if a.ctypes.data % size == 0 else a.copy()
+
+
+def _gap16_plan(rec: DeltaTensor, esize: int) -> _Gap16:
+    """A gap16 record's lists as aligned numpy views, sizes checked; the positions themselves are checked by
+    :func:`_gap16_error` after one compiled pass (the same checks and messages as :func:`_decode_gap16`, without
+    building the int64 positions)."""
+    k, nwide = rec.count, rec.nwide
+    if rec.positions.numel() != 2 * k + 8 * nwide:
+        raise DeltaError(f"gap16 positions: expected {2 * k + 8 * nwide} bytes, got {rec.positions.numel()}")
+    raw = rec.positions.numpy()
+    gaps = _aligned(raw[: 2 * k], 2).view("uint16")
+    wide = raw[2 * k :].copy().view("int64")
+    values = _aligned(rec.values.numpy(), esize).view({1: "uint8", 2: "int16", 4: "int32", 8: "int64"}[esize])
+    return _Gap16(gaps, wide, values)
+
+
+def _gap16_error(rec: DeltaTensor, plan: _Gap16, escapes: int, increasing: bool, in_range: bool,
+                 n: int) -> DeltaError | None:
+    if escapes != rec.nwide:
+        return DeltaError(f"gap16 positions: expected {rec.nwide} escapes, found {escapes}")
+    if not increasing:
+        return DeltaError("gap16 positions: are not strictly increasing")
+    if not in_range:
+        return DeltaError(f"packet[{rec.name!r}]: positions out of range [0, {n})")
+    return None
 
 
 class DeltaDecoder:
@@ -599,50 +714,145 @@ class DeltaDecoder:
             missing = sorted(set(self.tensors) - set(names))[:3]
             extra = sorted(set(names) - set(self.tensors))[:3]
             raise DeltaError(f"packet: tensor names differ (missing {missing}, unexpected {extra}); refused")
-        plans = [self._validate(rec, packet.is_full, verify) for rec in packet.tensors]
-        undo: list[tuple[Tensor, Tensor | None, Tensor]] = []
-        try:
-            for rec, idx in plans:
-                if rec.encoding == "none":
-                    continue
-                target = int_view(self.tensors[rec.name])
-                vals = rec.values.clone().view(target.dtype).to(target.device)
-                if rec.encoding == "dense":
-                    if not packet.is_full and verify:
-                        undo.append((target, None, target.clone()))
-                    target.copy_(vals)
-                elif rec.encoding == "bitmap":
-                    mask = idx.to(target.device)
-                    if verify:  # old values are kept only while a later CRC failure could need them
-                        undo.append((target, mask, masked_take(target, mask)))
-                    masked_put(target, mask, vals)
-                else:  # gather / scatter: the fastest CPU index kernels (indices validated distinct)
-                    idx = idx.to(target.device)
-                    if verify:
-                        undo.append((target, idx, torch.gather(target, 0, idx)))
-                    target.scatter_(0, idx, vals)
-                if verify and not packet.is_full:
-                    got = crc32_tensor(self.tensors[rec.name])
-                    if got != rec.crc:
-                        raise DeltaError(
-                            f"packet: {rec.name!r} has CRC {got:#010x} after applying, expected {rec.crc:#010x}; "
-                            "all writes undone"
-                        )
-        except BaseException:
-            for target, idx, old in reversed(undo):
-                if idx is None:
-                    target.copy_(old)
-                elif idx.dtype == torch.bool:
-                    masked_put(target, idx, old)
+        recs = packet.tensors
+        # CPU tensors: records are checked and written in parallel on the sync pool (each task's own passes on one
+        # thread; gap16 records in batches, one compiled call per batch), errors taken in packet order; elsewhere
+        # one after another.
+        pooled = num_threads() > 1 and len(recs) > 1 and all(t.device.type == "cpu" for t in self.tensors.values())
+        threads, inner = (num_threads(), 1) if pooled else (1, None)
+
+        def validate(i: int) -> tuple[object, BaseException | None]:
+            try:
+                return self._validate(recs[i], packet.is_full, verify, inner), None
+            except BaseException as e:
+                return None, e
+
+        checked = parallel_map(validate, len(recs), threads=threads)
+        plans = [p for p, _ in checked]
+        errors: list[BaseException | None] = [e for _, e in checked]
+        batches = self._gap16_batches(recs, plans, threads)
+        found = parallel_map(
+            lambda b: gap16_check_many([(plans[i].gaps, plans[i].wide, self.tensors[recs[i].name].numel())
+                                        for i in batches[b]]),
+            len(batches),
+            threads=threads,
+        )
+        for part, res in zip(batches, found):
+            for i, (escapes, increasing, in_range) in zip(part, res):
+                errors[i] = errors[i] or _gap16_error(recs[i], plans[i], escapes, increasing, in_range,
+                                                      self.tensors[recs[i].name].numel())
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+        tasks = [[i] for i, p in enumerate(plans) if not isinstance(p, _Gap16)] + batches
+
+        def write(j: int) -> tuple[list, list[tuple[int, BaseException]]]:
+            undo: list = []
+            failed: list[tuple[int, BaseException]] = []
+            part = tasks[j]
+            try:
+                if isinstance(plans[part[0]], _Gap16):
+                    self._write_gap16(recs, plans, part, verify, undo, failed)
                 else:
-                    target.scatter_(0, idx, old)
-            raise
-        for rec, _ in plans:
+                    self._write(recs[part[0]], plans[part[0]], packet.is_full, verify, undo, inner)
+            except BaseException as e:  # every task finishes; the caller undoes all of them, then raises
+                failed.append((part[0], e))
+            return undo, failed
+
+        done = parallel_map(write, len(tasks), threads=threads)
+        failed = sorted((f for _, fs in done for f in fs), key=lambda f: f[0])
+        if failed:
+            for undo, _ in reversed(done):
+                for restore in reversed(undo):
+                    restore()
+            # a packet that was never for these weights is reported as such, before any failed write
+            raise next((e for _, e in failed if isinstance(e, _NotTheBase)), failed[0][1])
+        for rec in recs:
             self._crc[rec.name] = rec.crc
         self.version = packet.version
         return self.version
 
-    def _validate(self, rec: DeltaTensor, full: bool, verify: bool) -> tuple[DeltaTensor, Tensor | None]:
+    def _gap16_batches(self, recs: list[DeltaTensor], plans: list, threads: int) -> list[list[int]]:
+        """The gap16 records on the CPU (plans of type :class:`_Gap16`) in batches of one element size, up to
+        2 per thread, balanced by tensor bytes (each record's work: its tensor's CRCs and its writes)."""
+        idx = [i for i, p in enumerate(plans) if isinstance(p, _Gap16)]
+        size = {i: self.tensors[recs[i].name].numel() * recs[i].dtype.itemsize for i in idx}
+        out: list[list[int]] = []
+        for es in sorted({recs[i].dtype.itemsize for i in idx}):
+            mine = sorted((i for i in idx if recs[i].dtype.itemsize == es), key=lambda i: -size[i])
+            loads = [0] * min(len(mine), 2 * threads)
+            parts: list[list[int]] = [[] for _ in loads]
+            for i in mine:  # largest first, each into the lightest batch
+                j = loads.index(min(loads))
+                parts[j].append(i)
+                loads[j] += size[i]
+            out += [sorted(p) for p in parts]
+        return out
+
+    def _write_gap16(self, recs: list[DeltaTensor], plans: list, part: list[int], verify: bool, undo: list,
+                     failed: list) -> None:
+        """Writes a batch of gap16 records in one compiled call; with ``verify`` each tensor's CRC is taken
+        piece by piece before and after its writes (while the piece is in cache: one read of the tensor from
+        memory), the old values are kept for undo, and a base or result mismatch is listed in ``failed``."""
+        targets = [int_view(self.tensors[recs[i].name].detach()).numpy() for i in part]
+        crcs, saved = gap16_apply_many(
+            [(t, plans[i].gaps, plans[i].wide, plans[i].values) for t, i in zip(targets, part)],
+            keep=verify, with_crc=verify,
+        )
+        if not verify:
+            return
+        for t, i, old, (before, after) in zip(targets, part, saved, crcs):
+            p, rec = plans[i], recs[i]
+            undo.append(lambda t=t, p=p, old=old: gap16_apply(t, p.gaps, p.wide, old))
+            if before != rec.base_crc:
+                failed.append((i, _NotTheBase(
+                    f"packet[{rec.name!r}]: our tensor (CRC {before:#010x}) is not this delta's base (CRC "
+                    f"{rec.base_crc:#010x}); refused, weights unchanged"
+                )))
+            elif after != rec.crc:
+                failed.append((i, DeltaError(
+                    f"packet: {rec.name!r} has CRC {after:#010x} after applying, expected {rec.crc:#010x}; "
+                    "all writes undone"
+                )))
+
+    def _write(self, rec: DeltaTensor, plan, full: bool, verify: bool, undo: list, threads: int | None) -> None:
+        """Writes one validated record (not gap16 on the CPU: :meth:`_write_gap16`) into its tensor, appending to
+        ``undo`` a callable per write that restores the old contents; with ``verify`` (deltas) checks the CRC
+        after writing."""
+        if rec.encoding == "none":
+            return
+        t = self.tensors[rec.name]
+        target = int_view(t.detach())
+        vals = rec.values.clone().view(target.dtype).to(target.device)
+        if rec.encoding == "dense":
+            if not full and verify:
+                old = target.clone()
+                undo.append(lambda: target.copy_(old))
+            target.copy_(vals)
+        elif rec.encoding == "bitmap":
+            mask = plan.to(target.device)
+            if verify:  # old values are kept only while a later CRC failure could need them
+                old = masked_take(target, mask)
+                undo.append(lambda: masked_put(target, mask, old))
+            masked_put(target, mask, vals)
+        else:  # gather / scatter: the fastest CPU index kernels (indices validated distinct)
+            idx = plan.to(target.device)
+            if verify:
+                old = torch.gather(target, 0, idx)
+                undo.append(lambda: target.scatter_(0, idx, old))
+            target.scatter_(0, idx, vals)
+        if verify and not full:
+            got = crc32_tensor(t, threads=threads)
+            if got != rec.crc:
+                raise DeltaError(
+                    f"packet: {rec.name!r} has CRC {got:#010x} after applying, expected {rec.crc:#010x}; "
+                    "all writes undone"
+                )
+
+    def _validate(self, rec: DeltaTensor, full: bool, verify: bool, threads: int | None):
+        """Checks one record against our tensor without writing; returns what :meth:`_write` needs: None, the
+        bitmap mask, the int64 indices, or a :class:`_Gap16` (gap16 on the CPU with numba: decoded as it is
+        written, and its base CRC checked there)."""
         t = self.tensors[rec.name]
         where = f"packet[{rec.name!r}]"
         if rec.dtype != t.dtype or tuple(rec.shape) != tuple(t.shape):
@@ -653,9 +863,11 @@ class DeltaDecoder:
         if not full:
             if rec.base_crc is None:
                 raise DeltaError(f"{where}: a delta record must carry base_crc")
-            mine = crc32_tensor(t) if verify else self._crc.get(rec.name)
+        native = rec.encoding == "gap16" and t.device.type == "cpu" and native_available()
+        if not full and not (native and verify):
+            mine = crc32_tensor(t, threads=threads) if verify else self._crc.get(rec.name)
             if mine is not None and mine != rec.base_crc:
-                raise DeltaError(
+                raise _NotTheBase(
                     f"{where}: our tensor (CRC {mine:#010x}) is not this delta's base (CRC {rec.base_crc:#010x}); "
                     "refused, weights unchanged"
                 )
@@ -665,15 +877,17 @@ class DeltaDecoder:
         if rec.encoding == "none":
             if k or pos.numel() or rec.values.numel() or rec.crc != rec.base_crc:
                 raise DeltaError(f"{where}: 'none' record must be empty and keep its CRC")
-            return rec, None
+            return None
         if rec.encoding == "dense":
             if k != n or rec.values.numel() != n * esize or pos.numel():
                 raise DeltaError(f"{where}: dense record must carry {n * esize} value bytes, got {rec.values.numel()}")
-            if crc32_tensor(rec.values) != rec.crc:
+            if crc32_tensor(rec.values, threads=threads) != rec.crc:
                 raise DeltaError(f"{where}: values fail their CRC; refused")
-            return rec, None
+            return None
         if not 0 < k <= n or rec.values.numel() != k * esize:
             raise DeltaError(f"{where}: count {k} / value bytes {rec.values.numel()} inconsistent with {n} elements")
+        if rec.encoding == "gap16" and native:
+            return _gap16_plan(rec, esize)
         if rec.encoding == "gap16":
             idx = _decode_gap16(pos, k, rec.nwide)
         elif rec.encoding in ("idx32", "idx64"):
@@ -686,9 +900,9 @@ class DeltaDecoder:
             marked = int(torch.count_nonzero(mask))
             if marked != k:
                 raise DeltaError(f"{where}: bitmap marks {marked} elements, count says {k}")
-            return rec, mask
+            return mask
         if idx.numel() != k or (k and (int(idx[0]) < 0 or int(idx[-1]) >= n)):
             raise DeltaError(f"{where}: positions out of range [0, {n})")
         if rec.encoding != "gap16" and k > 1 and not bool((idx[1:] > idx[:-1]).all()):  # gap16: checked on gaps
             raise DeltaError(f"{where}: positions are not strictly increasing")
-        return rec, idx
+        return idx

@@ -103,3 +103,123 @@ def test_native_delta_declines_where_it_does_not_apply(monkeypatch):
     assert _bits.native_delta(raw[1:], raw[1:].clone()) is None  # not 8-byte aligned: the torch path takes it
     monkeypatch.setenv("RLBLOCKS_SYNC_NATIVE", "0")
     assert _bits.native_delta(raw[:64], raw[:64].clone()) is None
+
+
+NATIVE = NUMBA and _bits.native_available()
+
+
+def _ref_gaps(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gap16 lists of ascending positions, by the definition: uint16 gaps clamped to 0xFFFF, escaped true values."""
+    gaps = torch.diff(idx, prepend=idx.new_full((1,), -1))
+    return gaps.clamp(max=0xFFFF).to(torch.int32).to(torch.uint16), gaps[gaps >= 0xFFFF]
+
+
+@pytest.mark.skipif(not NATIVE, reason="numba / isal not installed (the compiled loops are optional)")
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.float64])
+def test_native_delta_batch_equals_native_delta_per_tensor(monkeypatch, dtype):
+    """One compiled call over many tensors (sizes around the 64-word groups, the 4096-element sample threshold,
+    escaped gaps, a tensor dense enough for a mask) against native_delta of each alone and the elementwise
+    reference; CRC-32 steps of 64 bytes so that the checksum pieces split groups."""
+    monkeypatch.setattr(_bits, "SUB_BYTES", 64)
+    g = torch.Generator().manual_seed(3)
+    es = torch.empty(0, dtype=dtype).element_size()
+    sizes = [1, 5, 63, 64, 65, 511, 4095, 4096, 20_011, 300_001, 9_000]
+    olds = [torch.randint(0, 256, (n * es,), generator=g, dtype=torch.uint8).view(dtype) for n in sizes]
+    news = [o.clone() for o in olds]
+    for i, (n, t) in enumerate(zip(sizes, news)):
+        m = torch.rand(n, generator=g) < (0.3 if i == len(sizes) - 1 else 0.03)  # the last one: dense
+        if n == 300_001:
+            m[:] = False
+            m[[3, 70_000, 70_001, 200_000, n - 1]] = True  # gaps >= 0xFFFF: escaped
+        m[-1] = True
+        t.view(INT[es])[m] ^= 1
+    snaps = [o.clone() for o in olds]
+    got = _bits.native_delta_batch(list(zip(snaps, news)), update=True, with_crc=True)
+    for n, old, new, snap, nat in zip(sizes, olds, news, snaps, got):
+        if n == 9_000:
+            assert nat is None and torch.equal(snap.view(INT[es]), old.view(INT[es]))  # left for the mask path
+            continue
+        ref = torch.ne(old.view(INT[es]), new.view(INT[es])).nonzero().squeeze(1)
+        gaps, wide = _ref_gaps(ref)
+        one = _bits.native_delta(old.clone(), new, update=True, with_crc=True)
+        assert nat.count == one.count == ref.numel()
+        assert torch.equal(nat.gaps, gaps) and torch.equal(nat.wide, wide)
+        assert torch.equal(nat.values, new.view(INT[es])[ref]) and torch.equal(nat.values, one.values)
+        assert nat.crc == one.crc == _zlib(new)
+        assert torch.equal(snap.view(INT[es]), new.view(INT[es]))
+    assert any(nat is not None and nat.nwide for nat in got)
+
+
+def _check_ref(gaps: list[int], wide: list[int], n: int) -> tuple[int, bool, bool]:
+    """gap16_check by the definition, in Python integers."""
+    escapes, pos, ok, w = 0, -1, True, 0
+    for g in gaps:
+        if g == 0xFFFF:
+            g = wide[w] if w < len(wide) else 1
+            w += 1
+            escapes += 1
+        ok &= g >= 1
+        pos += g
+    return escapes, ok, pos < n
+
+
+@pytest.mark.skipif(not NATIVE, reason="numba / isal not installed (the compiled loops are optional)")
+def test_gap16_check_against_python_reference():
+    import numpy as np
+
+    n = 300_000
+    cases = [
+        ([1, 5, 0xFFFF, 7], [70_000]),  # valid, one escape
+        ([1, 0, 3], []),  # a zero gap: not increasing
+        ([1, 0xFFFF, 2], []),  # an escape without its value
+        ([1, 2], [9]),  # a value without its escape
+        ([0xFFFF], [n + 1]),  # past the end
+        ([0xFFFF, 1], [2**62]),  # huge: past the end, no overflow
+        ([0xFFFF, 1], [-5]),  # negative: not increasing
+        ([], []),
+        ([0xFFFF], [n]),  # the last element
+        ([0xFFFF, 1], [n]),  # one past it
+    ]
+    lists = []
+    for gaps, wide in cases:
+        ga, wa = np.array(gaps, np.uint16), np.array(wide, np.int64)
+        lists.append((ga, wa, n))
+        got = _bits.gap16_check(ga, wa, n)
+        want = _check_ref(gaps, wide, n)
+        if want[1]:  # with a bad gap the sum is meaningless; only "not increasing" is asserted then
+            assert got == want, (gaps, wide)
+        else:
+            assert got[:2] == want[:2], (gaps, wide)
+    assert _bits.gap16_check_many(lists) == [_bits.gap16_check(*x) for x in lists]
+
+
+@pytest.mark.skipif(not NATIVE, reason="numba / isal not installed (the compiled loops are optional)")
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.float64])
+def test_gap16_apply_writes_saves_and_checksums(monkeypatch, dtype):
+    """Writes against index assignment, saved values against a gather, and the CRCs before / after against zlib,
+    with 256-byte checksum pieces (changes on both sides of every piece boundary)."""
+    monkeypatch.setattr(_bits, "SUB_BYTES", 256)
+    g = torch.Generator().manual_seed(7)
+    es = torch.empty(0, dtype=dtype).element_size()
+    records, refs = [], []
+    for n in (1, 300, 200_001):
+        t = torch.randint(0, 256, (n * es,), generator=g, dtype=torch.uint8).view(dtype)
+        m = torch.rand(n, generator=g) < 0.05
+        m[0] = m[-1] = True
+        if n > 100_000:
+            m[1000:150_000] = False  # an escaped gap
+        idx = m.nonzero().squeeze(1)
+        vals = torch.randint(0, 256, (idx.numel() * es,), generator=g, dtype=torch.uint8).view(INT[es])
+        gaps, wide = _ref_gaps(idx)
+        want = t.view(INT[es]).clone()
+        want[idx] = vals
+        refs.append((t.clone(), want, idx))
+        records.append((t.view(INT[es]).numpy(), gaps.numpy(), wide.numpy(), vals.numpy()))
+    crcs, saved = _bits.gap16_apply_many(records, keep=True, with_crc=True)
+    for (before, want, idx), (target, *_), (cb, ca), old in zip(refs, records, crcs, saved):
+        assert torch.equal(torch.from_numpy(target), want)
+        assert torch.equal(torch.from_numpy(old), before.view(INT[es])[idx])
+        assert cb == _zlib(before) and ca == _zlib(want)
+    for (before, _, _), (target, gaps, wide, _), old in zip(refs, records, saved):  # undo: write the old back
+        assert _bits.gap16_apply(target, gaps, wide, old, with_crc=True)[1] == _zlib(before)
+        assert torch.equal(torch.from_numpy(target), before.view(INT[es]))

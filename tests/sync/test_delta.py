@@ -390,3 +390,104 @@ def test_native_and_torch_encoders_give_identical_packets(monkeypatch, dtype, de
 
 def _bits_u8(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
+
+
+NATIVE = importlib.util.find_spec("numba") is not None and importlib.util.find_spec("isal") is not None
+
+
+def _model(g: torch.Generator) -> dict:
+    """Many tensors of two element sizes (batched by size), one large enough to be encoded on its own, one
+    empty, so that every path of the encoder and decoder runs."""
+    out = {f"l{i}.w": torch.randn(257 + 37 * i, generator=g).to(torch.bfloat16) for i in range(9)}
+    out |= {f"l{i}.n": torch.randn(65 + i, generator=g) for i in range(4)}
+    out["embed"] = torch.randn(60_000, generator=g).to(torch.bfloat16)
+    out["empty"] = torch.empty(0)
+    return out
+
+
+def _step(state: dict, density: float, g: torch.Generator) -> dict:
+    new = {k: v.clone() for k, v in state.items()}
+    for t in new.values():
+        iv = t.view(-1).view(INT[t.element_size()])
+        iv[torch.rand(iv.numel(), generator=g) < density] ^= 1
+    return new
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+def test_encode_and_apply_equal_with_any_number_of_sync_threads(monkeypatch, threads, native):
+    """Tensors batched and spread over the sync pool: the packet's bytes and the applied weights do not depend on
+    how many threads there are (the one-thread packet is the reference), with or without the compiled loops."""
+    monkeypatch.setenv("RLBLOCKS_SYNC_NATIVE", native)
+    g = torch.Generator().manual_seed(21)
+    base = _model(g)
+    new = _step(base, 0.03, g)
+    monkeypatch.setenv("RLBLOCKS_SYNC_THREADS", "1")
+    ref = DeltaEncoder(base).encode(new, version=1).to_bytes()
+    monkeypatch.setenv("RLBLOCKS_SYNC_THREADS", threads)
+    enc = DeltaEncoder(base)
+    wire = enc.encode(new, version=1).to_bytes()
+    assert wire == ref and _same(enc._snap, new)
+    for verify in (True, False):
+        r = {k: v.clone() for k, v in base.items()}
+        DeltaDecoder(r).apply(DeltaPacket.from_bytes(wire), verify=verify)
+        assert _same(r, new)
+
+
+@pytest.mark.skipif(not NATIVE, reason="numba / isal not installed (the compiled loops are optional)")
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda rec: rec.positions.view(torch.int16).__setitem__(1, 0), "not strictly increasing"),
+        (lambda rec: rec.positions.view(torch.int16).__setitem__(0, -1), "escapes"),  # an escape with no value
+        (lambda rec: rec.positions.view(torch.int16).__setitem__(-1, 30_000), "out of range"),
+        (lambda rec: setattr(rec, "nwide", 1), "expected"),  # sizes no longer add up
+    ],
+)
+def test_native_and_torch_decoders_refuse_alike(monkeypatch, mutate, match):
+    """A gap16 record altered in memory: the compiled check and the torch decode refuse it with the same
+    message, and the weights stay unchanged."""
+    g = torch.Generator().manual_seed(4)
+    base = _model(g)
+    new = _step(base, 0.01, g)
+    msgs = {}
+    for native in ("1", "0"):
+        monkeypatch.setenv("RLBLOCKS_SYNC_NATIVE", native)
+        p = DeltaEncoder(base).encode(new, version=1)
+        rec = next(t for t in p.tensors if t.name == "l5.w")
+        assert rec.encoding == "gap16" and rec.count > 2
+        rec.positions = rec.positions.clone()
+        mutate(rec)
+        r = {k: v.clone() for k, v in base.items()}
+        with pytest.raises(DeltaError, match=match) as err:
+            DeltaDecoder(r).apply(p)
+        msgs[native] = str(err.value)
+        assert _same(r, base)
+    assert msgs["1"] == msgs["0"]
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_base_mismatch_reported_first_and_every_write_undone(monkeypatch, native):
+    """Two faults in one packet, on tensors written by different tasks: a tampered value (its CRC after writing
+    fails) and a receiver tensor that is not the delta's base. The base mismatch is what is reported, and every
+    tensor, including those written correctly, is back to its old contents."""
+    monkeypatch.setenv("RLBLOCKS_SYNC_NATIVE", native)
+    monkeypatch.setenv("RLBLOCKS_SYNC_THREADS", "2")
+    g = torch.Generator().manual_seed(8)
+    base = _model(g)
+    new = _step(base, 0.02, g)
+    p = DeltaEncoder(base).encode(new, version=1)
+    rec = next(t for t in p.tensors if t.name == "l0.w")
+    rec.values = rec.values.clone()
+    rec.values[0] ^= 1
+    r = {k: v.clone() for k, v in base.items()}
+    r["l7.w"].view(torch.int16)[3] ^= 1  # diverged
+    before = {k: v.clone() for k, v in r.items()}
+    with pytest.raises(DeltaError, match=r"packet\['l7.w'\].*not this delta's base"):
+        DeltaDecoder(r).apply(p)
+    assert _same(r, before)
+    del r["l7.w"]
+    r2 = {k: v.clone() for k, v in base.items()}
+    with pytest.raises(DeltaError, match=r"'l0.w' has CRC .* after applying"):
+        DeltaDecoder(r2).apply(p)
+    assert _same(r2, base)
