@@ -457,53 +457,50 @@ class DeltaEncoder:
         """Records for ``items``, in order.
 
         With a CPU snapshot and the compiled loops (:func:`~rlblocks.sync._bits.native_available`), the tensors
-        go in batches, one compiled call per batch and the batches in parallel on the sync pool (2 per thread,
-        balanced by bytes): most of a model's tensors are smaller than one chunk, and one Python call per tensor
-        would cost more than its comparison. A tensor holding more than 1 / (2 * threads) of the bytes (or not
+        go in batches (:func:`_batches`), one compiled call per batch and the batches in parallel on the sync
+        pool: most of a model's tensors are smaller than one chunk, and one Python call per tensor would cost more
+        than its comparison. A tensor holding more than 1 / (2 * threads) of the bytes (or not
         8-byte aligned) is encoded on its own, its chunks in parallel. Without the compiled loops, one task per
         tensor on the pool. On other snapshot devices, one tensor after another."""
         threads = num_threads()
         if self.device is not None and self.device.type != "cpu":
             return [self._encode_one(n, t) for n, t in items]
-        items = [(n, self._staged(n, t)) for n, t in items]
-        sizes = [self._snap[n].numel() * self._snap[n].element_size() for n, _ in items]
-        total = sum(sizes)
+        size = {i: self._snap[n].numel() * self._snap[n].element_size() for i, (n, _) in enumerate(items)}
+        total = sum(size.values())
         out: list[DeltaTensor | None] = [None] * len(items)
         native = native_available()
         rest = []
-        for i, (name, new) in enumerate(items):
+        for i, (name, t) in enumerate(items):
             snap = self._snap[name]
-            if 2 * threads * sizes[i] > total or (native and (snap.data_ptr() % 8 or new.data_ptr() % 8)):
-                out[i] = self._encode_one(name, new)
-            elif sizes[i]:
+            staged_fresh = t.device != snap.device or not t.is_contiguous()  # a new allocation: aligned
+            if 2 * threads * size[i] > total or (native and (snap.data_ptr() % 8 or
+                                                              (not staged_fresh and t.data_ptr() % 8))):
+                out[i] = self._encode_one(name, t)
+            elif size[i]:
                 rest.append(i)
             else:
-                out[i] = self._encode_one(name, new, threads=1)
-        rest.sort(key=lambda i: -sizes[i])
+                out[i] = self._encode_one(name, t, threads=1)
         if not native:
+            rest.sort(key=lambda i: -size[i])
             done = parallel_map(lambda j: self._encode_one(*items[rest[j]], threads=1), len(rest), threads=threads)
             for i, rec in zip(rest, done):
                 out[i] = rec
             return out  # type: ignore[return-value]
         groups: list[list[int]] = []
         for es in sorted({self._snap[items[i][0]].element_size() for i in rest}):
-            mine = [i for i in rest if self._snap[items[i][0]].element_size() == es]
-            loads = [0] * min(len(mine), 2 * threads)
-            parts: list[list[int]] = [[] for _ in loads]
-            for i in mine:  # largest first, each into the lightest batch
-                j = loads.index(min(loads))
-                parts[j].append(i)
-                loads[j] += sizes[i]
-            groups += parts
+            groups += _batches([i for i in rest if self._snap[items[i][0]].element_size() == es], size, threads)
 
-        def batch(g: int) -> list[DeltaTensor]:  # the records are built in the task too, beside the other
-            names = [items[i][0] for i in groups[g]]  # tasks' compiled loops
-            nats = native_delta_batch([(_flat(self._snap[n]), _flat(items[i][1])) for n, i in zip(names, groups[g])],
-                                      update=True, with_crc=True)
+        def batch(g: int) -> list[DeltaTensor]:
+            # staged here (CUDA weights: a batch of host copies at a time), records built here too, beside the
+            # other tasks' compiled loops
+            names = [items[i][0] for i in groups[g]]
+            news = [self._staged(n, items[i][1]) for n, i in zip(names, groups[g])]
+            nats = native_delta_batch([(_flat(self._snap[n]), _flat(x)) for n, x in zip(names, news)], update=True,
+                                      with_crc=True)
             # None: many changes, the mask path (or, where it declines, the index path)
-            return [self._encode_one(n, items[i][1], threads=1) if nat is None else
+            return [self._encode_one(n, x, threads=1) if nat is None else
                     self._record(n, self._snap[n], self._crc[n], nat.count, nat.nwide, nat.crc, nat)
-                    for n, i, nat in zip(names, groups[g], nats)]
+                    for n, x, nat in zip(names, news, nats)]
 
         for part, recs in zip(groups, parallel_map(batch, len(groups), threads=threads)):
             for i, rec in zip(part, recs):
@@ -617,8 +614,26 @@ def _pad8(n: int) -> int:
     return n + (-n) % 8
 
 
-class _NotTheBase(DeltaError):
-    """A delta whose base CRC differs from our tensor's: reported before any other failure of the same packet."""
+_BATCH_BYTES = 128 << 20
+"""At most this many tensor bytes per compiled call of the encoder and decoder (unless one tensor is larger): it
+bounds the encoder's scratch (one uint16 gap and one value per element of a batch, of which a sparse delta touches
+only its changes)."""
+
+
+def _batches(idx: list[int], size: dict[int, int], threads: int) -> list[list[int]]:
+    """``idx`` in batches balanced by ``size``, largest first each into the lightest batch: ``2 * threads`` of
+    them (two per sync thread: a thread that finishes early takes another), more where a batch would exceed
+    :data:`_BATCH_BYTES`, each batch in ascending order."""
+    if not idx:
+        return []
+    total = sum(size[i] for i in idx)
+    loads = [0] * min(len(idx), max(2 * threads, -(-total // _BATCH_BYTES)))
+    parts: list[list[int]] = [[] for _ in loads]
+    for i in sorted(idx, key=lambda i: -size[i]):
+        j = loads.index(min(loads))
+        parts[j].append(i)
+        loads[j] += size[i]
+    return [sorted(p) for p in parts if p]
 
 
 @dataclass
@@ -746,9 +761,9 @@ class DeltaDecoder:
             raise first
         tasks = [[i] for i, p in enumerate(plans) if not isinstance(p, _Gap16)] + batches
 
-        def write(j: int) -> tuple[list, list[tuple[int, BaseException]]]:
+        def write(j: int) -> tuple[list, list[tuple[int, int, BaseException]]]:
             undo: list = []
-            failed: list[tuple[int, BaseException]] = []
+            failed: list[tuple[int, int, BaseException]] = []  # (0: not the base / 1: other, record, error)
             part = tasks[j]
             try:
                 if isinstance(plans[part[0]], _Gap16):
@@ -756,37 +771,30 @@ class DeltaDecoder:
                 else:
                     self._write(recs[part[0]], plans[part[0]], packet.is_full, verify, undo, inner)
             except BaseException as e:  # every task finishes; the caller undoes all of them, then raises
-                failed.append((part[0], e))
+                failed.append((1, part[0], e))
             return undo, failed
 
         done = parallel_map(write, len(tasks), threads=threads)
-        failed = sorted((f for _, fs in done for f in fs), key=lambda f: f[0])
+        failed = [f for _, fs in done for f in fs]
         if failed:
             for undo, _ in reversed(done):
                 for restore in reversed(undo):
                     restore()
             # a packet that was never for these weights is reported as such, before any failed write
-            raise next((e for _, e in failed if isinstance(e, _NotTheBase)), failed[0][1])
+            raise min(failed, key=lambda f: f[:2])[2]
         for rec in recs:
             self._crc[rec.name] = rec.crc
         self.version = packet.version
         return self.version
 
     def _gap16_batches(self, recs: list[DeltaTensor], plans: list, threads: int) -> list[list[int]]:
-        """The gap16 records on the CPU (plans of type :class:`_Gap16`) in batches of one element size, up to
-        2 per thread, balanced by tensor bytes (each record's work: its tensor's CRCs and its writes)."""
+        """The gap16 records on the CPU (plans of type :class:`_Gap16`) in batches of one element size
+        (:func:`_batches`, by tensor bytes: each record's work is its tensor's CRCs and its writes)."""
         idx = [i for i, p in enumerate(plans) if isinstance(p, _Gap16)]
         size = {i: self.tensors[recs[i].name].numel() * recs[i].dtype.itemsize for i in idx}
         out: list[list[int]] = []
         for es in sorted({recs[i].dtype.itemsize for i in idx}):
-            mine = sorted((i for i in idx if recs[i].dtype.itemsize == es), key=lambda i: -size[i])
-            loads = [0] * min(len(mine), 2 * threads)
-            parts: list[list[int]] = [[] for _ in loads]
-            for i in mine:  # largest first, each into the lightest batch
-                j = loads.index(min(loads))
-                parts[j].append(i)
-                loads[j] += size[i]
-            out += [sorted(p) for p in parts]
+            out += _batches([i for i in idx if recs[i].dtype.itemsize == es], size, threads)
         return out
 
     def _write_gap16(self, recs: list[DeltaTensor], plans: list, part: list[int], verify: bool, undo: list,
@@ -805,12 +813,12 @@ class DeltaDecoder:
             p, rec = plans[i], recs[i]
             undo.append(lambda t=t, p=p, old=old: gap16_apply(t, p.gaps, p.wide, old))
             if before != rec.base_crc:
-                failed.append((i, _NotTheBase(
+                failed.append((0, i, DeltaError(
                     f"packet[{rec.name!r}]: our tensor (CRC {before:#010x}) is not this delta's base (CRC "
                     f"{rec.base_crc:#010x}); refused, weights unchanged"
                 )))
             elif after != rec.crc:
-                failed.append((i, DeltaError(
+                failed.append((1, i, DeltaError(
                     f"packet: {rec.name!r} has CRC {after:#010x} after applying, expected {rec.crc:#010x}; "
                     "all writes undone"
                 )))
@@ -867,7 +875,7 @@ class DeltaDecoder:
         if not full and not (native and verify):
             mine = crc32_tensor(t, threads=threads) if verify else self._crc.get(rec.name)
             if mine is not None and mine != rec.base_crc:
-                raise _NotTheBase(
+                raise DeltaError(
                     f"{where}: our tensor (CRC {mine:#010x}) is not this delta's base (CRC {rec.base_crc:#010x}); "
                     "refused, weights unchanged"
                 )

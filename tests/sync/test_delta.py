@@ -413,11 +413,17 @@ def _step(state: dict, density: float, g: torch.Generator) -> dict:
     return new
 
 
+@pytest.mark.parametrize("batch_bytes", [None, 2048])
 @pytest.mark.parametrize("native", ["1", "0"])
 @pytest.mark.parametrize("threads", ["1", "2", "3"])
-def test_encode_and_apply_equal_with_any_number_of_sync_threads(monkeypatch, threads, native):
+def test_encode_and_apply_equal_with_any_number_of_sync_threads(monkeypatch, threads, native, batch_bytes):
     """Tensors batched and spread over the sync pool: the packet's bytes and the applied weights do not depend on
-    how many threads there are (the one-thread packet is the reference), with or without the compiled loops."""
+    how many threads there are (the one-thread packet is the reference), with or without the compiled loops, and
+    with batches capped at 2 KiB (one or two tensors each) as with the default cap."""
+    import rlblocks.sync.delta as delta
+
+    if batch_bytes is not None:
+        monkeypatch.setattr(delta, "_BATCH_BYTES", batch_bytes)
     monkeypatch.setenv("RLBLOCKS_SYNC_NATIVE", native)
     g = torch.Generator().manual_seed(21)
     base = _model(g)
@@ -491,3 +497,19 @@ def test_base_mismatch_reported_first_and_every_write_undone(monkeypatch, native
     with pytest.raises(DeltaError, match=r"'l0.w' has CRC .* after applying"):
         DeltaDecoder(r2).apply(p)
     assert _same(r2, base)
+
+
+def test_batches_balance_bytes_and_respect_the_cap(monkeypatch):
+    """Two batches per thread, more when one would pass the cap; every item in exactly one batch; the largest
+    first into the lightest (the spread of loads is at most the largest item)."""
+    import rlblocks.sync.delta as delta
+
+    size = {i: s for i, s in enumerate([900, 50, 300, 300, 20, 700, 10, 10, 450, 5])}
+    for threads, cap, want in ((1, 1 << 30, 2), (2, 1 << 30, 4), (2, 600, 5), (8, 1 << 30, 10)):
+        monkeypatch.setattr(delta, "_BATCH_BYTES", cap)
+        parts = delta._batches(list(size), size, threads)
+        assert len(parts) == want
+        assert sorted(i for p in parts for i in p) == list(size)
+        loads = [sum(size[i] for i in p) for p in parts]
+        assert max(loads) - min(loads) <= max(size.values())
+        assert all(p == sorted(p) for p in parts)
