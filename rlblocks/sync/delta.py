@@ -636,20 +636,31 @@ def _batches(idx: list[int], size: dict[int, int], threads: int) -> list[list[in
     return [sorted(p) for p in parts if p]
 
 
+def _not_the_base(name: str, ours: int, base: int) -> DeltaError:
+    return DeltaError(f"packet[{name!r}]: our tensor (CRC {ours:#010x}) is not this delta's base (CRC {base:#010x}); "
+                      "refused, weights unchanged")
+
+
+def _wrong_result(name: str, got: int, want: int) -> DeltaError:
+    return DeltaError(f"packet: {name!r} has CRC {got:#010x} after applying, expected {want:#010x}; all writes undone")
+
+
 @dataclass
 class _Gap16:
-    """A validated gap16 record as numpy views for the compiled scatter: uint16 gaps, int64 escaped gaps, values."""
+    """A gap16 record as numpy views for the compiled loops: uint16 gaps, int64 escaped gaps, values, and the
+    length ``n`` of its tensor."""
 
     gaps: object
     wide: object
     values: object
+    n: int
 
 
 def _aligned(a, size: int):
     return a if a.ctypes.data % size == 0 else a.copy()
 
 
-def _gap16_plan(rec: DeltaTensor, esize: int) -> _Gap16:
+def _gap16_plan(rec: DeltaTensor, n: int, esize: int) -> _Gap16:
     """A gap16 record's lists as aligned numpy views, sizes checked; the positions themselves are checked by
     :func:`_gap16_error` after one compiled pass (the same checks and messages as :func:`_decode_gap16`, without
     building the int64 positions)."""
@@ -660,11 +671,11 @@ def _gap16_plan(rec: DeltaTensor, esize: int) -> _Gap16:
     gaps = _aligned(raw[: 2 * k], 2).view("uint16")
     wide = raw[2 * k :].copy().view("int64")
     values = _aligned(rec.values.numpy(), esize).view({1: "uint8", 2: "int16", 4: "int32", 8: "int64"}[esize])
-    return _Gap16(gaps, wide, values)
+    return _Gap16(gaps, wide, values, n)
 
 
-def _gap16_error(rec: DeltaTensor, plan: _Gap16, escapes: int, increasing: bool, in_range: bool,
-                 n: int) -> DeltaError | None:
+def _gap16_error(rec: DeltaTensor, escapes: int, increasing: bool, in_range: bool, n: int) -> DeltaError | None:
+    """The error of a gap16 record whose check (``gap16_check``) gave these results, or None."""
     if escapes != rec.nwide:
         return DeltaError(f"gap16 positions: expected {rec.nwide} escapes, found {escapes}")
     if not increasing:
@@ -746,16 +757,11 @@ class DeltaDecoder:
         plans = [p for p, _ in checked]
         errors: list[BaseException | None] = [e for _, e in checked]
         batches = self._gap16_batches(recs, plans, threads)
-        found = parallel_map(
-            lambda b: gap16_check_many([(plans[i].gaps, plans[i].wide, self.tensors[recs[i].name].numel())
-                                        for i in batches[b]]),
-            len(batches),
-            threads=threads,
-        )
+        found = parallel_map(lambda b: gap16_check_many([(plans[i].gaps, plans[i].wide, plans[i].n)
+                                                         for i in batches[b]]), len(batches), threads=threads)
         for part, res in zip(batches, found):
             for i, (escapes, increasing, in_range) in zip(part, res):
-                errors[i] = errors[i] or _gap16_error(recs[i], plans[i], escapes, increasing, in_range,
-                                                      self.tensors[recs[i].name].numel())
+                errors[i] = errors[i] or _gap16_error(recs[i], escapes, increasing, in_range, plans[i].n)
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
@@ -813,15 +819,9 @@ class DeltaDecoder:
             p, rec = plans[i], recs[i]
             undo.append(lambda t=t, p=p, old=old: gap16_apply(t, p.gaps, p.wide, old))
             if before != rec.base_crc:
-                failed.append((0, i, DeltaError(
-                    f"packet[{rec.name!r}]: our tensor (CRC {before:#010x}) is not this delta's base (CRC "
-                    f"{rec.base_crc:#010x}); refused, weights unchanged"
-                )))
+                failed.append((0, i, _not_the_base(rec.name, before, rec.base_crc)))
             elif after != rec.crc:
-                failed.append((1, i, DeltaError(
-                    f"packet: {rec.name!r} has CRC {after:#010x} after applying, expected {rec.crc:#010x}; "
-                    "all writes undone"
-                )))
+                failed.append((1, i, _wrong_result(rec.name, after, rec.crc)))
 
     def _write(self, rec: DeltaTensor, plan, full: bool, verify: bool, undo: list, threads: int | None) -> None:
         """Writes one validated record (not gap16 on the CPU: :meth:`_write_gap16`) into its tensor, appending to
@@ -852,15 +852,12 @@ class DeltaDecoder:
         if verify and not full:
             got = crc32_tensor(t, threads=threads)
             if got != rec.crc:
-                raise DeltaError(
-                    f"packet: {rec.name!r} has CRC {got:#010x} after applying, expected {rec.crc:#010x}; "
-                    "all writes undone"
-                )
+                raise _wrong_result(rec.name, got, rec.crc)
 
     def _validate(self, rec: DeltaTensor, full: bool, verify: bool, threads: int | None):
         """Checks one record against our tensor without writing; returns what :meth:`_write` needs: None, the
-        bitmap mask, the int64 indices, or a :class:`_Gap16` (gap16 on the CPU with numba: decoded as it is
-        written, and its base CRC checked there)."""
+        bitmap mask, the int64 indices, or a :class:`_Gap16` (gap16 on the CPU with the compiled loops: its
+        positions checked next in one pass, decoded as it is written, and its base CRC checked there)."""
         t = self.tensors[rec.name]
         where = f"packet[{rec.name!r}]"
         if rec.dtype != t.dtype or tuple(rec.shape) != tuple(t.shape):
@@ -875,10 +872,7 @@ class DeltaDecoder:
         if not full and not (native and verify):
             mine = crc32_tensor(t, threads=threads) if verify else self._crc.get(rec.name)
             if mine is not None and mine != rec.base_crc:
-                raise DeltaError(
-                    f"{where}: our tensor (CRC {mine:#010x}) is not this delta's base (CRC {rec.base_crc:#010x}); "
-                    "refused, weights unchanged"
-                )
+                raise _not_the_base(rec.name, mine, rec.base_crc)
         k = rec.count
         pos = rec.positions
         idx = None
@@ -895,7 +889,7 @@ class DeltaDecoder:
         if not 0 < k <= n or rec.values.numel() != k * esize:
             raise DeltaError(f"{where}: count {k} / value bytes {rec.values.numel()} inconsistent with {n} elements")
         if rec.encoding == "gap16" and native:
-            return _gap16_plan(rec, esize)
+            return _gap16_plan(rec, n, esize)
         if rec.encoding == "gap16":
             idx = _decode_gap16(pos, k, rec.nwide)
         elif rec.encoding in ("idx32", "idx64"):
