@@ -367,7 +367,7 @@ while it is still in the core's cache (the loops would otherwise read every tens
 
 _HAVE_NATIVE: bool | None = None
 _CRC_FN = 0  # address of ISA-L's crc32_gzip_refl(uint32 crc, const uint8 *buf, uint64 len): zlib's CRC-32, chained
-_KERNELS = None
+_NATIVE = None  # the module of compiled loops, imported on first use
 _SCRATCH = threading.local()  # per worker thread: the loop's output buffers, reused across chunks and calls
 _NP_INT = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
@@ -396,15 +396,19 @@ def native_available() -> bool:
     return _HAVE_NATIVE
 
 
-def _kernels():
-    """The compiled loops (:mod:`rlblocks.sync._native`, loaded or compiled on first use):
-    ``(delta_chunk, check, apply, delta_batch, check_batch, apply_batch)``."""
-    global _KERNELS
-    if _KERNELS is None:
-        from rlblocks.sync import _native as nat
+def _native():
+    """:mod:`rlblocks.sync._native`, the compiled loops (imported, hence numba loaded, on first use only)."""
+    global _NATIVE
+    if _NATIVE is None:
+        from rlblocks.sync import _native as mod
 
-        _KERNELS = (nat.delta_chunk, nat.check, nat.apply, nat.delta_batch, nat.check_batch, nat.apply_batch)
-    return _KERNELS
+        _NATIVE = mod
+    return _NATIVE
+
+
+def _sub_words() -> int:
+    """:data:`SUB_BYTES` in int64 words, a multiple of the encoder's 64-word groups."""
+    return max(64, SUB_BYTES // 8 // 64 * 64)
 
 
 def gap16_check(gaps: UInt16[_np.ndarray, " K"], wide: Int64[_np.ndarray, " W"], n: int) -> tuple[int, bool, bool]:
@@ -412,7 +416,7 @@ def gap16_check(gaps: UInt16[_np.ndarray, " K"], wide: Int64[_np.ndarray, " W"],
     in_range)``, the number of escaped gaps (0xFFFF) met, whether every gap is >= 1 (positions strictly
     increasing, the first >= 0) and whether the last position is < ``n``. Gaps are the uint16 list, ``wide`` the
     true values of the escaped ones in order (a missing one counts as 1)."""
-    esc, bad, over = _kernels()[1](gaps, wide, n)
+    esc, bad, over = _native().check(gaps, wide, n)
     return int(esc), not bad, not over
 
 
@@ -433,8 +437,8 @@ def gap16_apply(
     for ``target``'s length: nothing is checked here. Only where :func:`native_available`."""
     keep = saved is not None
     sub = max(1, SUB_BYTES // target.itemsize)
-    crcs = _kernels()[2](target, gaps, wide, values, saved if keep else values, keep, _CRC_FN if with_crc else 0,
-                         sub)
+    crcs = _native().apply(target, gaps, wide, values, saved if keep else values, keep,
+                           _CRC_FN if with_crc else 0, sub)
     return (int(crcs[0]), int(crcs[1])) if with_crc else None
 
 
@@ -453,8 +457,8 @@ def gap16_check_many(lists: Sequence[tuple]) -> list[tuple[int, bool, bool]]:
         return []
     out = _np.zeros((len(lists), 3), _np.int64)
     gaps, wide, ns = zip(*lists)
-    _kernels()[4](_i64(map(_addr, gaps)), _i64(g.size for g in gaps), _i64(map(_addr, wide)),
-                  _i64(w.size for w in wide), _i64(ns), out)
+    _native().check_batch(_i64(map(_addr, gaps)), _i64(g.size for g in gaps), _i64(map(_addr, wide)),
+                          _i64(w.size for w in wide), _i64(ns), out)
     return [(int(e), not b, not o) for e, b, o in out]
 
 
@@ -470,7 +474,7 @@ def gap16_apply_many(
     saved = [_np.empty_like(v) for v in values] if keep else list(values)
     out = _np.zeros((len(records), 2), _np.int64)
     like = targets[0][:0]
-    _kernels()[5](
+    _native().apply_batch(
         _i64(map(_addr, targets)), _i64(t.size for t in targets), like, _i64(map(_addr, gaps)),
         _i64(g.size for g in gaps), _i64(map(_addr, wide)), _i64(w.size for w in wide), _i64(map(_addr, values)),
         _i64(map(_addr, saved)), keep, _CRC_FN if with_crc else 0, max(1, SUB_BYTES // like.itemsize), out,
@@ -512,10 +516,9 @@ def native_delta_batch(
     woffs[1:] = _np.cumsum(wsz)[:-1]
     gaps, vals, wide = _scratch(int(ns.sum()), es, int(wsz.sum()))
     out = _np.zeros((len(pairs), 5), _np.int64)
-    _kernels()[3](
-        _np.array([o.data_ptr() for o, _ in pairs], _np.int64), _np.array([n.data_ptr() for _, n in pairs], _np.int64),
-        ns, vals[:0], gaps, vals, wide, offs, woffs, update, _CRC_FN if with_crc else 0,
-        max(64, SUB_BYTES // 8 // 64 * 64), out,
+    _native().delta_batch(
+        _i64(o.data_ptr() for o, _ in pairs), _i64(n.data_ptr() for _, n in pairs), ns, vals[:0], gaps, vals, wide,
+        offs, woffs, update, _CRC_FN if with_crc else 0, _sub_words(), out,
     )
     res: list[NativeDelta | None] = []
     for t in range(len(pairs)):
@@ -586,8 +589,8 @@ def native_delta(
     oi, ni = old.view(INT_VIEW[es]), new.view(INT_VIEW[es])
     chunk = max(lanes, CHUNK_BYTES // es // lanes * lanes)
     n_chunks = max(1, -(-n // chunk))
-    kern = _kernels()[0]
-    sub = max(64, SUB_BYTES // 8 // 64 * 64)
+    kern = _native().delta_chunk
+    sub = _sub_words()
 
     def one(c: int) -> tuple:
         lo, hi = c * chunk, min(n, (c + 1) * chunk)

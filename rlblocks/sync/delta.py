@@ -39,6 +39,7 @@ from torch import Tensor
 from rlblocks._checks import check_bool, check_version
 from rlblocks.errors import ArgumentError, DeltaError
 from rlblocks.sync._bits import (
+    _NP_INT,
     INT_VIEW,
     NativeDelta,
     changed_indices,
@@ -670,7 +671,7 @@ def _gap16_plan(rec: DeltaTensor, n: int, esize: int) -> _Gap16:
     raw = rec.positions.numpy()
     gaps = _aligned(raw[: 2 * k], 2).view("uint16")
     wide = raw[2 * k :].copy().view("int64")
-    values = _aligned(rec.values.numpy(), esize).view({1: "uint8", 2: "int16", 4: "int32", 8: "int64"}[esize])
+    values = _aligned(rec.values.numpy(), esize).view(_NP_INT[esize])
     return _Gap16(gaps, wide, values, n)
 
 
