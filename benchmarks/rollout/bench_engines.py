@@ -12,7 +12,10 @@ size of ``--batches`` (every request sampled at T=1, seeded, no stop token, so e
 ``--new-tokens``), the median of ``--reps``, and the ratios TorchEngine/vLLM and TorchEngine/HF. ``--model
 smollm2-135m`` (a named model, resolved by ``cookbook.plumbing.models.model_dir`` when that helper is installed;
 any HF directory works as well) sets the real-model shape: 64-token prompts, 128 new tokens, batches 1 / 16 / 64,
-a 1 GiB vLLM KV cache. All engines run ``--dtype`` (default float32, the checkpoint's).
+a 1 GiB vLLM KV cache. All engines run ``--dtype`` (default float32, the checkpoint's). TorchEngine runs its steps
+on the event loop's thread here (``inline_steps=True``), the thread HF ``generate`` runs on: two threads running
+torch ops in one process would each get an OpenMP team, and on a CPU with no spare cores libgomp then shortens its
+spin-waits, which slows both (see ``TorchEngine``'s ``inline_steps``).
 
 ``--quick`` (CI) builds the tiny Llama and checks, without timing anything that matters: a seeded batch gives the
 same tokens and log-probs on a second run (same batch composition: promised by TorchEngine's batched mode), every
@@ -75,13 +78,14 @@ def resolve_model(name: str) -> str:
     return model_dir(name)
 
 
-def make_engine(args, path: str, kind: str | None = None):
+def make_engine(args, path: str, kind: str | None = None, inline_steps: bool = False):
     kind = kind or args.engine
     dtype = getattr(torch, args.dtype)
     if kind == "torch":
         from rlblocks.rollout.engines import TorchEngine
 
-        return TorchEngine.from_pretrained(path, dtype=dtype, batch_invariant=args.batch_invariant)
+        return TorchEngine.from_pretrained(path, dtype=dtype, batch_invariant=args.batch_invariant,
+                                           inline_steps=inline_steps)
     if kind == "hf":
         from transformers import AutoModelForCausalLM
 
@@ -136,7 +140,7 @@ async def compare_throughput(engines: dict, n: int, args) -> dict[str, float]:
 
 async def compare_async(args, path: str) -> None:
     load0 = os.getloadavg()
-    engines = {kind: make_engine(args, path, kind) for kind in args.engines}
+    engines = {kind: make_engine(args, path, kind, inline_steps=True) for kind in args.engines}
     try:
         await compare_throughput(engines, 4, argparse.Namespace(prompt_len=args.prompt_len, new_tokens=8))  # warm
         print(f"model={path} dtype={args.dtype} threads={torch.get_num_threads()} prompt={args.prompt_len} "

@@ -205,7 +205,7 @@ class _Compute:
             self._join(kv, pads, group)
         if not seqs:
             return []
-        return sample_tokens(seqs, torch.cat(logits_parts))
+        return sample_tokens(seqs, logits_parts[0] if len(logits_parts) == 1 else torch.cat(logits_parts))
 
     @staticmethod
     def _prefill_chunks(fresh: list[_Seq]) -> list[list[_Seq]]:

@@ -6,8 +6,8 @@ It implements the whole :class:`~rlblocks.rollout.types.RolloutEngine` protocol 
   one new token: new requests are prefilled together in one left-padded forward, the others decoded together over a
   left-padded KV cache preallocated per batch row, grown by doubling and written in place
   (:mod:`~rlblocks.rollout.engines.torch_memory`); a finished or aborted request leaves it in O(1). The forward runs
-  in a worker thread so the event loop stays responsive; abort, pause and weight updates happen under one lock,
-  i.e. *between* steps.
+  in a worker thread so the event loop stays responsive (or on the loop's thread, ``inline_steps=True``); abort,
+  pause and weight updates happen under one lock, i.e. *between* steps.
 - **Processed logprobs and seeds** (:mod:`~rlblocks.rollout.engines.torch_sampling`): logprobs of the distribution
   sampled from (temperature, top-k, top-p), in fp32; a counter-based draw per (seed, position), so a seeded request
   interrupted and re-submitted draws the same numbers.
@@ -79,6 +79,12 @@ class TorchEngine(_Compute, EngineBase):
         record_routing: MoE models: record the experts each fed position was routed to
             (``Generation.routed_experts``, see :mod:`rlblocks.rollout.moe_replay`); kept with the prefix cache;
             a re-prefill from position 0 (after a weight update) records every position again.
+        inline_steps: run each step's forward on the event loop's own thread, blocking the loop for the step,
+            instead of on the engine's worker thread. For a CPU process whose other torch work (a trainer) runs on
+            the loop's thread: each thread that runs torch ops gets its own OpenMP team, and with more OpenMP
+            threads than cores libgomp shortens its spin-waits, so every parallel region of both waits on a
+            futex wake-up (SmolLM2-135M, batch 64, 2 cores: a decode step 182 -> 240 ms once another thread of
+            the process had run a forward). Abort, pause and updates wait for the step either way.
     """
 
     def __init__(
@@ -91,6 +97,7 @@ class TorchEngine(_Compute, EngineBase):
         max_model_len: int | None = None,
         version: int = 0,
         record_routing: bool = False,
+        inline_steps: bool = False,
     ) -> None:
         if max_batch_size < 1:
             raise ArgumentError(f"max_batch_size: expected >= 1, got {max_batch_size}")
@@ -106,6 +113,7 @@ class TorchEngine(_Compute, EngineBase):
         self.batch_invariant = bool(batch_invariant)
         self.prefix_cache_size = int(prefix_cache_size)
         self.max_batch_size = int(max_batch_size)
+        self.inline_steps = bool(inline_steps)
         params = inspect.signature(model.forward).parameters
         self._supports_logits_to_keep = "logits_to_keep" in params
         # transformers >= 5.24 names the KV-cache argument ``cache`` (``past_key_values=`` warns there and is
@@ -370,9 +378,13 @@ class TorchEngine(_Compute, EngineBase):
                     continue
                 try:
                     plan = self._plan()
-                    if self._executor is None:
-                        self._executor = ThreadPoolExecutor(1, thread_name_prefix="torch-engine")
-                    result = await asyncio.get_running_loop().run_in_executor(self._executor, self._compute, plan)
+                    if self.inline_steps:
+                        result = self._compute(plan)
+                    else:
+                        if self._executor is None:
+                            self._executor = ThreadPoolExecutor(1, thread_name_prefix="torch-engine")
+                        result = await asyncio.get_running_loop().run_in_executor(self._executor, self._compute,
+                                                                                  plan)
                     self._apply(result)
                 except Exception as exc:  # fail every waiting caller rather than hang; the loop lives on
                     err = EngineError(

@@ -54,7 +54,10 @@ def processed_logprobs(
     drops a token when the probability mass strictly before it is already ``>= top_p`` (``top_p == 1`` disables it;
     the most probable token is always kept); ``log_softmax`` renormalises. fp32 in, fp32 out.
     """
-    x = logits.float() / torch.where(temperature > 0, temperature, torch.ones_like(temperature)).unsqueeze(-1)
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    x = logits.float()
+    if not bool((t == 1).all()):  # x / 1 is x, bit for bit: skip a pass over the logits at T = 1
+        x = x / t.unsqueeze(-1)
     vocab = x.shape[-1]
     use_k = (top_k > 0) & (top_k < vocab)
     if bool(use_k.any()):
@@ -85,16 +88,20 @@ def sample_tokens(seqs: list[_Seq], logits: Float[Tensor, "B V"]) -> list[tuple[
     top_k = torch.tensor([-1 if p.temperature == 0 else p.top_k for p in sp], dtype=torch.long, device=dev)
     top_p = torch.tensor([1.0 if p.temperature == 0 else p.top_p for p in sp], dtype=torch.float32, device=dev)
     logp = processed_logprobs(logits, temp, top_k, top_p)
-    tokens = logits.argmax(dim=-1)
+    # each argmax is a full pass over the vocabulary: taken only for the rows that need it
+    tokens = logits.argmax(dim=-1) if bool(greedy.any()) else None
     if not bool(greedy.all()):
         u = torch.tensor([_uniform(s.seed, len(s.tokens)) for s in seqs], dtype=torch.float64)
-        cdf = torch.cumsum(logp.double().exp(), dim=-1)
+        # exp and the running sum in place in one float64 copy: the same values as cumsum(exp(.)), fewer passes
+        cdf = logp.to(torch.float64, copy=True)
+        cdf.exp_()
+        cdf.cumsum_(dim=-1)
         target = (u.to(dev) * cdf[:, -1]).unsqueeze(-1)
         drawn = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_max(logits.shape[-1] - 1)
         # never return a token outside the support (only reachable through float rounding at the very top)
-        drawn = torch.where(
-            torch.isfinite(logp.gather(-1, drawn.unsqueeze(-1)).squeeze(-1)), drawn, logp.argmax(dim=-1)
-        )
-        tokens = torch.where(greedy, tokens, drawn)
+        inside = torch.isfinite(logp.gather(-1, drawn.unsqueeze(-1)).squeeze(-1))
+        if not bool(inside.all()):
+            drawn = torch.where(inside, drawn, logp.argmax(dim=-1))
+        tokens = drawn if tokens is None else torch.where(greedy, tokens, drawn)
     lps = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return list(zip(seqs, tokens.tolist(), lps.tolist()))

@@ -112,9 +112,10 @@ async def _resubmit(engine, part: Generation, sp: SamplingParams, rid: str) -> G
     return await engine.generate(GenerationRequest(rid, part.prompt_ids + part.output_ids, sp2))
 
 
-def test_greedy_interrupt_resume_is_bit_identical_batched_mode(tiny_model):
+@pytest.mark.parametrize("inline_steps", [False, True])
+def test_greedy_interrupt_resume_is_bit_identical_batched_mode(tiny_model, inline_steps):
     """Default (batched) engine, lone request: the resume continues from the aborted request's KV."""
-    engine = TorchEngine(tiny_model)
+    engine = TorchEngine(tiny_model, inline_steps=inline_steps)
     sp = greedy(24)
 
     async def main():
@@ -133,6 +134,41 @@ def test_greedy_interrupt_resume_is_bit_identical_batched_mode(tiny_model):
     assert hits == 1
     assert part.output_ids + rest.output_ids == ref.output_ids
     assert part.output_logprobs + rest.output_logprobs == ref.output_logprobs  # bit-identical floats
+
+
+def test_inline_steps_run_on_the_loop_thread_and_generate_the_same(tiny_model):
+    """``inline_steps=True``: every step's forward runs on the event loop's thread (the worker engine's on another
+    one), and a seeded batch of prompts of different lengths gives the same tokens, log-probs and versions."""
+    import threading
+
+    def traced(engine):
+        threads = set()
+        compute = engine._compute
+
+        def step(live):
+            threads.add(threading.get_ident())
+            return compute(live)
+
+        engine._compute = step
+        return threads
+
+    sp = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5)
+
+    async def main(engine):
+        reqs = [GenerationRequest(f"r{i}", p, sp) for i, p in enumerate(PROMPTS)]
+        gens = await asyncio.gather(*[engine.generate(r) for r in reqs])
+        return gens, threading.get_ident()
+
+    out = {}
+    for inline in (False, True):
+        engine = TorchEngine(tiny_model, inline_steps=inline)
+        threads = traced(engine)
+        gens, loop_thread = run(main(engine))
+        engine.close()
+        assert threads == {loop_thread} if inline else loop_thread not in threads and len(threads) == 1
+        out[inline] = [(g.output_ids, g.output_logprobs, g.output_versions, g.finish_reason) for g in gens]
+    assert all(len(ids) == 12 for ids, *_ in out[True])
+    assert out[True] == out[False]
 
 
 def test_greedy_interrupt_resume_bit_identical_under_concurrency_batch_invariant(tiny_model):
@@ -397,8 +433,9 @@ def test_request_submitted_concurrently_with_pause_is_never_lost(tiny_model):
     assert g3.finish_reason == "length" and g3.num_output_tokens == 10
 
 
-def test_pause_abort_races_many_requests(tiny_model):
-    engine = TorchEngine(tiny_model)
+@pytest.mark.parametrize("inline_steps", [False, True])
+def test_pause_abort_races_many_requests(tiny_model, inline_steps):
+    engine = TorchEngine(tiny_model, inline_steps=inline_steps)
     sp = SamplingParams(temperature=1.0, max_new_tokens=30, seed=0)
 
     async def main():
