@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     async def start_engine():
         return make_engine(cfg.engine, path, device, max_model_len=max_model_len, max_staleness=0,
                            sglang_url=cfg.sglang_url, dtype=resolve_engine_dtype(cfg),
-                           kv_cache_mb=cfg.kv_cache_mb)
+                           kv_cache_mb=cfg.kv_cache_mb, inline_steps=device.type == "cpu")  # 1 OpenMP team
 
     engine = loop.run_until_complete(start_engine())
     # ---- LoRA (--lora-rank): adapters wrapped into lm in place, the base frozen; the engine gets merged weights

@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
             else toy.task(tok))
     check_fits(task, max_model_len)
     loop = asyncio.new_event_loop()  # the engine binds to the loop that first drives it: always this one
-    engine = make_engine("torch", path, device, max_model_len=max_model_len)
+    engine = make_engine("torch", path, device, max_model_len=max_model_len, inline_steps=device.type == "cpu")
     critic = load_critic(cfg.critic_model or path, device, cfg.prefix_share)
     ref = load_reference(path, device, cfg.temperature, cfg.prefix_share) if cfg.kl_coef > 0 else None
     scorer, checker = reward_roles(cfg, tok, eval_spec, rm_path, device)  # checker: --eval-reward

@@ -6,16 +6,16 @@
     .venv/bin/python benchmarks/rollout/bench_engines.py --compare --model smollm2-135m   # side by side
     .venv/bin/python benchmarks/rollout/bench_engines.py --quick              # CI: runs, outputs agree
 
-``--compare`` times TorchEngine, VLLMEngine and Hugging Face ``generate`` side by side in one process (``--engines``
-to choose), interleaved rep by rep so that a shared machine's load hits them alike: output tokens/s at each batch
-size of ``--batches`` (every request sampled at T=1, seeded, no stop token, so each produces exactly
-``--new-tokens``), the median of ``--reps``, and the ratios TorchEngine/vLLM and TorchEngine/HF. ``--model
+``--compare`` times TorchEngine, VLLMEngine and Hugging Face ``generate`` side by side (``--engines`` to choose),
+interleaved rep by rep so that a shared machine's load hits them alike: output tokens/s at each batch size of
+``--batches`` (every request sampled at T=1, seeded, no stop token, so each produces exactly ``--new-tokens``), the
+median of ``--reps``, and the ratios TorchEngine/vLLM and TorchEngine/HF. Each engine runs each rep in a fresh
+process of its own (warmed up there, then timed), as a user running that one engine would: engines left loaded in
+one process slow each other on a CPU (an idle vLLM worker polls its queue; two threads running torch ops get two
+OpenMP teams, whose spin-waits libgomp shortens once they outnumber the cores). ``--model
 smollm2-135m`` (a named model, resolved by ``cookbook.plumbing.models.model_dir`` when that helper is installed;
 any HF directory works as well) sets the real-model shape: 64-token prompts, 128 new tokens, batches 1 / 16 / 64,
-a 1 GiB vLLM KV cache. All engines run ``--dtype`` (default float32, the checkpoint's). TorchEngine runs its steps
-on the event loop's thread here (``inline_steps=True``), the thread HF ``generate`` runs on: two threads running
-torch ops in one process would each get an OpenMP team, and on a CPU with no spare cores libgomp then shortens its
-spin-waits, which slows both (see ``TorchEngine``'s ``inline_steps``).
+a 1 GiB vLLM KV cache. All engines run ``--dtype`` (default float32, the checkpoint's).
 
 ``--quick`` (CI) builds the tiny Llama and checks, without timing anything that matters: a seeded batch gives the
 same tokens and log-probs on a second run (same batch composition: promised by TorchEngine's batched mode), every
@@ -43,6 +43,7 @@ import asyncio
 import importlib.util
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -78,14 +79,13 @@ def resolve_model(name: str) -> str:
     return model_dir(name)
 
 
-def make_engine(args, path: str, kind: str | None = None, inline_steps: bool = False):
+def make_engine(args, path: str, kind: str | None = None):
     kind = kind or args.engine
     dtype = getattr(torch, args.dtype)
     if kind == "torch":
         from rlblocks.rollout.engines import TorchEngine
 
-        return TorchEngine.from_pretrained(path, dtype=dtype, batch_invariant=args.batch_invariant,
-                                           inline_steps=inline_steps)
+        return TorchEngine.from_pretrained(path, dtype=dtype, batch_invariant=args.batch_invariant)
     if kind == "hf":
         from transformers import AutoModelForCausalLM
 
@@ -124,45 +124,70 @@ def hf_generate(model, reqs: list[GenerationRequest], new_tokens: int, greedy: b
     return out[:, width:].tolist()
 
 
-async def compare_throughput(engines: dict, n: int, args) -> dict[str, float]:
-    """Output tokens/s of each engine (one run each, in the given order) for ``n`` concurrent requests."""
-    out = {}
-    for kind, engine in engines.items():
-        reqs = requests(n, f"cmp{kind}{n}-{time.perf_counter_ns()}", args.prompt_len, args.new_tokens)
-        t0 = time.perf_counter()
-        if kind == "hf":
-            toks = sum(len(t) for t in hf_generate(engine, reqs, args.new_tokens))
-        else:
-            toks = sum(g.num_output_tokens for g in await asyncio.gather(*[engine.generate(r) for r in reqs]))
-        out[kind] = toks / (time.perf_counter() - t0)
-    return out
+async def one_throughput(engine, kind: str, n: int, args) -> float:
+    """Output tokens/s of ``engine`` for ``n`` concurrent requests."""
+    reqs = requests(n, f"cmp{kind}{n}-{time.perf_counter_ns()}", args.prompt_len, args.new_tokens)
+    t0 = time.perf_counter()
+    if kind == "hf":
+        toks = sum(len(t) for t in hf_generate(engine, reqs, args.new_tokens))
+    else:
+        toks = sum(g.num_output_tokens for g in await asyncio.gather(*[engine.generate(r) for r in reqs]))
+    return toks / (time.perf_counter() - t0)
 
 
-async def compare_async(args, path: str) -> None:
-    load0 = os.getloadavg()
-    engines = {kind: make_engine(args, path, kind, inline_steps=True) for kind in args.engines}
+async def measure_one(args, path: str) -> None:
+    """``--measure KIND``: one engine in this process, warmed up, then one timed run per ``--batches`` entry;
+    prints ``tok/s KIND N VALUE`` lines (read by ``--compare``)."""
+    kind = args.measure
+    engine = make_engine(args, path, kind)
     try:
-        await compare_throughput(engines, 4, argparse.Namespace(prompt_len=args.prompt_len, new_tokens=8))  # warm
-        print(f"model={path} dtype={args.dtype} threads={torch.get_num_threads()} prompt={args.prompt_len} "
-              f"new_tokens={args.new_tokens} reps={args.reps} engines={','.join(engines)}; "
-              f"load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} (1/5/15 min) at start")
-        print("| batch | " + " | ".join(f"{k} tok/s" for k in engines) + " | torch/vllm | torch/hf |")
-        print("|---:|" + "---:|" * (len(engines) + 2))
+        await one_throughput(engine, kind, 4, argparse.Namespace(prompt_len=args.prompt_len, new_tokens=8))  # warm
         for n in args.batches:
-            runs = [await compare_throughput(engines, n, args) for _ in range(args.reps)]
-            med = {k: statistics.median(r[k] for r in runs) for k in engines}
-            # ratios: the median over reps of the ratio within each rep (timed next to each other)
-            ratio = {o: statistics.median(r["torch"] / r[o] for r in runs) if {"torch", o} <= set(engines) else None
-                     for o in ("vllm", "hf")}
-            print(f"| {n} | " + " | ".join(f"{med[k]:.1f}" for k in engines) + " | "
-                  + " | ".join("-" if ratio[o] is None else f"{ratio[o]:.2f}" for o in ("vllm", "hf")) + " |",
-                  flush=True)
-        load1 = os.getloadavg()
-        print(f"load average {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} at the end")
+            print(f"tok/s {kind} {n} {await one_throughput(engine, kind, n, args):.6f}", flush=True)
     finally:
-        for kind, engine in engines.items():
-            if kind != "hf":
-                engine.close()
+        if kind != "hf":
+            engine.close()
+
+
+def run_isolated(args, path: str, kind: str, n: int) -> float:
+    """Tokens/s of engine ``kind`` at batch ``n``, measured by ``--measure`` in a fresh process."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--measure", kind, "--model", path, "--batches", str(n),
+           "--dtype", args.dtype, "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+           "--max-model-len", str(args.max_model_len), "--kv-cache-mb", str(args.kv_cache_mb)]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    if args.batch_invariant:
+        cmd.append("--batch-invariant")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        parts = line.split()
+        if parts[:3] == ["tok/s", kind, str(n)]:
+            return float(parts[3])
+    raise RuntimeError(f"--measure {kind} at batch {n} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+def compare(args, path: str) -> None:
+    load0 = os.getloadavg()
+    engines = list(args.engines)
+    print(f"model={path} dtype={args.dtype} threads={args.threads or torch.get_num_threads()} "
+          f"prompt={args.prompt_len} new_tokens={args.new_tokens} reps={args.reps} engines={','.join(engines)} "
+          f"(each in a fresh process per rep); load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} "
+          "(1/5/15 min) at start")
+    print("| batch | " + " | ".join(f"{k} tok/s" for k in engines) + " | torch/vllm | torch/hf |")
+    print("|---:|" + "---:|" * (len(engines) + 2))
+    for n in args.batches:
+        runs = [{kind: run_isolated(args, path, kind, n) for kind in engines} for _ in range(args.reps)]
+        med = {k: statistics.median(r[k] for r in runs) for k in engines}
+        # ratios: the median over reps of the ratio within each rep (timed next to each other)
+        ratio = {o: statistics.median(r["torch"] / r[o] for r in runs) if {"torch", o} <= set(engines) else None
+                 for o in ("vllm", "hf")}
+        print(f"| {n} | " + " | ".join(f"{med[k]:.1f}" for k in engines) + " | "
+              + " | ".join("-" if ratio[o] is None else f"{ratio[o]:.2f}" for o in ("vllm", "hf")) + " |",
+              flush=True)
+        for i, r in enumerate(runs):
+            print(f"  rep {i}: " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()), flush=True)
+    load1 = os.getloadavg()
+    print(f"load average {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} at the end")
 
 
 async def quick_async(args, path: str) -> None:
@@ -304,6 +329,8 @@ def main() -> None:
                                                    "build a tiny Llama)")
     ap.add_argument("--compare", action="store_true", help="TorchEngine vs VLLMEngine vs HF generate, tokens/s")
     ap.add_argument("--engines", nargs="+", choices=["torch", "vllm", "hf"], default=["torch", "vllm", "hf"])
+    ap.add_argument("--measure", choices=["torch", "vllm", "hf"], default=None,
+                    help="one engine's tokens/s at each --batches size in this process (what --compare runs)")
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="--compare batch sizes (default 1 8 64)")
     ap.add_argument("--quick", action="store_true", help="CI: tiny model, checks that outputs agree")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -335,7 +362,12 @@ def main() -> None:
             return
         path = resolve_model(args.model) if args.model else build_tiny_model(os.path.join(tmp, "tiny"), args.hidden,
                                                                               args.layers)
-        asyncio.run(compare_async(args, path) if args.compare else main_async(args, path))
+        if args.measure:
+            asyncio.run(measure_one(args, path))
+        elif args.compare:
+            compare(args, path)
+        else:
+            asyncio.run(main_async(args, path))
 
 
 if __name__ == "__main__":

@@ -121,22 +121,23 @@ def resolve_max_model_len(requested: int, path: str) -> int:
 
 def make_engine(kind: str, path: str, device: torch.device, *, max_model_len: int, max_staleness: int = 1,
                 sglang_url: str = "", max_batch_size: int = 1024, batch_invariant: bool = False,
-                dtype: torch.dtype | None = TRAINER_DTYPE, kv_cache_mb: int = 0):
+                dtype: torch.dtype | None = TRAINER_DTYPE, kv_cache_mb: int = 0, inline_steps: bool = False):
     """A rollout engine for ``--engine torch|vllm|sglang`` (create it inside the event loop that drives it).
 
     ``max_model_len`` (prompt + response) sizes the engines' KV cache; it must not exceed the model's positions.
     ``dtype`` (:func:`resolve_engine_dtype`) is the dtype the engine computes in; ``None``: the engine's own choice
     (vLLM's ``"auto"``). ``kv_cache_mb`` (``--kv-cache-mb``) sizes vLLM's KV cache (:func:`kv_cache_bytes`).
     ``max_batch_size`` and ``batch_invariant`` (every sequence in its own forward: a sequence's tokens do not depend
-    on which other requests share a step) apply to the TorchEngine. An SGLang server keeps the dtype and cache it
-    was started with.
+    on which other requests share a step) apply to the TorchEngine, and ``inline_steps`` (its steps on the event
+    loop's thread: a sync loop on a CPU that trains on the thread driving the loop keeps one OpenMP team). An SGLang
+    server keeps the dtype and cache it was started with.
     """
     if kind == "torch":
         from rlblocks.rollout.engines import TorchEngine
 
         return TorchEngine.from_pretrained(path, device=device, max_batch_size=max_batch_size,
                                            max_model_len=max_model_len, batch_invariant=batch_invariant,
-                                           dtype=dtype or TRAINER_DTYPE)
+                                           dtype=dtype or TRAINER_DTYPE, inline_steps=inline_steps)
     if kind == "vllm":
         from rlblocks.rollout.engines import VLLMEngine
 

@@ -94,7 +94,8 @@ def on_model(model: Any, run: Callable[[Any], Awaitable[T]]) -> T:
     async def main() -> T:
         # REAL MODEL: a trainer-side TorchEngine is the simple way to evaluate a model the rollout engines hold too;
         # a large model would evaluate on a rollout rank's engine instead (it has the weights already).
-        engine = TorchEngine(model, max_batch_size=1024, prefix_cache_size=0)
+        # inline steps: this thread runs the trainer's torch ops too (one OpenMP team on a CPU)
+        engine = TorchEngine(model, max_batch_size=1024, prefix_cache_size=0, inline_steps=True)
         try:
             return await run(engine)
         finally:

@@ -44,3 +44,24 @@ def test_bench_delta_runs_on_a_model_and_one_real_optimizer_step(tiny_hf_dir):
     step = [ln for ln in out.stdout.splitlines() if ln.startswith("model one AdamW step")]
     assert step and "0.0000%" not in step[0], out.stdout[-3000:]  # the step changed some bf16 values
     assert any(ln.startswith("model step") for ln in out.stdout.splitlines()) and "quick: ok" in out.stdout
+
+
+@pytest.mark.slow
+def test_bench_engines_compare_measures_each_engine_in_its_own_process(tiny_hf_dir):
+    """``--compare`` runs ``--measure KIND`` in a fresh process per engine and rep and tabulates what they print:
+    one row per batch size, one line per rep, every rate positive."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TORCHDYNAMO_DISABLE="1")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "rollout" / "bench_engines.py"), "--compare",
+                          "--engines", "torch", "hf", "--model", tiny_hf_dir, "--batches", "2", "3", "--reps", "1",
+                          "--prompt-len", "5", "--new-tokens", "4"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert "each in a fresh process per rep" in lines[0]
+    rows = [ln.split("|") for ln in lines if ln.startswith("| 2 |") or ln.startswith("| 3 |")]
+    assert len(rows) == 2, out.stdout
+    for row in rows:
+        torch_tps, hf_tps, vs_vllm, vs_hf = (c.strip() for c in row[2:6])
+        assert float(torch_tps) > 0 and float(hf_tps) > 0 and vs_vllm == "-" and float(vs_hf) > 0
+    reps = [ln for ln in lines if ln.strip().startswith("rep ")]
+    assert len(reps) == 2 and all("torch " in r and "hf " in r for r in reps), out.stdout
