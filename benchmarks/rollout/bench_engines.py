@@ -85,7 +85,8 @@ def make_engine(args, path: str, kind: str | None = None):
     if kind == "torch":
         from rlblocks.rollout.engines import TorchEngine
 
-        return TorchEngine.from_pretrained(path, dtype=dtype, batch_invariant=args.batch_invariant)
+        return TorchEngine.from_pretrained(path, dtype=dtype, batch_invariant=args.batch_invariant,
+                                           inline_steps=args.inline_steps)
     if kind == "hf":
         from transformers import AutoModelForCausalLM
 
@@ -158,6 +159,8 @@ def run_isolated(args, path: str, kind: str, n: int) -> float:
         cmd += ["--threads", str(args.threads)]
     if args.batch_invariant:
         cmd.append("--batch-invariant")
+    if args.inline_steps:
+        cmd.append("--inline-steps")
     proc = subprocess.run(cmd, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         parts = line.split()
@@ -171,6 +174,7 @@ def compare(args, path: str) -> None:
     engines = list(args.engines)
     print(f"model={path} dtype={args.dtype} threads={args.threads or torch.get_num_threads()} "
           f"prompt={args.prompt_len} new_tokens={args.new_tokens} reps={args.reps} engines={','.join(engines)} "
+          f"inline_steps={args.inline_steps} "
           f"(each in a fresh process per rep); load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} "
           "(1/5/15 min) at start")
     print("| batch | " + " | ".join(f"{k} tok/s" for k in engines) + " | torch/vllm | torch/hf |")
@@ -342,6 +346,9 @@ def main() -> None:
     ap.add_argument("--warm-s", type=float, default=2.0, help="max seconds to wait for progress before interrupting")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--batch-invariant", action="store_true", help="TorchEngine(batch_invariant=True)")
+    ap.add_argument("--inline-steps", action="store_true",
+                    help="TorchEngine(inline_steps=True): steps on the event loop's thread (the cookbook's sync "
+                         "loops on a CPU)")
     ap.add_argument("--max-model-len", type=int, default=256)
     ap.add_argument("--kv-cache-mb", type=int, default=None, help="vLLM KV cache (default 64; 1024 for smollm2-135m)")
     args = ap.parse_args()
