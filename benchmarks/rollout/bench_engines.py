@@ -126,7 +126,7 @@ def hf_generate(model, reqs: list[GenerationRequest], new_tokens: int, greedy: b
 
 
 async def one_throughput(engine, kind: str, n: int, args) -> float:
-    """Output tokens/s of ``engine`` for ``n`` concurrent requests."""
+    """Output tokens/s of ``engine`` (``kind``: torch, vllm or hf) for ``n`` concurrent requests."""
     reqs = requests(n, f"cmp{kind}{n}-{time.perf_counter_ns()}", args.prompt_len, args.new_tokens)
     t0 = time.perf_counter()
     if kind == "hf":
@@ -222,14 +222,6 @@ async def quick_async(args, path: str) -> None:
         engine.close()
 
 
-async def throughput(engine, n: int, args) -> float:
-    reqs = requests(n, f"tp{n}", args.prompt_len, args.new_tokens)
-    t0 = time.perf_counter()
-    gens = await asyncio.gather(*[engine.generate(r) for r in reqs])
-    dt = time.perf_counter() - t0
-    return sum(g.num_output_tokens for g in gens) / dt
-
-
 async def _start_and_wait(engine, reqs, min_tokens: int, budget_s: float):
     tasks = [asyncio.ensure_future(engine.generate(r)) for r in reqs]
     t0 = time.perf_counter()
@@ -296,13 +288,13 @@ async def resume_cost(engine, pairs, args, path: str, update: bool) -> dict:
 async def main_async(args, path: str) -> None:
     engine = make_engine(args, path)
     try:
-        await throughput(engine, 8, args)  # warm-up
+        await one_throughput(engine, args.engine, 8, args)  # warm-up
         print(
             f"engine={args.engine} model={path} threads={torch.get_num_threads()} prompt={args.prompt_len} "
             f"new_tokens={args.new_tokens}"
         )
         for n in (1, 8, 64):
-            vals = [await throughput(engine, n, args) for _ in range(args.reps)]
+            vals = [await one_throughput(engine, args.engine, n, args) for _ in range(args.reps)]
             print(
                 f"throughput  concurrency={n:3d}  tokens/s median={statistics.median(vals):9.1f}  "
                 f"(runs: {', '.join(f'{v:.0f}' for v in vals)})"
