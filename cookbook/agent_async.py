@@ -147,9 +147,17 @@ class Rollout(RolloutAdmission):
         item = self.task.draw(self.rng)  # a Prompt: a toy problem never held out, or a --prompts row
         sp = SamplingParams(temperature=self.cfg.temperature, max_new_tokens=self.cfg.turn_tokens)
         counts = Counter()
-        eps = await task.episodes(self.engine, self.tok, [item] * self.cfg.group_size, tools=self.tools,
-                                  reward=self.reward, sampling=sp, stats=self.stats, session_prefix=uid,
-                                  group_ids=[gid] * self.cfg.group_size, max_turns=self.cfg.max_turns, counts=counts)
+        stats = EpisodeStats()  # this group's episodes, folded into the rank's once the group has ended
+        try:
+            eps = await task.episodes(self.engine, self.tok, [item] * self.cfg.group_size, tools=self.tools,
+                                      reward=self.reward, sampling=sp, stats=stats, session_prefix=uid,
+                                      group_ids=[gid] * self.cfg.group_size, max_turns=self.cfg.max_turns,
+                                      counts=counts)
+        except asyncio.CancelledError:  # cancelled at Stop: its finished episodes never reach the trainer
+            self.counters["episodes_cancelled_at_stop"] += stats.stats()["episodes"]
+            raise
+        finally:
+            self.stats.merge(stats)
         trajs = [e.trajectory for e in eps]
         versions = [t.oldest_version for t in trajs if t is not None and t.oldest_version is not None]
         self.counters["groups"] += 1

@@ -162,7 +162,10 @@ class Trainer:
             "wall_seconds": time.time() - self.t_start, "rl_seconds_this_run": time.time() - self.t_rl,
             "steps": self.step, "max_staleness": cfg.max_staleness, **led.figures(),
             "groups_failed_reward": rollout_counts["groups_failed_reward"],
+            # episodes_run_this_start = the samples shipped this start + episodes_cancelled_at_stop (the finished
+            # episodes of the groups cancelled at Stop); finish_reasons counts the same episodes
             "episodes_run_this_start": rollout["episodes"],
+            "episodes_cancelled_at_stop": rollout_counts["episodes_cancelled_at_stop"],
             "turns_mean": rollout["turns"] / max(rollout["episodes"], 1), "tool_calls": rollout["tool_calls"],
             "env_errors": rollout["env_errors"] + rollout["env_timeouts"],
             "prefix_mismatches": rollout["prefix_mismatches"],

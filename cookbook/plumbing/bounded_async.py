@@ -217,9 +217,12 @@ class RolloutAdmission:
                 if t.exception() is not None:
                     raise t.exception()  # a failed group is a bug: stop loudly rather than lose it
         for t in tasks:
-            t.cancel()
+            t.cancel()  # a no-op for a group that finished (and shipped) since the last wait
         await asyncio.gather(*tasks, return_exceptions=True)
-        self.counters["groups_cancelled_at_stop"] = len(tasks)
+        for t in tasks:
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()
+        self.counters["groups_cancelled_at_stop"] = sum(t.cancelled() for t in tasks)
         # CPU seconds of this process (all its threads): on a shared machine, a load-independent measure of the work
         self.counters["cpu_seconds"] = time.process_time()
         self.outbox.close(self.end())

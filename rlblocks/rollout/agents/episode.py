@@ -279,6 +279,17 @@ class EpisodeStats:
         if episode.error is not None:
             self._errors.append((episode.session_id, episode.finish_reason, episode.error))
 
+    def merge(self, other: EpisodeStats) -> None:
+        """Add ``other``'s counts, reward sum and finish reasons to these (its errors are appended in order, the
+        16 most recent kept); ``other`` is unchanged. Lets a caller count a unit of work (say one group) on its own
+        and fold it into a running total once it knows how the unit ended."""
+        if not isinstance(other, EpisodeStats):
+            raise ArgumentError(f"other: expected an EpisodeStats, got {type(other).__name__}")
+        self._c.update(other._c)
+        self._reward += other._reward
+        self._reasons.update(other._reasons)
+        self._errors.extend(other._errors)
+
     def stats(self) -> dict[str, Any]:
         keys = ("episodes", "turns", "tool_calls", "env_errors", "env_timeouts", "engine_errors", "prefix_mismatches",
                 "branches", "model_tokens", "env_tokens")

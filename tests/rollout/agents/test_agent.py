@@ -73,6 +73,24 @@ def test_tool_episode_is_token_faithful(tool_model, chat_tok):
     assert s["model_tokens"] == t.num_model_tokens and s["finish_reasons"] == {"done": 1}
 
 
+def test_merged_stats_equal_one_stats_that_recorded_every_episode():
+    from rlblocks.rollout.agents import Episode
+
+    eps = [Episode(f"s{i}", None, reward=0.5 * i, finish_reason=r, error=None if r == "done" else f"e{i}",
+                   num_turns=i % 3, num_tool_calls=i % 2)
+           for i, r in enumerate(["done", "env_error", "done", "engine_error", "max_turns"] * 6)]
+    whole, parts = EpisodeStats(), [EpisodeStats() for _ in range(3)]
+    for i, e in enumerate(eps):
+        whole.record(e)
+        parts[i * 3 // len(eps)].record(e)  # three contiguous runs, so the errors keep their order
+    merged = EpisodeStats()
+    for p in parts:
+        merged.merge(p)
+    assert merged.stats() == whole.stats()
+    assert merged.stats()["episodes"] == 30 and len(merged.stats()["last_errors"]) == 16  # of 18
+    assert parts[0].stats()["episodes"] == 10  # the merged-in stats are unchanged
+
+
 def test_weight_update_in_the_middle_of_turn_two_keeps_every_tokens_version(tool_model, tool_model_state,
                                                                              chat_tok):
     async def reference():

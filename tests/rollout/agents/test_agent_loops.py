@@ -60,7 +60,10 @@ def test_agent_async_short_run(random_ckpt, tmp_path):
     assert summary["steps"] == STEPS and summary["samples_trained"] == STEPS * B * K
     assert summary["samples_generated"] >= summary["samples_trained"]
     assert 1.0 <= summary["turns_mean"] <= 3.0 and summary["env_errors"] == 0
-    assert sum(summary["finish_reasons"].values()) == summary["samples_generated"]
+    # every episode run is accounted for: shipped to the trainer, or finished in a group cancelled at Stop
+    assert sum(summary["finish_reasons"].values()) == summary["episodes_run_this_start"]
+    assert summary["episodes_run_this_start"] == summary["samples_generated"] + summary["episodes_cancelled_at_stop"]
+    assert summary["episodes_cancelled_at_stop"] <= summary["rollout"]["groups_cancelled_at_stop"] * K
     assert (tmp_path / "t" / "policy" / "config.json").exists()
 
 

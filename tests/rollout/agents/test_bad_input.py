@@ -122,6 +122,7 @@ BAD = [
                                                           stop_texts="ab", tokenizer=tok))),
     ("request_id", lambda tok: asyncio.run(generate_turn(_NoEngine(), [1], SamplingParams(), request_id=5))),
     ("episode", lambda tok: EpisodeStats().record(5)),
+    ("other", lambda tok: EpisodeStats().merge({"episodes": 1})),
 ]
 
 
