@@ -193,6 +193,7 @@ class SamplerHost:
         from transformers import AutoModelForCausalLM
 
         from rlblocks.rollout.engines.torch_attention import use_gqa_sdpa
+        from rlblocks.rollout.engines.torch_head import use_sliced_head
 
         model = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype).to(self.device).eval()
         model.requires_grad_(False)
@@ -201,6 +202,7 @@ class SamplerHost:
         if head is not None and emb is not None and head.weight is emb.weight:
             head.weight = nn.Parameter(emb.weight.detach().clone(), requires_grad=False)
             model.config.tie_word_embeddings = False
+        use_sliced_head(model)  # on a CPU: the LM head in vocabulary slices (the same logits)
         return model
 
     async def close(self) -> None:

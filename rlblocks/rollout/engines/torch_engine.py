@@ -141,15 +141,18 @@ class TorchEngine(_Compute, EngineBase):
         """Load ``AutoModelForCausalLM`` from a checkpoint directory (``dtype``, ``device``: default CUDA if
         available, else CPU) and wrap it; ``options`` go to :class:`TorchEngine`. A model on HF's ``sdpa``
         attention is switched to its grouped-query form (``torch_attention.py``: the KV heads are not repeated per
-        step), which the engine owns here."""
+        step), which the engine owns here; on a CPU its LM head is computed in vocabulary slices (``torch_head.py``:
+        the same logits, faster at a real vocabulary)."""
         from transformers import AutoModelForCausalLM
 
         from .torch_attention import use_gqa_sdpa
+        from .torch_head import use_sliced_head
 
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
         use_gqa_sdpa(model)
+        use_sliced_head(model)
         return cls(model, **options)
 
     # ------------------------------------------------------------------ protocol
