@@ -7,8 +7,10 @@ one computed in the same process, and exits non-zero with the failing check prin
 Precision: the models are float64 except the LM head, which stays float32 because the fused log-prob op computes in
 fp32 only. So: ring attention and the decoder (hidden states, the gradient of every decoder parameter) are compared
 in pure float64 at 1e-9; through the head, each token's log-prob is computed on one rank from the same fp32 inputs
-as unsharded, so log-probs, entropy and the decoder gradients are compared at 1e-9 too; the LM head's own gradient
-sums the tokens in another order in fp32 and is compared at fp32 rounding (1e-6 relative).
+as unsharded, but in a product over that rank's tokens only, and a CPU BLAS may pick another kernel (another
+summation order) for another number of rows: everything downstream of the head (log-probs, entropy, losses and
+every parameter's gradient) is compared at fp32 rounding (1e-6 relative to the largest value, ``_fp32_tol``); the
+float64 decoder alone (``_hidden_case``) stays at 1e-9.
 """
 
 from __future__ import annotations
@@ -101,9 +103,10 @@ def _rows(seed, spec):
             for p, r in spec]
 
 
-def _tol(name, want):
-    """1e-9, or fp32 rounding for the float32 LM head's gradient (a sum over tokens in another order)."""
-    return 1e-6 * max(1.0, want.abs().max().item()) if name.startswith("lm_head") else TOL
+def _fp32_tol(want):
+    """fp32 rounding of ``want``'s finite values (1e-6 relative to the largest, at least 1e-6)."""
+    fin = want[torch.isfinite(want)] if want.is_floating_point() else want
+    return 1e-6 * max(1.0, fin.abs().max().item() if fin.numel() else 0.0)
 
 
 def _hidden_case(group, kind, rows, tag):
@@ -172,18 +175,18 @@ def _model_case(group, kind, rows, tag, *, sampling=False, entropy=True):
             if not torch.equal(x, y):
                 raise AssertionError(f"[{tag} rank{rank}] {name} flags differ")
         else:
-            _check(f"[{tag} rank{rank}] {name}", x, y)
+            _check(f"[{tag} rank{rank}] {name}", x, y, _fp32_tol(y))  # through the fp32 head
     if sampling and not want[-1].any():
         raise AssertionError(f"[{tag}] the sampling case has no token outside the kept set")
     ref_g, cp_g = _grads(ref_model), _grads(cp_model)
     for n, gr in cp_g.items():
         dist.all_reduce(gr, group=group)  # each rank holds its tokens' share: the sum is the gradient
-        _check(f"[{tag} rank{rank}] grad {n}", gr, ref_g[n], _tol(n, ref_g[n]))
+        _check(f"[{tag} rank{rank}] grad {n}", gr, ref_g[n], _fp32_tol(ref_g[n]))
     # the model's own implementation still serves calls without cp_group (delegation), mask included
     with torch.no_grad():
         plain = causal_lm_logprobs(cp_model, ids, plens, mask, **kw)
     _check(f"[{tag} rank{rank}] logp without cp_group after enabling", plain[0] if sampling or entropy else plain,
-           want[0])
+           want[0], _fp32_tol(want[0]))
     if not cp_model.config._attn_implementation.startswith("rlblocks_cp_"):
         raise AssertionError(f"[{tag}] attention implementation is {cp_model.config._attn_implementation}")
 
@@ -216,11 +219,11 @@ def _loss_side_case(group, tag):
         mine.backward()
         total = mine.detach().clone()
         dist.all_reduce(total, group=group)
-        _check(f"[{tag} rank{rank} {mode}] sum of shard losses", total, want.detach())
+        _check(f"[{tag} rank{rank} {mode}] sum of shard losses", total, want.detach(), _fp32_tol(want.detach()))
         for (n, p), (_, pr) in zip(cp_model.named_parameters(), ref_model.named_parameters()):
             gr = p.grad.clone()
             dist.all_reduce(gr, group=group)
-            _check(f"[{tag} rank{rank} {mode}] grad {n}", gr, pr.grad, _tol(n, pr.grad))
+            _check(f"[{tag} rank{rank} {mode}] grad {n}", gr, pr.grad, _fp32_tol(pr.grad))
     del world
 
 
