@@ -192,17 +192,15 @@ class SamplerHost:
     def _load_model(self) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        from rlblocks.rollout.engines.torch_attention import use_gqa_sdpa
-        from rlblocks.rollout.engines.torch_head import use_sliced_head
+        from rlblocks.rollout.engines.torch_engine import tune_owned_model
 
         model = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype).to(self.device).eval()
         model.requires_grad_(False)
-        use_gqa_sdpa(model)  # the engine owns this copy: grouped-query SDPA, no per-step KV repeat
+        tune_owned_model(model)  # the engine owns this copy: grouped-query SDPA, on a CPU the sliced LM head
         head, emb = model.get_output_embeddings(), model.get_input_embeddings()
         if head is not None and emb is not None and head.weight is emb.weight:
             head.weight = nn.Parameter(emb.weight.detach().clone(), requires_grad=False)
             model.config.tie_word_embeddings = False
-        use_sliced_head(model)  # on a CPU: the LM head in vocabulary slices (the same logits)
         return model
 
     async def close(self) -> None:

@@ -64,6 +64,17 @@ class EngineStats:
     prefix_cache_reused_tokens: int = 0
 
 
+def tune_owned_model(model: torch.nn.Module) -> None:
+    """What an engine changes on a model it owns (loaded for it, not shared with a trainer): grouped-query SDPA
+    (``torch_attention.py``) and, on a CPU, the LM head in vocabulary slices (``torch_head.py``). The same logits;
+    parameters and state dict untouched."""
+    from .torch_attention import use_gqa_sdpa
+    from .torch_head import use_sliced_head
+
+    use_gqa_sdpa(model)
+    use_sliced_head(model)
+
+
 class TorchEngine(_Compute, EngineBase):
     """In-process rollout engine over a Hugging Face causal LM (see the module docstring for the semantics).
 
@@ -145,14 +156,10 @@ class TorchEngine(_Compute, EngineBase):
         the same logits, faster at a real vocabulary)."""
         from transformers import AutoModelForCausalLM
 
-        from .torch_attention import use_gqa_sdpa
-        from .torch_head import use_sliced_head
-
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-        use_gqa_sdpa(model)
-        use_sliced_head(model)
+        tune_owned_model(model)
         return cls(model, **options)
 
     # ------------------------------------------------------------------ protocol
