@@ -116,6 +116,32 @@ def timed(c: str, base: dict, new: dict, dst: dict, parsed, old, old_parsed) -> 
     return dt
 
 
+def piece_crc_rates(reps: int) -> str:
+    """GB/s of the compiled loops' CRC of one 256 KiB piece from cache: ISA-L's function, and the 256-bit fold
+    where the CPU has it (both checked against zlib first), best of 3 runs of ``reps`` calls each."""
+    import zlib
+
+    import numpy as np
+
+    from rlblocks.sync import _native
+    from rlblocks.sync._bits import SUB_BYTES, _find_crc_fn
+
+    fn = _find_crc_fn()
+    buf = np.random.default_rng(0).integers(0, 256, SUB_BYTES, dtype=np.uint8)
+    ways = {"isal": _native.crc_narrow} | ({"256-bit fold": _native.crc_wide} if _native.HAS_CLMUL256 else {})
+    out = []
+    for name, f in ways.items():
+        assert f(fn, 0, buf.ctypes.data, buf.size) == zlib.crc32(buf.tobytes()), name
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                f(fn, 0, buf.ctypes.data, buf.size)
+            best = min(best, time.perf_counter() - t0)
+        out.append(f"{name} {buf.size * reps / best / 1e9:.1f} GB/s")
+    return "CRC-32 of a 256 KiB piece from cache, one thread: " + ", ".join(out)
+
+
 def model_dir_of(name: str) -> Path:
     path = Path(name)
     if path.is_dir():
@@ -203,15 +229,23 @@ def main() -> None:
     from rlblocks.sync import DeltaEncoder, DeltaPacket
     from rlblocks.sync._bits import CRC_BACKEND, native_available
 
+    crc_name = CRC_BACKEND
+    if native_available():
+        from rlblocks.sync._native import WIDE_CRC
+
+        crc_name += " (compiled loops: 256-bit VPCLMULQDQ fold)" if WIDE_CRC else " (compiled loops: isal)"
+
     path = baseline_from_git(a.baseline_rev) if a.baseline_rev else a.baseline
     old = load_baseline(path) if path else None
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} (1/5/15 min) at "
           f"start; native word loop: {'yes (numba)' if native_available() else 'no (torch path)'}")
+    if native_available():
+        print(piece_crc_rates(2 if a.quick else 400))
     warnings.simplefilter("ignore", RuntimeWarning)  # "delta not smaller than full" at high density: expected here
     n_t = 8
     per = a.melems * 1_000_000 // n_t
     print(f"synthetic model {a.melems}M elements in {n_t} tensors; torch threads {a.threads}, sync threads "
-          f"{a.sync_threads}, CRC {CRC_BACKEND}; best of {a.reps} interleaved reps, GB/s of model bytes (median in "
+          f"{a.sync_threads}, CRC {crc_name}; best of {a.reps} interleaved reps, GB/s of model bytes (median in "
           "brackets)")
     cols = ["memcpy", "encode", "enc torch", "apply", "apply*"] + (["old enc", "old apply"] if old else [])
     print(f"{'model':<14}{'density':>8}" + "".join(f"{c:>14}" for c in cols)

@@ -7,10 +7,12 @@ results: :mod:`rlblocks.sync._bits`.
 
 from __future__ import annotations
 
+import llvmlite.binding as llvm_binding
 import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.cpython.unsafe.numbers import trailing_zeros
 from numba.extending import intrinsic
 
@@ -30,6 +32,140 @@ def crc_call(typingctx, fn, crc, ptr, length):  # pragma: no cover - compiled
         return builder.zext(r, ir.IntType(64))
 
     return sig, codegen
+
+# --- CRC-32 folded 256 bits at a time -------------------------------------------------------------------------------
+#
+# ISA-L folds with 128-bit carry-less multiplies unless the CPU has AVX-512; a CPU with VPCLMULQDQ on 256-bit
+# registers (AVX2) does two such folds per instruction. Four 256-bit accumulators hold 128 consecutive bytes; each
+# 128-bit lane V (a reflected polynomial: bit j is the coefficient of x^(127-j)) is carried 1024 bits forward as
+# lo64(V) * (x^(1087) mod P) + hi64(V) * (x^(1023) mod P), congruent to V * x^1024 mod P, and xor-ed into the lane
+# 128 bytes later. The message is then congruent (mod P) to the 128 folded bytes followed by the unfolded tail, so
+# its CRC is ISA-L's CRC of those bytes. zlib's initial value enters as ~crc xor-ed into the first 4 bytes.
+
+_CRC_POLY = 0x104C11DB7  # x^32 + ... + 1, zlib's CRC-32 polynomial (normal, not reflected)
+
+
+def _x_pow_mod(n: int) -> int:
+    """x^n mod P as an integer whose bit i is the coefficient of x^i."""
+    r = 1
+    for _ in range(n):
+        r <<= 1
+        if r >> 32:
+            r ^= _CRC_POLY
+    return r
+
+
+def _reflect64(poly: int) -> int:
+    """A polynomial of degree < 64 as a reflected 64-bit constant (bit 63 - i holds the coefficient of x^i)."""
+    return sum(1 << (63 - i) for i in range(64) if poly >> i & 1)
+
+
+_FOLD_BITS = 1024  # 4 registers x 256 bits
+_FOLD_LO = _reflect64(_x_pow_mod(_FOLD_BITS + 63))  # multiplies a lane's low qword (its x^127..x^64 part)
+_FOLD_HI = _reflect64(_x_pow_mod(_FOLD_BITS - 1))  # multiplies its high qword (x^63..x^0); the product of two
+# reflected 64-bit values is the reflected 128-bit product times x^-1, hence the exponents' - 1
+
+
+def _host_clmul256() -> tuple[bool, bool]:
+    """``(has, wanted)``: numba compiles for this CPU and it has 256-bit VPCLMULQDQ with AVX2; and it lacks
+    AVX-512F (with AVX-512, ISA-L already folds 512 bits at a time, faster than :func:`crc_wide`)."""
+    if numba.config.CPU_NAME not in (None, "host") or numba.config.CPU_FEATURES not in (None, ""):
+        return False, False  # a portable target: the instruction may not exist where the code runs
+    try:
+        feats = llvm_binding.get_host_cpu_features()
+    except RuntimeError:
+        return False, False
+    has = bool(feats.get("vpclmulqdq") and feats.get("avx2"))
+    return has, has and not feats.get("avx512f")
+
+
+HAS_CLMUL256, WIDE_CRC = _host_clmul256()
+"""Whether :func:`crc_wide` can run here, and whether the compiled loops checksum with it (else with ISA-L's
+function on every piece)."""
+
+
+@intrinsic
+def crc_fold256(typingctx, fn, crc, ptr, length):  # pragma: no cover - compiled
+    """zlib's CRC-32 of ``length >= 256`` bytes at ``ptr`` continuing from ``crc``: the bytes folded 256 bits per
+    instruction into 128, then ``fn`` (ISA-L's ``crc32_gzip_refl``) over those and the tail (< 128 bytes)."""
+    sig = types.int64(types.int64, types.int64, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        fn, crc, ptr, n = args
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        v4 = ir.VectorType(i64, 4)
+        k = ir.Constant(v4, [ir.Constant(i64, c) for c in (_FOLD_LO, _FOLD_HI, _FOLD_LO, _FOLD_HI)])
+        clmul = builder.module.declare_intrinsic("llvm.x86.pclmulqdq.256", fnty=ir.FunctionType(v4, [v4, v4, i8]))
+
+        def load(off):
+            return builder.load(builder.inttoptr(builder.add(ptr, off), v4.as_pointer()), align=1)
+
+        inv = builder.and_(builder.not_(crc), ir.Constant(i64, 0xFFFFFFFF))
+        first = [load(ir.Constant(i64, 32 * j)) for j in range(4)]
+        first[0] = builder.xor(first[0], builder.insert_element(ir.Constant(v4, [ir.Constant(i64, 0)] * 4), inv,
+                                                                ir.Constant(i32, 0)))
+        step = ir.Constant(i64, 128)
+        entry = builder.block
+        loop = builder.append_basic_block("crc.fold")
+        done = builder.append_basic_block("crc.folded")
+        builder.cbranch(builder.icmp_signed("<=", ir.Constant(i64, 256), n), loop, done)
+
+        builder.position_at_end(loop)
+        off = builder.phi(i64)
+        acc = [builder.phi(v4) for _ in range(4)]
+        nxt = []
+        for j in range(4):
+            lo = builder.call(clmul, [acc[j], k, ir.Constant(i8, 0x00)])
+            hi = builder.call(clmul, [acc[j], k, ir.Constant(i8, 0x11)])
+            nxt.append(builder.xor(builder.xor(lo, hi), load(builder.add(off, ir.Constant(i64, 32 * j)))))
+        off2 = builder.add(off, step)
+        last = builder.block
+        builder.cbranch(builder.icmp_signed("<=", builder.add(off2, step), n), loop, done)
+        off.add_incoming(step, entry)
+        off.add_incoming(off2, last)
+        for j in range(4):
+            acc[j].add_incoming(first[j], entry)
+            acc[j].add_incoming(nxt[j], last)
+
+        builder.position_at_end(done)
+        used = builder.phi(i64)
+        used.add_incoming(step, entry)
+        used.add_incoming(off2, last)
+        folded = []
+        for j in range(4):
+            a = builder.phi(v4)
+            a.add_incoming(first[j], entry)
+            a.add_incoming(nxt[j], last)
+            folded.append(a)
+        buf = cgutils.alloca_once(builder, ir.ArrayType(v4, 4))
+        for j in range(4):
+            builder.store(folded[j], builder.gep(buf, [ir.Constant(i32, 0), ir.Constant(i32, j)]), align=1)
+        u8p = i8.as_pointer()
+        f = builder.inttoptr(fn, ir.FunctionType(i32, [i32, u8p, i64]).as_pointer())
+        c = builder.call(f, [ir.Constant(i32, 0xFFFFFFFF), builder.bitcast(buf, u8p), step])  # ~0xFFFFFFFF = 0
+        c = builder.call(f, [c, builder.inttoptr(builder.add(ptr, used), u8p), builder.sub(n, used)])
+        return builder.zext(c, i64)
+
+    return sig, codegen
+
+
+@numba.njit(nogil=True, cache=True)
+def crc_wide(fn, crc, ptr, length):  # pragma: no cover - compiled
+    """``fn(crc, ptr, length)`` (zlib's CRC-32, chained) with the bulk folded by :func:`crc_fold256`; only where
+    the CPU has 256-bit VPCLMULQDQ (:data:`WIDE_CRC`). Short pieces go to ``fn`` whole."""
+    if length < 256:
+        return crc_call(fn, crc, ptr, length)
+    return crc_fold256(fn, crc, ptr, length)
+
+
+@numba.njit(nogil=True, cache=True)
+def crc_narrow(fn, crc, ptr, length):  # pragma: no cover - compiled
+    """``fn(crc, ptr, length)``: ISA-L's CRC-32 of every piece."""
+    return crc_call(fn, crc, ptr, length)
+
+
+crc_piece = crc_wide if WIDE_CRC else crc_narrow  # what the loops below call (fixed per CPU, as numba's cache is)
+
 
 @intrinsic
 def as_ptr(typingctx, addr):  # pragma: no cover - compiled
@@ -100,7 +236,7 @@ def delta_chunk(ow, nw, ol, nl, gaps, vals, wide, update, crc_fn, sub):  # pragm
                 ow[i] = v
         end = min(nwords, lo + 64)
         if crc_fn != 0 and (end - done >= sub or end == nwords):
-            crc = crc_call(crc_fn, crc, addr + 8 * done, 8 * (end - done))
+            crc = crc_piece(crc_fn, crc, addr + 8 * done, 8 * (end - done))
             done = end
     for p in range(nwords * lanes, ol.shape[0]):  # the elements after the last whole word
         if ol[p] != nl[p]:
@@ -116,7 +252,7 @@ def delta_chunk(ow, nw, ol, nl, gaps, vals, wide, update, crc_fn, sub):  # pragm
                 ol[p] = nl[p]
     tail = ol.shape[0] - nwords * lanes
     if crc_fn != 0 and tail:
-        crc = crc_call(crc_fn, crc, addr + 8 * nwords, tail * ol.itemsize)
+        crc = crc_piece(crc_fn, crc, addr + 8 * nwords, tail * ol.itemsize)
     return k, w, prev, crc
 
 @numba.njit(nogil=True, cache=True)
@@ -162,7 +298,7 @@ def apply(t, gaps, wide, vals, saved, keep, crc_fn, sub):  # pragma: no cover - 
     for s in range(0, n, sub):
         e = min(n, s + sub)
         if crc_fn != 0:
-            before = crc_call(crc_fn, before, addr + es * s, es * (e - s))
+            before = crc_piece(crc_fn, before, addr + es * s, es * (e - s))
         while q < k and nxt < e:
             pos = nxt
             if keep:
@@ -176,7 +312,7 @@ def apply(t, gaps, wide, vals, saved, keep, crc_fn, sub):  # pragma: no cover - 
                     w += 1
                 nxt = pos + g
         if crc_fn != 0:
-            after = crc_call(crc_fn, after, addr + es * s, es * (e - s))
+            after = crc_piece(crc_fn, after, addr + es * s, es * (e - s))
     return before, after
 
 @numba.njit(nogil=True, cache=True)

@@ -658,7 +658,7 @@ class _Gap16:
 
 
 def _aligned(a, size: int):
-    return a if a.ctypes.data % size == 0 else a.copy()
+    return a if a.__array_interface__["data"][0] % size == 0 else a.copy()
 
 
 def _gap16_plan(rec: DeltaTensor, n: int, esize: int) -> _Gap16:
@@ -754,7 +754,18 @@ class DeltaDecoder:
             except BaseException as e:
                 return None, e
 
-        checked = parallel_map(validate, len(recs), threads=threads)
+        # Records whose check is a few Python lines (gap16 for the compiled loops, which check its positions and
+        # its base CRC) are checked here: on the pool they would only contend for the interpreter; those with a
+        # pass over a tensor (a CRC, a bitmap, indices) go to the pool.
+        native = native_available()
+        heavy = [i for i, r in enumerate(recs) if not self._light_check(r, packet.is_full, verify, native)]
+        checked: list[tuple[object, BaseException | None]] = [(None, None)] * len(recs)
+        for i, res in zip(heavy, parallel_map(lambda j: validate(heavy[j]), len(heavy), threads=threads)):
+            checked[i] = res
+        is_heavy = set(heavy)
+        for i in range(len(recs)):
+            if i not in is_heavy:
+                checked[i] = validate(i)
         plans = [p for p, _ in checked]
         errors: list[BaseException | None] = [e for _, e in checked]
         batches = self._gap16_batches(recs, plans, threads)
@@ -854,6 +865,14 @@ class DeltaDecoder:
             got = crc32_tensor(t, threads=threads)
             if got != rec.crc:
                 raise _wrong_result(rec.name, got, rec.crc)
+
+    def _light_check(self, rec: DeltaTensor, full: bool, verify: bool, native: bool) -> bool:
+        """Whether :meth:`_validate` of ``rec`` makes no pass over a tensor: a gap16 record for the compiled loops
+        (its base CRC is taken as it is written), or a record whose base CRC is not recomputed (``verify`` off,
+        or a full packet) and whose positions need no decoding."""
+        if rec.encoding == "gap16" and native and self.tensors[rec.name].device.type == "cpu":
+            return True
+        return rec.encoding == "none" and (full or not verify)
 
     def _validate(self, rec: DeltaTensor, full: bool, verify: bool, threads: int | None):
         """Checks one record against our tensor without writing; returns what :meth:`_write` needs: None, the

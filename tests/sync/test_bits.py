@@ -223,3 +223,46 @@ def test_gap16_apply_writes_saves_and_checksums(monkeypatch, dtype):
     for (before, _, _), (target, gaps, wide, _), old in zip(refs, records, saved):  # undo: write the old back
         assert _bits.gap16_apply(target, gaps, wide, old, with_crc=True)[1] == _zlib(before)
         assert torch.equal(torch.from_numpy(target), before.view(INT[es]))
+
+
+def _piece_crc_cases():
+    """(bytes, offset, length, initial value): every length 0-700 (the fold's 256-byte threshold, its 128-byte
+    steps and every tail), a long piece, unaligned starts, chained initial values."""
+    import numpy as np
+
+    rng = np.random.default_rng(11)
+    buf = rng.integers(0, 256, (1 << 20) + 64, dtype=np.uint8)
+    for n in [*range(0, 701), 4095, 65_536, (1 << 20) + 13]:
+        yield buf, int(rng.integers(0, 32)), n, int(rng.integers(0, 1 << 32))
+
+
+def _check_piece_crc(fn_jit) -> None:
+    fn = _bits._find_crc_fn()
+    for buf, off, n, init in _piece_crc_cases():
+        got = fn_jit(fn, init, buf.ctypes.data + off, n)
+        assert got == zlib.crc32(buf[off : off + n].tobytes(), init), (off, n, init)
+
+
+@pytest.mark.skipif(not NATIVE, reason="numba / isal not installed (the compiled loops are optional)")
+def test_compiled_loops_piece_crc_equals_zlib():
+    """What the compiled loops checksum each piece with (ISA-L, or the 256-bit fold where chosen)."""
+    from rlblocks.sync import _native
+
+    _check_piece_crc(_native.crc_piece)
+    _check_piece_crc(_native.crc_narrow)
+
+
+def _has_clmul256() -> bool:
+    if not NATIVE:
+        return False
+    from rlblocks.sync import _native
+
+    return _native.HAS_CLMUL256
+
+
+@pytest.mark.skipif(not _has_clmul256(), reason="needs the compiled loops and a CPU with 256-bit VPCLMULQDQ")
+def test_crc_folded_256_bits_at_a_time_equals_zlib():
+    """The 256-bit carry-less-multiply fold (four registers, 128 bytes per step, the rest by ISA-L) against zlib."""
+    from rlblocks.sync import _native
+
+    _check_piece_crc(_native.crc_wide)
