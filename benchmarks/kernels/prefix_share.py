@@ -34,8 +34,12 @@ whole step's speed-up stays below the token saving by the head's share of the sh
 The machine's load average (``os.getloadavg``) is printed before and after each case: on a shared machine the
 absolute times are noise, the ratios of ways run interleaved in one process much less so.
 
+``--micro-batch ROWS``: ``padded`` runs its fwd+bwd that many rows at a time, each slice cut to its own longest
+row, the gradients accumulated, as a trainer does when the batch does not fit (all 30 layers of SmolLM2 at
+``group16`` need ~27 GB in one batch of rows).
+
 ``--quick``: the tiny preset at 1/20 of every length, one sample; checks that shared and packed give the padded
-log-probs and parameter gradients (fp32 rounding) and prints ``quick: ok``.
+log-probs and parameter gradients (fp32 rounding; padded in slices of 3 rows) and prints ``quick: ok``.
 """
 
 from __future__ import annotations
@@ -125,10 +129,14 @@ def _pad(rows, device):
     return ids.to(device), torch.tensor([len(p) for p, _ in rows], device=device), mask.to(device)
 
 
-def _ways(model, ids, plens, mask, labels, coef, budget, dtype):
-    """``run(way)``: the ``[B, T]`` log-probs one way; ``fwd_bwd(way)``: their forward and backward."""
+def _ways(model, ids, plens, mask, labels, coef, budget, dtype, micro=None):
+    """``run(way)``: the ``[B, T]`` log-probs one way; ``fwd_bwd(way)``: their forward and backward. ``micro``:
+    ``padded``'s fwd+bwd takes that many rows at a time, each slice cut to its own longest row, the gradients
+    accumulated (what a trainer does when the whole batch does not fit)."""
     from rlblocks.kernels import causal_lm_logprobs, linear_token_logprobs
     from rlblocks.kernels.prefix_share import prefix_shared_hidden_states
+
+    ends = plens + mask.sum(1)  # one past each row's last token
 
     def run(way: str) -> torch.Tensor:
         if way == "padded":
@@ -140,6 +148,12 @@ def _ways(model, ids, plens, mask, labels, coef, budget, dtype):
 
     def fwd_bwd(way: str) -> None:
         model.zero_grad(set_to_none=True)
+        if way == "padded" and micro is not None and micro < ids.shape[0]:
+            for s in range(0, ids.shape[0], micro):
+                r = slice(s, s + micro)
+                part = ids[r, : int(ends[r].max())]
+                (causal_lm_logprobs(model, part, plens[r], mask[r]).float() * coef[r]).sum().backward()
+            return
         (run(way).float() * coef).sum().backward()
 
     return run, fwd_bwd
@@ -165,12 +179,11 @@ def _body_fwd_bwd(model, ids, plens, mask, coef, budget):
     return body
 
 
-def _check_grads(model, run, ways, coef) -> None:
+def _check_grads(model, fwd_bwd, ways) -> None:
     """Every way's parameter gradients equal the padded one's (fp32 rounding: 1e-4 of the largest entry)."""
     grads = {}
     for w in ways:
-        model.zero_grad(set_to_none=True)
-        (run(w).float() * coef).sum().backward()
+        fwd_bwd(w)
         grads[w] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     ref = grads[ways[0]]
     for w in ways[1:]:
@@ -197,10 +210,16 @@ def main(argv=None) -> None:
     p.add_argument("--ways", default="padded,packed,shared", help="comma-separated subset")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     p.add_argument("--body", action="store_true", help="also time the decoder alone (no LM head)")
+    p.add_argument("--micro-batch", type=int, default=None, metavar="ROWS",
+                   help="padded: fwd+bwd this many rows at a time, each slice cut to its longest row, gradients "
+                        "accumulated (a deep model's whole batch of rows may not fit in memory)")
     p.add_argument("--quick", action="store_true", help="CI: tiny shapes, one sample; checks agreement, not speed")
     args = p.parse_args(argv)
-    if args.quick:
+    if args.micro_batch is not None and args.micro_batch < 1:
+        p.error(f"--micro-batch: expected a number of rows >= 1, got {args.micro_batch}")
+    if args.quick:  # padded in slices of 3 rows: its accumulated gradients are the reference the others must equal
         args.preset, args.scale, args.samples = args.preset or "tiny", 0.05, 1
+        args.micro_batch = args.micro_batch or 3
 
     from bench import _cpu_peak_bytes  # benchmarks/kernels/bench.py: this script's folder is first on sys.path
 
@@ -236,9 +255,9 @@ def main(argv=None) -> None:
                  "shared": response_prefix_tree(ids, plens, mask)}
 
         load0 = os.getloadavg()[0]
-        run, fwd_bwd = _ways(model, ids, plens, mask, labels, coef, budget, dtype)
+        run, fwd_bwd = _ways(model, ids, plens, mask, labels, coef, budget, dtype, args.micro_batch)
         if args.quick:
-            _check_grads(model, run, ways, coef)
+            _check_grads(model, fwd_bwd, ways)
         slots = {"padded": ids.numel()}
         for w in ("packed", "shared"):
             slots[w] = trees[w].num_rows * trees[w].row_len
