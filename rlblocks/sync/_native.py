@@ -37,10 +37,11 @@ def crc_call(typingctx, fn, crc, ptr, length):  # pragma: no cover - compiled
 #
 # ISA-L folds with 128-bit carry-less multiplies unless the CPU has AVX-512; a CPU with VPCLMULQDQ on 256-bit
 # registers (AVX2) does two such folds per instruction. Four 256-bit accumulators hold 128 consecutive bytes; each
-# 128-bit lane V (a reflected polynomial: bit j is the coefficient of x^(127-j)) is carried 1024 bits forward as
-# lo64(V) * (x^(1087) mod P) + hi64(V) * (x^(1023) mod P), congruent to V * x^1024 mod P, and xor-ed into the lane
-# 128 bytes later. The message is then congruent (mod P) to the 128 folded bytes followed by the unfolded tail, so
-# its CRC is ISA-L's CRC of those bytes. zlib's initial value enters as ~crc xor-ed into the first 4 bytes.
+# 128-bit lane V = H * x^64 + L (reflected: bit j is the coefficient of x^(127-j), so the low qword holds H and the
+# high qword L) is carried 1024 bits forward as H * (x^1088 mod P) + L * (x^1024 mod P), congruent to V * x^1024
+# mod P, and xor-ed into the lane 128 bytes later. The message is then congruent (mod P) to the 128 folded bytes
+# followed by the unfolded tail, so its CRC is ISA-L's CRC of those bytes. zlib's initial value enters as ~crc
+# xor-ed into the first 4 bytes.
 
 _CRC_POLY = 0x104C11DB7  # x^32 + ... + 1, zlib's CRC-32 polynomial (normal, not reflected)
 
@@ -61,9 +62,10 @@ def _reflect64(poly: int) -> int:
 
 
 _FOLD_BITS = 1024  # 4 registers x 256 bits
-_FOLD_LO = _reflect64(_x_pow_mod(_FOLD_BITS + 63))  # multiplies a lane's low qword (its x^127..x^64 part)
-_FOLD_HI = _reflect64(_x_pow_mod(_FOLD_BITS - 1))  # multiplies its high qword (x^63..x^0); the product of two
-# reflected 64-bit values is the reflected 128-bit product times x^-1, hence the exponents' - 1
+# A carry-less product of two reflected 64-bit values, read as a reflected 128-bit value, is the polynomial product
+# times x: hence the exponents' - 1.
+_FOLD_LO = _reflect64(_x_pow_mod(_FOLD_BITS + 63))  # multiplies a lane's low qword (H)
+_FOLD_HI = _reflect64(_x_pow_mod(_FOLD_BITS - 1))  # multiplies its high qword (L)
 
 
 def _host_clmul256() -> tuple[bool, bool]:
