@@ -229,8 +229,9 @@ def main() -> None:
     from rlblocks.sync import DeltaEncoder, DeltaPacket
     from rlblocks.sync._bits import CRC_BACKEND, native_available
 
+    native = native_available()
     crc_name = CRC_BACKEND
-    if native_available():
+    if native:
         from rlblocks.sync._native import WIDE_CRC
 
         crc_name += " (compiled loops: 256-bit VPCLMULQDQ fold)" if WIDE_CRC else " (compiled loops: isal)"
@@ -238,8 +239,8 @@ def main() -> None:
     path = baseline_from_git(a.baseline_rev) if a.baseline_rev else a.baseline
     old = load_baseline(path) if path else None
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} (1/5/15 min) at "
-          f"start; native word loop: {'yes (numba)' if native_available() else 'no (torch path)'}")
-    if native_available():
+          f"start; native word loop: {'yes (numba)' if native else 'no (torch path)'}")
+    if native:
         print(piece_crc_rates(2 if a.quick else 400))
     warnings.simplefilter("ignore", RuntimeWarning)  # "delta not smaller than full" at high density: expected here
     n_t = 8

@@ -759,13 +759,8 @@ class DeltaDecoder:
         # pass over a tensor (a CRC, a bitmap, indices) go to the pool.
         native = native_available()
         heavy = [i for i, r in enumerate(recs) if not self._light_check(r, packet.is_full, verify, native)]
-        checked: list[tuple[object, BaseException | None]] = [(None, None)] * len(recs)
-        for i, res in zip(heavy, parallel_map(lambda j: validate(heavy[j]), len(heavy), threads=threads)):
-            checked[i] = res
-        is_heavy = set(heavy)
-        for i in range(len(recs)):
-            if i not in is_heavy:
-                checked[i] = validate(i)
+        on_pool = dict(zip(heavy, parallel_map(lambda j: validate(heavy[j]), len(heavy), threads=threads)))
+        checked = [on_pool[i] if i in on_pool else validate(i) for i in range(len(recs))]
         plans = [p for p, _ in checked]
         errors: list[BaseException | None] = [e for _, e in checked]
         batches = self._gap16_batches(recs, plans, threads)
