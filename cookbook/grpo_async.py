@@ -193,6 +193,7 @@ class Rollout(RolloutAdmission):
         sp = SamplingParams(temperature=cfg.temperature, max_new_tokens=budget, stop_token_ids=stop)
         gens = await asyncio.gather(*[self._one(GenerationRequest(f"{uid}/{k}", prompt, sp))
                                       for k in range(cfg.group_size)])
+        self.settle()  # scored from here on, so shipped even if Stop comes now
         rewards, keep, failed = await self.reward.group_scores(
             [item] * len(gens), [until_eos(g.output_ids, self.tok.eos_token_id) for g in gens], len(gens))
         self.counters["samples_generated"] += len(gens)

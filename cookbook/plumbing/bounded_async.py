@@ -20,7 +20,8 @@ conservation identity, over every restart::
 (``samples_generated``: the samples the trainer received; a group is failed whole at its rollout rank when one of
 its reward calls failed; ``samples_without_trajectory``: agent episodes whose environment failed to reset). Groups
 filtered by dynamic sampling or cancelled at the end never reach the trainer; their rollout rank counts them
-(``groups_filtered``, ``groups_cancelled_at_stop``).
+(``groups_filtered``, ``groups_cancelled_at_stop``). ``Stop`` cancels only groups still generating: a group that
+reached its rewards (:meth:`RolloutAdmission.settle`) finishes and ships, so every scored sample reaches the trainer.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class RolloutAdmission:
         self.first_weights = asyncio.Event()  # set by the run's first commit (or a failure)
         self.wake = asyncio.Event()  # set whenever admission may have changed: a commit, a stale report, the end
         self.stopping = False
+        self.settled: set[asyncio.Task] = set()  # groups past generation: Stop lets them finish and ship
         self.error: BaseException | None = None  # what ended the control thread; run() raises it
 
     # ---------------------------------------------------------------- admission
@@ -134,6 +136,13 @@ class RolloutAdmission:
         self.counters["samples_failed_reward"] += samples
         rec["reward_failed"] = True
         self.outbox.put(rec)
+
+    def settle(self) -> None:
+        """The calling group has generated its samples and is about to score them: ``Stop`` no longer cancels it
+        (its reward calls run and it ships, counted by the trainer), so no sample is scored and then dropped."""
+        task = asyncio.current_task()
+        self.settled.add(task)
+        task.add_done_callback(self.settled.discard)
 
     def discard(self, n: int) -> None:
         """``n`` of this rank's accepted groups were dropped as stale by the trainer: they leave the accepted count
@@ -196,9 +205,10 @@ class RolloutAdmission:
     # ---------------------------------------------------------------- the rank's two loops
     async def run(self) -> None:
         """The generation loop: after the first weights, start every group admission allows at the engine's
-        version, wait for a group to finish or admission to change, repeat until ``Stop``; then cancel what is in
-        flight (counted ``groups_cancelled_at_stop``) and send the :meth:`end` message. A group that raises, or the
-        control thread's failure, ends the rank with that error (nothing is left waiting or lost silently)."""
+        version, wait for a group to finish or admission to change, repeat until ``Stop``; then cancel the groups
+        still generating (counted ``groups_cancelled_at_stop``), let the settled ones (:meth:`settle`) score and
+        ship, and send the :meth:`end` message. A group that raises, or the control thread's failure, ends the rank
+        with that error (nothing is left waiting or lost silently)."""
         loop = asyncio.get_running_loop()
         control = threading.Thread(target=self._control, args=(self.sync_group, loop), daemon=True)
         control.start()
@@ -216,9 +226,9 @@ class RolloutAdmission:
                 tasks.discard(t)
                 if t.exception() is not None:
                     raise t.exception()  # a failed group is a bug: stop loudly rather than lose it
-        for t in tasks:
+        for t in tasks - self.settled:
             t.cancel()  # a no-op for a group that finished (and shipped) since the last wait
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)  # settled groups score and ship first
         for t in tasks:
             if not t.cancelled() and t.exception() is not None:
                 raise t.exception()

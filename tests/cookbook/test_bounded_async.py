@@ -14,7 +14,7 @@ import random
 from collections import Counter
 
 import pytest
-from plumbing import Journal, Recovery, Stale, Stop, Weights, recv_control
+from plumbing import Journal, Recovery, Stale, Stop, Weights, recv_control, send_control
 from plumbing.bounded_async import RolloutAdmission, TrainerLedger
 
 pytestmark = pytest.mark.filterwarnings("error:rlblocks:DeprecationWarning")
@@ -406,3 +406,80 @@ def test_conservation_under_random_interleavings(seed, tmp_path):
     sim.led.stop()
     assert isinstance(sim.wire.take()[-1], Stop)
     sim.check()
+
+
+class FeedWire:
+    """A rollout rank's side of the weight-sync group: ``recv_control`` blocks until the test feeds a message."""
+
+    def __init__(self) -> None:
+        import queue
+
+        self.q: queue.Queue = queue.Queue()
+
+    def feed(self, msg) -> None:
+        wire = Wire()
+        send_control(wire, msg)
+        self.q.put(wire.sent[0])
+
+    def broadcast_bytes(self, data, src):
+        return self.q.get()
+
+
+class RunOutbox(Outbox):
+    def start(self) -> None:
+        self.started = True
+
+    def close(self, end) -> None:
+        self.end = end
+
+
+def test_stop_cancels_generating_groups_but_a_scored_group_ships():
+    """``Stop`` while one group still generates and another is scoring (past :meth:`settle`): the first is cancelled
+    (counted) and never scored; the second finishes its rewards after ``Stop`` and reaches the outbox before the end
+    message, so every scored sample reaches the trainer."""
+    import asyncio
+
+    wire = FeedWire()
+
+    class Rank(RolloutAdmission):
+        def __init__(self) -> None:
+            super().__init__(0, batch_size=2, max_staleness=0, max_concurrent=8, dp_size=1, outbox=RunOutbox(),
+                             sync_group=wire)
+            self.scoring, self.release = asyncio.Event(), asyncio.Event()
+            self.scored: list[str] = []
+
+        def version(self) -> int:
+            return 0
+
+        async def load(self, tensors, version) -> None:
+            pass
+
+        def receive(self, msg):
+            return [], msg.version
+
+        async def group(self, uid: str, gid: int) -> None:
+            if gid % 2 == 0:
+                try:
+                    await asyncio.Event().wait()  # still generating when Stop comes
+                except asyncio.CancelledError:  # Stop's cancelling reached it: only now does the reward return
+                    self.release.set()
+                    raise
+            self.settle()
+            self.scoring.set()
+            await self.release.wait()
+            self.scored.append(uid)
+            self.finished(uid, record(uid, self.rank, 0), [0.0, 1.0])
+
+    async def main() -> Rank:
+        r = Rank()
+        task = asyncio.create_task(r.run())
+        wire.feed(Weights(version=0, kind="full", first=True))
+        await r.scoring.wait()
+        wire.feed(Stop())
+        await task
+        return r
+
+    r = asyncio.run(main())
+    assert r.scored == ["r0-0-1"] and [rec["uid"] for rec in r.outbox] == ["r0-0-1"]
+    assert r.outbox.end.counters["groups_cancelled_at_stop"] == 1
+    assert not r.settled  # a finished group leaves the settled set
