@@ -28,7 +28,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from jaxtyping import Int64, Shaped, UInt16
@@ -64,16 +64,9 @@ def num_threads() -> int:
     return max(1, int(env)) if env else max(1, torch.get_num_threads())
 
 
-def parallel_map(fn: Callable[[int], T], n: int, *, threads: int | None = None) -> list[T]:
-    """``[fn(i) for i in range(n)]``, run on a shared thread pool when ``n > 1`` and more than one thread is wanted.
-
-    Results are in index order. An exception in any task is raised here (after every task has finished, so no
-    task is still writing into a caller's tensor when the caller handles the error).
-    """
+def sync_pool(threads: int) -> ThreadPoolExecutor:
+    """The shared pool of ``threads`` workers (re-made when another size is asked for)."""
     global _POOL, _POOL_SIZE
-    threads = num_threads() if threads is None else threads
-    if n <= 1 or threads <= 1:
-        return [fn(i) for i in range(n)]
     if _POOL is None or _POOL_SIZE != threads:
         if _POOL is not None:
             _POOL.shutdown(wait=False)
@@ -83,7 +76,20 @@ def parallel_map(fn: Callable[[int], T], n: int, *, threads: int | None = None) 
         _POOL = ThreadPoolExecutor(threads, thread_name_prefix="rlblocks-sync", initializer=torch.set_num_threads,
                                    initargs=(1,))
         _POOL_SIZE = threads
-    futures = [_POOL.submit(fn, i) for i in range(n)]
+    return _POOL
+
+
+def parallel_map(fn: Callable[[int], T], n: int, *, threads: int | None = None) -> list[T]:
+    """``[fn(i) for i in range(n)]``, run on a shared thread pool when ``n > 1`` and more than one thread is wanted.
+
+    Results are in index order. An exception in any task is raised here (after every task has finished, so no
+    task is still writing into a caller's tensor when the caller handles the error).
+    """
+    threads = num_threads() if threads is None else threads
+    if n <= 1 or threads <= 1:
+        return [fn(i) for i in range(n)]
+    pool = sync_pool(threads)
+    futures = [pool.submit(fn, i) for i in range(n)]
     errors = [f.exception() for f in futures]
     for e in errors:
         if e is not None:
@@ -433,13 +439,18 @@ def gap16_apply(
     in place, in one pass; with ``saved`` the old ``target[p_q]`` are kept there first (to undo: apply them back).
     With ``with_crc`` returns ``(crc_before, crc_after)``, the CRC-32 of ``target``'s bytes before and after the
     writes, each piece of :data:`SUB_BYTES` checksummed around its own writes while it is in cache. ``target``,
-    ``values`` and ``saved`` are integer views of one element size. The list must have passed :func:`gap16_check`
-    for ``target``'s length: nothing is checked here. Only where :func:`native_available`."""
+    ``values`` and ``saved`` are integer views of one element size. Every position is checked before its write;
+    an invalid list raises ``ValueError``, having written nothing where ``saved`` is given (the writes made are
+    undone from it) and where the list passed :func:`gap16_check` first (it then finds nothing). Only where
+    :func:`native_available`."""
     keep = saved is not None
     sub = max(1, SUB_BYTES // target.itemsize)
-    crcs = _native().apply(target, gaps, wide, values, saved if keep else values, keep,
-                           _CRC_FN if with_crc else 0, sub)
-    return (int(crcs[0]), int(crcs[1])) if with_crc else None
+    before, after, ok = _native().apply(target, gaps, wide, values, saved if keep else values, keep,
+                                        _CRC_FN if with_crc else 0, sub)
+    if not ok:
+        raise ValueError(f"gap16_apply: the position list is not valid for {target.shape[0]} elements "
+                         "(see gap16_check)")
+    return (int(before), int(after)) if with_crc else None
 
 
 def _addr(a) -> int:
@@ -466,20 +477,21 @@ def gap16_apply_many(
     records: Sequence[tuple], *, keep: bool, with_crc: bool
 ) -> tuple[list[tuple[int, int] | None], list]:
     """:func:`gap16_apply` of many ``(target, gaps, wide, values)`` of one element size in one compiled call.
-    Returns the ``(crc_before, crc_after)`` of each (None without ``with_crc``) and, with ``keep``, each one's
-    saved old values (else Nones)."""
+    Returns the ``(crc_before, crc_after)`` of each (None without ``with_crc``; None too for a record whose
+    position list is invalid: with ``keep`` its target is left unchanged, without it the lists must have passed
+    :func:`gap16_check_many`) and, with ``keep``, each one's saved old values (else Nones)."""
     if not records:
         return [], []
     targets, gaps, wide, values = zip(*records)
     saved = [_np.empty_like(v) for v in values] if keep else list(values)
-    out = _np.zeros((len(records), 2), _np.int64)
+    out = _np.zeros((len(records), 3), _np.int64)
     like = targets[0][:0]
     _native().apply_batch(
         _i64(map(_addr, targets)), _i64(t.size for t in targets), like, _i64(map(_addr, gaps)),
         _i64(g.size for g in gaps), _i64(map(_addr, wide)), _i64(w.size for w in wide), _i64(map(_addr, values)),
         _i64(map(_addr, saved)), keep, _CRC_FN if with_crc else 0, max(1, SUB_BYTES // like.itemsize), out,
     )
-    crcs = [(int(b), int(a)) if with_crc else None for b, a in out]
+    crcs = [(int(b), int(a)) if with_crc and ok else None for b, a, ok in out]
     return crcs, saved if keep else [None] * len(records)
 
 
@@ -504,32 +516,60 @@ def native_delta_batch(
     """:func:`native_delta` of many (old, new) pairs of flat, contiguous, 8-byte aligned CPU tensors of one
     element size, in one compiled call on this thread (no per-tensor Python between them: a model's hundreds
     of small tensors cost the loop's time, not the interpreter's). A pair whose sampled density says a mask
-    would be smaller gets None and is left unchanged (see ``delta_batch``); the caller encodes it otherwise."""
-    if not pairs:
+    would be smaller gets None and is left unchanged (see ``delta_batch``); the caller encodes it otherwise.
+    The three steps are also separate (:func:`delta_batch_prepare`, :func:`delta_batch_run`,
+    :func:`delta_batch_results`), so that only the compiled call need run on a worker thread."""
+    batch = delta_batch_prepare(pairs)
+    return delta_batch_results(batch, delta_batch_run(batch, update=update, with_crc=with_crc))
+
+
+@dataclass
+class DeltaBatch:
+    """A batch's inputs as the compiled call takes them: the tensors' addresses and sizes (``pairs`` keeps the
+    tensors alive while the call may run)."""
+
+    pairs: Sequence[tuple[Tensor, Tensor]]
+    olds: Any
+    news: Any
+    ns: Any
+    es: int
+
+
+def delta_batch_prepare(pairs: Sequence[tuple[Tensor, Tensor]]) -> DeltaBatch:
+    """The addresses and sizes of ``pairs`` (see :func:`native_delta_batch`; contiguous tensors of any shape):
+    Python work, on any thread."""
+    es = pairs[0][0].element_size() if pairs else 1
+    return DeltaBatch(pairs, _i64(o.data_ptr() for o, _ in pairs), _i64(n.data_ptr() for _, n in pairs),
+                      _np.array([o.numel() for o, _ in pairs], _np.int64), es)
+
+
+def delta_batch_run(batch: DeltaBatch, *, update: bool, with_crc: bool) -> tuple:
+    """The compiled call over ``batch`` into this thread's scratch buffers, then one copy of each output's used
+    prefix: ``(out, offs, woffs, gaps, vals, wide, with_crc)`` (``out[t] = (count, escapes, last, crc,
+    dense)``; tensor ``t``'s outputs start at ``offs[t]`` / ``woffs[t]``)."""
+    ns = batch.ns
+    offs = _np.zeros(len(ns), _np.int64)  # written by the loop: each tensor's outputs follow the previous one's
+    woffs = _np.zeros(len(ns), _np.int64)
+    out = _np.zeros((len(ns), 5), _np.int64)
+    if not len(ns):
+        return out, offs, woffs, None, None, None, with_crc
+    gaps, vals, wide = _scratch(int(ns.sum()), batch.es, int((ns // ESC + 2).sum()))
+    _native().delta_batch(batch.olds, batch.news, ns, vals[:0], gaps, vals, wide, offs, woffs, update,
+                          _CRC_FN if with_crc else 0, _sub_words(), out)
+    k_all, w_all = int(out[:, 0].sum()), int(out[:, 1].sum())
+    return out, offs, woffs, gaps[:k_all].copy(), vals[:k_all].copy(), wide[:w_all].copy(), with_crc
+
+
+def delta_batch_results(batch: DeltaBatch, ran: tuple) -> list[NativeDelta | None]:
+    """Each pair's :class:`NativeDelta` (views of the copied outputs; None: left for the mask path)."""
+    out, offs, woffs, gaps, vals, wide, with_crc = ran
+    if gaps is None:
         return []
-    es = pairs[0][0].element_size()
-    ns = _np.array([o.numel() for o, _ in pairs], _np.int64)
-    offs = _np.zeros(len(pairs), _np.int64)
-    offs[1:] = _np.cumsum(ns)[:-1]
-    wsz = ns // ESC + 2
-    woffs = _np.zeros(len(pairs), _np.int64)
-    woffs[1:] = _np.cumsum(wsz)[:-1]
-    gaps, vals, wide = _scratch(int(ns.sum()), es, int(wsz.sum()))
-    out = _np.zeros((len(pairs), 5), _np.int64)
-    _native().delta_batch(
-        _i64(o.data_ptr() for o, _ in pairs), _i64(n.data_ptr() for _, n in pairs), ns, vals[:0], gaps, vals, wide,
-        offs, woffs, update, _CRC_FN if with_crc else 0, _sub_words(), out,
-    )
+    g_all, v_all, w_all = torch.from_numpy(gaps), torch.from_numpy(vals), torch.from_numpy(wide)
     res: list[NativeDelta | None] = []
-    for t in range(len(pairs)):
-        k, w, _last, crc, dense = (int(x) for x in out[t])
-        if dense:
-            res.append(None)
-            continue
-        lo, wlo = int(offs[t]), int(woffs[t])
-        res.append(NativeDelta(int(ns[t]), k, torch.from_numpy(gaps[lo : lo + k].copy()),
-                               torch.from_numpy(wide[wlo : wlo + w].copy()), torch.from_numpy(vals[lo : lo + k].copy()),
-                               crc if with_crc else None))
+    for (k, w, _last, crc, dense), n, lo, wlo in zip(out.tolist(), batch.ns.tolist(), offs.tolist(), woffs.tolist()):
+        res.append(None if dense else NativeDelta(n, k, g_all[lo : lo + k], w_all[wlo : wlo + w], v_all[lo : lo + k],
+                                                  crc if with_crc else None))
     return res
 
 

@@ -280,9 +280,15 @@ def check(gaps, wide, n):  # pragma: no cover - compiled
 def apply(t, gaps, wide, vals, saved, keep, crc_fn, sub):  # pragma: no cover - compiled
     """Writes ``vals`` at the gap-coded positions, ``sub`` elements of ``t`` at a time: the piece's CRC before
     its writes, the writes (old values into ``saved`` with ``keep``), its CRC after, both from cache.
-    Returns the CRCs of the whole tensor before and after (0 without ``crc_fn``)."""
+    Returns the CRCs of the whole tensor before and after (0 without ``crc_fn``) and whether the list was valid.
+
+    Each position is checked before its write (a gap < 1 or > n, an escape without its value, the list running
+    past the tensor's end, escaped values left over): the first bad one stops the writes, and with ``keep`` the
+    ones made are undone here (the list's valid prefix leads back to them), so an invalid list leaves ``t`` as
+    it was; without ``keep`` the list must have passed :func:`check` first."""
     n = t.shape[0]
     k = gaps.shape[0]
+    nwide = wide.shape[0]
     es = t.itemsize
     addr = t.ctypes.data
     before = 0
@@ -291,17 +297,22 @@ def apply(t, gaps, wide, vals, saved, keep, crc_fn, sub):  # pragma: no cover - 
     w = 0
     pos = -1
     nxt = -1
+    ok = True
     if k:
         g = np.int64(gaps[0])
-        if g == 0xFFFF:
-            g = wide[0]
-            w = 1
+        if g == 0xFFFF:  # rare: predictable
+            if nwide < 1:
+                ok = False
+            else:
+                g = wide[0]
+                w = 1
+        ok = ok and 1 <= g <= n
         nxt = g - 1
     for s in range(0, n, sub):
         e = min(n, s + sub)
         if crc_fn != 0:
             before = crc_piece(crc_fn, before, addr + es * s, es * (e - s))
-        while q < k and nxt < e:
+        while ok and q < k and nxt < e:
             pos = nxt
             if keep:
                 saved[q] = t[pos]
@@ -310,21 +321,44 @@ def apply(t, gaps, wide, vals, saved, keep, crc_fn, sub):  # pragma: no cover - 
             if q < k:
                 g = np.int64(gaps[q])
                 if g == 0xFFFF:
+                    if w >= nwide:
+                        ok = False
+                        break
                     g = wide[w]
                     w += 1
+                if g < 1 or g > n:  # a later check (nxt < e <= n) keeps the position in range
+                    ok = False
+                    break
                 nxt = pos + g
         if crc_fn != 0:
             after = crc_piece(crc_fn, after, addr + es * s, es * (e - s))
-    return before, after
+    ok = ok and q == k and w == nwide
+    if not ok and keep:  # undo the q writes made, by the valid prefix of the list
+        p = -1
+        ww = 0
+        for j in range(q):
+            g = np.int64(gaps[j])
+            if g == 0xFFFF:
+                g = wide[ww]
+                ww += 1
+            p += g
+            t[p] = saved[j]
+    return before, after, ok
 
 @numba.njit(nogil=True, cache=True)
 def delta_batch(olds, news, ns, like, gaps, vals, wide, offs, woffs, update, crc_fn, sub, out):
     """:func:`delta_chunk` over many tensors in one call: tensor ``t`` is ``ns[t]`` elements of ``like``'s
-    dtype at the addresses ``olds[t]`` / ``news[t]`` (8-byte aligned); its outputs go to ``gaps`` / ``vals``
-    from ``offs[t]`` and ``wide`` from ``woffs[t]``; ``out[t] = (count, escapes, last, crc, dense)``. A tensor
-    of >= 4096 elements whose sample (every ``n // 1024``-th element) has more than 1 in 8 changed is left
-    as it is with ``dense = 1``: a mask is faster to build there (the caller takes it)."""
+    dtype at the addresses ``olds[t]`` / ``news[t]`` (8-byte aligned); its outputs follow the previous tensor's
+    in ``gaps`` / ``vals`` (from ``offs[t]``, written here) and ``wide`` (from ``woffs[t]``), so the used part of
+    each is one prefix; ``out[t] = (count, escapes, last, crc, dense)``. ``gaps`` / ``vals`` hold ``sum(ns)``
+    entries and ``wide`` ``sum(ns // 0xFFFF + 2)``: every tensor finds room for its worst case. A tensor of
+    >= 4096 elements whose sample (every ``n // 1024``-th element) has more than 1 in 8 changed is left as it
+    is with ``dense = 1``: a mask is faster to build there (the caller takes it)."""
+    lo = 0
+    wlo = 0
     for t in range(olds.shape[0]):
+        offs[t] = lo
+        woffs[t] = wlo
         n = ns[t]
         ol = numba.carray(as_ptr(olds[t]), (n,), like.dtype)
         nl = numba.carray(as_ptr(news[t]), (n,), like.dtype)
@@ -342,9 +376,10 @@ def delta_batch(olds, news, ns, like, gaps, vals, wide, offs, woffs, update, crc
         nwords = n * ol.itemsize // 8
         ow = numba.carray(as_ptr(olds[t]), (nwords,), np.int64)
         nw = numba.carray(as_ptr(news[t]), (nwords,), np.int64)
-        lo = offs[t]
-        k, w, last, crc = delta_chunk(ow, nw, ol, nl, gaps[lo : lo + n], vals[lo : lo + n], wide[woffs[t] :],
+        k, w, last, crc = delta_chunk(ow, nw, ol, nl, gaps[lo : lo + n], vals[lo : lo + n], wide[wlo:],
                                       update, crc_fn, sub)
+        lo += k
+        wlo += w
         out[t, 0] = k
         out[t, 1] = w
         out[t, 2] = last
@@ -365,13 +400,14 @@ def check_batch(gaddrs, ks, waddrs, nwides, ns, out):  # pragma: no cover - comp
 @numba.njit(nogil=True, cache=True)
 def apply_batch(taddrs, ns, like, gaddrs, ks, waddrs, nwides, vaddrs, saddrs, keep, crc_fn, sub, out):
     """:func:`apply` of many records in one call (tensor ``t``: ``ns[t]`` elements of ``like``'s dtype at
-    ``taddrs[t]``; its list, values and saved values at the other addresses): ``out[t] = (before, after)``."""
+    ``taddrs[t]``; its list, values and saved values at the other addresses): ``out[t] = (before, after, ok)``."""
     for t in range(taddrs.shape[0]):
         target = numba.carray(as_ptr(taddrs[t]), (ns[t],), like.dtype)
         gaps = numba.carray(as_ptr(gaddrs[t]), (ks[t],), np.uint16)
         wide = numba.carray(as_ptr(waddrs[t]), (nwides[t],), np.int64)
         vals = numba.carray(as_ptr(vaddrs[t]), (ks[t],), like.dtype)
         saved = numba.carray(as_ptr(saddrs[t]), (ks[t],), like.dtype)
-        before, after = apply(target, gaps, wide, vals, saved, keep, crc_fn, sub)
+        before, after, ok = apply(target, gaps, wide, vals, saved, keep, crc_fn, sub)
         out[t, 0] = before
         out[t, 1] = after
+        out[t, 2] = ok

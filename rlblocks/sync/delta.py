@@ -30,6 +30,7 @@ import struct
 import sys
 import warnings
 from collections.abc import Iterable, Mapping
+from concurrent.futures import as_completed
 from dataclasses import dataclass, field
 
 import torch
@@ -45,19 +46,23 @@ from rlblocks.sync._bits import (
     changed_indices,
     crc32_bytes,
     crc32_tensor,
+    delta_batch_prepare,
+    delta_batch_results,
+    delta_batch_run,
     gap16_apply,
     gap16_apply_many,
+    gap16_check,
     gap16_check_many,
     int_view,
     masked_put,
     masked_take,
     native_available,
     native_delta,
-    native_delta_batch,
     num_threads,
     pack_bits,
     parallel_map,
     sampled_density,
+    sync_pool,
     unpack_bits,
 )
 from rlblocks.sync.buckets import dtype_from_name, dtype_name
@@ -471,9 +476,12 @@ class DeltaEncoder:
         out: list[DeltaTensor | None] = [None] * len(items)
         native = native_available()
         rest = []
+        staged: set[int] = set()  # tensors that need a staging copy (another device, not contiguous)
         for i, (name, t) in enumerate(items):
             snap = self._snap[name]
             staged_fresh = t.device != snap.device or not t.is_contiguous()  # a new allocation: aligned
+            if staged_fresh:
+                staged.add(i)
             if 2 * threads * size[i] > total or (native and (snap.data_ptr() % 8 or
                                                               (not staged_fresh and t.data_ptr() % 8))):
                 out[i] = self._encode_one(name, t)
@@ -491,21 +499,43 @@ class DeltaEncoder:
         for es in sorted({self._snap[items[i][0]].element_size() for i in rest}):
             groups += _batches([i for i in rest if self._snap[items[i][0]].element_size() == es], size, threads)
 
-        def batch(g: int) -> list[DeltaTensor]:
-            # staged here (CUDA weights: a batch of host copies at a time), records built here too, beside the
-            # other tasks' compiled loops
+        # The workers run only the compiled calls (and the mask path of tensors they find dense); this thread
+        # prepares each batch before handing it over and builds the records of each finished batch while the
+        # others still run, so no worker waits on the interpreter between its batches.
+        def prepare(g: int):  # contiguous tensors: the compiled call reads them through their addresses
             names = [items[i][0] for i in groups[g]]
-            news = [self._staged(n, items[i][1]) for n, i in zip(names, groups[g])]
-            nats = native_delta_batch([(_flat(self._snap[n]), _flat(x)) for n, x in zip(names, news)], update=True,
-                                      with_crc=True)
-            # None: many changes, the mask path (or, where it declines, the index path)
-            return [self._encode_one(n, x, threads=1) if nat is None else
-                    self._record(n, self._snap[n], self._crc[n], nat.count, nat.nwide, nat.crc, nat)
-                    for n, x, nat in zip(names, news, nats)]
+            news = [self._staged(n, items[i][1]) if i in staged else items[i][1] for n, i in zip(names, groups[g])]
+            return names, news, delta_batch_prepare([(self._snap[n], x) for n, x in zip(names, news)])
 
-        for part, recs in zip(groups, parallel_map(batch, len(groups), threads=threads)):
-            for i, rec in zip(part, recs):
-                out[i] = rec
+        def run(g: int, prepared) -> tuple:
+            names, news, b = prepared if prepared is not None else prepare(g)  # staged on the worker (CUDA weights)
+            ran = delta_batch_run(b, update=True, with_crc=True)
+            dense = {j: self._encode_one(names[j], news[j], threads=1) for j in range(len(names)) if ran[0][j, 4]}
+            return names, b, ran, dense
+
+        def records(g: int, done: tuple) -> None:
+            names, b, ran, dense = done
+            for j, (i, nat) in enumerate(zip(groups[g], delta_batch_results(b, ran))):
+                n = names[j]
+                out[i] = dense[j] if nat is None else self._record(n, self._snap[n], self._crc[n], nat.count,
+                                                                   nat.nwide, nat.crc, nat)
+
+        if threads <= 1 or len(groups) <= 1:
+            for g in range(len(groups)):
+                records(g, run(g, None))
+            return out  # type: ignore[return-value]
+        # prepared before any is handed over: a worker woken while this thread still ran Python would wait on it
+        prepared = [None if staged.intersection(groups[g]) else prepare(g) for g in range(len(groups))]
+        pool = sync_pool(threads)
+        futures = {pool.submit(run, g, p): g for g, p in enumerate(prepared)}
+        error: BaseException | None = None
+        for fut in as_completed(futures):  # every batch is waited for before an error is raised
+            if error is None and fut.exception() is None:
+                records(futures[fut], fut.result())
+            elif error is None:
+                error = fut.exception()
+        if error is not None:
+            raise error
         return out  # type: ignore[return-value]
 
     def _staged(self, name: str, t: Tensor) -> Tensor:
@@ -648,31 +678,34 @@ def _wrong_result(name: str, got: int, want: int) -> DeltaError:
 
 @dataclass
 class _Gap16:
-    """A gap16 record as numpy views for the compiled loops: uint16 gaps, int64 escaped gaps, values, and the
-    length ``n`` of its tensor."""
+    """A gap16 record as numpy views for the compiled loops: uint16 gaps, int64 escaped gaps, values, the
+    length ``n`` of its tensor and the tensor's integer view (``target``)."""
 
     gaps: object
     wide: object
     values: object
     n: int
+    target: object = None
 
 
-def _aligned(a, size: int):
-    return a if a.__array_interface__["data"][0] % size == 0 else a.copy()
+def _aligned(t: Tensor, size: int):
+    """``t``'s bytes as a numpy array at an address that is a multiple of ``size`` (a copy where it is not)."""
+    return t.numpy() if t.data_ptr() % size == 0 else t.numpy().copy()
 
 
-def _gap16_plan(rec: DeltaTensor, n: int, esize: int) -> _Gap16:
-    """A gap16 record's lists as aligned numpy views, sizes checked; the positions themselves are checked by
-    :func:`_gap16_error` after one compiled pass (the same checks and messages as :func:`_decode_gap16`, without
-    building the int64 positions)."""
+def _gap16_plan(rec: DeltaTensor, n: int, esize: int, target) -> _Gap16:
+    """A gap16 record's lists as aligned numpy views, sizes checked, for ``target`` (``n`` elements); the
+    positions themselves are checked by the compiled loops (:func:`_gap16_error` names the fault: the same checks
+    and messages as :func:`_decode_gap16`, without building the int64 positions). Numpy slices, not torch ones:
+    a few microseconds per record, for every record of a packet."""
     k, nwide = rec.count, rec.nwide
     if rec.positions.numel() != 2 * k + 8 * nwide:
         raise DeltaError(f"gap16 positions: expected {2 * k + 8 * nwide} bytes, got {rec.positions.numel()}")
     raw = rec.positions.numpy()
-    gaps = _aligned(raw[: 2 * k], 2).view("uint16")
+    gaps = (raw[: 2 * k] if rec.positions.data_ptr() % 2 == 0 else raw[: 2 * k].copy()).view("uint16")
     wide = raw[2 * k :].copy().view("int64")
-    values = _aligned(rec.values.numpy(), esize).view(_NP_INT[esize])
-    return _Gap16(gaps, wide, values, n)
+    values = _aligned(rec.values, esize).view(_NP_INT[esize])
+    return _Gap16(gaps, wide, values, n, target)
 
 
 def _gap16_error(rec: DeltaTensor, escapes: int, increasing: bool, in_range: bool, n: int) -> DeltaError | None:
@@ -700,6 +733,11 @@ class DeltaDecoder:
                 raise ArgumentError(f"named_tensors[{n!r}]: expected a contiguous tensor (updated in place)")
         self.version = check_version("version", version)
         self._crc: dict[str, int] = {}
+        self._views: dict[str, tuple[int, int, object]] = {}  # name: (address, numel, integer numpy view)
+        if native_available():  # made once here rather than in the first apply
+            for n, t in self.tensors.items():
+                if t.device.type == "cpu":
+                    self._view(n, t)
 
     def apply(self, packet: DeltaPacket, *, verify: bool = True, allow_rollback: bool = False) -> int:
         """Apply ``packet`` in place; returns the new version. Raises :class:`DeltaError`, weights unchanged, if:
@@ -755,31 +793,37 @@ class DeltaDecoder:
                 return None, e
 
         # Records whose check is a few Python lines (gap16 for the compiled loops, which check its positions and
-        # its base CRC) are checked here: on the pool they would only contend for the interpreter; those with a
-        # pass over a tensor (a CRC, a bitmap, indices) go to the pool.
+        # its base CRC as they write) are checked here: on the pool they would only contend for the interpreter
+        # (and a worker back from a compiled call would wait for it); those with a pass over a tensor (a CRC, a
+        # bitmap, indices) go to the pool.
         native = native_available()
         heavy = [i for i, r in enumerate(recs) if not self._light_check(r, packet.is_full, verify, native)]
         on_pool = dict(zip(heavy, parallel_map(lambda j: validate(heavy[j]), len(heavy), threads=threads)))
         checked = [on_pool[i] if i in on_pool else validate(i) for i in range(len(recs))]
         plans = [p for p, _ in checked]
         errors: list[BaseException | None] = [e for _, e in checked]
-        batches = self._gap16_batches(recs, plans, threads)
-        found = parallel_map(lambda b: gap16_check_many([(plans[i].gaps, plans[i].wide, plans[i].n)
-                                                         for i in batches[b]]), len(batches), threads=threads)
-        for part, res in zip(batches, found):
-            for i, (escapes, increasing, in_range) in zip(part, res):
-                errors[i] = errors[i] or _gap16_error(recs[i], escapes, increasing, in_range, plans[i].n)
+        gap16 = {i for i, p in enumerate(plans) if isinstance(p, _Gap16)}
+        batches = self._gap16_batches(recs, sorted(gap16), threads)
+        if not verify:
+            # gap16 positions are checked as they are written, and with verify an invalid list's writes are
+            # undone from the saved old values; without verify nothing is saved, so they are checked first
+            found = parallel_map(lambda b: gap16_check_many([(plans[i].gaps, plans[i].wide, plans[i].n)
+                                                             for i in batches[b]]), len(batches), threads=threads)
+            for part, res in zip(batches, found):
+                for i, (escapes, increasing, in_range) in zip(part, res):
+                    errors[i] = errors[i] or _gap16_error(recs[i], escapes, increasing, in_range, plans[i].n)
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
-        tasks = [[i] for i, p in enumerate(plans) if not isinstance(p, _Gap16)] + batches
+        tasks = [[i] for i in range(len(recs)) if i not in gap16] + batches
 
         def write(j: int) -> tuple[list, list[tuple[int, int, BaseException]]]:
             undo: list = []
-            failed: list[tuple[int, int, BaseException]] = []  # (0: not the base / 1: other, record, error)
+            # (-1: invalid positions / 0: not the base / 1: other, record, error)
+            failed: list[tuple[int, int, BaseException]] = []
             part = tasks[j]
             try:
-                if isinstance(plans[part[0]], _Gap16):
+                if part[0] in gap16:
                     self._write_gap16(recs, plans, part, verify, undo, failed)
                 else:
                     self._write(recs[part[0]], plans[part[0]], packet.is_full, verify, undo, inner)
@@ -793,17 +837,17 @@ class DeltaDecoder:
             for undo, _ in reversed(done):
                 for restore in reversed(undo):
                     restore()
-            # a packet that was never for these weights is reported as such, before any failed write
+            # invalid positions first (as a record's other faults, found before any write), then a packet that was
+            # never for these weights, before any failed write; each kind in packet order
             raise min(failed, key=lambda f: f[:2])[2]
         for rec in recs:
             self._crc[rec.name] = rec.crc
         self.version = packet.version
         return self.version
 
-    def _gap16_batches(self, recs: list[DeltaTensor], plans: list, threads: int) -> list[list[int]]:
-        """The gap16 records on the CPU (plans of type :class:`_Gap16`) in batches of one element size
+    def _gap16_batches(self, recs: list[DeltaTensor], idx: list[int], threads: int) -> list[list[int]]:
+        """The gap16 records ``idx`` (written by the compiled loops) in batches of one element size
         (:func:`_batches`, by tensor bytes: each record's work is its tensor's CRCs and its writes)."""
-        idx = [i for i, p in enumerate(plans) if isinstance(p, _Gap16)]
         size = {i: self.tensors[recs[i].name].numel() * recs[i].dtype.itemsize for i in idx}
         out: list[list[int]] = []
         for es in sorted({recs[i].dtype.itemsize for i in idx}):
@@ -815,15 +859,21 @@ class DeltaDecoder:
         """Writes a batch of gap16 records in one compiled call; with ``verify`` each tensor's CRC is taken
         piece by piece before and after its writes (while the piece is in cache: one read of the tensor from
         memory), the old values are kept for undo, and a base or result mismatch is listed in ``failed``."""
-        targets = [int_view(self.tensors[recs[i].name].detach()).numpy() for i in part]
+        targets = [plans[i].target for i in part]
         crcs, saved = gap16_apply_many(
             [(t, plans[i].gaps, plans[i].wide, plans[i].values) for t, i in zip(targets, part)],
             keep=verify, with_crc=verify,
         )
         if not verify:
             return
-        for t, i, old, (before, after) in zip(targets, part, saved, crcs):
+        for t, i, old, found in zip(targets, part, saved, crcs):
             p, rec = plans[i], recs[i]
+            if found is None:  # an invalid position list: its writes were undone as it stopped
+                escapes, increasing, in_range = gap16_check(p.gaps, p.wide, p.n)
+                failed.append((-1, i, _gap16_error(rec, escapes, increasing, in_range, p.n)
+                               or DeltaError(f"packet[{rec.name!r}]: gap16 positions invalid")))
+                continue
+            before, after = found
             undo.append(lambda t=t, p=p, old=old: gap16_apply(t, p.gaps, p.wide, old))
             if before != rec.base_crc:
                 failed.append((0, i, _not_the_base(rec.name, before, rec.base_crc)))
@@ -861,6 +911,15 @@ class DeltaDecoder:
             if got != rec.crc:
                 raise _wrong_result(rec.name, got, rec.crc)
 
+    def _view(self, name: str, t: Tensor):
+        """``t``'s flat integer numpy view, kept between packets while ``t`` keeps its address and size (a
+        parameter whose ``.data`` was replaced gets a new one)."""
+        addr, n = t.data_ptr(), t.numel()
+        got = self._views.get(name)
+        if got is None or got[0] != addr or got[1] != n:
+            got = self._views[name] = (addr, n, int_view(t.detach()).numpy())
+        return got[2]
+
     def _light_check(self, rec: DeltaTensor, full: bool, verify: bool, native: bool) -> bool:
         """Whether :meth:`_validate` of ``rec`` makes no pass over a tensor: a gap16 record for the compiled loops
         (its base CRC is taken as it is written), or a record whose base CRC is not recomputed (``verify`` off,
@@ -872,7 +931,8 @@ class DeltaDecoder:
     def _validate(self, rec: DeltaTensor, full: bool, verify: bool, threads: int | None):
         """Checks one record against our tensor without writing; returns what :meth:`_write` needs: None, the
         bitmap mask, the int64 indices, or a :class:`_Gap16` (gap16 on the CPU with the compiled loops: its
-        positions checked next in one pass, decoded as it is written, and its base CRC checked there)."""
+        positions checked and decoded as they are written, its base CRC checked there; without ``verify``, its
+        positions checked in one pass first)."""
         t = self.tensors[rec.name]
         where = f"packet[{rec.name!r}]"
         if rec.dtype != t.dtype or tuple(rec.shape) != tuple(t.shape):
@@ -904,7 +964,7 @@ class DeltaDecoder:
         if not 0 < k <= n or rec.values.numel() != k * esize:
             raise DeltaError(f"{where}: count {k} / value bytes {rec.values.numel()} inconsistent with {n} elements")
         if rec.encoding == "gap16" and native:
-            return _gap16_plan(rec, n, esize)
+            return _gap16_plan(rec, n, esize, self._view(rec.name, t))
         if rec.encoding == "gap16":
             idx = _decode_gap16(pos, k, rec.nwide)
         elif rec.encoding in ("idx32", "idx64"):

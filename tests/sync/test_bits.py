@@ -194,6 +194,73 @@ def test_gap16_check_against_python_reference():
 
 
 @pytest.mark.skipif(not NATIVE, reason="numba / isal not installed (the compiled loops are optional)")
+def test_gap16_apply_refuses_what_gap16_check_refuses_and_leaves_the_target_unchanged(monkeypatch):
+    """The write loop checks each position before writing it: the hand-made cases of the check's test, and
+    random lists broken at a random place (a zero or negative gap, an escape without its value, a value without
+    its escape, a huge or past-the-end gap), are refused exactly when the Python reference refuses them; with
+    saved values a refused list leaves the target as it was (its earlier writes undone), over checksum pieces of
+    256 bytes; an accepted one writes what index assignment writes."""
+    import numpy as np
+
+    monkeypatch.setattr(_bits, "SUB_BYTES", 256)
+    n = 300_000
+    g = torch.Generator().manual_seed(17)
+    rng = np.random.default_rng(17)
+    cases = [([1, 5, 0xFFFF, 7], [70_000]), ([1, 0, 3], []), ([1, 0xFFFF, 2], []), ([1, 2], [9]),
+             ([0xFFFF], [n + 1]), ([0xFFFF, 1], [2**62]), ([0xFFFF, 1], [-5]), ([0xFFFF], [n]), ([0xFFFF, 1], [n])]
+    for _ in range(60):  # a valid list of ~1 % of the positions with escapes, then maybe one fault
+        m = torch.rand(n, generator=g) < 0.01
+        m[int(rng.integers(1000, n - 100_000)):][:int(rng.integers(0, 90_000))] = False
+        gaps, wide = (x.tolist() for x in _ref_gaps(m.nonzero().squeeze(1)))
+        q = int(rng.integers(0, len(gaps)))
+        fault = int(rng.integers(0, 6))
+        if fault == 1:
+            gaps[q] = 0
+        elif fault == 2:
+            gaps[q] = 0xFFFF  # an escape whose value is missing (or shifted onto a later escape)
+        elif fault == 3:
+            wide = [*wide, 5]  # a value without its escape
+        elif fault == 4:  # an escaped gap that is negative, or reaches past the end
+            w = sum(x == 0xFFFF for x in gaps[:q])
+            gaps[q], wide = 0xFFFF, [*wide[:w], int(rng.choice([-3, n, 2**62])), *wide[w + (gaps[q] == 0xFFFF):]]
+        elif fault == 5:
+            gaps[-1] = 0xFFFE  # past the end unless it lands inside
+        cases.append((gaps, wide))
+    refused = 0
+    for gaps, wide in cases:
+        esc, ok, in_range = _check_ref(gaps, wide, n)
+        valid = ok and in_range and esc == len(wide)
+        target = torch.randint(-30000, 30000, (n,), generator=g, dtype=torch.int16)
+        before = target.clone()
+        vals = torch.randint(-30000, 30000, (len(gaps),), generator=g, dtype=torch.int16)
+        ga, wa = np.array(gaps, np.uint16), np.array(wide, np.int64)
+        saved = np.empty(len(gaps), np.int16)
+        if valid:
+            _bits.gap16_apply(target.numpy(), ga, wa, vals.numpy(), saved, with_crc=True)
+            before[torch.tensor(_positions(gaps, wide))] = vals
+            assert torch.equal(target, before)
+        else:
+            refused += 1
+            with pytest.raises(ValueError, match="not valid"):
+                _bits.gap16_apply(target.numpy(), ga, wa, vals.numpy(), saved, with_crc=True)
+            assert torch.equal(target, before), (gaps[:5], wide)
+        # the batched call: None for a refused list, the target unchanged either way (the same values again)
+        (crc,), _ = _bits.gap16_apply_many([(target.numpy(), ga, wa, vals.numpy())], keep=True, with_crc=True)
+        assert (crc is None) == (not valid) and torch.equal(target, before)
+    assert 20 < refused < len(cases)
+
+
+def _positions(gaps: list[int], wide: list[int]) -> list[int]:
+    out, pos, w = [], -1, 0
+    for g in gaps:
+        if g == 0xFFFF:
+            g, w = wide[w], w + 1
+        pos += g
+        out.append(pos)
+    return out
+
+
+@pytest.mark.skipif(not NATIVE, reason="numba / isal not installed (the compiled loops are optional)")
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.float64])
 def test_gap16_apply_writes_saves_and_checksums(monkeypatch, dtype):
     """Writes against index assignment, saved values against a gather, and the CRCs before / after against zlib,

@@ -440,6 +440,73 @@ def test_encode_and_apply_equal_with_any_number_of_sync_threads(monkeypatch, thr
         assert _same(r, new)
 
 
+@pytest.mark.parametrize("verify", [True, False])
+def test_decoder_writes_into_a_parameter_whose_data_was_replaced(verify):
+    """The decoder keeps its tensors' views between packets; a parameter whose ``.data`` was swapped for another
+    tensor in between (as optimizer wrappers and loaders do) receives the next packet's writes in its new storage,
+    and its old storage is left alone."""
+    g = torch.Generator().manual_seed(12)
+    lin = torch.nn.Linear(96, 64).to(torch.bfloat16)
+    sender = {k: v.detach().clone() for k, v in lin.state_dict().items()}
+    enc = DeltaEncoder(sender)
+    dec = DeltaDecoder(dict(lin.named_parameters()))
+    for version in (1, 2):
+        sender = _step(sender, 0.05, g)
+        packet = enc.encode(sender, version=version)
+        if version == 2:
+            old = lin.weight.data
+            lin.weight.data = old.clone()
+            kept = old.clone()
+        dec.apply(DeltaPacket.from_bytes(packet.to_bytes()), verify=verify)
+        assert _same({k: v.detach() for k, v in lin.named_parameters()}, sender)
+    assert torch.equal(old.view(torch.int16), kept.view(torch.int16))
+
+
+@pytest.mark.skipif(not NATIVE, reason="numba / isal not installed (the compiled loops are optional)")
+@pytest.mark.parametrize("threads", ["2", "3"])
+def test_batches_with_staged_and_dense_tensors_equal_one_thread(monkeypatch, threads):
+    """The pooled batches when some inputs need a staging copy (not contiguous: staged on the worker) and some are
+    found dense by the compiled call (half their elements changed: the mask path, on the worker): the same packet
+    bytes and snapshot as one thread; a batch that fails raises its error once every batch has finished."""
+    import rlblocks.sync.delta as delta
+
+    monkeypatch.setenv("RLBLOCKS_SYNC_NATIVE", "1")
+    monkeypatch.setattr(delta, "_BATCH_BYTES", 30_000)  # several batches per thread
+    g = torch.Generator().manual_seed(31)
+    base = {f"m{i}": torch.randn(64, 80, generator=g).to(torch.bfloat16) for i in range(12)}
+    base |= {f"v{i}": torch.randn(96, 50, generator=g) for i in range(6)}
+    new = _step(base, 0.03, g)
+    new["m3"] = _step({"x": base["m3"]}, 0.5, g)["x"]  # dense: over 1 in 8 of its sample changed
+    new["v2"] = _step({"x": base["v2"]}, 0.5, g)["x"]
+    for k in ("m5", "v4", "m3"):
+        new[k] = new[k].t().contiguous().t()  # the same values, not contiguous
+        assert not new[k].is_contiguous()
+    monkeypatch.setenv("RLBLOCKS_SYNC_THREADS", "1")
+    one = DeltaEncoder(base)
+    ref = one.encode(new, version=1)
+    assert {t.name: t.encoding for t in ref.tensors}["m3"] != "gap16"
+    monkeypatch.setenv("RLBLOCKS_SYNC_THREADS", threads)
+    enc = DeltaEncoder(base)
+    assert enc.encode(new, version=1).to_bytes() == ref.to_bytes() and _same(enc._snap, one._snap)
+
+    calls, finished = [], []
+    real = delta.delta_batch_run
+
+    def flaky(batch, **kw):
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise RuntimeError("batch failed")
+        out = real(batch, **kw)
+        finished.append(True)
+        return out
+
+    monkeypatch.setattr(delta, "delta_batch_run", flaky)
+    enc = DeltaEncoder(base)
+    with pytest.raises(RuntimeError, match="batch failed"):
+        enc.encode(new, version=2)
+    assert len(calls) > 2 and len(finished) == len(calls) - 1  # every other batch ran to its end first
+
+
 @pytest.mark.skipif(not NATIVE, reason="numba / isal not installed (the compiled loops are optional)")
 @pytest.mark.parametrize(
     ("mutate", "match"),
@@ -450,9 +517,12 @@ def test_encode_and_apply_equal_with_any_number_of_sync_threads(monkeypatch, thr
         (lambda rec: setattr(rec, "nwide", 1), "expected"),  # sizes no longer add up
     ],
 )
-def test_native_and_torch_decoders_refuse_alike(monkeypatch, mutate, match):
-    """A gap16 record altered in memory: the compiled check and the torch decode refuse it with the same
-    message, and the weights stay unchanged."""
+@pytest.mark.parametrize("verify", [True, False])
+def test_native_and_torch_decoders_refuse_alike(monkeypatch, mutate, match, verify):
+    """A gap16 record altered in memory: the compiled loops (checking as they write with ``verify``, their writes
+    undone; before writing without it) and the torch decode refuse it with the same message, and the weights stay
+    unchanged (on two sync threads: the other batches were written, then undone)."""
+    monkeypatch.setenv("RLBLOCKS_SYNC_THREADS", "2")
     g = torch.Generator().manual_seed(4)
     base = _model(g)
     new = _step(base, 0.01, g)
@@ -466,7 +536,7 @@ def test_native_and_torch_decoders_refuse_alike(monkeypatch, mutate, match):
         mutate(rec)
         r = {k: v.clone() for k, v in base.items()}
         with pytest.raises(DeltaError, match=match) as err:
-            DeltaDecoder(r).apply(p)
+            DeltaDecoder(r).apply(p, verify=verify)
         msgs[native] = str(err.value)
         assert _same(r, base)
     assert msgs["1"] == msgs["0"]
