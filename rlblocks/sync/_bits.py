@@ -479,20 +479,54 @@ def gap16_apply_many(
     """:func:`gap16_apply` of many ``(target, gaps, wide, values)`` of one element size in one compiled call.
     Returns the ``(crc_before, crc_after)`` of each (None without ``with_crc``; None too for a record whose
     position list is invalid: with ``keep`` its target is left unchanged, without it the lists must have passed
-    :func:`gap16_check_many`) and, with ``keep``, each one's saved old values (else Nones)."""
+    :func:`gap16_check_many`) and, with ``keep``, each one's saved old values (else Nones). The two steps are
+    also separate (:func:`gap16_apply_prepare`, :func:`gap16_apply_run`), so that only the compiled call need
+    run on a worker thread."""
+    return gap16_apply_run(gap16_apply_prepare(records, keep=keep), with_crc=with_crc)
+
+
+@dataclass
+class ApplyBatch:
+    """A batch of gap16 records as the compiled call takes them (``records`` keeps the arrays alive)."""
+
+    records: Sequence[tuple]
+    args: tuple
+    saved: list
+    keep: bool
+
+
+def gap16_apply_prepare(records: Sequence[tuple], *, keep: bool, addrs: Sequence[tuple] | None = None) -> ApplyBatch:
+    """The addresses and sizes of ``records`` and, with ``keep``, the arrays their old values go to (views of one
+    buffer; see :func:`gap16_apply_many`): Python work, on any thread. ``addrs``: each record's
+    ``(target, gaps, wide, values)`` addresses where the caller has them (0 for an empty array), else taken here
+    (numpy's address lookup is the slow part of this step)."""
     if not records:
-        return [], []
+        return ApplyBatch(records, (), [], keep)
     targets, gaps, wide, values = zip(*records)
-    saved = [_np.empty_like(v) for v in values] if keep else list(values)
-    out = _np.zeros((len(records), 3), _np.int64)
     like = targets[0][:0]
-    _native().apply_batch(
-        _i64(map(_addr, targets)), _i64(t.size for t in targets), like, _i64(map(_addr, gaps)),
-        _i64(g.size for g in gaps), _i64(map(_addr, wide)), _i64(w.size for w in wide), _i64(map(_addr, values)),
-        _i64(map(_addr, saved)), keep, _CRC_FN if with_crc else 0, max(1, SUB_BYTES // like.itemsize), out,
-    )
+    a = _np.array(addrs if addrs is not None else [tuple(map(_addr, r)) for r in records], _np.int64).reshape(-1, 4)
+    ks = _i64(g.size for g in gaps)
+    if keep:
+        offs = _np.zeros(len(records), _np.int64)
+        offs[1:] = _np.cumsum(ks)[:-1]
+        buf = _np.empty(max(1, int(ks.sum())), like.dtype)
+        saved = [buf[o : o + k] for o, k in zip(offs.tolist(), ks.tolist())]
+        saddrs = buf.ctypes.data + offs * like.itemsize
+    else:
+        saved, saddrs = list(values), a[:, 3].copy()
+    args = (a[:, 0].copy(), _i64(t.size for t in targets), like, a[:, 1].copy(), ks, a[:, 2].copy(),
+            _i64(w.size for w in wide), a[:, 3].copy(), saddrs, keep)
+    return ApplyBatch(records, args, saved, keep)
+
+
+def gap16_apply_run(batch: ApplyBatch, *, with_crc: bool) -> tuple[list[tuple[int, int] | None], list]:
+    """The compiled call over a prepared batch; returns what :func:`gap16_apply_many` returns."""
+    if not batch.records:
+        return [], []
+    out = _np.zeros((len(batch.records), 3), _np.int64)
+    _native().apply_batch(*batch.args, _CRC_FN if with_crc else 0, max(1, SUB_BYTES // batch.args[2].itemsize), out)
     crcs = [(int(b), int(a)) if with_crc and ok else None for b, a, ok in out]
-    return crcs, saved if keep else [None] * len(records)
+    return crcs, batch.saved if batch.keep else [None] * len(batch.records)
 
 
 def _scratch(n: int, es: int, nwide: int | None = None) -> tuple:

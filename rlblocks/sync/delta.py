@@ -42,6 +42,7 @@ from rlblocks.errors import ArgumentError, DeltaError
 from rlblocks.sync._bits import (
     _NP_INT,
     INT_VIEW,
+    ApplyBatch,
     NativeDelta,
     changed_indices,
     crc32_bytes,
@@ -50,7 +51,8 @@ from rlblocks.sync._bits import (
     delta_batch_results,
     delta_batch_run,
     gap16_apply,
-    gap16_apply_many,
+    gap16_apply_prepare,
+    gap16_apply_run,
     gap16_check,
     gap16_check_many,
     int_view,
@@ -686,14 +688,10 @@ class _Gap16:
     values: object
     n: int
     target: object = None
+    addrs: tuple = ()  # (target, gaps, wide, values) addresses, 0 for an empty array
 
 
-def _aligned(t: Tensor, size: int):
-    """``t``'s bytes as a numpy array at an address that is a multiple of ``size`` (a copy where it is not)."""
-    return t.numpy() if t.data_ptr() % size == 0 else t.numpy().copy()
-
-
-def _gap16_plan(rec: DeltaTensor, n: int, esize: int, target) -> _Gap16:
+def _gap16_plan(rec: DeltaTensor, n: int, esize: int, target, target_addr: int) -> _Gap16:
     """A gap16 record's lists as aligned numpy views, sizes checked, for ``target`` (``n`` elements); the
     positions themselves are checked by the compiled loops (:func:`_gap16_error` names the fault: the same checks
     and messages as :func:`_decode_gap16`, without building the int64 positions). Numpy slices, not torch ones:
@@ -702,10 +700,14 @@ def _gap16_plan(rec: DeltaTensor, n: int, esize: int, target) -> _Gap16:
     if rec.positions.numel() != 2 * k + 8 * nwide:
         raise DeltaError(f"gap16 positions: expected {2 * k + 8 * nwide} bytes, got {rec.positions.numel()}")
     raw = rec.positions.numpy()
-    gaps = (raw[: 2 * k] if rec.positions.data_ptr() % 2 == 0 else raw[: 2 * k].copy()).view("uint16")
+    p_addr, v_addr = rec.positions.data_ptr(), rec.values.data_ptr()  # torch's address lookup: 20x numpy's
+    gaps = raw[: 2 * k].view("uint16") if p_addr % 2 == 0 else raw[: 2 * k].copy().view("uint16")
     wide = raw[2 * k :].copy().view("int64")
-    values = _aligned(rec.values, esize).view(_NP_INT[esize])
-    return _Gap16(gaps, wide, values, n, target)
+    vals = rec.values.numpy()
+    values = (vals if v_addr % esize == 0 else vals.copy()).view(_NP_INT[esize])
+    addrs = (target_addr, p_addr if p_addr % 2 == 0 else gaps.ctypes.data, wide.ctypes.data if nwide else 0,
+             v_addr if v_addr % esize == 0 else values.ctypes.data)
+    return _Gap16(gaps, wide, values, n, target, addrs)
 
 
 def _gap16_error(rec: DeltaTensor, escapes: int, increasing: bool, in_range: bool, n: int) -> DeltaError | None:
@@ -804,9 +806,10 @@ class DeltaDecoder:
         errors: list[BaseException | None] = [e for _, e in checked]
         gap16 = {i for i, p in enumerate(plans) if isinstance(p, _Gap16)}
         batches = self._gap16_batches(recs, sorted(gap16), threads)
-        if not verify:
+        if not verify or any(e is not None for e in errors):
             # gap16 positions are checked as they are written, and with verify an invalid list's writes are
-            # undone from the saved old values; without verify nothing is saved, so they are checked first
+            # undone from the saved old values; without verify nothing is saved, so they are checked first (and
+            # beside another record's fault, so that the first fault in packet order is the one reported)
             found = parallel_map(lambda b: gap16_check_many([(plans[i].gaps, plans[i].wide, plans[i].n)
                                                              for i in batches[b]]), len(batches), threads=threads)
             for part, res in zip(batches, found):
@@ -816,6 +819,9 @@ class DeltaDecoder:
         if first is not None:
             raise first
         tasks = [[i] for i in range(len(recs)) if i not in gap16] + batches
+        # the compiled calls' inputs are prepared here, before any task starts: a worker that needed the
+        # interpreter while this thread ran Python would wait for it (the switch interval, 5 ms)
+        prepared = {j: self._prepare_gap16(plans, part, verify) for j, part in enumerate(tasks) if part[0] in gap16}
 
         def write(j: int) -> tuple[list, list[tuple[int, int, BaseException]]]:
             undo: list = []
@@ -824,26 +830,39 @@ class DeltaDecoder:
             part = tasks[j]
             try:
                 if part[0] in gap16:
-                    self._write_gap16(recs, plans, part, verify, undo, failed)
+                    self._write_gap16(recs, plans, part, verify, undo, failed, prepared[j])
                 else:
                     self._write(recs[part[0]], plans[part[0]], packet.is_full, verify, undo, inner)
             except BaseException as e:  # every task finishes; the caller undoes all of them, then raises
                 failed.append((1, part[0], e))
             return undo, failed
 
-        done = parallel_map(write, len(tasks), threads=threads)
+        return self._finish(packet, parallel_map(write, len(tasks), threads=threads), errors)
+
+    def _finish(self, packet: DeltaPacket, done: list[tuple[list, list]], errors: list) -> int:
+        """After every write task: undo them all and raise if a record was faulty or a write failed, else record
+        the new CRCs and version. A record's own faults come first (its positions included, found as they were
+        written), in packet order, as if found before any write; then a packet that was never for these weights,
+        before any failed write; each kind in packet order."""
         failed = [f for _, fs in done for f in fs]
-        if failed:
+        for kind, i, e in failed:
+            if kind < 0:
+                errors[i] = errors[i] or e
+        first = next((e for e in errors if e is not None), None)
+        if first is not None or failed:
             for undo, _ in reversed(done):
                 for restore in reversed(undo):
                     restore()
-            # invalid positions first (as a record's other faults, found before any write), then a packet that was
-            # never for these weights, before any failed write; each kind in packet order
-            raise min(failed, key=lambda f: f[:2])[2]
-        for rec in recs:
+            raise first if first is not None else min(failed, key=lambda f: f[:2])[2]
+        for rec in packet.tensors:
             self._crc[rec.name] = rec.crc
         self.version = packet.version
         return self.version
+
+    @staticmethod
+    def _prepare_gap16(plans: list, part: list[int], verify: bool) -> ApplyBatch:
+        return gap16_apply_prepare([(plans[i].target, plans[i].gaps, plans[i].wide, plans[i].values) for i in part],
+                                   keep=verify, addrs=[plans[i].addrs for i in part])
 
     def _gap16_batches(self, recs: list[DeltaTensor], idx: list[int], threads: int) -> list[list[int]]:
         """The gap16 records ``idx`` (written by the compiled loops) in batches of one element size
@@ -855,15 +874,15 @@ class DeltaDecoder:
         return out
 
     def _write_gap16(self, recs: list[DeltaTensor], plans: list, part: list[int], verify: bool, undo: list,
-                     failed: list) -> None:
-        """Writes a batch of gap16 records in one compiled call; with ``verify`` each tensor's CRC is taken
-        piece by piece before and after its writes (while the piece is in cache: one read of the tensor from
-        memory), the old values are kept for undo, and a base or result mismatch is listed in ``failed``."""
+                     failed: list, prepared: ApplyBatch | None = None) -> None:
+        """Writes a batch of gap16 records in one compiled call (its inputs ``prepared`` by the caller, or here);
+        with ``verify`` each tensor's CRC is taken piece by piece before and after its writes (while the piece is in
+        cache: one read of the tensor from memory), the old values are kept for undo, and invalid positions (their
+        writes undone already) and a base or result mismatch are listed in ``failed``."""
         targets = [plans[i].target for i in part]
-        crcs, saved = gap16_apply_many(
-            [(t, plans[i].gaps, plans[i].wide, plans[i].values) for t, i in zip(targets, part)],
-            keep=verify, with_crc=verify,
-        )
+        if prepared is None:
+            prepared = self._prepare_gap16(plans, part, verify)
+        crcs, saved = gap16_apply_run(prepared, with_crc=verify)
         if not verify:
             return
         for t, i, old, found in zip(targets, part, saved, crcs):
@@ -964,7 +983,7 @@ class DeltaDecoder:
         if not 0 < k <= n or rec.values.numel() != k * esize:
             raise DeltaError(f"{where}: count {k} / value bytes {rec.values.numel()} inconsistent with {n} elements")
         if rec.encoding == "gap16" and native:
-            return _gap16_plan(rec, n, esize, self._view(rec.name, t))
+            return _gap16_plan(rec, n, esize, self._view(rec.name, t), t.data_ptr())
         if rec.encoding == "gap16":
             idx = _decode_gap16(pos, k, rec.nwide)
         elif rec.encoding in ("idx32", "idx64"):

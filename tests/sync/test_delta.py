@@ -542,6 +542,43 @@ def test_native_and_torch_decoders_refuse_alike(monkeypatch, mutate, match, veri
     assert msgs["1"] == msgs["0"]
 
 
+@pytest.mark.parametrize("order", [(2, 9), (9, 2)])
+def test_several_faults_one_report_whatever_the_path(monkeypatch, order):
+    """Three faults in one packet: a gap16 record whose positions run past its tensor (found as it is written on
+    the streamed path), a record with a size fault (found by its check), and a receiver tensor that is not the
+    base. The streamed path (two threads, many batches: some written before the fault is met), the one-thread
+    path and the torch path report the same record's fault, the record's own faults first in packet order, and
+    every tensor is left as it was."""
+    import rlblocks.sync.delta as delta
+
+    monkeypatch.setattr(delta, "_BATCH_BYTES", 2048)
+    g = torch.Generator().manual_seed(9)
+    base = {f"t{i:02d}": torch.randn(1000 + 40 * i, generator=g).to(torch.bfloat16) for i in range(16)}
+    new = _step(base, 0.02, g)
+    positions_at, size_at = order
+    msgs = set()
+    for native, threads in (("1", "2"), ("1", "1"), ("0", "2")):
+        monkeypatch.setenv("RLBLOCKS_SYNC_NATIVE", native)
+        monkeypatch.setenv("RLBLOCKS_SYNC_THREADS", threads)
+        p = DeltaPacket.from_bytes(DeltaEncoder(base).encode(new, version=1).to_bytes())
+        assert all(t.encoding == "gap16" for t in p.tensors)
+        bad = p.tensors[positions_at]
+        bad.positions = bad.positions.clone()
+        bad.positions.view(torch.int16)[-1] = 30_000  # the last position past the end
+        odd = p.tensors[size_at]
+        odd.values = odd.values[:-2].clone()  # one value short
+        r = {k: v.clone() for k, v in base.items()}
+        r["t12"].view(torch.int16)[0] ^= 1  # not the base
+        before = {k: v.clone() for k, v in r.items()}
+        with pytest.raises(DeltaError) as err:
+            DeltaDecoder(r).apply(p)
+        assert _same(r, before)
+        msgs.add(str(err.value))
+    assert len(msgs) == 1, msgs
+    (msg,) = msgs
+    assert f"'t{min(order):02d}'" in msg  # the first faulty record in packet order, not the base mismatch
+
+
 @pytest.mark.parametrize("native", ["1", "0"])
 def test_base_mismatch_reported_first_and_every_write_undone(monkeypatch, native):
     """Two faults in one packet, on tensors written by different tasks: a tampered value (its CRC after writing
