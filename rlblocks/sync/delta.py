@@ -694,8 +694,9 @@ class _Gap16:
 def _gap16_plan(rec: DeltaTensor, n: int, esize: int, target, target_addr: int) -> _Gap16:
     """A gap16 record's lists as aligned numpy views, sizes checked, for ``target`` (``n`` elements); the
     positions themselves are checked by the compiled loops (:func:`_gap16_error` names the fault: the same checks
-    and messages as :func:`_decode_gap16`, without building the int64 positions). Numpy slices, not torch ones:
-    a few microseconds per record, for every record of a packet."""
+    and messages as :func:`_decode_gap16`, without building the int64 positions). Every record of a packet comes
+    through here on one thread, so the cheapest calls are used: numpy slices (torch's cost ~5x more) and torch's
+    address lookup (numpy's costs ~20x more)."""
     k, nwide = rec.count, rec.nwide
     if rec.positions.numel() != 2 * k + 8 * nwide:
         raise DeltaError(f"gap16 positions: expected {2 * k + 8 * nwide} bytes, got {rec.positions.numel()}")
@@ -861,6 +862,7 @@ class DeltaDecoder:
 
     @staticmethod
     def _prepare_gap16(plans: list, part: list[int], verify: bool) -> ApplyBatch:
+        """The compiled call's inputs for the gap16 records ``part`` (old values kept with ``verify``)."""
         return gap16_apply_prepare([(plans[i].target, plans[i].gaps, plans[i].wide, plans[i].values) for i in part],
                                    keep=verify, addrs=[plans[i].addrs for i in part])
 
@@ -874,14 +876,12 @@ class DeltaDecoder:
         return out
 
     def _write_gap16(self, recs: list[DeltaTensor], plans: list, part: list[int], verify: bool, undo: list,
-                     failed: list, prepared: ApplyBatch | None = None) -> None:
-        """Writes a batch of gap16 records in one compiled call (its inputs ``prepared`` by the caller, or here);
+                     failed: list, prepared: ApplyBatch) -> None:
+        """Writes a batch of gap16 records in one compiled call (its inputs ``prepared`` by the caller);
         with ``verify`` each tensor's CRC is taken piece by piece before and after its writes (while the piece is in
         cache: one read of the tensor from memory), the old values are kept for undo, and invalid positions (their
         writes undone already) and a base or result mismatch are listed in ``failed``."""
         targets = [plans[i].target for i in part]
-        if prepared is None:
-            prepared = self._prepare_gap16(plans, part, verify)
         crcs, saved = gap16_apply_run(prepared, with_crc=verify)
         if not verify:
             return
@@ -954,6 +954,8 @@ class DeltaDecoder:
         positions checked in one pass first)."""
         t = self.tensors[rec.name]
         where = f"packet[{rec.name!r}]"
+        if not t.is_contiguous():  # made so in place since (a transpose_): its elements are not where positions say
+            raise DeltaError(f"{where}: our tensor is no longer contiguous; refused")
         if rec.dtype != t.dtype or tuple(rec.shape) != tuple(t.shape):
             raise DeltaError(f"{where}: {list(rec.shape)} {rec.dtype} does not match ours {list(t.shape)} {t.dtype}")
         if rec.encoding not in _ENCODINGS or (full and rec.encoding != "dense"):

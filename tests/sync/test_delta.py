@@ -462,6 +462,24 @@ def test_decoder_writes_into_a_parameter_whose_data_was_replaced(verify):
     assert torch.equal(old.view(torch.int16), kept.view(torch.int16))
 
 
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_a_tensor_transposed_in_place_since_is_refused(monkeypatch, native):
+    """A square tensor transposed in place after the decoder took it keeps its address and size but not its
+    layout: the packet is refused, nothing written (a flat view of it would be a copy, or the wrong elements)."""
+    monkeypatch.setenv("RLBLOCKS_SYNC_NATIVE", native)
+    g = torch.Generator().manual_seed(3)
+    base = {"w": torch.randn(64, 64, generator=g).to(torch.bfloat16), "b": torch.randn(64, generator=g)}
+    new = _step(base, 0.03, g)
+    p = DeltaEncoder(base).encode(new, version=1)
+    r = {k: v.clone() for k, v in base.items()}
+    dec = DeltaDecoder(r)
+    r["w"].t_()
+    before = {k: v.clone() for k, v in r.items()}
+    with pytest.raises(DeltaError, match=r"packet\['w'\]: our tensor is no longer contiguous"):
+        dec.apply(p)
+    assert _same(r, before) and dec.version == 0
+
+
 @pytest.mark.skipif(not NATIVE, reason="numba / isal not installed (the compiled loops are optional)")
 @pytest.mark.parametrize("threads", ["2", "3"])
 def test_batches_with_staged_and_dense_tensors_equal_one_thread(monkeypatch, threads):
