@@ -930,14 +930,14 @@ class DeltaDecoder:
             if got != rec.crc:
                 raise _wrong_result(rec.name, got, rec.crc)
 
-    def _view(self, name: str, t: Tensor):
-        """``t``'s flat integer numpy view, kept between packets while ``t`` keeps its address and size (a
-        parameter whose ``.data`` was replaced gets a new one)."""
+    def _view(self, name: str, t: Tensor) -> tuple[object, int]:
+        """``t``'s flat integer numpy view and its address, the view kept between packets while ``t`` keeps its
+        address and size (a parameter whose ``.data`` was replaced gets a new one)."""
         addr, n = t.data_ptr(), t.numel()
         got = self._views.get(name)
         if got is None or got[0] != addr or got[1] != n:
             got = self._views[name] = (addr, n, int_view(t.detach()).numpy())
-        return got[2]
+        return got[2], addr
 
     def _light_check(self, rec: DeltaTensor, full: bool, verify: bool, native: bool) -> bool:
         """Whether :meth:`_validate` of ``rec`` makes no pass over a tensor: a gap16 record for the compiled loops
@@ -985,7 +985,7 @@ class DeltaDecoder:
         if not 0 < k <= n or rec.values.numel() != k * esize:
             raise DeltaError(f"{where}: count {k} / value bytes {rec.values.numel()} inconsistent with {n} elements")
         if rec.encoding == "gap16" and native:
-            return _gap16_plan(rec, n, esize, self._view(rec.name, t), t.data_ptr())
+            return _gap16_plan(rec, n, esize, *self._view(rec.name, t))
         if rec.encoding == "gap16":
             idx = _decode_gap16(pos, k, rec.nwide)
         elif rec.encoding in ("idx32", "idx64"):
