@@ -20,6 +20,25 @@ NO_ROBOTS_ROWS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def recipe_clients(monkeypatch):
+    """The recipes leave their ``ServiceClient`` open (their process ends with them); each one a test makes is
+    closed at its end, so that no session heartbeat outlives the server it beats against."""
+    import tinker
+
+    made = []
+
+    class Recorded(tinker.ServiceClient):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(tinker, "ServiceClient", Recorded)
+    yield made
+    for sc in made:
+        sc.close("success").result(60)
+
+
 @pytest.fixture
 def local_datasets(tmp_path, monkeypatch, tinker_model_dir, boxed_model_dir):
     import datasets
@@ -51,14 +70,14 @@ def _jsonl(path):
 
 
 @pytest.mark.parametrize("loss_fn", ["importance_sampling", "cispo"])
-def test_rl_loop_recipe_runs_unchanged(server, local_datasets, tmp_path, loss_fn):
+def test_rl_loop_recipe_runs_unchanged(server, local_datasets, recipe_clients, tmp_path, loss_fn):
     import tinker
     from tinker_cookbook.recipes import rl_loop
 
     log = tmp_path / "rl"
     rl_loop.main(rl_loop.Config(base_url=server.base_url, log_path=str(log), model_name=RL_MODEL, batch_size=4,
                                 group_size=4, max_tokens=12, max_steps=2, loss_fn=loss_fn, save_every=0, lora_rank=8))
-    assert local_datasets == ["openai/gsm8k"]
+    assert local_datasets == ["openai/gsm8k"] and len(recipe_clients) == 1  # the recipe's client, closed at the end
     metrics = [m for m in _jsonl(log / "metrics.jsonl") if "progress/batch" in m]
     assert [m["progress/batch"] for m in metrics] == [0, 1]
     # the warmed-up model answers in the expected format, so rewards are mixed and the recipe really trained
