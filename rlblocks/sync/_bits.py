@@ -506,6 +506,7 @@ def gap16_apply_prepare(records: Sequence[tuple], *, keep: bool, addrs: Sequence
     like = targets[0][:0]
     a = _np.array(addrs if addrs is not None else [tuple(map(_addr, r)) for r in records], _np.int64).reshape(-1, 4)
     ks = _i64(g.size for g in gaps)
+    vaddrs = a[:, 3].copy()
     if keep:
         offs = _np.zeros(len(records), _np.int64)
         offs[1:] = _np.cumsum(ks)[:-1]
@@ -513,9 +514,9 @@ def gap16_apply_prepare(records: Sequence[tuple], *, keep: bool, addrs: Sequence
         saved = [buf[o : o + k] for o, k in zip(offs.tolist(), ks.tolist())]
         saddrs = buf.ctypes.data + offs * like.itemsize
     else:
-        saved, saddrs = list(values), a[:, 3].copy()
+        saved, saddrs = list(values), vaddrs  # read-only without keep: the values' own addresses
     args = (a[:, 0].copy(), _i64(t.size for t in targets), like, a[:, 1].copy(), ks, a[:, 2].copy(),
-            _i64(w.size for w in wide), a[:, 3].copy(), saddrs, keep)
+            _i64(w.size for w in wide), vaddrs, saddrs, keep)
     return ApplyBatch(records, args, saved, keep)
 
 
