@@ -70,7 +70,8 @@ def resolve_model(name: str) -> str:
     """An HF directory as given, or a named model's directory (``cookbook.plumbing.models.model_dir``)."""
     if os.path.isdir(name):
         return name
-    sys.path.insert(0, str(ROOT))
+    # cookbook/plumbing imports its sibling modules by name (rgym): the cookbook folder goes on the path as well
+    sys.path[:0] = [str(ROOT), str(ROOT / "cookbook")]
     try:
         from cookbook.plumbing.models import model_dir
     except ImportError:

@@ -146,7 +146,9 @@ def model_dir_of(name: str) -> Path:
     path = Path(name)
     if path.is_dir():
         return path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    root = Path(__file__).resolve().parents[2]
+    # cookbook/plumbing imports its sibling modules by name (rgym): the cookbook folder goes on the path as well
+    sys.path[:0] = [str(root), str(root / "cookbook")]
     try:
         from cookbook.plumbing.models import model_dir
     except ImportError:
@@ -224,6 +226,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.quick:
         a.melems, a.reps, a.densities = 1, 2, [0.03]
+    if a.model:  # a named model is converted (or a bad name refused) before the synthetic rows, not after them
+        a.model = str(model_dir_of(a.model))
     torch.set_num_threads(a.threads)
     os.environ["RLBLOCKS_SYNC_THREADS"] = str(a.sync_threads)
     from rlblocks.sync import DeltaEncoder, DeltaPacket

@@ -65,3 +65,16 @@ def test_bench_engines_compare_measures_each_engine_in_its_own_process(tiny_hf_d
         assert float(torch_tps) > 0 and float(hf_tps) > 0 and vs_vllm == "-" and float(vs_hf) > 0
     reps = [ln for ln in lines if ln.strip().startswith("rep ")]
     assert len(reps) == 2 and all("torch " in r and "hf " in r for r in reps), out.stdout
+
+
+@pytest.mark.parametrize("script", ["rollout/bench_engines.py", "sync/bench_delta.py"])
+def test_named_model_reaches_the_cookbook_model_helper(script):
+    """``--model NAME`` goes through ``cookbook/plumbing/models.py`` (whose package imports the cookbook's sibling
+    modules by name): an unknown name is refused by that helper, naming the known models, rather than the script
+    reporting the helper missing."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TORCHDYNAMO_DISABLE="1")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--model", "no-such-model"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0
+    assert "no named-model helper" not in out.stdout + out.stderr, out.stderr[-3000:]
+    assert "one of smollm2-135m, got 'no-such-model'" in out.stderr, out.stderr[-3000:]
